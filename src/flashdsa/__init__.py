@@ -1,0 +1,28 @@
+"""FlashDSA: fast kernels for DeepSeek Sparse Attention (indexer, top-k, sparse MLA, MLA decode).
+
+Every op runs its TileLang kernel on Hopper GPUs and a PyTorch reference elsewhere (``backend=`` picks).
+Nothing is compiled or imported eagerly: ``import flashdsa`` works on a CPU-only machine without tilelang.
+"""
+
+__version__ = "0.1.0"
+
+from .decode.api import mla_decode
+from .indexer.api import indexer_logits, indexer_logits_paged
+from .quant import dequantize_kv_fp8, quantize_fp8, quantize_kv_fp8
+from .sparse_mla.api import sparse_attn, sparse_mla, sparse_mla_fwd
+from .topk.api import dsa_topk, topk_indices
+
+__all__ = [
+    "__version__",
+    "indexer_logits",
+    "indexer_logits_paged",
+    "topk_indices",
+    "dsa_topk",
+    "mla_decode",
+    "sparse_mla_fwd",
+    "sparse_mla",
+    "sparse_attn",
+    "quantize_fp8",
+    "quantize_kv_fp8",
+    "dequantize_kv_fp8",
+]

@@ -1,0 +1,107 @@
+"""The one dispatch rule: kernel when it exists and supports the inputs, otherwise the reference.
+
+``backend`` (a keyword of every op) or the ``FLASHDSA_BACKEND`` environment variable picks the path:
+
+* ``"auto"`` (default): the TileLang kernel when the inputs are CUDA tensors on a GPU the kernel supports
+  (Hopper, sm_90) and a kernel for this op and these arguments exists; else the PyTorch reference.
+* ``"reference"``: always the reference (CPU or CUDA).
+* ``"kernel"``: always the kernel; raises ``NotImplementedError`` with the reason when it cannot run.
+
+An explicit ``backend="kernel"|"reference"`` wins over the environment variable; ``backend="auto"`` defers to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, Optional
+
+import torch
+
+BACKENDS = ("auto", "kernel", "reference")
+ENV_VAR = "FLASHDSA_BACKEND"
+
+#: ops that have a TileLang kernel, mapped to the module that holds its ``kernel_unsupported`` check.
+#: A kernel module is imported only when a CUDA tensor reaches the op (tilelang is imported lazily).
+KERNEL_MODULES: dict[str, str] = {
+    "sparse_mla_fwd": "flashdsa.sparse_mla.kernel_fwd",
+}
+
+OPS = (
+    "indexer_logits",
+    "indexer_logits_paged",
+    "topk_indices",
+    "dsa_topk",
+    "sparse_mla_fwd",
+    "sparse_mla_bwd",
+    "mla_decode",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=1)
+def tilelang_import_error() -> Optional[str]:
+    """None when ``import tilelang`` works, else the reason (cached: imported at most once)."""
+    try:
+        import tilelang  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the machine
+        return f"tilelang cannot be imported ({type(e).__name__}: {e})"
+    return None
+
+
+def requested_backend(backend: Optional[str]) -> str:
+    if backend is None:
+        backend = "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of 'auto', 'kernel', 'reference', got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get(ENV_VAR, "").strip().lower()
+        if env:
+            if env not in BACKENDS:
+                raise ValueError(f"{ENV_VAR}: expected one of 'auto', 'kernel', 'reference', got {env!r}")
+            backend = env
+    return backend
+
+
+def kernel_unavailable_reason(op: str, device: torch.device, check: Optional[Callable[[], Optional[str]]] = None):
+    """None when the kernel for ``op`` can run on ``device`` (and ``check()`` accepts the arguments), else why not."""
+    if op not in KERNEL_MODULES:
+        return f"no TileLang kernel for {op} yet"
+    if device.type != "cuda":
+        return f"inputs are on {device.type}, kernels need CUDA tensors"
+    cap = device_capability(device.index if device.index is not None else torch.cuda.current_device())
+    if cap != (9, 0):
+        return f"GPU sm_{cap[0]}{cap[1]} is not supported (kernels target Hopper sm_90a)"
+    err = tilelang_import_error()
+    if err:
+        return err
+    return check() if check is not None else None
+
+
+def resolve_backend(op: str, backend: Optional[str], device: torch.device,
+                    check: Optional[Callable[[], Optional[str]]] = None) -> str:
+    """Return ``"kernel"`` or ``"reference"`` for this call; raise if ``"kernel"`` was forced but cannot run."""
+    want = requested_backend(backend)
+    if want == "reference":
+        return "reference"
+    reason = kernel_unavailable_reason(op, device, check)
+    if reason is None:
+        return "kernel"
+    if want == "kernel":
+        raise NotImplementedError(f"{op}: backend='kernel' was requested but cannot run: {reason}")
+    return "reference"
+
+
+def describe(op: str, device: torch.device) -> tuple[str, str]:
+    """(backend that ``auto`` picks for typical inputs on ``device``, reason) for ``flashdsa info``."""
+    want = requested_backend(None)
+    if want == "reference":
+        return "reference", f"forced by {ENV_VAR}"
+    reason = kernel_unavailable_reason(op, device)
+    if reason is None:
+        return "kernel", "TileLang kernel"
+    return ("reference", reason) if want == "auto" else ("error", reason)

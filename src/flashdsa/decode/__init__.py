@@ -1,0 +1,1 @@
+"""decode op family."""

@@ -1,0 +1,116 @@
+"""Public MLA decode API: ``mla_decode`` over a paged cache (dense or sparse, bf16 or FP8 656-byte rows)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _dispatch
+from .._library import custom_op
+from .._validate import check_float, check_same_device, check_tensor
+from ..quant import KV_DIM, KV_FP8_BYTES
+from . import reference
+
+_Q = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # kernels: bf16
+_I32 = (torch.int32,)
+
+
+@custom_op("mla_decode")
+def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],
+               cache_seqlens: Optional[torch.Tensor], sm_scale: float, d_v: int, causal: bool,
+               indices: Optional[torch.Tensor], topk_length: Optional[torch.Tensor],
+               attn_sink: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _dispatch.resolve_backend("mla_decode", backend, q.device)
+    out, lse = reference.mla_decode_reference(q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale, d_v=d_v,
+                                              causal=causal, indices=indices, topk_length=topk_length,
+                                              attn_sink=attn_sink)
+    ld = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out.to(q.dtype), lse.to(ld)
+
+
+@_decode_op.register_fake
+def _(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, topk_length, attn_sink, backend):
+    B, s_q, H, _ = q.shape
+    ld = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(B, s_q, H, d_v), q.new_empty(B, s_q, H, dtype=ld)
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=512, causal=True, indices=None,
+               topk_length=None, attn_sink=None, backend="auto"):
+    """MLA decode: a few new query tokens per sequence attend a paged latent KV cache (MQA), dense or sparse.
+
+    Math:
+        Dense (``indices`` None): query i of sequence b attends cache positions ``p < cache_seqlens[b] - s_q + 1 + i``
+        (causal, bottom-right aligned) or ``p < cache_seqlens[b]``; position p is slot ``p % block_size`` of block
+        ``block_table[b, p // block_size]``. Sparse: it attends the slots ``indices[b, i, :topk_length[b]]``
+        (slot = block_id * block_size + offset; invalid slots skipped). Softmax as in :func:`sparse_mla_fwd`.
+
+    Args:
+        q: `[B, s_q, H, Dqk]` bfloat16, Dqk in {576, 512}.
+        kv_cache: `[num_blocks, block_size, Dqk]` or `[num_blocks, block_size, 1, Dqk]` with q's dtype, or uint8
+            `[num_blocks, block_size, 656]` (`[..., 1, 656]`) in the FP8 format (Dqk 576); see
+            docs/conventions.md#fp8-kv-cache and #paged-cache.
+        block_table: `[B, max_blocks]` int32; required for dense, may be None for sparse.
+        cache_seqlens: `[B]` int32 tokens cached per sequence; required for dense, may be None for sparse.
+        sm_scale: float, default ``Dqk ** -0.5``.
+        d_v: int, V is the first d_v dims of a row (default 512).
+        causal: bool, dense only (default True).
+        indices: `[B, s_q, topk]` int32 slots for sparse decode, or None for dense.
+        topk_length: `[B]` int32 or None (sparse only): slots used per sequence.
+        attn_sink: `[H]` float32 or None.
+        backend: "auto" | "kernel" | "reference".
+
+    Returns:
+        out `[B, s_q, H, d_v]` bfloat16, lse `[B, s_q, H]` float32 (natural log, +inf and out 0 for empty rows).
+
+    Raises:
+        TypeError / ValueError naming the argument.
+
+    Supported:
+        Reference on every device (kernels: issue #6).
+
+    Example:
+        >>> q = torch.randn(2, 1, 4, 576, dtype=torch.bfloat16)
+        >>> cache = torch.randn(4, 16, 576, dtype=torch.bfloat16)
+        >>> bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+        >>> out, lse = mla_decode(q, cache, bt, torch.tensor([20, 0], dtype=torch.int32))
+        >>> out.shape, float(lse[1, 0, 0])
+        (torch.Size([2, 1, 4, 512]), inf)
+    """
+    check_tensor("q", q, ndim=4, dtypes=_Q)
+    B, s_q, H, dqk = q.shape
+    if dqk not in (512, 576):
+        raise ValueError(f"q: expected a last dim (Dqk) in [512, 576], got {dqk}")
+    fp8 = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.uint8
+    width = KV_FP8_BYTES if fp8 else dqk
+    check_tensor("kv_cache", kv_cache, ndim=(3, 4), dtypes=(q.dtype, torch.uint8))
+    if kv_cache.dim() == 4:
+        check_tensor("kv_cache", kv_cache, shape=(None, None, 1, width))
+        kv_cache = kv_cache.squeeze(2)
+    check_tensor("kv_cache", kv_cache, shape=(None, None, width))
+    if fp8 and dqk != KV_DIM:
+        raise ValueError(f"q: the FP8 656-byte cache holds {KV_DIM}-dim rows, but q has Dqk={dqk}")
+    if not isinstance(d_v, int) or isinstance(d_v, bool):
+        raise TypeError(f"d_v: expected an int, got {type(d_v).__name__}")
+    if not 0 < d_v <= dqk:
+        raise ValueError(f"d_v: expected 0 < d_v <= Dqk={dqk}, got {d_v}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    sparse = indices is not None
+    check_tensor("indices", indices, shape=(B, s_q, None), dtypes=_I32, optional=True)
+    if sparse and indices.shape[-1] < 1:
+        raise ValueError(f"indices: expected topk >= 1, got shape {list(indices.shape)}")
+    check_tensor("block_table", block_table, shape=(B, None), dtypes=_I32, optional=sparse)
+    check_tensor("cache_seqlens", cache_seqlens, shape=(B,), dtypes=_I32, optional=sparse, last_dim_contiguous=False)
+    if topk_length is not None and not sparse:
+        raise ValueError("topk_length: only meaningful for sparse decode (indices given), got a tensor with indices=None")
+    check_tensor("topk_length", topk_length, shape=(B,), dtypes=_I32, optional=True, last_dim_contiguous=False)
+    check_tensor("attn_sink", attn_sink, shape=(H,), dtypes=(torch.float32, torch.float64), optional=True)
+    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,
+                      topk_length=topk_length, attn_sink=attn_sink)
+    scale = check_float("sm_scale", sm_scale)
+    scale = dqk ** -0.5 if scale is None else scale
+    _dispatch.requested_backend(backend)
+    return _decode_op(q, kv_cache, block_table if not sparse else None, cache_seqlens if not sparse else None, scale,
+                      d_v, causal, indices, topk_length, attn_sink, backend)

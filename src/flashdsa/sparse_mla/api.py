@@ -1,0 +1,279 @@
+"""Public sparse MLA API: ``sparse_mla_fwd``, ``sparse_mla`` (differentiable) and DeepSeek-V4's ``sparse_attn``.
+
+All three reduce to one flat custom op ``flashdsa::sparse_mla_fwd`` (q `[T, H, Dqk]`, kv `[Tkv, Dqk]`, indices
+`[T, topk]`) and its backward ``flashdsa::sparse_mla_bwd``. Conventions: docs/conventions.md.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _dispatch
+from .._library import custom_op
+from .._validate import check_float, check_same_device, check_tensor
+from . import reference
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # kernels: bf16; others run the reference
+_INT32 = (torch.int32,)
+
+
+def _kernel_check(q, kv, indices, d_v, topk_length, attn_sink):
+    def check():
+        from . import kernel_fwd
+
+        return kernel_fwd.kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+
+    return check
+
+
+@custom_op("sparse_mla_fwd")
+def _fwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+            attn_sink: Optional[torch.Tensor], topk_length: Optional[torch.Tensor], deterministic: bool,
+            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    path = _dispatch.resolve_backend("sparse_mla_fwd", backend, q.device,
+                                     _kernel_check(q, kv, indices, d_v, topk_length, attn_sink))
+    if path == "kernel":
+        from . import kernel_fwd
+
+        return kernel_fwd.run_sparse_mla_fwd(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
+                                             topk_length=topk_length, attn_sink=attn_sink)
+    out, lse, mx = reference.sparse_mla_fwd_reference(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
+                                                      attn_sink=attn_sink, topk_length=topk_length)
+    ld = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out.to(q.dtype), lse.to(ld), mx.to(ld)
+
+
+@_fwd_op.register_fake
+def _(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, deterministic, backend):
+    T, H, _ = q.shape
+    ld = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(T, H, d_v), q.new_empty(T, H, dtype=ld), q.new_empty(T, H, dtype=ld)
+
+
+@custom_op("sparse_mla_bwd")
+def _bwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+            dout: torch.Tensor, dlse: Optional[torch.Tensor], sm_scale: float, d_v: int,
+            attn_sink: Optional[torch.Tensor], topk_length: Optional[torch.Tensor], deterministic: bool,
+            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _dispatch.resolve_backend("sparse_mla_bwd", backend, q.device)  # raises if a kernel was forced
+    dq, dkv, ds = reference.sparse_mla_bwd_reference(q, kv, indices, out, lse, dout, sm_scale=sm_scale, d_v=d_v,
+                                                     attn_sink=attn_sink, topk_length=topk_length, dlse=dlse)
+    if ds is None:
+        ds = q.new_zeros(0, dtype=torch.float32)
+    sink_dtype = attn_sink.dtype if attn_sink is not None else torch.float32
+    return dq.to(q.dtype), dkv.to(kv.dtype), ds.to(sink_dtype)
+
+
+@_bwd_op.register_fake
+def _(q, kv, indices, out, lse, dout, dlse, sm_scale, d_v, attn_sink, topk_length, deterministic, backend):
+    ds = attn_sink.new_empty(attn_sink.shape) if attn_sink is not None else q.new_empty(0, dtype=torch.float32)
+    return q.new_empty(q.shape), kv.new_empty(kv.shape), ds
+
+
+def _setup_context(ctx, inputs, output):
+    q, kv, indices, sm_scale, d_v, attn_sink, topk_length, deterministic, backend = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(q, kv, indices, out, lse, attn_sink, topk_length)
+    ctx.sm_scale, ctx.d_v, ctx.deterministic, ctx.backend = sm_scale, d_v, deterministic, backend
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse, dmax):
+    q, kv, indices, out, lse, attn_sink, topk_length = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dkv, ds = _bwd_op(q, kv, indices, out, lse, dout.contiguous(), dlse, ctx.sm_scale, ctx.d_v, attn_sink,
+                          topk_length, ctx.deterministic, ctx.backend)
+    return dq, dkv, None, None, None, (ds if attn_sink is not None else None), None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------- validation
+def _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, *, dqk_allowed, names=("q", "kv", "indices")):
+    """Validate and reduce the flat / batched forms to the flat form. Returns (q, kv, idx, tl, scale, lead)."""
+    qn, kvn, ixn = names
+    check_tensor(qn, q, ndim=(3, 4), dtypes=_FLOATS)
+    batched = q.dim() == 4
+    dqk = q.shape[-1]
+    if dqk_allowed is not None and dqk not in dqk_allowed:
+        raise ValueError(f"{qn}: expected a last dim (Dqk) in {sorted(dqk_allowed)}, got {dqk}")
+    if dqk % 8 != 0:
+        raise ValueError(f"{qn}: expected a last dim that is a multiple of 8, got {dqk}")
+    H = q.shape[-2]
+    if batched:
+        B, S = q.shape[:2]
+        check_tensor(kvn, kv, shape=(B, None, dqk), dtypes=(q.dtype,))
+        check_tensor(ixn, indices, shape=(B, S, None), dtypes=_INT32)
+        lead = (B, S)
+    else:
+        T = q.shape[0]
+        check_tensor(kvn, kv, ndim=(2, 3), dtypes=(q.dtype,))
+        if kv.dim() == 3:
+            check_tensor(kvn, kv, shape=(None, 1, dqk))
+            kv = kv.squeeze(1)
+        check_tensor(kvn, kv, shape=(None, dqk))
+        check_tensor(ixn, indices, ndim=(2, 3), dtypes=_INT32)
+        if indices.dim() == 3:
+            check_tensor(ixn, indices, shape=(T, 1, None))
+            indices = indices.squeeze(1)
+        check_tensor(ixn, indices, shape=(T, None))
+        lead = (T,)
+    if indices.shape[-1] < 1:
+        raise ValueError(f"{ixn}: expected at least one index per query (topk >= 1), got shape {list(indices.shape)}")
+    if not isinstance(d_v, int) or isinstance(d_v, bool):
+        raise TypeError(f"d_v: expected an int, got {type(d_v).__name__}")
+    if not 0 < d_v <= dqk:
+        raise ValueError(f"d_v: expected 0 < d_v <= Dqk={dqk}, got {d_v}")
+    check_tensor("attn_sink", attn_sink, shape=(H,), dtypes=(torch.float32, torch.float64), optional=True)
+    check_tensor("topk_length", topk_length, shape=lead, dtypes=_INT32, optional=True,
+                 last_dim_contiguous=False)
+    check_same_device(**{qn: q, kvn: kv, ixn: indices, "attn_sink": attn_sink, "topk_length": topk_length})
+    scale = check_float("sm_scale", sm_scale)
+    scale = dqk ** -0.5 if scale is None else scale
+    if batched:
+        B, S = lead
+        skv = kv.shape[1]
+        if B * skv >= 2**31:
+            raise ValueError(f"{kvn}: B * S_kv must be < 2**31 for int32 indices, got {B} * {skv}")
+        offset = (torch.arange(B, device=q.device, dtype=torch.int32) * skv).view(B, 1, 1)
+        ok = (indices >= 0) & (indices < skv)
+        indices = torch.where(ok, indices + offset, torch.full_like(indices, -1))
+        q, kv, indices = q.reshape(B * S, H, dqk), kv.reshape(B * skv, dqk), indices.reshape(B * S, -1)
+        if topk_length is not None:
+            topk_length = topk_length.reshape(B * S)
+    return q, kv, indices, topk_length, scale, lead
+
+
+def _unflatten(t: torch.Tensor, lead):
+    return t.reshape(*lead, *t.shape[1:])
+
+
+def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, topk_length=None,
+                   return_max_logits=False, backend="auto"):
+    """Sparse MLA forward: each query row attends only the KV rows its indices select (MQA, shared latent KV).
+
+    Math:
+        ``s_j = sm_scale * q[t, h] . kv[indices[t, j]]`` over valid j; ``lse = log(sum_j exp(s_j))``;
+        ``out = sum_j exp(s_j - lse) kv[indices[t, j], :d_v] / (1 + exp(attn_sink[h] - lse))``.
+        Invalid indices (< 0 or >= rows of kv) are skipped, never read; duplicates count twice.
+
+    Args:
+        q: `[T, H, Dqk]` or batched `[B, S, H, Dqk]`, bfloat16, Dqk in {576, 512}; last dim contiguous.
+        kv: `[Tkv, Dqk]` or `[Tkv, 1, Dqk]` (batched: `[B, S_kv, Dqk]`), same dtype as q.
+        indices: `[T, topk]` or `[T, 1, topk]` (batched: `[B, S, topk]`, positions within each batch's kv), int32.
+        sm_scale: float, softmax scale; default ``Dqk ** -0.5``.
+        d_v: int, V is ``kv[..., :d_v]`` (default 512).
+        attn_sink: `[H]` float32 or None; +inf zeroes the output, -inf has no effect; lse excludes it.
+        topk_length: `[T]` (batched `[B, S]`) int32 or None: only ``indices[t, :topk_length[t]]`` are used.
+        return_max_logits: bool, also return the max scaled logit per row (-inf for empty rows).
+        backend: "auto" | "kernel" | "reference" (see docs/conventions.md#backends).
+
+    Returns:
+        out `[T, H, d_v]` bfloat16 and lse `[T, H]` float32 (natural log; empty rows: out 0, lse +inf)
+        [, max_logits `[T, H]` float32]; batched forms have leading `[B, S]`.
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong dtypes, shapes or devices.
+
+    Supported:
+        Kernel: Hopper sm_90a, bf16, Dqk 576 (d_v 512) or 512 (d_v 512), H 1..128. Elsewhere: the reference.
+
+    Example:
+        >>> q = torch.randn(2, 4, 576, dtype=torch.bfloat16)
+        >>> kv = torch.randn(16, 576, dtype=torch.bfloat16)
+        >>> idx = torch.tensor([[0, 3, -1], [5, 5, 99]], dtype=torch.int32)
+        >>> out, lse = sparse_mla_fwd(q, kv, idx)
+        >>> out.shape, lse.shape
+        (torch.Size([2, 4, 512]), torch.Size([2, 4]))
+    """
+    qf, kvf, idx, tl, scale, lead = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink,
+                                            dqk_allowed=(512, 576))
+    _dispatch.requested_backend(backend)
+    out, lse, mx = _fwd_op(qf, kvf, idx, scale, d_v, attn_sink, tl, False, backend)
+    res = (_unflatten(out, lead), _unflatten(lse, lead))
+    return res + (_unflatten(mx, lead),) if return_max_logits else res
+
+
+def sparse_mla(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, topk_length=None, deterministic=False,
+               backend="auto"):
+    """Differentiable sparse MLA attention (w.r.t. q, kv and attn_sink); same math as :func:`sparse_mla_fwd`.
+
+    Args:
+        q: `[T, H, Dqk]` or `[B, S, H, Dqk]` bfloat16, Dqk in {576, 512}.
+        kv: `[Tkv, Dqk]` / `[Tkv, 1, Dqk]` / `[B, S_kv, Dqk]`, same dtype as q.
+        indices: `[T, topk]` / `[T, 1, topk]` / `[B, S, topk]` int32.
+        sm_scale: float, default ``Dqk ** -0.5``.
+        d_v: int, V is ``kv[..., :d_v]``.
+        attn_sink: `[H]` float32 or None.
+        topk_length: `[T]` / `[B, S]` int32 or None.
+        deterministic: bool, bitwise-reproducible gradients (no float atomics).
+        backend: "auto" | "kernel" | "reference".
+
+    Returns:
+        out `[T, H, d_v]` (batched `[B, S, H, d_v]`) bfloat16. Gradients flow to q, kv and attn_sink; empty rows
+        and invalid indices give zero gradient.
+
+    Raises:
+        TypeError / ValueError naming the argument.
+
+    Supported:
+        Forward as :func:`sparse_mla_fwd`; backward currently runs the reference on every device.
+
+    Example:
+        >>> q = torch.randn(2, 4, 512, dtype=torch.bfloat16, requires_grad=True)
+        >>> kv = torch.randn(8, 512, dtype=torch.bfloat16, requires_grad=True)
+        >>> idx = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
+        >>> sparse_mla(q, kv, idx).float().sum().backward()
+        >>> q.grad.shape, kv.grad.shape
+        (torch.Size([2, 4, 512]), torch.Size([8, 512]))
+    """
+    qf, kvf, idx, tl, scale, lead = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink,
+                                            dqk_allowed=(512, 576))
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    _dispatch.requested_backend(backend)
+    out, _, _ = _fwd_op(qf, kvf, idx, scale, d_v, attn_sink, tl, deterministic, backend)
+    return _unflatten(out, lead)
+
+
+def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale=None, *, backend="auto"):
+    """DeepSeek-V4 sparse attention: K = V = kv, per-head attention sink; differentiable.
+
+    Math:
+        ``out[b, m, h] = sum_j softmax_j(softmax_scale * q[b, m, h] . kv[b, i_j]) kv[b, i_j] / (1 + exp(sink[h] - lse))``
+        over valid ``i_j = topk_idxs[b, m, j]`` (``-1`` and out-of-range entries are skipped).
+
+    Args:
+        q: `[b, m, h, d]` bfloat16 (d = 512 in V4; any multiple of 8 runs on the reference).
+        kv: `[b, n, d]` bfloat16, used as both K and V.
+        attn_sink: `[h]` float32 (or None for no sink).
+        topk_idxs: `[b, m, topk]` int32, positions within each batch's kv.
+        softmax_scale: float, default ``d ** -0.5``.
+        backend: "auto" | "kernel" | "reference".
+
+    Returns:
+        out `[b, m, h, d]` bfloat16; rows with no valid index give 0.
+
+    Raises:
+        TypeError / ValueError naming the argument.
+
+    Supported:
+        Kernel: Hopper sm_90a, d = 512, h 1..128; elsewhere the reference.
+
+    Example:
+        >>> q = torch.randn(1, 3, 2, 64, dtype=torch.bfloat16)
+        >>> kv = torch.randn(1, 10, 64, dtype=torch.bfloat16)
+        >>> idx = torch.tensor([[[0, 1], [2, -1], [-1, -1]]], dtype=torch.int32)
+        >>> sparse_attn(q, kv, torch.zeros(2), idx).shape
+        torch.Size([1, 3, 2, 64])
+    """
+    check_tensor("q", q, ndim=4, dtypes=_FLOATS)
+    qf, kvf, idx, tl, scale, lead = _flatten(q, kv, topk_idxs, None, softmax_scale, q.shape[-1], attn_sink,
+                                            dqk_allowed=None, names=("q", "kv", "topk_idxs"))
+    _dispatch.requested_backend(backend)
+    out, _, _ = _fwd_op(qf, kvf, idx, scale, q.shape[-1], attn_sink, tl, False, backend)
+    return _unflatten(out, lead)

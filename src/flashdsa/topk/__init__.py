@@ -1,0 +1,1 @@
+"""topk op family."""
