@@ -6,6 +6,7 @@ Nothing is compiled or imported eagerly: ``import flashdsa`` works on a CPU-only
 
 __version__ = "0.1.0"
 
+from .cache import write_indexer_cache, write_kv_cache
 from .decode.api import mla_decode
 from .indexer.api import indexer_logits, indexer_logits_paged
 from .quant import dequantize_kv_fp8, quantize_fp8, quantize_kv_fp8
@@ -25,4 +26,6 @@ __all__ = [
     "quantize_fp8",
     "quantize_kv_fp8",
     "dequantize_kv_fp8",
+    "write_kv_cache",
+    "write_indexer_cache",
 ]
