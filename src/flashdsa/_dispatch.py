@@ -82,18 +82,24 @@ def kernel_unavailable_reason(op: str, device: torch.device, check: Optional[Cal
     return check() if check is not None else None
 
 
+_LAST_CHOICE: dict[str, str] = {}
+
+
 def resolve_backend(op: str, backend: Optional[str], device: torch.device,
                     check: Optional[Callable[[], Optional[str]]] = None) -> str:
     """Return ``"kernel"`` or ``"reference"`` for this call; raise if ``"kernel"`` was forced but cannot run."""
     want = requested_backend(backend)
-    if want == "reference":
-        return "reference"
-    reason = kernel_unavailable_reason(op, device, check)
-    if reason is None:
-        return "kernel"
-    if want == "kernel":
+    reason = None if want == "reference" else kernel_unavailable_reason(op, device, check)
+    if want == "kernel" and reason is not None:
         raise NotImplementedError(f"{op}: backend='kernel' was requested but cannot run: {reason}")
-    return "reference"
+    path = "kernel" if want != "reference" and reason is None else "reference"
+    _LAST_CHOICE[op] = path
+    return path
+
+
+def last_choice(op: str) -> Optional[str]:
+    """The path the most recent call of ``op`` in this process took (for bench and demo reports)."""
+    return _LAST_CHOICE.get(op)
 
 
 def describe(op: str, device: torch.device) -> tuple[str, str]:

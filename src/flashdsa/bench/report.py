@@ -1,0 +1,179 @@
+"""Render the README performance table from the newest benchmark JSON of each suite.
+
+Usage::
+
+    python -m flashdsa.bench.report                          # print the markdown table
+    python -m flashdsa.bench.report --update-readme README.md # replace the text between the markers
+
+The README holds the table between ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->``. Only GPU runs
+count (a CPU run measures the reference at shrunk shapes) unless ``--include-cpu`` is given. Every figure links
+its JSON file ("no figure in prose without its JSON").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .suites import SUITES
+
+START = "<!-- perf-table:start -->"
+END = "<!-- perf-table:end -->"
+DEFAULT_RESULTS = Path("benchmarks/results")
+
+
+def load_results(results_dir: Path | str = DEFAULT_RESULTS) -> list[tuple[Path, dict]]:
+    """Every readable ``*.json`` in ``results_dir`` that looks like a bench document (has suite and cases)."""
+    out = []
+    d = Path(results_dir)
+    if not d.is_dir():
+        return out
+    for p in sorted(d.glob("*.json")):
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and "suite" in doc and isinstance(doc.get("cases"), list):
+            out.append((p, doc))
+    return out
+
+
+def newest_per_suite(results: Sequence[tuple[Path, dict]], include_cpu: bool = False) -> dict[str, tuple[Path, dict]]:
+    """suite -> (path, doc) of the newest run by its ``date`` field (file name breaks ties)."""
+    best: dict[str, tuple[Path, dict]] = {}
+    for p, doc in results:
+        if not include_cpu and not doc.get("gpu"):
+            continue
+        key = (str(doc.get("date", "")), p.name)
+        cur = best.get(doc["suite"])
+        if cur is None or key > (str(cur[1].get("date", "")), cur[0].name):
+            best[doc["suite"]] = (p, doc)
+    return best
+
+
+def _fmt(x: Optional[float], digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    return f"{x:.{digits}g}"
+
+
+def _order(suite: str) -> int:
+    return SUITES.index(suite) if suite in SUITES else len(SUITES)
+
+
+def render_readme_table(results_dir: Path | str = DEFAULT_RESULTS, include_cpu: bool = False,
+                        link_prefix: str = "") -> str:
+    """Markdown: one row per case of the newest JSON per suite, then the source of each suite's numbers.
+
+    ``link_prefix`` is prepended to the JSON paths in the links (e.g. ``""`` when the README sits at the repo root
+    and ``results_dir`` is relative to it).
+    """
+    newest = newest_per_suite(load_results(results_dir), include_cpu=include_cpu)
+    if not newest:
+        return ("_No GPU benchmark results yet: run `flashdsa bench` on an H200; the JSON lands in "
+                "`benchmarks/results/` and `python -m flashdsa.bench.report --update-readme README.md` fills "
+                "this table._")
+    lines = ["| suite | workload | median ms | TFLOP/s | TB/s | target | backend |",
+             "|---|---|---:|---:|---:|---|---|"]
+    sources = []
+    for suite in sorted(newest, key=_order):
+        path, doc = newest[suite]
+        for c in doc["cases"]:
+            status = c.get("status", "ok")
+            backend = c.get("backend", doc.get("backend", "")) if status == "ok" else status
+            ms = c.get("ms_median") if status == "ok" else None
+            lines.append(f"| {suite} | `{c['name']}` | {_fmt(ms)} | {_fmt(c.get('tflops'))} | "
+                         f"{_fmt(c.get('tbps'))} | {c.get('target', '')} | {backend} |")
+        commit = (doc.get("commit") or "uncommitted")[:8] + (" (dirty)" if doc.get("dirty") else "")
+        where = doc.get("gpu") or f"CPU ({doc.get('cpu', '')})"
+        note = f"; {doc['note']}" if doc.get("note") else ""
+        sources.append(f"- {suite}: [`{path.name}`]({link_prefix}{path.as_posix()}) — {where}, "
+                       f"{doc.get('date', '?')}, commit {commit}, torch {doc.get('torch')}, tilelang "
+                       f"{doc.get('tilelang')}; `{doc.get('command', '')}`{note}")
+    return "\n".join(lines + ["", "Sources (newest run per suite):", ""] + sources)
+
+
+def update_readme(readme: Path | str, table: str) -> bool:
+    """Replace the text between the markers in ``readme`` with ``table``; True when the file changed.
+
+    Raises ValueError when the markers are missing or out of order.
+    """
+    p = Path(readme)
+    text = p.read_text()
+    a, b = text.find(START), text.find(END)
+    if a < 0 or b < 0 or b < a:
+        raise ValueError(f"{p}: expected the markers {START} ... {END} in this order")
+    new = text[:a + len(START)] + "\n" + table.rstrip() + "\n" + text[b:]
+    if new != text:
+        p.write_text(new)
+        return True
+    return False
+
+
+def plot(docs: Sequence[dict], path: Path | str) -> Optional[str]:
+    """Write a PNG bar chart (one panel per suite: TFLOP/s, else TB/s, else ms per case) to ``path``.
+
+    Returns None on success, else why nothing was written (matplotlib missing, nothing timed).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'flashdsa[plot]'); no plot written"
+    panels = []
+    for doc in docs:
+        ok = [c for c in doc["cases"] if c.get("status") == "ok"]
+        if not ok:
+            continue
+        unit = "TFLOP/s" if all(c.get("tflops") for c in ok) else "TB/s" if all(c.get("tbps") for c in ok) else "ms"
+        key = {"TFLOP/s": "tflops", "TB/s": "tbps", "ms": "ms_median"}[unit]
+        panels.append((doc, unit, [c["name"] for c in ok], [c[key] for c in ok]))
+    if not panels:
+        return "no timed cases to plot"
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.2 + sum(0.45 * len(p[2]) + 0.8 for p in panels)),
+                             squeeze=False)
+    for ax, (doc, unit, names, vals) in zip(axes[:, 0], panels):
+        ax.barh(range(len(vals)), vals, color="#4C72B0")
+        ax.set_yticks(range(len(vals)), names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel(unit)
+        ax.set_title(f"{doc['suite']} — {doc.get('gpu') or 'CPU'} — backend {doc.get('backend')}", fontsize=9)
+        for y, v in enumerate(vals):
+            ax.text(v, y, f" {v:.3g}", va="center", fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashdsa.bench.report", description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(DEFAULT_RESULTS), help="folder of bench JSON (default %(default)s)")
+    ap.add_argument("--update-readme", metavar="README", help="replace the perf table between the markers")
+    ap.add_argument("--include-cpu", action="store_true", help="also use CPU runs (reference, shrunk shapes)")
+    args = ap.parse_args(argv)
+    table = render_readme_table(args.results, include_cpu=args.include_cpu)
+    if args.update_readme:
+        try:
+            changed = update_readme(args.update_readme, table)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"{args.update_readme}: {'updated' if changed else 'already up to date'}")
+    else:
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
