@@ -53,9 +53,10 @@ def tilelang_import_error() -> Optional[str]:
     return None
 
 
-def requested_backend(backend: Optional[str]) -> str:
-    if backend is None:
-        backend = "auto"
+def requested_backend(backend: str) -> str:
+    """Validate ``backend`` and apply ``FLASHDSA_BACKEND`` to ``"auto"``; returns the effective request."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected one of 'auto', 'kernel', 'reference', got {backend!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of 'auto', 'kernel', 'reference', got {backend!r}")
     if backend == "auto":
@@ -104,7 +105,7 @@ def last_choice(op: str) -> Optional[str]:
 
 def describe(op: str, device: torch.device) -> tuple[str, str]:
     """(backend that ``auto`` picks for typical inputs on ``device``, reason) for ``flashdsa info``."""
-    want = requested_backend(None)
+    want = requested_backend("auto")
     if want == "reference":
         return "reference", f"forced by {ENV_VAR}"
     reason = kernel_unavailable_reason(op, device)

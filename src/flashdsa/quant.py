@@ -78,6 +78,9 @@ def quantize_kv_fp8(kv: torch.Tensor) -> torch.Tensor:
     Returns:
         `[..., 656]` uint8.
 
+    Raises:
+        TypeError for a non-float kv; ValueError when the last dim is not 576.
+
     Example:
         >>> quantize_kv_fp8(torch.randn(4, 576, dtype=torch.bfloat16)).shape
         torch.Size([4, 656])
@@ -106,6 +109,9 @@ def dequantize_kv_fp8(x: torch.Tensor) -> torch.Tensor:
 
     Returns:
         `[..., 576]` bfloat16.
+
+    Raises:
+        TypeError for a non-uint8 x; ValueError when the last dim is not 656.
 
     Example:
         >>> kv = torch.randn(4, 576, dtype=torch.bfloat16)

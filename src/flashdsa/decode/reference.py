@@ -46,6 +46,7 @@ def mla_decode_reference(q, kv_cache, block_table, cache_seqlens, *, sm_scale: f
         tl = topk_length.view(B, 1).expand(B, s_q).reshape(B * s_q) if topk_length is not None else None
     if slots.shape[-1] == 0:  # no cache at all: one invalid slot keeps the shapes non-empty
         slots = torch.full((B, s_q, 1), -1, dtype=torch.int32, device=q.device)
-    out, lse, _ = sparse_mla_fwd_reference(q.reshape(B * s_q, H, dqk), flat, slots.reshape(B * s_q, -1),
+    slots = slots.reshape(B * s_q, slots.shape[-1])  # not -1: B = 0 leaves the width ambiguous
+    out, lse, _ = sparse_mla_fwd_reference(q.reshape(B * s_q, H, dqk), flat, slots,
                                            sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink, topk_length=tl)
     return out.reshape(B, s_q, H, d_v), lse.reshape(B, s_q, H)

@@ -145,7 +145,7 @@ def indexer_logits_paged(q, k_cache, weights, context_lens, block_table, *, k_sc
     check_same_device(q=q, k_cache=k_cache, weights=weights, context_lens=context_lens, block_table=block_table,
                       k_scale_cache=k_scale_cache)
     if max_context is None:
-        max_context = int(context_lens.max().item()) if B > 0 else 0
+        max_context = max(0, int(context_lens.max().item())) if B > 0 else 0
     check_positive_int("max_context", max_context, minimum=0)
     _dispatch.requested_backend(backend)
     return _paged_op(q, k_cache, weights, context_lens, block_table, k_scale_cache, max_context, backend)

@@ -49,6 +49,7 @@ def valid_mask(indices: torch.Tensor, num_kv: int, topk_length: Optional[torch.T
 def _gather(kv: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """kv rows at idx (invalid -> 0 without propagating what row 0 holds): `[t, topk, D]`."""
     safe = torch.where(valid, idx, torch.zeros_like(idx)).long()
+    kv = kv if kv.shape[0] > 0 else kv.new_zeros(1, kv.shape[-1])  # no rows: every index is invalid, gather a dummy
     rows = kv[safe]
     if rows.dtype == torch.uint8:  # the 656-byte FP8 cache row: dequantize what was gathered
         rows = dequantize_kv_fp8(rows)

@@ -1,0 +1,534 @@
+"""Dense MLA decode over a paged bf16 cache (TileLang, Hopper sm_90a): split-KV partial kernel + combine kernel.
+
+Notes
+-----
+Design
+  * Query rows: the ``s_q * H`` query rows of one sequence (row ``m = i * H + h``) form the M side of the wgmma
+    tile, ``BLOCK_M = 64`` rows per tile (padded rows read q = 0 and are never written); ``s_q * H > 64`` gives
+    ``ceil(s_q * H / 64)`` row tiles (``n_mt``).  So H = 16, s_q = 1 wastes 3/4 of the tensor-core work but reads
+    each cache byte once per sequence, which is what the memory-bound case needs.
+  * Split-KV (flash-decoding) with a plan computed on the GPU (``_plan``: torch ops on device tensors, no
+    ``.item()``, no host sync, CUDA-graph capturable).  Work is counted in 64-token tiles plus a fixed per-split
+    overhead (``_OVERHEAD_TILES``); one chunk length ``C`` (tiles) is chosen so that the full chunks of all
+    sequences fit in one wave over the SMs: ``C = max(ceil(n_mt * (sum tiles_b + B * ovh) / num_sms), MIN)``.
+    Sequence b is cut into ``nsplit_b = max(1, ceil(tiles_b / C))`` chunks (all full except the last, which
+    fills in the gaps of the first wave).  ``sum_b nsplit_b <= B + num_sms / n_mt``, so the work-item buffer and
+    the grid have the static size ``max_items = B + num_sms // n_mt + 1`` derived from shapes only; CTAs whose
+    item is idle exit at once.  Chunk starts are multiples of 64 tokens, so for block_size >= 64 a 64-token tile
+    lies inside one page.
+  * Partial kernel: grid ``(max_items, n_mt)``, 256 threads = 2 warpgroups.  ``GemmWarpPolicy.FullRow`` on the
+    64-row tile gives each warpgroup all 64 rows and half of N: S = Q K^T is 64 x 32 per warpgroup (576-deep,
+    split into the 512 latent dims + the 64 rope dims), O += P V is 64 x 256 per warpgroup, so the fp32 output
+    accumulator (64 x 512) is split across the two consumer warpgroups (128 fp32 registers per thread).
+    The KV loop is a two-stage software pipeline written by hand (TileLang 0.1.15's ``T.Pipelined`` cannot
+    take the data-dependent trip count: its epilogue emits ``cp.async.wait_group`` with a non-constant count):
+    two KV buffers, ``T.async_copy`` (cp.async, no wait) of the tile's page segments (``min(block_size, 64)``
+    rows each, contiguous within a page), ``wait_group 0`` + barrier at the top of iteration ``it``, then the
+    prefetch of tile ``it + 1`` into the other buffer, then the wgmma / softmax of tile ``it``.
+    Scores stay raw; the softmax runs in the exp2 domain with ``sm_scale * log2(e)`` folded into one multiplier.
+  * Masking: position p of a chunk is valid iff ``p < end`` and its page id is in ``[0, num_blocks)``.  Page
+    segments past ``end`` or with an out-of-range id are never copied (their smem rows keep earlier finite data or
+    the zeros written at kernel start); rows past ``end`` inside a copied page (unused slots, may be NaN) are
+    zeroed in shared memory on the last tile, so NaN cannot leak through P V.  Causal: row m (query
+    i = m // H) also needs ``p < cache_seqlens[b] - s_q + 1 + i``.  Masked scores start at -inf (the S
+    accumulator is initialised to 0 / -inf before the QK wgmma accumulates); the running max starts at the finite
+    -1e30 so an all-masked tile gives exp2(-inf) = 0, never inf - inf.
+  * Output: a sequence with ``nsplit_b == 1`` is written directly (bf16 out, natural-log lse, sink applied).
+    Otherwise each split writes fp32 partial out (normalised) and its partial ``lse2`` (base 2, -inf when the row
+    saw no key) to ``[max_items, s_q * H, ...]``; the combine kernel (grid ``(s_q * H, B)``, 128 threads x 4 dims)
+    merges them for sequences with ``nsplit_b > 1`` and exits for the others.
+  * attn_sink: ``out *= 1 / (1 + exp(sink - lse))`` written as ``1 / (1 + exp2(sink * log2e - lse2))`` guarded so
+    that +inf sinks give 0, -inf sinks no change, empty rows stay 0.
+
+Shared memory (partial kernel): Q 64 x 512 + 64 x 64 bf16 (72 KiB) + 2 stages x KV 64 x 576 bf16 (144 KiB) +
+  P 64 x 64 bf16 (8 KiB) = 224 KiB of the 227 KiB limit (+ reduction scratch).  One CTA per SM.
+
+Targets (H200, 132 SMs, ~4.8 TB/s HBM):
+  * B=64, H=16, s_q=1, cache 8192: bytes = 64*8192*1152 (cache) + q + out ~= 604 MB -> 3.8 TB/s is 159 us.
+    n_mt = 1, C = ceil((64 * 128 + 64 * 5) / 132) = 65 tiles, so each sequence is cut into 65 + 63 tiles:
+    128 CTAs in one wave on 132 SMs.  Partial traffic: 16 rows x 2 KiB written + read per split (~4 MB, <1%).
+  * B=128, H=128, s_q=1, cache 8192: FLOPs = 2*128*1088*8192*128 = 292 GFLOP -> 690 TFLOP/s is 423 us.
+    n_mt = 2; C = ceil(2*128*133/132) = 258 tiles > 128, so no split: 256 CTAs of 128 tiles in ~1.94 waves.
+  (Derived figures, not measured.)
+
+Verified (CPU only, never run on a GPU by the author): both kernels lower to CUDA for sm_90a (partial: ~18-40 s
+  per configuration on the 2-core dev box; combine: 0.3 s); the partial source has wgmma (64x32x16 for QK,
+  64x256x16 for PV) and cp.async (cp.async.cg with zero-fill predicate, commit/wait_group 0).  The split plan was
+  checked on CPU (every sequence covered exactly once, item count <= the static bound over 3000 random shapes),
+  and a float32 torch emulation of plan + partial + combine matched ``mla_decode_reference`` (1e-7) with NaN
+  in unused slots, out-of-range table entries, causal s_q > cache length, and sinks.
+
+Risks for the GPU run
+  * Only one tile load is in flight while a tile is computed (issue after wait); if HBM is not saturated the
+    next step is a 3-buffer ring or a producer warpgroup (FlashMLA-style warp specialisation).
+  * 224 KiB shared memory is near the cap (no room for a third KV stage at BLOCK_N = 64).
+  * No warp specialisation: softmax does not overlap the next tile's wgmma, so the 690 TFLOP/s target likely
+    needs a producer/consumer variant; the masks re-read block_table per score element (L1 hits).
+  * The split plan's ``num_sms`` comes from the device properties (host-side, cached); the plan is int64 torch
+    math, so sequences up to 2**31 tokens are fine but the kernel's int32 slot arithmetic caps
+    ``num_blocks * block_size`` below 2**31 (checked in ``kernel_unsupported``).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
+
+import functools
+import math
+
+import torch
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+DQK = 576
+D_V = 512
+D_ROPE = DQK - D_V
+BLOCK_M = 64  # query rows (s_q * H) per tile: the wgmma M
+BLOCK_N = 64  # cache positions per tile
+MAX_ROWS = 4 * 128  # s_q * H <= 512 (s_q <= 4 at H = 128)
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
+_OVERHEAD_TILES = 5  # fixed cost of one split (Q load, epilogue, combine) in units of 64-token tiles
+_MIN_CHUNK_TILES = 2  # never split below 128 tokens
+_COMBINE_THREADS = 128
+
+
+def _tl():
+    import tilelang
+    import tilelang.language as T
+
+    return tilelang, T
+
+
+# --------------------------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------------------------
+def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale: float,
+                         has_sink: bool, threads: int = 256):
+    """Split-KV attention kernel.
+
+    Signature: (Q [B, M, 576] bf16, KV [num_blocks, block_size, 576] bf16, BlockTable [B, max_blocks] i32,
+    SeqLens [B] i32, Plan [4, max_items] i32 (b or -1, start, end, nsplit_b), Sink [n_sink] f32,
+    Out [B, M, 512] bf16, Lse [B, M] f32, OPart [max_items, M, 512] f32, LsePart [max_items, M] f32),
+    with M = s_q * heads.
+    """
+    tilelang, T = _tl()
+    M = s_q * heads
+    n_mt = (M + BLOCK_M - 1) // BLOCK_M
+    BM, BN, D, DT = BLOCK_M, BLOCK_N, D_V, D_ROPE
+    bs = int(block_size)
+    SEG = min(bs, BN)  # rows of one tile that are contiguous in one page
+    NSEG = BN // SEG
+    c_log2 = float(sm_scale) * LOG2E
+    neg_big = -1.0e30
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+
+    nbat = T.dynamic("batch")
+    nblk = T.dynamic("num_blocks")
+    maxb = T.dynamic("max_blocks")
+    nitem = T.dynamic("max_items")
+    n_sink = T.dynamic("n_sink")
+
+    @T.macro
+    def issue_tile(KV, BlockTable, b, p0, end, KV_b, Kt_b):
+        # cp.async (no wait) of the tile's pages; pages past `end` or with an out-of-range id are not read at all
+        for sg in T.unroll(NSEG):
+            pg = BlockTable[b, T.min((p0 + sg * SEG) // bs, maxb - 1)]
+            if (p0 + sg * SEG < end) and (pg >= 0) and (pg < nblk):
+                T.async_copy(KV[pg, (p0 + sg * SEG) % bs:(p0 + sg * SEG) % bs + SEG, 0:D],
+                             KV_b[sg * SEG:(sg + 1) * SEG, :])
+                T.async_copy(KV[pg, (p0 + sg * SEG) % bs:(p0 + sg * SEG) % bs + SEG, D:DQK],
+                             Kt_b[sg * SEG:(sg + 1) * SEG, :])
+
+    @T.macro
+    def attend_tile(KV, BlockTable, b, p0, end, lim0, m0, KV_b, Kt_b, Q_s, Qt_s, P_s, acc_s, acc_o, m_i, m_prev,
+                    alpha, l_i, l_blk):
+        # Rows whose page was skipped keep stale finite data (or the initial zeros); rows past `end` inside a
+        # valid page were loaded (they may hold NaN) and are zeroed here.  Both get a -inf score below.
+        if p0 + BN > end:
+            for r, d in T.Parallel(BN, D):
+                if p0 + r >= end:
+                    KV_b[r, d] = T.cast(0, bf16)
+            for r, d in T.Parallel(BN, DT):
+                if p0 + r >= end:
+                    Kt_b[r, d] = T.cast(0, bf16)
+            T.sync_threads()
+        for r, c in T.Parallel(BM, BN):
+            pg = BlockTable[b, T.min((p0 + c) // bs, maxb - 1)]
+            ok = (p0 + c < end) & (pg >= 0) & (pg < nblk)
+            if causal:
+                ok = ok & (p0 + c < lim0 + (m0 + r) // heads)
+            acc_s[r, c] = T.if_then_else(ok, T.float32(0), -T.infinity(f32))
+        T.gemm(Q_s, KV_b, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(Qt_s, Kt_b, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.copy(m_i, m_prev)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        for r in T.Parallel(BM):
+            alpha[r] = T.exp2((m_prev[r] - m_i[r]) * c_log2)
+        for r, c in T.Parallel(BM, BN):
+            acc_s[r, c] = T.exp2(acc_s[r, c] * c_log2 - m_i[r] * c_log2)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for r in T.Parallel(BM):
+            l_i[r] = l_i[r] * alpha[r] + l_blk[r]
+        for r, d in T.Parallel(BM, D):
+            acc_o[r, d] = acc_o[r, d] * alpha[r]
+        T.copy(acc_s, P_s)
+        T.gemm(P_s, KV_b, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.prim_func
+    def mla_decode_dense_partial(
+        Q: T.Tensor([nbat, M, DQK], bf16),
+        KV: T.Tensor([nblk, bs, DQK], bf16),
+        BlockTable: T.Tensor([nbat, maxb], i32),
+        SeqLens: T.Tensor([nbat], i32),
+        Plan: T.Tensor([4, nitem], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([nbat, M, D], bf16),
+        Lse: T.Tensor([nbat, M], f32),
+        OPart: T.Tensor([nitem, M, D], f32),
+        LsePart: T.Tensor([nitem, M], f32),
+    ):
+        with T.Kernel(nitem, n_mt, threads=threads) as (bx, by):
+            Q_s = T.alloc_shared([BM, D], bf16)
+            Qt_s = T.alloc_shared([BM, DT], bf16)
+            KV_0 = T.alloc_shared([BN, D], bf16)
+            Kt_0 = T.alloc_shared([BN, DT], bf16)
+            KV_1 = T.alloc_shared([BN, D], bf16)
+            Kt_1 = T.alloc_shared([BN, DT], bf16)
+            P_s = T.alloc_shared([BM, BN], bf16)
+
+            acc_o = T.alloc_fragment([BM, D], f32)
+            acc_s = T.alloc_fragment([BM, BN], f32)
+            m_i = T.alloc_fragment([BM], f32)
+            m_prev = T.alloc_fragment([BM], f32)
+            alpha = T.alloc_fragment([BM], f32)
+            l_i = T.alloc_fragment([BM], f32)
+            l_blk = T.alloc_fragment([BM], f32)
+            inv = T.alloc_fragment([BM], f32)
+            lse2 = T.alloc_fragment([BM], f32)
+            info = T.alloc_local([6], i32)
+
+            info[0] = Plan[0, bx]  # b (-1: idle item)
+            info[1] = Plan[1, bx]  # start position (multiple of BLOCK_N)
+            info[2] = Plan[2, bx]  # end position
+            info[3] = Plan[3, bx]  # nsplit of this sequence
+            m0 = by * BM
+
+            if info[0] >= 0:
+                b = info[0]
+                # causal: row m (query i = m // heads) sees p < seqlen - s_q + 1 + i
+                info[4] = SeqLens[b] - s_q + 1 if causal else 0
+                info[5] = T.ceildiv(info[2] - info[1], BN)
+                T.clear(KV_0)
+                T.clear(Kt_0)
+                T.clear(KV_1)
+                T.clear(Kt_1)
+                for r, d in T.Parallel(BM, D):
+                    Q_s[r, d] = T.if_then_else(m0 + r < M, Q[b, T.min(m0 + r, M - 1), d], T.cast(0, bf16))
+                for r, d in T.Parallel(BM, DT):
+                    Qt_s[r, d] = T.if_then_else(m0 + r < M, Q[b, T.min(m0 + r, M - 1), D + d], T.cast(0, bf16))
+                T.fill(acc_o, 0)
+                T.fill(l_i, 0)
+                T.fill(m_i, neg_big)
+                T.sync_threads()
+                if info[5] > 0:
+                    issue_tile(KV, BlockTable, b, info[1], info[2], KV_0, Kt_0)
+                    T.ptx_commit_group()
+
+                # two-stage software pipeline by hand: wait for tile it, prefetch tile it + 1 into the other
+                # buffer, attend tile it (the loads of it + 1 overlap the wgmma / softmax of it)
+                for it in T.serial(info[5]):
+                    T.ptx_wait_group(0)
+                    T.sync_threads()
+                    if it + 1 < info[5]:
+                        if it % 2 == 0:
+                            issue_tile(KV, BlockTable, b, info[1] + (it + 1) * BN, info[2], KV_1, Kt_1)
+                        else:
+                            issue_tile(KV, BlockTable, b, info[1] + (it + 1) * BN, info[2], KV_0, Kt_0)
+                        T.ptx_commit_group()
+                    if it % 2 == 0:
+                        attend_tile(KV, BlockTable, b, info[1] + it * BN, info[2], info[4], m0, KV_0, Kt_0, Q_s, Qt_s,
+                                    P_s, acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)
+                    else:
+                        attend_tile(KV, BlockTable, b, info[1] + it * BN, info[2], info[4], m0, KV_1, Kt_1, Q_s, Qt_s,
+                                    P_s, acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)
+                    T.sync_threads()  # the buffer just read is refilled in the next iteration
+
+                # ---- epilogue ----
+                for r in T.Parallel(BM):
+                    lse2[r] = T.if_then_else(l_i[r] > 0, T.log2(l_i[r]) + m_i[r] * c_log2, -T.infinity(f32))
+                if info[3] == 1:
+                    # whole sequence in this CTA: final output (sink folded into the normaliser)
+                    for r in T.Parallel(BM):
+                        if has_sink:
+                            inv[r] = T.if_then_else(
+                                l_i[r] > 0,
+                                1.0 / (l_i[r] + T.exp2(Sink[(m0 + r) % heads] * T.float32(LOG2E) - m_i[r] * c_log2)),
+                                T.float32(0))
+                        else:
+                            inv[r] = T.if_then_else(l_i[r] > 0, 1.0 / l_i[r], T.float32(0))
+                    for r, d in T.Parallel(BM, D):
+                        acc_o[r, d] = acc_o[r, d] * inv[r]
+                    T.copy(acc_o, Q_s)
+                    for r, d in T.Parallel(BM, D):
+                        if m0 + r < M:
+                            Out[b, m0 + r, d] = Q_s[r, d]
+                    for r in T.Parallel(BM):
+                        if m0 + r < M:
+                            Lse[b, m0 + r] = T.if_then_else(l_i[r] > 0, lse2[r] * T.float32(LN2), T.infinity(f32))
+                else:
+                    for r in T.Parallel(BM):
+                        inv[r] = T.if_then_else(l_i[r] > 0, 1.0 / l_i[r], T.float32(0))
+                    for r, d in T.Parallel(BM, D):
+                        if m0 + r < M:
+                            OPart[bx, m0 + r, d] = acc_o[r, d] * inv[r]
+                    for r in T.Parallel(BM):
+                        if m0 + r < M:
+                            LsePart[bx, m0 + r] = lse2[r]
+
+    return mla_decode_dense_partial
+
+
+def build_combine_kernel(*, heads: int, s_q: int, has_sink: bool, threads: int = _COMBINE_THREADS):
+    """Merge the partial (out, lse2) of sequences with nsplit_b > 1.
+
+    Signature: (SeqPlan [2, B] i32 (first item, nsplit), Sink [n_sink] f32, OPart [max_items, M, 512] f32,
+    LsePart [max_items, M] f32, Out [B, M, 512] bf16, Lse [B, M] f32).
+    """
+    tilelang, T = _tl()
+    M = s_q * heads
+    D = D_V
+    VPT = D // threads
+    f32, i32, bf16 = "float32", "int32", "bfloat16"
+    nbat = T.dynamic("batch")
+    nitem = T.dynamic("max_items")
+    n_sink = T.dynamic("n_sink")
+
+    @T.prim_func
+    def mla_decode_dense_combine(
+        SeqPlan: T.Tensor([2, nbat], i32),
+        Sink: T.Tensor([n_sink], f32),
+        OPart: T.Tensor([nitem, M, D], f32),
+        LsePart: T.Tensor([nitem, M], f32),
+        Out: T.Tensor([nbat, M, D], bf16),
+        Lse: T.Tensor([nbat, M], f32),
+    ):
+        with T.Kernel(M, nbat, threads=threads) as (m, b):
+            tx = T.get_thread_binding()
+            first = T.alloc_local([1], i32)
+            nsp = T.alloc_local([1], i32)
+            mx = T.alloc_local([1], f32)
+            tot = T.alloc_local([1], f32)
+            w = T.alloc_local([1], f32)
+            scl = T.alloc_local([1], f32)
+            acc = T.alloc_local([VPT], f32)
+            first[0] = SeqPlan[0, b]
+            nsp[0] = SeqPlan[1, b]
+            if nsp[0] > 1:
+                mx[0] = -T.infinity(f32)
+                for k in T.serial(nsp[0]):
+                    mx[0] = T.max(mx[0], LsePart[first[0] + k, m])
+                tot[0] = 0
+                for v in T.serial(VPT):
+                    acc[v] = 0
+                if mx[0] > -T.infinity(f32):
+                    for k in T.serial(nsp[0]):
+                        w[0] = T.exp2(LsePart[first[0] + k, m] - mx[0])
+                        tot[0] += w[0]
+                        for v in T.serial(VPT):
+                            acc[v] += w[0] * OPart[first[0] + k, m, tx * VPT + v]
+                    # lse2 = mx + log2(tot); scale = 1 / tot (times the sink factor)
+                    if has_sink:
+                        scl[0] = 1.0 / (tot[0] + T.exp2(Sink[m % heads] * T.float32(LOG2E) - mx[0]))
+                    else:
+                        scl[0] = 1.0 / tot[0]
+                    for v in T.serial(VPT):
+                        Out[b, m, tx * VPT + v] = T.cast(acc[v] * scl[0], bf16)
+                    if tx == 0:
+                        Lse[b, m] = (T.log2(tot[0]) + mx[0]) * T.float32(LN2)
+                else:
+                    for v in T.serial(VPT):
+                        Out[b, m, tx * VPT + v] = T.cast(0, bf16)
+                    if tx == 0:
+                        Lse[b, m] = T.infinity(f32)
+
+    return mla_decode_dense_combine
+
+
+# --------------------------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------------------------
+def _pass_configs():
+    tilelang, _ = _tl()
+    return {
+        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_partial(heads, s_q, block_size, causal, sm_scale, has_sink):
+    tilelang, _ = _tl()
+    func = build_partial_kernel(heads=heads, s_q=s_q, block_size=block_size, causal=causal, sm_scale=sm_scale,
+                                has_sink=has_sink)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_combine(heads, s_q, has_sink):
+    tilelang, _ = _tl()
+    func = build_combine_kernel(heads=heads, s_q=s_q, has_sink=has_sink)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def max_items(batch: int, n_mt: int, num_sms: int) -> int:
+    """Static upper bound of the number of splits (work items) of one call: shapes only."""
+    return batch + num_sms // n_mt + 1
+
+
+def _plan(cache_seqlens, *, max_blocks: int, block_size: int, n_mt: int, num_sms: int):
+    """Work items from cache_seqlens, on the device (no host sync).
+
+    Returns ``plan [4, max_items]`` int32 rows (b or -1, start, end, nsplit_b) and ``seq_plan [2, B]`` int32 rows
+    (first item of b, nsplit_b).  Chunk boundaries are multiples of BLOCK_N positions.
+    """
+    B = cache_seqlens.shape[0]
+    dev = cache_seqlens.device
+    n_items = max_items(B, n_mt, num_sms)
+    cap = max_blocks * block_size  # positions past the table are skipped
+    lens = cache_seqlens.to(torch.int64).clamp(0, cap)
+    tiles = (lens + BLOCK_N - 1) // BLOCK_N
+    work = (tiles.sum() + B * _OVERHEAD_TILES) * n_mt
+    chunk = torch.clamp((work + num_sms - 1) // num_sms, min=_MIN_CHUNK_TILES)  # tiles per split (0-dim tensor)
+    nsplit = torch.clamp((tiles + chunk - 1) // chunk, min=1)
+    ends = torch.cumsum(nsplit, 0)
+    first = ends - nsplit
+    ids = torch.arange(n_items, device=dev, dtype=torch.int64)
+    b_of = torch.searchsorted(ends, ids, right=True)  # == B past the last item
+    live = b_of < B
+    bc = b_of.clamp(max=B - 1)
+    k = ids - first[bc]
+    start = k * chunk * BLOCK_N
+    end = torch.minimum(start + chunk * BLOCK_N, lens[bc])
+    plan = torch.stack([torch.where(live, bc, -1), torch.where(live, start, 0), torch.where(live, end, 0),
+                        torch.where(live, nsplit[bc], 0)]).to(torch.int32)
+    seq_plan = torch.stack([first, nsplit]).to(torch.int32)
+    return plan, seq_plan
+
+
+def kernel_unsupported(q, kv_cache, block_table, cache_seqlens, *, d_v, causal, indices=None,
+                       attn_sink=None) -> str | None:
+    """None when this kernel handles the arguments, else a short reason (shapes, dtypes, devices only)."""
+    if indices is not None:
+        return "sparse decode (indices given) is not handled by the dense kernel"
+    if block_table is None or cache_seqlens is None:
+        return "dense decode needs block_table and cache_seqlens"
+    if not all(t.is_cuda for t in (q, kv_cache, block_table, cache_seqlens)):
+        return "tensors must be on CUDA"
+    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        return "q and kv_cache must be bfloat16 (FP8 cache: another kernel)"
+    if q.dim() != 4 or q.shape[-1] != DQK:
+        return f"q must be [B, s_q, H, {DQK}]"
+    if d_v != D_V:
+        return f"d_v={d_v} != {D_V}"
+    if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
+        kv_cache = kv_cache.squeeze(2)
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != DQK:
+        return f"kv_cache must be [num_blocks, block_size, {DQK}]"
+    if kv_cache.shape[1] not in SUPPORTED_BLOCK_SIZES:
+        return f"block_size={kv_cache.shape[1]} not in {SUPPORTED_BLOCK_SIZES}"
+    B, s_q, H, _ = q.shape
+    if not 1 <= H <= 128:
+        return f"H={H} not in 1..128"
+    if not 1 <= s_q * H <= MAX_ROWS:
+        return f"s_q*H={s_q * H} not in 1..{MAX_ROWS}"
+    if kv_cache.shape[0] * kv_cache.shape[1] >= 2**31 or block_table.shape[1] * kv_cache.shape[1] >= 2**31:
+        return "cache too large for int32 slot arithmetic"
+    if block_table.dtype != torch.int32 or cache_seqlens.dtype != torch.int32:
+        return "block_table and cache_seqlens must be int32"
+    if block_table.dim() != 2 or block_table.shape[0] != B or cache_seqlens.shape != (B,):
+        return "block_table must be [B, max_blocks], cache_seqlens [B]"
+    if attn_sink is not None and (attn_sink.dtype != torch.float32 or attn_sink.shape != (H,) or not attn_sink.is_cuda):
+        return "attn_sink must be float32 [H] on CUDA"
+    if not isinstance(causal, bool):
+        return "causal must be a bool"
+    return None
+
+
+def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d_v, causal, attn_sink=None):
+    """Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] f32 natural log, +inf / 0 for empty rows)."""
+    reason = kernel_unsupported(q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal,
+                                attn_sink=attn_sink)
+    if reason is not None:
+        raise ValueError(f"mla_decode dense kernel: {reason}")
+    if not (sm_scale > 0 and math.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale}")
+    if kv_cache.dim() == 4:
+        kv_cache = kv_cache.squeeze(2)
+    B, s_q, H, _ = q.shape
+    M = s_q * H
+    dev = q.device
+    out = torch.empty((B, M, D_V), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((B, M), dtype=torch.float32, device=dev)
+    if B == 0:
+        return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
+    nb, bs, _ = kv_cache.shape
+    if block_table.shape[1] == 0 or nb == 0:  # nothing can be attended
+        out.zero_()
+        lse.fill_(math.inf)
+        return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
+    n_mt = (M + BLOCK_M - 1) // BLOCK_M
+    num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+    plan, seq_plan = _plan(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
+                           num_sms=num_sms)
+    n_items = plan.shape[1]
+    qf = q.reshape(B, M, DQK).contiguous()
+    kvf = kv_cache.contiguous()
+    bt = block_table.contiguous()
+    sl = cache_seqlens.contiguous()
+    has_sink = attn_sink is not None
+    sink = attn_sink.contiguous() if has_sink else torch.zeros(1, dtype=torch.float32, device=dev)
+    o_part = torch.empty((n_items, M, D_V), dtype=torch.float32, device=dev)
+    lse_part = torch.empty((n_items, M), dtype=torch.float32, device=dev)
+    part = _compiled_partial(H, s_q, bs, bool(causal), float(sm_scale), has_sink)
+    part(qf, kvf, bt, sl, plan, sink, out, lse, o_part, lse_part)
+    comb = _compiled_combine(H, s_q, has_sink)
+    comb(seq_plan, sink, o_part, lse_part, out, lse)
+    return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    cases = []
+    for heads, s_q, bs, causal, sink in [
+        (16, 1, 64, True, False),
+        (128, 2, 16, True, True),
+        (3, 4, 256, False, False),
+    ]:
+        name = f"partial_h{heads}_sq{s_q}_bs{bs}" + ("_causal" if causal else "") + ("_sink" if sink else "")
+        cases.append((name, build_partial_kernel(heads=heads, s_q=s_q, block_size=bs, causal=causal,
+                                                 sm_scale=DQK ** -0.5, has_sink=sink)))
+    return cases
+
+
+def combine_lowering_cases():
+    """The combine kernel (no wgmma, so kept out of ``lowering_cases``, whose test asserts wgmma)."""
+    cases = []
+    for heads, s_q, sink in [(16, 1, False), (128, 2, True)]:
+        cases.append((f"combine_h{heads}_sq{s_q}" + ("_sink" if sink else ""),
+                      build_combine_kernel(heads=heads, s_q=s_q, has_sink=sink)))
+    return cases
+
+
+def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
+    """Lower a prim_func to CUDA C++ source on any machine (no GPU needed)."""
+    tilelang, _ = _tl()
+    from tilelang import tvm
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    with tvm.transform.PassContext(config=_pass_configs()), target:
+        art = tilelang.lower(func, target=target)
+    return art.kernel_source

@@ -1,0 +1,259 @@
+"""Lightning-indexer prefill logits in TileLang for Hopper (sm_90a): FP8 (or bf16) wgmma, fused relu/weight/head sum.
+
+Notes
+-----
+Math (contract of ``flashdsa.indexer_logits``)::
+
+    out[m, n] = k_scale[n] * sum_h w[m, h] * relu(q[m, h] . k[n])     for clamp(k_start[m]) <= n < clamp(k_end[m])
+    out[m, n] = -inf                                                 elsewhere (every element is written)
+
+Design
+  * One CTA per query block of ``BQ = COLS / H`` rows (``COLS = 256``: H=64 -> 4 rows, 32 -> 8, 16 -> 16,
+    8 -> 32). Its Q tile ``[BQ*H, D]`` (the rows' heads, flattened: q viewed as ``[M*H, D]``) stays in shared
+    memory; the CTA streams key blocks of ``BN = 128`` keys through a TMA pipeline (3 stages) and for each
+    block computes ``S[key, row*H + h] = K_blk @ Q_tile^T`` with the *key block as the wgmma M side* and the
+    query heads x rows as N (m64n256k32 e4m3 x e4m3 -> f32, both operands K-major from 128B-swizzled smem).
+  * TileLang warp-specialises the loop: warpgroup 0 is the TMA producer (K tile + the 128 k_scale values per
+    stage, registers dropped to 24 with setmaxnreg), warpgroups 1-2 are consumers (240 registers each;
+    GemmWarpPolicy.FullRow: each owns 64 keys x all 256 columns, accumulator = 128 f32 regs/thread). The
+    two consumers run the same stage but are only coupled through the stage barriers, so one's epilogue
+    (CUDA cores) overlaps the other's wgmma (tensor cores).
+  * Epilogue in registers: ``S = max(S, 0) * w[col]`` (FMNMX + FFMA after contraction with the sum), the sum
+    over each row's H columns is a per-thread sum plus a 2-step quad shuffle (``T.reduce_sum`` on a
+    ``[BN, BQ, H]`` reshape of the accumulator), then ``* k_scale[n]``, the per-row range mask, and a direct
+    store (no shared staging: lanes of one quad hold one key, 8 quads write 8 consecutive keys = 32 B).
+  * Range skipping: the CTA loops only over key blocks that intersect the union ``[min start, max end)`` of
+    its non-empty rows; every other column of its rows is filled with -inf by the same CTA (coalesced scalar
+    stores, all 384 threads, before the pipeline starts) -> each output element is written exactly once.
+    Query blocks are visited heaviest-first (blockIdx 0 takes the last rows: causal rows grow with m).
+  * M, N are dynamic (one compile per (dtype, H, D)); H, D, tile sizes are compile-time.
+
+Shared memory (fp8, D=128): Q 256x128 (32 KiB) + K 3 x 128x128 (48 KiB) + k_scale 3 x 512 B + row ranges
+  ~= 82 KiB (D=64: 41 KiB; bf16 D=128: 160 KiB). 1 CTA / SM (384 threads, register-bound).
+Target workload (M=4096, N=8192, k_end = m + 4097, H=64, D=128, fp8):
+  sum(k_end - k_start) = 25.17e6 -> FLOPs = 2*64*128*25.17e6 = 412 GFLOP (0.55 ms at 750 TFLOP/s).
+  The kernel computes whole 128-key blocks: ~ +1.5 % wasted MMA on diagonal blocks.
+  Output written once: 4096*8192*4 B = 134 MB (~0.03 ms of HBM time, overlapped with MMA). K read from L2
+  once per query block: 1024 blocks x ~0.75 MB ~= 0.8 GB (~1.5 TB/s of L2 at 0.55 ms). Epilogue: ~2.7
+  CUDA-core ops per accumulator element (1.6e9 elements) ~= 0.14 ms if not overlapped with the MMA.
+Verified: lowering only (CPU, sm_90a): every lowering case issues wgmma (m64n256k32 e4m3 for H >= 32, m64n128k32
+  for H <= 16, m64n256k16 bf16), TMA loads for Q / K / k_scale, setmaxnreg 24/240; ptxas (nvcc 13.0, sm_90a, on the
+  CPU box): 0 spills, 0 stack for all cases. Lowering costs ~5-12 s CPU per config (TileLang layout inference).
+  Never run on a GPU by the author.
+Risks for the first GPU run
+  * A CTA whose rows are all empty runs zero pipeline iterations; the Q TMA load is skipped for it (an
+    un-awaited TMA into the smem of an exiting CTA would be undefined). If TileLang's WS codegen mis-handles a
+    zero trip count, force at least one block (and mask everything).
+  * TMA needs 16-byte aligned base addresses: the launcher clones misaligned q / k / k_scale views.
+  * bf16 uses the same code with m64n256k16; not tuned.
+  * Performance: one CTA per SM means the Q load + fill at each CTA start is not hidden (~1-2 us per CTA,
+    ~5-8 % at the target size). A persistent grid would remove it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # the package must import without tilelang (CPU CI); kernels are built lazily
+    import tilelang
+    import tilelang.language as T
+except Exception:  # pragma: no cover - depends on the machine
+    tilelang = None
+    T = None
+
+BLOCK_N = 128  # keys per pipeline stage (wgmma M side: 2 consumer warpgroups x 64)
+COLS = 256  # wgmma N: query rows x heads per CTA (H >= 32)
+COLS_SMALL_H = 128  # H <= 16: keeps weights + per-row logits + accumulator within 240 registers
+NUM_STAGES = 3
+THREADS = 256  # consumer threads (TileLang adds one producer warpgroup)
+SUPPORTED_HEADS = (8, 16, 32, 64)
+SUPPORTED_DIMS = (64, 128)
+_TL_DTYPES = {torch.float8_e4m3fn: "float8_e4m3", torch.bfloat16: "bfloat16"}
+
+
+def default_cols(heads: int) -> int:
+    return COLS if heads >= 32 else COLS_SMALL_H
+
+
+def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", block_n: int = BLOCK_N,
+                          cols: int | None = None, num_stages: int = NUM_STAGES, threads: int = THREADS):
+    """TileLang prim_func ``(Q[M*H, D], K[N, D], W[M*H] f32, KScale[N] f32, KStart[M] i32, KEnd[M] i32,
+    Out[M, N] f32)``; M, N dynamic."""
+    H, D, BN = heads, dim, block_n
+    cols = cols or default_cols(H)
+    assert cols % H == 0 and H in SUPPORTED_HEADS and D in SUPPORTED_DIMS, (H, D, cols)
+    BQ = cols // H  # query rows per CTA
+    BC = BQ * H
+    fill_chunk = threads  # columns per -inf fill step
+    f32, i32 = "float32", "int32"
+    M = T.dynamic("M")
+    N = T.dynamic("N")
+
+    @T.prim_func
+    def indexer_prefill(
+        Q: T.Tensor([M * H, D], dtype),
+        K: T.Tensor([N, D], dtype),
+        W: T.Tensor([M * H], f32),
+        KScale: T.Tensor([N], f32),
+        KStart: T.Tensor([M], i32),
+        KEnd: T.Tensor([M], i32),
+        Out: T.Tensor([M, N], f32),
+    ):
+        with T.Kernel(T.ceildiv(M, BQ), threads=threads) as bx:
+            Q_s = T.alloc_shared([BC, D], dtype)
+            K_s = T.alloc_shared([BN, D], dtype)
+            ks_s = T.alloc_shared([BN], f32)
+            row_lo = T.alloc_shared([BQ], i32)
+            row_hi = T.alloc_shared([BQ], i32)
+            w_f = T.alloc_fragment([BC], f32)
+            acc = T.alloc_fragment([BN, BC], f32)
+            acc3 = T.reshape(acc, [BN, BQ, H])
+            logit = T.alloc_fragment([BN, BQ], f32)
+            lo = T.alloc_local([1], i32)
+            hi = T.alloc_local([1], i32)
+
+            T.annotate_producer_reg_dealloc(24)
+            T.annotate_consumer_reg_alloc(240)
+
+            m0 = (T.ceildiv(M, BQ) - 1 - bx) * BQ  # heaviest (last) query rows first
+            # ---- per-row ranges, clamped to [0, N]; rows past M are empty ----
+            for q in T.Parallel(BQ):
+                m = T.min(m0 + q, M - 1)
+                s = T.if_then_else(m0 + q < M, T.clamp(KStart[m], 0, N), 0)
+                e = T.if_then_else(m0 + q < M, T.clamp(KEnd[m], 0, N), 0)
+                row_lo[q] = s
+                row_hi[q] = T.max(e, s)
+            # ---- union of the non-empty ranges, in key blocks ----
+            lo[0] = N
+            hi[0] = 0
+            for q in T.serial(BQ):
+                if row_hi[q] > row_lo[q]:
+                    lo[0] = T.min(lo[0], row_lo[q])
+                    hi[0] = T.max(hi[0], row_hi[q])
+            # At least one block, even when every row is empty (then block 0, fully masked): the pipeline never
+            # runs zero iterations and the Q TMA load is always awaited.
+            kb_lo = T.if_then_else(hi[0] > lo[0], lo[0] // BN, 0)
+            kb_hi = T.max(T.ceildiv(hi[0], BN), kb_lo + 1)
+            fill_a = kb_lo * BN  # columns [0, fill_a) and [fill_b, N) are never computed: -inf
+            fill_b = T.min(kb_hi * BN, N)
+
+            T.copy(Q[m0 * H:m0 * H + BC, :], Q_s)  # TMA, issued before the fill so that the two overlap
+
+            # ---- -inf outside the computed key blocks (raw thread index: a T.Parallel over a symbolic range
+            # makes layout inference slow). Every thread of the CTA runs this, including the producer warpgroup
+            # TileLang adds; threads >= fill_chunk repeat columns of the next chunk (same value: harmless).
+            tx = T.get_thread_binding()
+            for q in T.serial(BQ):
+                for c in T.serial(T.ceildiv(fill_a, fill_chunk)):
+                    col = c * fill_chunk + tx
+                    if (col < fill_a) & (m0 + q < M):
+                        Out[m0 + q, col] = -T.infinity(f32)
+                for c in T.serial(T.ceildiv(N - fill_b, fill_chunk)):
+                    col = fill_b + c * fill_chunk + tx
+                    if (col < N) & (m0 + q < M):
+                        Out[m0 + q, col] = -T.infinity(f32)
+
+            T.copy(W[m0 * H:m0 * H + BC], w_f)
+
+            for it in T.Pipelined(kb_hi - kb_lo, num_stages=num_stages):
+                n0 = (kb_lo + it) * BN
+                T.copy(K[n0:n0 + BN, :], K_s)
+                T.copy(KScale[n0:n0 + BN], ks_s)
+                T.gemm(K_s, Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for n, c in T.Parallel(BN, BC):
+                    acc[n, c] = T.max(acc[n, c], 0) * w_f[c]
+                T.reduce_sum(acc3, logit, dim=2)
+                # mask + scale in registers first: folding this into the store statement makes TileLang's layout
+                # inference ~3x slower (12 s more per config)
+                for n, q in T.Parallel(BN, BQ):
+                    logit[n, q] = T.if_then_else((n0 + n >= row_lo[q]) & (n0 + n < row_hi[q]),
+                                                 logit[n, q] * ks_s[n], -T.infinity(f32))
+                for n, q in T.Parallel(BN, BQ):
+                    if (m0 + q < M) & (n0 + n < N):
+                        Out[m0 + q, n0 + n] = logit[n, q]
+
+    return indexer_prefill
+
+
+def _pass_configs():
+    return {}
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(heads: int, dim: int, dtype: str):
+    func = build_indexer_prefill(heads=heads, dim=dim, dtype=dtype)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def kernel_unsupported(q, k, weights, k_scale=None, k_start=None, k_end=None) -> str | None:
+    """None if this kernel handles the arguments, else a short reason. Reads shapes/dtypes only (no sync)."""
+    if tilelang is None:
+        return "tilelang is not importable"
+    if q.dim() != 3 or k.dim() != 2 or weights.dim() != 2:
+        return "expected q [M, H, D], k [N, D], weights [M, H]"
+    M, H, D = q.shape
+    N = k.shape[0]
+    if q.dtype not in _TL_DTYPES:
+        return f"q dtype {q.dtype} not in (float8_e4m3fn, bfloat16)"
+    if k.dtype != q.dtype:
+        return "k dtype must equal q dtype"
+    if H not in SUPPORTED_HEADS:
+        return f"H={H} not in {SUPPORTED_HEADS}"
+    if D not in SUPPORTED_DIMS or k.shape[1] != D:
+        return f"D={D} not in {SUPPORTED_DIMS} (or k's last dim differs)"
+    if weights.dtype != torch.float32 or tuple(weights.shape) != (M, H):
+        return "weights must be float32 [M, H]"
+    tensors = {"q": q, "k": k, "weights": weights, "k_scale": k_scale, "k_start": k_start, "k_end": k_end}
+    for name, x in tensors.items():
+        if x is not None and (not x.is_cuda or x.device != q.device):
+            return f"{name} must be a CUDA tensor on {q.device}"
+    if k_scale is not None and (k_scale.dtype != torch.float32 or tuple(k_scale.shape) != (N,)):
+        return "k_scale must be float32 [N]"
+    for name, x in (("k_start", k_start), ("k_end", k_end)):
+        if x is not None and (x.dtype != torch.int32 or tuple(x.shape) != (M,)):
+            return f"{name} must be int32 [M]"
+    if M * H >= 2**31 or N >= 2**31:
+        return "sizes exceed int32 indexing"
+    return None
+
+
+def _tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous with a 16-byte aligned base address (TMA descriptors require it)."""
+    x = x.contiguous()
+    if x.data_ptr() % 16 != 0:
+        x = x.clone()
+    return x
+
+
+def run_indexer_logits(q, k, weights, k_scale, k_start=None, k_end=None) -> torch.Tensor:
+    """``[M, N]`` float32 logits (see module notes). CUDA tensors; no host sync; every element written."""
+    reason = kernel_unsupported(q, k, weights, k_scale, k_start, k_end)
+    if reason is not None:
+        raise ValueError(f"indexer prefill kernel: {reason}")
+    M, H, D = q.shape
+    N = k.shape[0]
+    dev = q.device
+    out = torch.empty((M, N), dtype=torch.float32, device=dev)
+    if M == 0 or N == 0:
+        return out
+    q2 = _tma_ready(q).view(M * H, D)
+    k2 = _tma_ready(k)
+    w = weights.contiguous().view(M * H)
+    ks = _tma_ready(k_scale) if k_scale is not None else torch.ones(N, dtype=torch.float32, device=dev)
+    ks0 = k_start.contiguous() if k_start is not None else torch.zeros(M, dtype=torch.int32, device=dev)
+    ke0 = k_end.contiguous() if k_end is not None else torch.full((M,), N, dtype=torch.int32, device=dev)
+    kernel = _compiled(H, D, _TL_DTYPES[q.dtype])
+    kernel(q2, k2, w, ks, ks0, ke0, out)
+    return out
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    cases = []
+    for dtype, H, D in [("float8_e4m3", 64, 128), ("float8_e4m3", 32, 64), ("float8_e4m3", 8, 128),
+                        ("float8_e4m3", 16, 64), ("bfloat16", 64, 128)]:
+        name = f"{'fp8' if dtype.startswith('float8') else 'bf16'}_h{H}_d{D}"
+        cases.append((name, build_indexer_prefill(heads=H, dim=D, dtype=dtype)))
+    return cases

@@ -1,0 +1,354 @@
+"""Sparse MLA forward (DeepSeek-V3.2 / V4 sparse attention prefill) in TileLang for Hopper.
+
+Notes
+-----
+Design (this file, "pipelined" variant):
+  * Grid ``(T, ceil(H / 64))``: block (t, g) handles query token t and heads
+    [64*g, 64*g + 64).  Heads are always padded to a 64-row tile so every GEMM is a
+    Hopper wgmma (m64); padded heads read zeros and are never written (H = 1..128).
+  * 256 threads = 2 warpgroups.  ``GemmWarpPolicy.FullRow`` on a 64-row tile gives
+    each warpgroup the full 64 rows and half of N (QK^T: 64x32, PV: 64x256).
+  * Loop over the top-k list in blocks of ``BI = 64`` indices with ``T.Pipelined``
+    (num_stages=2): the KV gather lowers to predicated, zero-filling cp.async
+    (``cp_async_gs_conditional``), two KV buffers, loads for block i+2 issued while
+    block i is consumed.  S = Q K^T (512 dims + the 64-dim rope tail for Dqk = 576,
+    two wgmma 64x32 per warpgroup), online softmax in fp32 with exp2 and
+    ``sm_scale * log2(e)`` folded into one constant, P -> bf16 (shared) @ V
+    (wgmma 64x256 per warpgroup).  TMA lowering and automatic warp specialisation
+    are disabled (pass configs) so the schedule is the plain cp.async pipeline.
+  * Masking: slot j of token t is valid iff ``j < topk_eff`` and
+    ``0 <= indices[t, j] < Tkv``.  The gather uses row ``j < topk_eff ?
+    indices[t, min(j, topk-1)] : -1``; TileLang's safe-access legalisation turns the
+    KV bounds into the cp.async predicate (src-size 0 => zero fill, no read), so
+    invalid rows are never dereferenced and land as zeros (NaN in unreferenced rows
+    cannot leak).  Invalid score columns are initialised to -inf before the QK^T
+    wgmma accumulates into them.  The CPU lowering test asserts the guarded cp.async.
+  * Running max starts at the finite -1e30 (raw score units; requires sm_scale > 0),
+    so all-invalid blocks give exp2(-inf) = 0, never inf - inf.  Empty rows
+    (sum == 0) write out = 0, lse = +inf, max_logits = -inf.
+  * attn_sink: out *= 1 / (1 + exp(sink - lse)) is folded into the normaliser,
+    1 / (l + exp2(sink*log2e - m*c)) (exact: l * 2^-lse2 = 2^-m*c); sink = +inf
+    gives 0, -inf gives the plain softmax, never NaN.
+  * T, Tkv and the indices width are dynamic symbols.  The loop trip count
+    ceil(topk / 64) is static (a symbolic trip count crashed TileLang 0.1.15's
+    codegen for the pipelined loop), so kernels are cached per
+    (H, Dqk, ceil(topk/64), sm_scale, has_sink, has_topk_length); the tail block is
+    masked, e.g. topk = 100 and 128 share one kernel.
+Shared memory (Dqk = 576): Q 64x576 bf16 (72 KiB) + 2 x KV 64x576 (144 KiB) + P 64x64
+  (8 KiB) + reduction scratch (~2 KiB) = 231,424 B of the 232,448 B (227 KiB) limit.
+  Dqk = 512: ~202 KiB.  The output is staged through the Q buffer (stmatrix).
+  Registers: acc_o 64x512 fp32 over 256 threads = 128 floats/thread.
+Verified: lowering only (CPU, sm_90a, TileLang 0.1.15): all lowering_cases() lower,
+  contain wgmma and the guarded cp.async gather; the generated CUDA was read by hand
+  (pipeline prologue/epilogue, head-padding guards on Out/Lse/MaxLogits, sink read
+  clamped).  Never compiled by nvcc nor run on a GPU by the author.
+Known risks for the GPU run:
+  * Performance: this is the simple pipelined design (gather not warp-specialised,
+    both warpgroups gather, __syncthreads between phases, every KV row fetched once
+    per 64-head block).  Expect well below the 700 TFLOP/s target; the
+    producer/consumer warp-specialised variant is not written yet.
+  * Shared memory is within 1 KiB of the cap for Dqk = 576; if the launch fails
+    with "too many resources"/smem, use num_stages=1 (build arg) for Dqk = 576.
+  * H < 64 pads to 64 rows (up to 64x wasted MMA for H = 1; correct, not fast).
+  * q is made contiguous on the host (a strided q costs one extra copy).
+  * Compile time on the GPU host: one nvcc compile per cached config (the CPU
+    lowering alone takes 6-16 s per config).
+"""
+
+
+
+import functools
+import math
+
+import torch
+
+import tilelang
+import tilelang.language as T
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+BLOCK_H = 64  # heads per block (wgmma M)
+BLOCK_I = 64  # top-k indices per iteration
+D_V = 512
+_SUPPORTED_DQK = (512, 576)
+
+
+def build_sparse_mla_fwd(
+    *,
+    heads: int,
+    dqk: int,
+    d_v: int = D_V,
+    topk: int,
+    sm_scale: float,
+    has_sink: bool = False,
+    has_topk_length: bool = False,
+    block_i: int = BLOCK_I,
+    num_stages: int = 2,
+    threads: int = 256,
+):
+    """Return the TileLang prim_func.
+
+    The kernel is specialised on ceil(topk / block_i) (the loop trip count); the
+    indices width itself is dynamic, so any topk with the same block count works.
+    Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], Indices[T,topk], TopkLen[n_tl], Sink[n_sink],
+    Out[T,H,d_v], Lse[T,H], MaxLogits[T,H]); TopkLen / Sink are only read when
+    has_topk_length / has_sink (pass 1-element dummies otherwise).
+    """
+    assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
+    assert 1 <= heads <= 2 * BLOCK_H
+    D = d_v
+    D_tail = dqk - d_v
+    BH = BLOCK_H
+    BI = block_i
+    n_hblk = (heads + BH - 1) // BH
+    heads_exact = heads % BH == 0
+
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    n_tok = T.dynamic("n_tok")
+    n_kv = T.dynamic("n_kv")
+    n_tl = T.dynamic("n_tl")
+    n_sink = T.dynamic("n_sink")
+    # The indices width is always a dynamic symbol; the loop trip count is static
+    # (a symbolic trip count breaks TileLang 0.1.15's pipelined codegen), so one
+    # kernel serves every topk with the same ceil(topk / BI).
+    topk_dim = T.dynamic("topk")
+    NI = (int(topk) + BI - 1) // BI
+    assert sm_scale is not None and sm_scale > 0
+    c_log2 = float(sm_scale) * LOG2E  # raw score -> log2 units
+    neg_big = -1.0e30
+
+    def _row(Indices, t, lim, j):
+        # KV row of top-k slot j of token t, or -1 when j >= topk_eff (Indices read kept in-bounds)
+        return T.if_then_else(j < lim, Indices[t, T.min(j, topk_dim - 1)], -1)
+
+    @T.prim_func
+    def sparse_mla_fwd(
+        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        KV: T.Tensor([n_kv, dqk], bf16),
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok, n_hblk, threads=threads) as (bx, by):
+            Q_s = T.alloc_shared([BH, D], bf16)
+            KV_s = T.alloc_shared([BI, D], bf16)
+            S_s = T.alloc_shared([BH, BI], bf16)
+            if D_tail > 0:
+                Qt_s = T.alloc_shared([BH, D_tail], bf16)
+                Kt_s = T.alloc_shared([BI, D_tail], bf16)
+
+            acc_o = T.alloc_fragment([BH, D], f32)
+            acc_s = T.alloc_fragment([BH, BI], f32)
+            m_i = T.alloc_fragment([BH], f32)
+            m_prev = T.alloc_fragment([BH], f32)
+            alpha = T.alloc_fragment([BH], f32)
+            l_i = T.alloc_fragment([BH], f32)
+            l_blk = T.alloc_fragment([BH], f32)
+            inv = T.alloc_fragment([BH], f32)
+            lim = T.alloc_local([1], i32)
+
+            h0 = by * BH
+            if has_topk_length:
+                lim[0] = T.min(TopkLen[bx], topk_dim)
+            else:
+                lim[0] = topk_dim
+
+            # ---- Q tile (padded heads -> 0) ----
+            if heads_exact:
+                T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s)
+                if D_tail > 0:
+                    T.copy(Q[bx, h0 : h0 + BH, D:dqk], Qt_s)
+            else:
+                for h, d in T.Parallel(BH, D):
+                    Q_s[h, d] = T.if_then_else(h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), d], T.cast(0, bf16))
+                if D_tail > 0:
+                    for h, d in T.Parallel(BH, D_tail):
+                        Qt_s[h, d] = T.if_then_else(
+                            h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), D + d], T.cast(0, bf16)
+                        )
+
+            T.fill(acc_o, 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, neg_big)
+
+            for it in T.Pipelined(NI, num_stages=num_stages):
+                # ---- gather KV rows ----
+                # The row index is forced to -1 past topk_eff; TileLang's safe-access
+                # legalisation predicates the (cp.async, zero-fill) load on
+                # 0 <= row < Tkv, so invalid rows are never read and land as zeros.
+                for r, d in T.Parallel(BI, D):
+                    KV_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), d]
+                if D_tail > 0:
+                    for r, d in T.Parallel(BI, D_tail):
+                        Kt_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), D + d]
+
+                # ---- S = Q K^T, invalid columns start at -inf ----
+                for h, r in T.Parallel(BH, BI):
+                    row = _row(Indices, bx, lim[0], it * BI + r)
+                    acc_s[h, r] = T.if_then_else((row >= 0) & (row < n_kv), T.float32(0), -T.infinity(f32))
+                T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                if D_tail > 0:
+                    T.gemm(Qt_s, Kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+
+                # ---- online softmax (raw-score max, exp2 with folded scale) ----
+                T.copy(m_i, m_prev)
+                T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                for h in T.Parallel(BH):
+                    alpha[h] = T.exp2((m_prev[h] - m_i[h]) * c_log2)
+                for h, r in T.Parallel(BH, BI):
+                    acc_s[h, r] = T.exp2(acc_s[h, r] * c_log2 - m_i[h] * c_log2)
+                T.reduce_sum(acc_s, l_blk, dim=1)
+                for h in T.Parallel(BH):
+                    l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+                for h, d in T.Parallel(BH, D):
+                    acc_o[h, d] = acc_o[h, d] * alpha[h]
+                T.copy(acc_s, S_s)
+                T.gemm(S_s, KV_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+            # ---- epilogue ----
+            for h in T.Parallel(BH):
+                if has_sink:
+                    inv[h] = T.if_then_else(
+                        l_i[h] > 0,
+                        1.0
+                        / (
+                            l_i[h]
+                            + T.exp2(Sink[T.min(h0 + h, heads - 1)] * T.float32(LOG2E) - m_i[h] * c_log2)
+                        ),
+                        T.float32(0),
+                    )
+                else:
+                    inv[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], T.float32(0))
+            for h, d in T.Parallel(BH, D):
+                acc_o[h, d] = acc_o[h, d] * inv[h]
+            T.copy(acc_o, Q_s)  # reuse the Q tile as the output staging buffer
+            if heads_exact:
+                T.copy(Q_s, Out[bx, h0 : h0 + BH, :])
+            else:
+                for h, d in T.Parallel(BH, D):
+                    if h0 + h < heads:
+                        Out[bx, h0 + h, d] = Q_s[h, d]
+            for h in T.Parallel(BH):
+                if h0 + h < heads:
+                    Lse[bx, h0 + h] = T.if_then_else(
+                        l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * c_log2) * T.float32(LN2), T.infinity(f32)
+                    )
+                    MaxLogits[bx, h0 + h] = T.if_then_else(
+                        l_i[h] > 0, m_i[h] * c_log2 * T.float32(LN2), -T.infinity(f32)
+                    )
+
+    return sparse_mla_fwd
+
+
+
+
+def _pass_configs():
+    return {
+        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+    func = build_sparse_mla_fwd(
+        heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale, has_sink=has_sink, has_topk_length=has_topk_length
+    )
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
+    """None if this kernel handles the arguments, else a short reason (shapes/dtypes only)."""
+    if not (q.is_cuda and kv.is_cuda and indices.is_cuda):
+        return "tensors must be on CUDA"
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        return "q and kv must be bfloat16"
+    if indices.dtype != torch.int32:
+        return "indices must be int32"
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+        return "expected q [T,H,Dqk], kv [Tkv,Dqk], indices [T,topk]"
+    n_tok, heads, dqk = q.shape
+    if dqk not in _SUPPORTED_DQK:
+        return f"Dqk={dqk} not in {_SUPPORTED_DQK}"
+    if d_v != D_V:
+        return f"d_v={d_v} != {D_V}"
+    if kv.shape[1] != dqk:
+        return "kv last dim != q last dim"
+    if not 1 <= heads <= 2 * BLOCK_H:
+        return f"H={heads} not in 1..{2 * BLOCK_H}"
+    if indices.shape[0] != n_tok or indices.shape[1] < 1:
+        return "indices must be [T, topk] with topk >= 1"
+    if n_tok >= 2**31 or kv.shape[0] >= 2**31 or indices.shape[1] >= 2**30:
+        return "sizes exceed int32 indexing"
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
+        return "last dim must be contiguous"
+    if topk_length is not None:
+        if topk_length.dtype != torch.int32 or topk_length.shape != (n_tok,) or not topk_length.is_cuda:
+            return "topk_length must be int32 [T] on CUDA"
+    if attn_sink is not None:
+        if attn_sink.dtype != torch.float32 or attn_sink.shape != (heads,) or not attn_sink.is_cuda:
+            return "attn_sink must be float32 [H] on CUDA"
+    return None
+
+
+def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
+    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
+    reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+    if reason is not None:
+        raise ValueError(f"sparse_mla fwd kernel: {reason}")
+    if not (sm_scale > 0 and math.isfinite(sm_scale)):
+        raise ValueError("sm_scale must be a finite positive float")
+    n_tok, heads, dqk = q.shape
+    dev = q.device
+    out = torch.empty((n_tok, heads, d_v), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
+    max_logits = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
+    if n_tok == 0:
+        return out, lse, max_logits
+    if kv.shape[0] == 0:  # every index is invalid
+        out.zero_()
+        lse.fill_(math.inf)
+        max_logits.fill_(-math.inf)
+        return out, lse, max_logits
+    q = q.contiguous()
+    kv = kv.contiguous()
+    indices = indices.contiguous()
+    has_sink = attn_sink is not None
+    has_tl = topk_length is not None
+    tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
+    sink_arg = attn_sink.contiguous() if has_sink else torch.empty((1,), dtype=torch.float32, device=dev)
+    n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
+    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl)
+    kernel(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
+    return out, lse, max_logits
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    cases = []
+    # lowering is slow on CPU (10-40 s a case): three cases cover both Dqk, sink/topk_length and padded heads
+    for heads, dqk, topk, sink, tl in [
+        (128, 576, 2048, True, True),
+        (64, 512, 2048, False, False),
+        (16, 576, 100, False, True),
+    ]:
+        name = f"h{heads}_d{dqk}_topk{topk}" + ("_sink" if sink else "") + ("_tl" if tl else "")
+        fn = build_sparse_mla_fwd(
+            heads=heads, dqk=dqk, d_v=D_V, topk=topk, sm_scale=dqk**-0.5, has_sink=sink, has_topk_length=tl
+        )
+        cases.append((name, fn))
+    return cases
+
+
+def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
+    """Lower a prim_func to CUDA C++ source on any machine (no GPU needed)."""
+    from tilelang import tvm
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    with tvm.transform.PassContext(config=_pass_configs()), target:
+        art = tilelang.lower(func, target=target)
+    return art.kernel_source

@@ -1,0 +1,497 @@
+"""Sparse MLA forward, warp-specialised TileLang kernel for Hopper (sm_90a).
+
+Notes
+-----
+Same contract, host interface and numerics as ``kernel_fwd.py`` (the simple pipelined
+kernel); this module is a drop-in alternative for the dispatcher, for a narrower
+subset: H a multiple of 64 (64 or 128), Dqk in {512, 576}, d_v = 512.
+
+Design
+  * Grid: 1-D, ``T * (H / 64)`` CTAs, head group fastest (block b -> token b // G,
+    head group b % G), so the two head groups of one token run in adjacent CTAs and
+    the second gather of the same KV rows is an L2 hit.  1-D also avoids the 65535
+    limit of gridDim.y for T > 65535.
+  * 384 threads = 3 warpgroups with ``setmaxnreg``:
+      - WG0 (threads 0-127, 240 regs): S = Q K^T for all 64 heads x 64 keys over the
+        full Dqk (2 or 3 async wgmma, K split 256 | 256 | 64), online softmax (fp32,
+        exp2, ``sm_scale*log2(e)`` folded), writes P (bf16) and the per-row rescale
+        factor alpha to shared memory, then O[:, 0:256] += P V[:, 0:256].
+      - WG1 (threads 128-255, 176 regs): O[:, 256:512] *= alpha; += P V[:, 256:512].
+      - producer (threads 256-383, 96 regs): gathers the 64 KV rows of block i into
+        buffer i % 2 with 16-byte cp.async (8 threads per row, 4 passes of 16 rows);
+        rows of invalid slots use the predicated, zero-filling form (src-size 0:
+        nothing is read, NaN in unreferenced rows cannot leak), and a per-row
+        validity flag is written to shared memory.
+  * Synchronisation (mbarriers, parity = (i // 2) & 1 for block i):
+      kv_ready[b]  (128 arrivals, ``cp.async.mbarrier.arrive.noinc``: fires when the
+                    producer thread's cp.asyncs for the buffer have landed)
+      vl_ready[b]  (128, plain arrive after the validity flags were stored: a release,
+                    so the flags are visible to WG0's acquire wait)
+      s_ready[b]   (128, WG0 -> WG1: P and alpha of block i are in shared memory)
+      kv_free[b]   (256, WG0 + WG1 after their PV wgmma on buffer b completed)
+      fin          (128, WG0 -> WG1 after the loop: final 1/(l + sink term) in smem,
+                    and WG0 is done reading Q, so WG1 may stage its output in Q_r)
+  * WG0 schedule per block i: wait kv/valid ready -> QK (async) -> wait -> softmax ->
+    P into the K-rope buffer of block i (Dqk = 576: the rope tile is no longer needed
+    after QK, saves 8 KiB; Dqk = 512 uses two separate P tiles) -> fence.proxy.async
+    -> arrive s_ready -> issue PV_l(i) async -> wait for block i+1 and issue its QK
+    behind PV_l(i) (the tensor pipe never drains between the two) -> wait_group(#QK
+    groups) retires PV_l(i) -> arrive kv_free -> wait_group(0) -> softmax(i+1) ...
+    WG1's PV_r(i) overlaps WG0's QK(i+1).  P and alpha are per buffer, so WG0 never
+    waits for WG1 (WG1 only gates buffer reuse through kv_free).
+  * Blocks past ceil(topk_eff / 64) (topk_eff = min(topk_length[t], topk)) are skipped
+    by all three roles (uniform condition, only at the tail, so barrier parities stay
+    in step): short rows cost nothing.
+  * Masking / numerics exactly as kernel_fwd.py: slot j valid iff j < topk_eff and
+    0 <= idx < Tkv; invalid columns start at -inf before the QK wgmma accumulates;
+    running max starts at -1e30 (finite); empty row -> out 0, lse +inf,
+    max_logits -inf; sink folded as 1 / (l + exp2(sink*log2e - m*c)).
+  * Static trip count ceil(ceil(topk/64)/2) pairs per compiled kernel; T, Tkv and the
+    indices width are dynamic.  One compile per (H, Dqk, ceil(topk/64), sm_scale,
+    has_sink, has_topk_length).
+
+Shared memory (Dqk = 576): Q 64x576 (73,728 B) + 2 KV buffers 64x576 (147,456 B)
+  + flags 2x64 B + alpha 2x64 f32 + final scale 64 f32 + 11 mbarriers
+  ~= 221.8 KB (227 KiB cap = 232,448 B).  P lives in the K-rope tile of its buffer.
+  Dqk = 512: Q 64 KiB + 2 x 64 KiB + 2 P tiles 8 KiB each ~= 208 KB.
+Registers: WG0 acc_o 64x256 fp32 = 128/thread + acc_s 64x64 = 32/thread (+ row
+  stats) under 240; WG1 128 + few under 176; producer 96 (240 + 176 + 96 = 512 =
+  65,536 / 128).
+
+Verified (CPU only, TileLang 0.1.15, sm_90a): every ``lowering_cases()`` config lowers;
+  the CUDA source has wgmma, mbarrier waits, setmaxnreg inc/dec per role and the
+  predicated zero-fill cp.async.  Never compiled by nvcc nor run by the author.
+Risks (check first on the GPU):
+  * Whether ptxas keeps the in-flight wgmma overlap (look for "wgmma serialized"
+    warnings in ptxas -v output) and whether the setmaxnreg budgets spill.
+  * The producer's cp.async writes are generic-proxy writes read by wgmma (async
+    proxy) after an mbarrier wait, as in FlashMLA / the TileLang example; if results
+    are garbage only in the first rows of a block, a fence.proxy.async is missing.
+  * Performance model: tensor work per block 8.9 MFLOP/CTA; the softmax of WG0 is not
+    overlapped with its own QK (only with WG1's PV), so expect ~80-85% of the wgmma
+    ceiling at best; the gather (72 KiB/block/CTA) must come from L2 at ~5-6 TB/s.
+"""
+
+import functools
+import math
+
+import torch
+
+import tilelang
+import tilelang.language as T
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+BLOCK_H = 64  # heads per CTA (wgmma M)
+BLOCK_I = 64  # top-k slots per block
+D_V = 512
+_SUPPORTED_DQK = (512, 576)
+_SUPPORTED_H = (64, 128)
+THREADS = 384
+REG_WG0, REG_WG1, REG_PRODUCER = 240, 176, 96
+
+
+def build_sparse_mla_fwd(
+    *,
+    heads: int,
+    dqk: int,
+    d_v: int = D_V,
+    topk: int,
+    sm_scale: float,
+    has_sink: bool = False,
+    has_topk_length: bool = False,
+):
+    """Return the warp-specialised TileLang prim_func (same signature as kernel_fwd).
+
+    Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], Indices[T,topk], TopkLen[n_tl], Sink[n_sink],
+    Out[T,H,d_v], Lse[T,H], MaxLogits[T,H]).
+    """
+    assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
+    assert heads in _SUPPORTED_H, heads
+    assert sm_scale is not None and sm_scale > 0
+    D = d_v
+    DH = D // 2  # d_v half owned by each consumer warpgroup
+    D_tail = dqk - D
+    BH = BLOCK_H
+    BI = BLOCK_I
+    G = heads // BH  # head groups per token
+    NI = (int(topk) + BI - 1) // BI
+    NP = (NI + 1) // 2  # buffer pairs
+    c_log2 = float(sm_scale) * LOG2E
+    neg_big = -1.0e30
+    n_qk_groups = 3 if D_tail > 0 else 2  # wgmma commit groups of one QK product
+
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    n_tok = T.dynamic("n_tok")
+    n_kv = T.dynamic("n_kv")
+    n_tl = T.dynamic("n_tl")
+    n_sink = T.dynamic("n_sink")
+    topk_dim = T.dynamic("topk")
+
+    # ------------------------------------------------------------------ producer
+    def _row(Indices, tok, lim, slot):
+        # KV row of top-k slot `slot`, or -1 past topk_eff (the Indices read stays in bounds)
+        return T.if_then_else(slot < lim, Indices[tok, T.min(slot, topk_dim - 1)], -1)
+
+    def _ok(row):
+        return (row >= 0) & (row < n_kv)
+
+    @T.macro
+    def gather(KVl, KVr, Kt, Vld, Indices, KV, tok, lim, blk):
+        # validity flags for WG0's -inf mask (threads 0-63 of the producer)
+        for r in T.Parallel(BI):
+            Vld[r] = _ok(_row(Indices, tok, lim, blk * BI + r))
+        # One parallel nest = one cp.async group: 8 threads per row, 16 B per thread
+        # per 64-column chunk, zero-filling predicated cp.async for invalid rows.
+        # (Statements are written out: an inner loop here breaks the cp.async rewrite.)
+        for r, d in T.Parallel(BI, 64, annotations={"parallel_prefer_async": True}):
+            KVl[r, d] = T.if_then_else(
+                _ok(_row(Indices, tok, lim, blk * BI + r)), KV[_row(Indices, tok, lim, blk * BI + r), d], T.cast(0, bf16)
+            )
+            KVl[r, 64 + d] = T.if_then_else(
+                _ok(_row(Indices, tok, lim, blk * BI + r)), KV[_row(Indices, tok, lim, blk * BI + r), 64 + d], T.cast(0, bf16)
+            )
+            KVl[r, 128 + d] = T.if_then_else(
+                _ok(_row(Indices, tok, lim, blk * BI + r)), KV[_row(Indices, tok, lim, blk * BI + r), 128 + d], T.cast(0, bf16)
+            )
+            KVl[r, 192 + d] = T.if_then_else(
+                _ok(_row(Indices, tok, lim, blk * BI + r)), KV[_row(Indices, tok, lim, blk * BI + r), 192 + d], T.cast(0, bf16)
+            )
+            KVr[r, d] = T.if_then_else(
+                _ok(_row(Indices, tok, lim, blk * BI + r)), KV[_row(Indices, tok, lim, blk * BI + r), 256 + d], T.cast(0, bf16)
+            )
+            KVr[r, 64 + d] = T.if_then_else(
+                _ok(_row(Indices, tok, lim, blk * BI + r)), KV[_row(Indices, tok, lim, blk * BI + r), 320 + d], T.cast(0, bf16)
+            )
+            KVr[r, 128 + d] = T.if_then_else(
+                _ok(_row(Indices, tok, lim, blk * BI + r)), KV[_row(Indices, tok, lim, blk * BI + r), 384 + d], T.cast(0, bf16)
+            )
+            KVr[r, 192 + d] = T.if_then_else(
+                _ok(_row(Indices, tok, lim, blk * BI + r)), KV[_row(Indices, tok, lim, blk * BI + r), 448 + d], T.cast(0, bf16)
+            )
+            if D_tail > 0:
+                Kt[r, d] = T.if_then_else(
+                    _ok(_row(Indices, tok, lim, blk * BI + r)), KV[_row(Indices, tok, lim, blk * BI + r), 512 + d], T.cast(0, bf16)
+                )
+        # TileLang closes the nest with commit + wait_group 0 + a producer-WG barrier;
+        # make the landed tile (and the flags) visible to the wgmma async proxy.
+        T.fence_proxy_async()
+
+    # ------------------------------------------------------------------ WG0 pieces
+    @T.macro
+    def qk_issue(Ql, Qr, Qt, KVl, KVr, Kt, Vld, acc_s):
+        for h, r in T.Parallel(BH, BI):
+            acc_s[h, r] = T.if_then_else(Vld[r], T.float32(0), -T.infinity(f32))
+        T.wgmma_gemm(Ql, KVl, acc_s, transpose_B=True)
+        T.wgmma_gemm(Qr, KVr, acc_s, transpose_B=True)
+        if D_tail > 0:
+            T.wgmma_gemm(Qt, Kt, acc_s, transpose_B=True)
+
+    @T.macro
+    def softmax_to_p(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk, P, Alpha_s):
+        T.copy(m_i, m_prev)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        for h in T.Parallel(BH):
+            alpha[h] = T.exp2((m_prev[h] - m_i[h]) * c_log2)
+        for h, r in T.Parallel(BH, BI):
+            acc_s[h, r] = T.exp2(acc_s[h, r] * c_log2 - m_i[h] * c_log2)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for h in T.Parallel(BH):
+            l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+        for h, d in T.Parallel(BH, DH):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+        T.copy(alpha, Alpha_s)
+        T.copy(acc_s, P)
+        T.fence_proxy_async()
+
+    @T.macro
+    def wg0_step(
+        blk, nblk, nxt_phase, P, Alpha_s, s_rdy, kv_fr, KVl,
+        nkv_rdy, nKVl, nKVr, nKt, nVld,
+        Ql, Qr, Qt, acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk,
+    ):
+        # acc_s holds S of block blk (QK retired); buffer of blk: P/Alpha_s/KVl
+        softmax_to_p(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk, P, Alpha_s)
+        T.barrier_arrive(s_rdy)
+        T.wgmma_gemm(P, KVl, acc_o)
+        if blk + 1 < nblk:
+            # queue QK(blk+1) behind PV_l(blk); retire PV first to free the buffer
+            T.barrier_wait(nkv_rdy, nxt_phase)
+            qk_issue(Ql, Qr, Qt, nKVl, nKVr, nKt, nVld, acc_s)
+            T.wait_wgmma(n_qk_groups)
+            T.barrier_arrive(kv_fr)
+            T.wait_wgmma(0)
+        else:
+            T.wait_wgmma(0)
+            T.barrier_arrive(kv_fr)
+
+    @T.macro
+    def wg1_step(phase, s_rdy, Alpha_s, P, KVr, kv_fr, acc_o):
+        T.barrier_wait(s_rdy, phase)
+        for h, d in T.Parallel(BH, DH):
+            acc_o[h, d] = acc_o[h, d] * Alpha_s[h]
+        T.wgmma_gemm(P, KVr, acc_o)
+        T.wait_wgmma(0)
+        T.barrier_arrive(kv_fr)
+
+    @T.prim_func
+    def sparse_mla_fwd_ws(
+        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        KV: T.Tensor([n_kv, dqk], bf16),
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok * G, threads=THREADS) as bx:
+            Q_l = T.alloc_shared([BH, DH], bf16)
+            Q_r = T.alloc_shared([BH, DH], bf16)
+            KV0_l = T.alloc_shared([BI, DH], bf16)
+            KV0_r = T.alloc_shared([BI, DH], bf16)
+            KV1_l = T.alloc_shared([BI, DH], bf16)
+            KV1_r = T.alloc_shared([BI, DH], bf16)
+            if D_tail > 0:
+                Q_t = T.alloc_shared([BH, D_tail], bf16)
+                K0_t = T.alloc_shared([BI, D_tail], bf16)
+                K1_t = T.alloc_shared([BI, D_tail], bf16)
+                P0 = K0_t  # P of a block reuses its K rope tile (free after QK)
+                P1 = K1_t
+            else:
+                Q_t = Q_r  # unused placeholders
+                K0_t = KV0_r
+                K1_t = KV1_r
+                P0 = T.alloc_shared([BH, BI], bf16)
+                P1 = T.alloc_shared([BH, BI], bf16)
+            Vld0 = T.alloc_shared([BI], "bool")
+            Vld1 = T.alloc_shared([BI], "bool")
+            Alpha0 = T.alloc_shared([BH], f32)
+            Alpha1 = T.alloc_shared([BH], f32)
+            Fin_s = T.alloc_shared([BH], f32)
+
+            # one mbarrier per buffer and role (macros take whole barrier buffers)
+            kv_ready0 = T.alloc_barrier(128)
+            kv_ready1 = T.alloc_barrier(128)
+            s_ready0 = T.alloc_barrier(128)
+            s_ready1 = T.alloc_barrier(128)
+            kv_free0 = T.alloc_barrier(256)
+            kv_free1 = T.alloc_barrier(256)
+            fin = T.alloc_barrier(128)
+
+            acc_o = T.alloc_fragment([BH, DH], f32)
+            acc_s = T.alloc_fragment([BH, BI], f32)
+            m_i = T.alloc_fragment([BH], f32)
+            m_prev = T.alloc_fragment([BH], f32)
+            alpha = T.alloc_fragment([BH], f32)
+            l_i = T.alloc_fragment([BH], f32)
+            l_blk = T.alloc_fragment([BH], f32)
+            inv = T.alloc_fragment([BH], f32)
+            lim = T.alloc_local([1], i32)
+            nblk = T.alloc_local([1], i32)
+
+            tok = bx // G
+            h0 = (bx % G) * BH
+            tx = T.get_thread_binding()
+
+            if has_topk_length:
+                lim[0] = T.max(T.min(TopkLen[tok], topk_dim), 0)
+            else:
+                lim[0] = topk_dim
+            nblk[0] = T.min((lim[0] + BI - 1) // BI, NI)
+
+            # Q tile (all 384 threads), then make it visible to the async proxy
+            T.copy(Q[tok, h0 : h0 + BH, 0:DH], Q_l)
+            T.copy(Q[tok, h0 : h0 + BH, DH:D], Q_r)
+            if D_tail > 0:
+                T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t)
+            T.fence_proxy_async()
+            T.sync_threads()
+
+            if tx < 128:
+                # ---------------------------------------------------------- WG0
+                T.set_max_nreg(REG_WG0, 1)
+                T.fill(acc_o, 0)
+                T.fill(l_i, 0)
+                T.fill(m_i, neg_big)
+                if nblk[0] > 0:
+                    T.barrier_wait(kv_ready0, 0)
+                    qk_issue(Q_l, Q_r, Q_t, KV0_l, KV0_r, K0_t, Vld0, acc_s)
+                    T.wait_wgmma(0)
+                for j in T.serial(NP):
+                    if j * 2 < nblk[0]:
+                        wg0_step(
+                            j * 2, nblk[0], j & 1, P0, Alpha0, s_ready0, kv_free0, KV0_l,
+                            kv_ready1, KV1_l, KV1_r, K1_t, Vld1,
+                            Q_l, Q_r, Q_t, acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk,
+                        )
+                    if j * 2 + 1 < nblk[0]:
+                        wg0_step(
+                            j * 2 + 1, nblk[0], (j + 1) & 1, P1, Alpha1, s_ready1, kv_free1, KV1_l,
+                            kv_ready0, KV0_l, KV0_r, K0_t, Vld0,
+                            Q_l, Q_r, Q_t, acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk,
+                        )
+
+                # ---- epilogue: final scale (sink folded), lse, max_logits ----
+                for h in T.Parallel(BH):
+                    if has_sink:
+                        inv[h] = T.if_then_else(
+                            l_i[h] > 0,
+                            1.0 / (l_i[h] + T.exp2(Sink[h0 + h] * T.float32(LOG2E) - m_i[h] * c_log2)),
+                            T.float32(0),
+                        )
+                    else:
+                        inv[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], T.float32(0))
+                T.copy(inv, Fin_s)
+                T.barrier_arrive(fin)
+                for h in T.Parallel(BH):
+                    Lse[tok, h0 + h] = T.if_then_else(
+                        l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * c_log2) * T.float32(LN2), T.infinity(f32)
+                    )
+                    MaxLogits[tok, h0 + h] = T.if_then_else(l_i[h] > 0, m_i[h] * c_log2 * T.float32(LN2), -T.infinity(f32))
+                for h, d in T.Parallel(BH, DH):
+                    acc_o[h, d] = acc_o[h, d] * inv[h]
+                T.copy(acc_o, Q_l)  # Q_l is dead: stage the output through it
+                T.copy(Q_l, Out[tok, h0 : h0 + BH, 0:DH])
+            elif tx < 256:
+                # ---------------------------------------------------------- WG1
+                T.set_max_nreg(REG_WG1, 1)
+                T.fill(acc_o, 0)
+                for j in T.serial(NP):
+                    if j * 2 < nblk[0]:
+                        wg1_step(j & 1, s_ready0, Alpha0, P0, KV0_r, kv_free0, acc_o)
+                    if j * 2 + 1 < nblk[0]:
+                        wg1_step(j & 1, s_ready1, Alpha1, P1, KV1_r, kv_free1, acc_o)
+                T.barrier_wait(fin, 0)
+                for h, d in T.Parallel(BH, DH):
+                    acc_o[h, d] = acc_o[h, d] * Fin_s[h]
+                T.copy(acc_o, Q_r)  # WG0 is past its last QK (fin), Q_r is dead
+                T.copy(Q_r, Out[tok, h0 : h0 + BH, DH:D])
+            else:
+                # ---------------------------------------------------------- producer
+                T.set_max_nreg(REG_PRODUCER, 0)
+                for j in T.serial(NP):
+                    if j * 2 < nblk[0]:
+                        T.barrier_wait(kv_free0, (j & 1) ^ 1)
+                        gather(KV0_l, KV0_r, K0_t, Vld0, Indices, KV, tok, lim[0], j * 2)
+                        T.barrier_arrive(kv_ready0)
+                    if j * 2 + 1 < nblk[0]:
+                        T.barrier_wait(kv_free1, (j & 1) ^ 1)
+                        gather(KV1_l, KV1_r, K1_t, Vld1, Indices, KV, tok, lim[0], j * 2 + 1)
+                        T.barrier_arrive(kv_ready1)
+
+    return sparse_mla_fwd_ws
+
+
+def _pass_configs():
+    return {
+        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+    func = build_sparse_mla_fwd(
+        heads=heads,
+        dqk=dqk,
+        d_v=d_v,
+        topk=n_blocks * BLOCK_I,
+        sm_scale=sm_scale,
+        has_sink=has_sink,
+        has_topk_length=has_topk_length,
+    )
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
+    """None if this kernel handles the arguments, else a short reason (shapes/dtypes only)."""
+    if not (q.is_cuda and kv.is_cuda and indices.is_cuda):
+        return "tensors must be on CUDA"
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        return "q and kv must be bfloat16"
+    if indices.dtype != torch.int32:
+        return "indices must be int32"
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+        return "expected q [T,H,Dqk], kv [Tkv,Dqk], indices [T,topk]"
+    n_tok, heads, dqk = q.shape
+    if dqk not in _SUPPORTED_DQK:
+        return f"Dqk={dqk} not in {_SUPPORTED_DQK}"
+    if d_v != D_V:
+        return f"d_v={d_v} != {D_V}"
+    if kv.shape[1] != dqk:
+        return "kv last dim != q last dim"
+    if heads not in _SUPPORTED_H:
+        return f"H={heads} not in {_SUPPORTED_H} (warp-specialised kernel needs full 64-head tiles)"
+    if indices.shape[0] != n_tok or indices.shape[1] < 1:
+        return "indices must be [T, topk] with topk >= 1"
+    if n_tok * (heads // BLOCK_H) >= 2**31 or kv.shape[0] >= 2**31 or indices.shape[1] >= 2**30:
+        return "sizes exceed int32 indexing"
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
+        return "last dim must be contiguous"
+    if topk_length is not None:
+        if topk_length.dtype != torch.int32 or topk_length.shape != (n_tok,) or not topk_length.is_cuda:
+            return "topk_length must be int32 [T] on CUDA"
+    if attn_sink is not None:
+        if attn_sink.dtype != torch.float32 or attn_sink.shape != (heads,) or not attn_sink.is_cuda:
+            return "attn_sink must be float32 [H] on CUDA"
+    return None
+
+
+def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
+    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
+    reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+    if reason is not None:
+        raise ValueError(f"sparse_mla fwd ws kernel: {reason}")
+    if not (sm_scale > 0 and math.isfinite(sm_scale)):
+        raise ValueError("sm_scale must be a finite positive float")
+    n_tok, heads, dqk = q.shape
+    dev = q.device
+    out = torch.empty((n_tok, heads, d_v), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
+    max_logits = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
+    if n_tok == 0:
+        return out, lse, max_logits
+    if kv.shape[0] == 0:  # every index is invalid
+        out.zero_()
+        lse.fill_(math.inf)
+        max_logits.fill_(-math.inf)
+        return out, lse, max_logits
+    q = q.contiguous()
+    kv = kv.contiguous()
+    indices = indices.contiguous()
+    has_sink = attn_sink is not None
+    has_tl = topk_length is not None
+    tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
+    sink_arg = attn_sink.contiguous() if has_sink else torch.empty((1,), dtype=torch.float32, device=dev)
+    n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
+    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl)
+    kernel(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
+    return out, lse, max_logits
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test (lowering is slow)."""
+    cases = []
+    for heads, dqk, topk, sink, tl in [
+        (128, 576, 2048, False, False),
+        (64, 512, 640, True, True),
+        (128, 576, 100, True, True),
+    ]:
+        name = f"ws_h{heads}_d{dqk}_topk{topk}" + ("_sink" if sink else "") + ("_tl" if tl else "")
+        fn = build_sparse_mla_fwd(
+            heads=heads, dqk=dqk, d_v=D_V, topk=topk, sm_scale=dqk**-0.5, has_sink=sink, has_topk_length=tl
+        )
+        cases.append((name, fn))
+    return cases
+
+
+def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
+    """Lower a prim_func to CUDA C++ source on any machine (no GPU needed)."""
+    from tilelang import tvm
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    with tvm.transform.PassContext(config=_pass_configs()), target:
+        art = tilelang.lower(func, target=target)
+    return art.kernel_source

@@ -1,0 +1,455 @@
+"""Exact per-row top-k by radix select, in TileLang for Hopper (one CTA per row).
+
+Notes
+-----
+Algorithm (kernel ``topk_radix``; grid ``M``, one CTA of ``threads`` threads per row):
+  * Keys.  Each float32 score becomes an order-preserving uint32 key with pure integer ops (safe under fast
+    math): positives ``bits | 0x80000000``, negatives ``~bits``, +0.0 and -0.0 both ``0x80000000`` (they tie,
+    as in the stable-sort reference).  NaN (either sign), -inf and positions outside ``[starts[m], ends[m])``
+    get key 0, which is never selected (every finite score has a key >= 0x00800000).
+  * Radix select, 3 histogram passes of 11/11/10 bits over the keys (2048-bin int32 histogram in shared
+    memory, shared-memory atomics).  After pass 0 the row's valid count ``total`` is known and
+    ``k_eff = min(k, total)``; if ``total <= k`` every valid element is taken (no further pass).  Each pass
+    restricts to keys whose already-decided high bits equal ``prefix`` and picks the digit ``d`` where the
+    count of larger digits ``g`` satisfies ``g < k_rem <= g + hist[d]`` (a block suffix scan: each thread owns
+    2048/threads contiguous bins, warp shuffles + one row of 32 warp totals).  If the whole bucket is taken
+    (``hist[d] == k_rem``) the remaining passes are skipped.  The result is a masked threshold
+    (``mask``, ``prefix``) and ``need`` = how many keys equal to it (under the mask) to take.
+  * Write (deterministic, no atomics): element i is *above* if ``key & mask > prefix`` and *tied* if
+    ``key != 0 and key & mask == prefix``; all above are taken and the ``need`` tied ones with the lowest
+    positions.  The row is cut into one contiguous segment per warp; sweep A counts above/tied per warp,
+    a block exclusive scan of the 32 warp counts gives each warp its base, sweep B re-reads its segment
+    (lane-consecutive, coalesced) and ranks with ``__ballot_sync`` + ``popc``.  Output slot of a taken
+    element = (#above before it) + min(#tied before it, need): this is ascending position order, so
+    ``order="index"`` needs no sort.  Slots ``[k_eff, k)`` get -1.  No candidate buffer exists, so
+    all-equal rows, rows of -inf/NaN and heavy ties are exact and in bounds by construction.
+  * ``order="score"`` (k <= 4096): sweep B writes ``(key << 32) | ~pos`` (uint64) into a shared buffer of
+    ``sort_cap`` in {256, 2048, 4096} slots (padding 0), a block bitonic sort orders it descending (score desc,
+    ties ascending position; the composite is unique so the unstable sort is exact), then the positions are
+    written out.  k > 4096 with order="score": ``kernel_unsupported`` says so and the dispatcher falls back.
+  * Shared-memory key cache: variants with ``cache > 0`` convert the row once into ``cache`` uint32 keys in
+    shared memory during pass 0 (fused with the first histogram); later passes and both sweeps read shared
+    memory.  ``cache == 0`` re-reads global memory (L2) in every pass: up to 5 reads of the row.
+  * starts/ends: clamped to [0, N]; start >= end is an empty row.  Whether each is given is a runtime ``Flags``
+    scalar (bit 0 starts, bit 1 ends), so one compile serves every combination.  The row stride is a dynamic
+    symbol (``StridedTensor``): strided rows are read in place.  M, N, K and the stride are dynamic.
+Passes per row: 1 global read (pass 0) + up to 2 histogram passes + 2 write sweeps (smem, or L2 without the
+  cache) + a bitonic sort (score only).  About 9 __syncthreads per row (index), plus log2(cap)^2/2 for score.
+Shared memory: hist 8 KiB + keys 4*cache (32 KiB for 8192, 128 KiB for 32768) + sort 8*sort_cap (<= 32 KiB).
+Variants (``pick_config``, untuned): N <= 8192 -> cache 8192, 512 threads (38 regs, up to 4 CTAs/SM);
+  N <= 32768 -> cache 32768, 1024 threads (56 regs); longer -> no cache, 1024 threads (62 regs).  No spills
+  (ptxas -v on the lowered source, CUDA 13.0, sm_90a).  Compiles: at most 3 variants x (index + 3 caps) = 12.
+Expected time on H200 (estimates, not measured): 64 x 32768 ~ 15-25 us (64 CTAs, HBM read once);
+  4096 x 8192 ~ 80-150 us (HBM ~30 us + smem passes per row); 16 x 131072 ~ 40-70 us (only 16 CTAs, L2
+  re-reads of 512 KiB x 5 per SM); 1 x 1048576 ~ 150-250 us with one CTA: MISSES the 60 us target -- it needs
+  a multi-CTA (cluster / split-histogram) variant, not written yet.
+Verified (CPU only; never run on a GPU by the author): every ``lowering_cases()`` variant lowers for sm_90a
+  (7-20 s each on a loaded 2-core box, with and without ``_pass_configs()``) and its source compiles with
+  nvcc -arch=sm_90a without spills.  A numpy model of exactly this algorithm (same key map, passes, digit
+  choice, per-warp segments and ballot ranks, score composite) matched ``topk_indices_reference`` bit for bit
+  on 600 cases (N 1..33000, k 1/64/2048, random / ties / all-equal / +-inf and +-NaN / signed zeros and
+  subnormals, random ranges incl. empty and clamped, both orders, 512 and 1024 threads).
+Risks for the first GPU run:
+  * ``TL_DISABLE_THREAD_STORAGE_SYNC`` is set: every __syncthreads is explicit; a missing one shows as
+    nondeterministic output (the 5-run determinism test catches it).  ``TL_DISABLE_SHARED_MEMORY_REUSE`` is
+    set because the planner otherwise aliased the sort buffer with the warp-total buffer across a race window.
+  * ``__ballot_sync`` is emitted inside a loop whose trip count is block-uniform; the bounds guard only wraps
+    the key load, so all lanes reach the ballot.
+  * Dynamic shared memory > 48 KiB (cache 32768: 136-168 KiB) relies on TileLang setting the attribute.
+  * ``Flags`` is a scalar ``T.int32`` kernel parameter: check that ``kernel(s, st, en, out, flags)`` binds it.
+  * Histogram atomics on random normal data hit ~40 hot bins in pass 0 (contention, not correctness).
+"""
+
+import functools
+
+import torch
+
+HBINS = 2048  # 11-bit digits; pass 2 uses the low 10 bits
+_SHIFTS = (21, 10, 0)
+_DMASKS = (0x7FF, 0x7FF, 0x3FF)
+MAX_SCORE_K = 4096  # order="score" sorts k_eff entries in shared memory
+_UNROLL = 4
+
+
+def _pass_configs():
+    import tilelang
+
+    return {
+        # every __syncthreads is written by hand (the automatic pass would put some under divergent branches)
+        tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+        # no aliasing of shared buffers: with hand-written syncs the planner's lifetime view is not safe
+        tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True,
+    }
+
+
+def _next_pow2(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+def _sort_cap(k: int) -> int:
+    """Shared-memory sort slots for order="score": few sizes, so few compiles."""
+    for cap in (256, 2048, MAX_SCORE_K):
+        if k <= cap:
+            return cap
+    raise ValueError(f"k={k} > {MAX_SCORE_K}")
+
+
+def pick_config(n: int) -> tuple[int, int]:
+    """(threads, cache) for rows of length n.  Estimates, to be tuned on the H200 (no benchmark JSON yet)."""
+    if n <= 8192:
+        return 512, 8192
+    if n <= 32768:
+        return 1024, 32768
+    return 1024, 0
+
+
+def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0):
+    """TileLang prim_func: Scores [M, N] f32 (row stride SM), Starts [NS] i32, Ends [NE] i32, Out [M, K] i32, Flags.
+
+    ``Flags`` bit 0: Starts is given, bit 1: Ends is given (else the dummy tensor is never read).
+    ``sort_cap`` 0 means order="index"; otherwise order="score" with K <= sort_cap (a power of two).
+    """
+    import tilelang.language as T
+
+    NT = threads
+    assert NT % 32 == 0 and HBINS % NT == 0 and NT <= 1024
+    W = NT // 32
+    BPT = HBINS // NT
+    score = sort_cap > 0
+    if score:
+        assert sort_cap & (sort_cap - 1) == 0 and sort_cap >= 2
+        LOG_CAP = sort_cap.bit_length() - 1
+        HALF = sort_cap // 2
+    U = _UNROLL
+
+    M = T.dynamic("M")
+    N = T.dynamic("N")
+    K = T.dynamic("K")
+    NS = T.dynamic("NS")
+    NE = T.dynamic("NE")
+    SM = T.dynamic("SM")
+    u32, i32, u64 = "uint32", "int32", "uint64"
+
+    def to_key(x):
+        b = T.reinterpret(x, u32)
+        a = b & T.uint32(0x7FFFFFFF)
+        k = T.if_then_else(
+            a == T.uint32(0), T.uint32(0x80000000),
+            T.if_then_else(b >= T.uint32(0x80000000), ~b, b | T.uint32(0x80000000)))
+        bad = (a > T.uint32(0x7F800000)) | (b == T.uint32(0xFF800000))  # NaN or -inf
+        return T.if_then_else(bad, T.uint32(0), k)
+
+    @T.prim_func
+    def topk_radix(
+        Scores: T.StridedTensor((M, N), (SM, 1), "float32"),
+        Starts: T.Tensor((NS,), i32),
+        Ends: T.Tensor((NE,), i32),
+        Out: T.Tensor((M, K), i32),
+        Flags: T.int32,
+    ):
+        with T.Kernel(M, threads=NT) as bx:
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((HBINS,), i32)
+            wred = T.alloc_shared((2, W), i32)
+            sel = T.alloc_shared((4,), i32)
+            if cache > 0:
+                skeys = T.alloc_shared((cache,), u32)
+            if score:
+                sbuf = T.alloc_shared((sort_cap,), u64)
+
+            lane = tx % 32
+            warp = tx // 32
+            lo = T.alloc_var(i32)
+            hi = T.alloc_var(i32)
+            n = T.alloc_var(i32)
+            total = T.alloc_var(i32)
+            kef = T.alloc_var(i32)
+            krem = T.alloc_var(i32)
+            need = T.alloc_var(i32)
+            done = T.alloc_var(i32)
+            prefix = T.alloc_var(u32)
+            mask = T.alloc_var(u32)
+            x = T.alloc_var(i32)
+            s = T.alloc_var(i32)
+            g = T.alloc_var(i32)
+            kk = T.alloc_var(u32)
+            cgt = T.alloc_var(i32)
+            ceq = T.alloc_var(i32)
+            vals = T.alloc_local((U,), u32)
+            fv = T.alloc_local((U,), "float32")
+            shift = T.alloc_var(u32)
+            dmask = T.alloc_var(u32)
+            pos = T.alloc_var(i32)
+            f1 = T.alloc_var("float32")
+
+            lo = 0
+            hi = N
+            if (Flags & 1) != 0:
+                lo = T.max(T.min(Starts[bx], N), 0)
+            if (Flags & 2) != 0:
+                hi = T.max(T.min(Ends[bx], N), 0)
+            n = T.max(hi - lo, 0)
+
+            # ---- pass 0: histogram of the top 11 bits (and the shared-memory key cache) ----
+            for b in T.serial(BPT):
+                hist[tx * BPT + b] = 0
+            T.sync_threads()
+            for j in T.serial(T.ceildiv(n, NT * U)):
+                for u in T.unroll(U):
+                    fv[u] = T.float32(0)
+                    if (j * U + u) * NT + tx < n:
+                        fv[u] = Scores[bx, lo + (j * U + u) * NT + tx]
+                for u in T.unroll(U):
+                    if (j * U + u) * NT + tx < n:
+                        kk = to_key(fv[u])
+                        if cache > 0:
+                            skeys[(j * U + u) * NT + tx] = kk
+                        if kk != T.uint32(0):
+                            T.atomic_add(hist[T.Cast(i32, kk >> T.uint32(_SHIFTS[0]))], 1)
+            T.sync_threads()
+
+            prefix = T.uint32(0)
+            mask = T.uint32(0)
+            done = 0
+            krem = K
+            for p in T.unroll(3):
+                if done == 0:
+                    shift = T.Cast(
+                        u32, T.if_then_else(p == 0, _SHIFTS[0], T.if_then_else(p == 1, _SHIFTS[1], _SHIFTS[2])))
+                    dmask = T.Cast(u32, T.if_then_else(p == 2, _DMASKS[2], _DMASKS[0]))
+                    if p > 0:
+                        # histogram of the next digit among keys matching the decided prefix
+                        for b in T.serial(BPT):
+                            hist[tx * BPT + b] = 0
+                        T.sync_threads()
+                        for j in T.serial(T.ceildiv(n, NT * U)):
+                            for u in T.unroll(U):
+                                vals[u] = T.uint32(0)
+                                if (j * U + u) * NT + tx < n:
+                                    if cache > 0:
+                                        vals[u] = skeys[(j * U + u) * NT + tx]
+                                    else:
+                                        fv[u] = Scores[bx, lo + (j * U + u) * NT + tx]
+                            if cache == 0:
+                                for u in T.unroll(U):
+                                    if (j * U + u) * NT + tx < n:
+                                        vals[u] = to_key(fv[u])
+                            for u in T.unroll(U):
+                                if vals[u] != T.uint32(0) and (vals[u] & mask) == prefix:
+                                    T.atomic_add(hist[T.Cast(i32, (vals[u] >> shift) & dmask)], 1)
+                        T.sync_threads()
+                    # block suffix scan of the histogram: thread tx owns bins [tx*BPT, tx*BPT + BPT)
+                    s = 0
+                    for b in T.serial(BPT):
+                        s = s + hist[tx * BPT + b]
+                    x = s
+                    for o in T.unroll(5):
+                        g = T.shfl_down(x, 1 << o)
+                        if lane + (1 << o) < 32:
+                            x = x + g
+                    if lane == 0:
+                        wred[0, warp] = x
+                    T.sync_threads()
+                    g = x - s
+                    total = 0
+                    for w2 in T.serial(W):
+                        total = total + wred[0, w2]
+                        if w2 > warp:
+                            g = g + wred[0, w2]
+                    if p == 0:
+                        kef = T.min(K, total)
+                        krem = kef
+                    if p == 0 and total <= K:
+                        # take every valid element
+                        done = 1
+                        need = total
+                    else:
+                        for b in T.serial(BPT):
+                            if g < krem and krem <= g + hist[tx * BPT + BPT - 1 - b]:
+                                sel[0] = tx * BPT + BPT - 1 - b
+                                sel[1] = g
+                                sel[2] = hist[tx * BPT + BPT - 1 - b]
+                            g = g + hist[tx * BPT + BPT - 1 - b]
+                        T.sync_threads()
+                        krem = krem - sel[1]
+                        prefix = prefix | (T.Cast(u32, sel[0]) << shift)
+                        mask = mask | (dmask << shift)
+                        need = krem
+                        if sel[2] == krem or p == 2:
+                            done = 1
+                    T.sync_threads()
+
+            # ---- write: one contiguous segment per warp, ranks by ballot/popc in position order ----
+            seg = T.ceildiv(T.ceildiv(n, W), 32) * 32
+            cgt = 0
+            ceq = 0
+            for j in T.serial(seg // 32):
+                pos = warp * seg + j * 32 + lane
+                if pos < n:
+                    if cache > 0:
+                        kk = skeys[pos]
+                    else:
+                        f1 = Scores[bx, lo + pos]
+                        kk = to_key(f1)
+                    if (kk & mask) > prefix:
+                        cgt = cgt + 1
+                    elif kk != T.uint32(0) and (kk & mask) == prefix:
+                        ceq = ceq + 1
+            cgt = T.warp_reduce_sum(cgt)
+            ceq = T.warp_reduce_sum(ceq)
+            if lane == 0:
+                wred[0, warp] = cgt
+                wred[1, warp] = ceq
+            T.sync_threads()
+            cgt = 0
+            ceq = 0
+            for w2 in T.serial(W):
+                if w2 < warp:
+                    cgt = cgt + wred[0, w2]
+                    ceq = ceq + wred[1, w2]
+            T.sync_threads()
+            for j in T.serial(seg // 32):
+                kk = T.uint32(0)
+                pos = warp * seg + j * 32 + lane
+                if pos < n:
+                    if cache > 0:
+                        kk = skeys[pos]
+                    else:
+                        f1 = Scores[bx, lo + pos]
+                        kk = to_key(f1)
+                bg = T.ballot_sync((kk & mask) > prefix)
+                be = T.ballot_sync(kk != T.uint32(0) and (kk & mask) == prefix)
+                lt = (T.uint64(1) << T.Cast(u64, lane)) - T.uint64(1)
+                x = cgt + T.Cast(i32, T.popcount(bg & lt))
+                s = ceq + T.Cast(i32, T.popcount(be & lt))
+                if (kk & mask) > prefix or (kk != T.uint32(0) and (kk & mask) == prefix and s < need):
+                    if score:
+                        sbuf[x + T.min(s, need)] = (T.Cast(u64, kk) << T.uint64(32)) | T.Cast(
+                            u64, T.uint32(0xFFFFFFFF) - T.Cast(u32, pos))
+                    else:
+                        Out[bx, x + T.min(s, need)] = lo + pos
+                cgt = cgt + T.Cast(i32, T.popcount(bg))
+                ceq = ceq + T.Cast(i32, T.popcount(be))
+
+            if score:
+                for j in T.serial(T.ceildiv(sort_cap, NT)):
+                    if j * NT + tx < sort_cap and j * NT + tx >= kef:
+                        sbuf[j * NT + tx] = T.uint64(0)
+                T.sync_threads()
+                for a in T.serial(LOG_CAP):
+                    for c in T.serial(a + 1):
+                        for j in T.serial(T.ceildiv(HALF, NT)):
+                            if j * NT + tx < HALF:
+                                # pair (i, i + 2^(a-c)); blocks of 2^(a+1) alternate direction
+                                sel_i = (((j * NT + tx) >> (a - c)) << (a - c + 1)) | (
+                                    (j * NT + tx) & ((1 << (a - c)) - 1))
+                                va = sbuf[sel_i]
+                                vb = sbuf[sel_i + (1 << (a - c))]
+                                if ((sel_i & (2 << a)) == 0) == (va < vb):
+                                    sbuf[sel_i] = vb
+                                    sbuf[sel_i + (1 << (a - c))] = va
+                        T.sync_threads()
+                for j in T.serial(T.ceildiv(K, NT)):
+                    if j * NT + tx < K:
+                        if j * NT + tx < kef:
+                            Out[bx, j * NT + tx] = lo + T.Cast(
+                                i32, T.uint32(0xFFFFFFFF) - T.Cast(u32, sbuf[j * NT + tx] & T.uint64(0xFFFFFFFF)))
+                        else:
+                            Out[bx, j * NT + tx] = -1
+            else:
+                for j in T.serial(T.ceildiv(K, NT)):
+                    if j * NT + tx < K and j * NT + tx >= kef:
+                        Out[bx, j * NT + tx] = -1
+
+    return topk_radix
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(threads: int, cache: int, sort_cap: int):
+    import tilelang
+
+    func = _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def kernel_unsupported(scores, k, starts=None, ends=None, order="index") -> str | None:
+    """None if this kernel handles the arguments, else a short reason (shapes/dtypes/devices only, no values)."""
+    if not isinstance(scores, torch.Tensor) or not scores.is_cuda:
+        return "scores must be a CUDA tensor"
+    if scores.dtype != torch.float32:
+        return f"scores must be float32 (got {scores.dtype})"
+    if scores.dim() != 2:
+        return "scores must be [M, N]"
+    M, N = scores.shape
+    if not isinstance(k, int) or k < 1:
+        return "k must be an int >= 1"
+    if order not in ("index", "score", "any"):
+        return f"order {order!r} not in ('index', 'score', 'any')"
+    if order == "score" and k > MAX_SCORE_K:
+        return f"order='score' sorts in shared memory: k={k} > {MAX_SCORE_K}"
+    if N >= 2**31 - 2**13 or k >= 2**31 or M >= 2**31:
+        return "sizes exceed int32 indexing"
+    if N > 1 and scores.stride(1) != 1:
+        return "scores: last dim must be contiguous"
+    if M > 1 and not 0 <= scores.stride(0) < 2**31 - 2**13:
+        return "scores: row stride must be in [0, 2**31)"
+    for name, t in (("starts", starts), ("ends", ends)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_cuda or t.device != scores.device:
+            return f"{name} must be a CUDA tensor on the scores device"
+        if t.dtype != torch.int32 or t.shape != (M,):
+            return f"{name} must be int32 [M]"
+    return None
+
+
+def run_topk_indices(scores, k, starts=None, ends=None, order="index") -> torch.Tensor:
+    """Exact top-k positions per row; `[M, k]` int32 in ``order`` ("any" = "index").  No host synchronisation."""
+    reason = kernel_unsupported(scores, k, starts, ends, order)
+    if reason is not None:
+        raise ValueError(f"topk radix kernel: {reason}")
+    M, N = scores.shape
+    dev = scores.device
+    out = torch.empty((M, k), dtype=torch.int32, device=dev)
+    if M == 0:
+        return out
+    if N == 0:
+        return out.fill_(-1)
+    if (N == 1 and scores.stride(1) != 1) or (M == 1 and scores.stride(0) != N):
+        # size-1 dims may carry any stride in torch; give the kernel the canonical one (same storage)
+        scores = scores.as_strided((M, N), (N if M == 1 else scores.stride(0), 1))
+    threads, cache = pick_config(N)
+    sort_cap = _sort_cap(k) if order == "score" else 0
+    dummy = None
+    if starts is None or ends is None:
+        dummy = torch.empty((1,), dtype=torch.int32, device=dev)
+    st = starts.contiguous() if starts is not None else dummy
+    en = ends.contiguous() if ends is not None else dummy
+    flags = (1 if starts is not None else 0) | (2 if ends is not None else 0)
+    kernel = _compiled(threads, cache, sort_cap)
+    kernel(scores, st, en, out, flags)
+    return out
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test (one per shipped variant)."""
+    cases = []
+    for threads, cache, sort_cap in [(512, 8192, 0), (1024, 32768, 0), (1024, 0, 0), (1024, 32768, 2048),
+                                     (512, 8192, 256), (1024, 0, 4096)]:
+        name = f"t{threads}_cache{cache}_" + (f"score{sort_cap}" if sort_cap else "index")
+        cases.append((name, _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap)))
+    return cases
+
+
+def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
+    """Lower a prim_func to CUDA C++ source on any machine (no GPU needed)."""
+    import tilelang
+    from tilelang import tvm
+
+    target = tvm.target.Target({"kind": "cuda", "arch": arch})
+    with tvm.transform.PassContext(config=_pass_configs()), target:
+        art = tilelang.lower(func, target=target)
+    return art.kernel_source

@@ -1,0 +1,187 @@
+"""GPU tests of the dense bf16 paged MLA decode kernel (``flashdsa.decode.kernel_dense``) against the reference.
+
+Inputs: shuffled block tables, unused cache slots (and unused blocks) filled with NaN, block-table entries past
+each sequence's pages set to out-of-range ids, mixed cache lengths within a batch.
+Tolerances: out elementwise within abs 1e-3 or rel 2/128, cosine distance <= 5e-6, lse rel 8/65536 (finite rows;
+empty rows must give lse = +inf and out = 0 on both sides).
+"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+LENS = (0, 20, 140, 4096, 32768)
+
+
+def _kernel():
+    pytest.importorskip("tilelang")
+    from flashdsa.decode import kernel_dense
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the dense decode kernel targets Hopper (sm_90a)")
+    return kernel_dense
+
+
+def _make(B, s_q, H, block_size, lens, *, seed=0, extra_blocks=2, device="cuda"):
+    """q, kv_cache (NaN in every unused slot), shuffled block_table, cache_seqlens."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lens = [int(x) for x in lens]
+    assert len(lens) == B
+    need = [(n + block_size - 1) // block_size for n in lens]
+    max_blocks = max(1, max(need) + extra_blocks)
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.full((B, max_blocks), -1, dtype=torch.int32)
+    kv = torch.full((num_blocks, block_size, 576), float("nan"), dtype=torch.bfloat16)
+    pos = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[pos:pos + n].to(torch.int32)
+        pos += n
+        # entries past the sequence: a mix of -1, too-large ids and INT_MIN/INT_MAX (never dereferenced)
+        for j in range(n, max_blocks):
+            table[b, j] = (-1, num_blocks, 2**31 - 1, -(2**31))[(b + j) % 4]
+        for p0 in range(0, lens[b], block_size):
+            blk = int(table[b, p0 // block_size])
+            cnt = min(block_size, lens[b] - p0)
+            kv[blk, :cnt] = torch.randn(cnt, 576, generator=g).to(torch.bfloat16)
+    q = torch.randn(B, s_q, H, 576, generator=g).to(torch.bfloat16)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    return q.to(device), kv.to(device), table.to(device), seqlens.to(device)
+
+
+def _check(out, lse, ref_out, ref_lse):
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not torch.isnan(out).any(), "NaN in out"
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    o = out.double()
+    r = ref_out.double()
+    err = (o - r).abs()
+    ok = (err <= 1e-3) | (err <= (2 / 128) * r.abs())
+    assert ok.all(), f"out: max abs err {err.max().item():.3e} at {tuple(int(i) for i in (~ok).nonzero()[0])}"
+    n_o, n_r = o.flatten(), r.flatten()
+    denom = n_o.norm() * n_r.norm()
+    if denom > 0:
+        cos_dist = 1 - (n_o @ n_r) / denom
+        assert cos_dist <= 5e-6, f"cosine distance {cos_dist.item():.3e}"
+    inf_k, inf_r = torch.isinf(lse), torch.isinf(ref_lse)
+    assert torch.equal(inf_k, inf_r), "empty rows (lse = +inf) differ"
+    if inf_r.any():
+        assert (lse[inf_r] > 0).all(), "empty rows must give lse = +inf"
+        assert (out[inf_r] == 0).all(), "empty rows must give out = 0"
+    fin = ~inf_r
+    if fin.any():
+        rel = ((lse[fin].double() - ref_lse[fin].double()).abs() / ref_lse[fin].double().abs().clamp_min(1e-30))
+        abs_ = (lse[fin].double() - ref_lse[fin].double()).abs()
+        ok = (rel <= 8 / 65536) | (abs_ <= 8 / 65536)
+        assert ok.all(), f"lse: max rel err {rel.max().item():.3e}"
+
+
+def _reference(q, kv, table, seqlens, *, sm_scale, causal, sink):
+    from flashdsa.decode.reference import mla_decode_reference
+
+    return mla_decode_reference(q, kv, table, seqlens, sm_scale=sm_scale, d_v=512, causal=causal, attn_sink=sink)
+
+
+# (B, s_q, H, block_size, lens (cycled over the batch), causal, sink)
+CASES = [
+    (1, 1, 16, 64, (4096,), True, False),
+    (1, 1, 1, 16, (20,), True, False),
+    (2, 2, 3, 16, (140, 0), True, False),
+    (6, 1, 9, 256, (0, 20, 140, 4096, 32768, 140), True, False),
+    (2, 4, 63, 32, (32768, 20), True, True),
+    (64, 1, 16, 64, (4096, 140, 20, 0), True, False),
+    (74, 1, 64, 128, (140, 4096, 20), True, False),
+    (6, 2, 126, 256, (20, 4096, 0, 140, 32768, 1), True, True),
+    (2, 1, 128, 64, (32768, 4096), False, False),
+    (6, 4, 128, 16, (1, 2, 3, 140, 4096, 20), True, False),
+    (74, 2, 16, 16, (4096, 20, 0, 140), False, True),
+    (1, 4, 3, 256, (3,), True, False),  # fewer cached tokens than s_q: early queries see nothing
+]
+
+
+@pytest.mark.parametrize("B,s_q,H,block_size,lens,causal,sink", CASES,
+                         ids=[f"B{c[0]}-sq{c[1]}-H{c[2]}-bs{c[3]}-{'causal' if c[5] else 'full'}"
+                              f"{'-sink' if c[6] else ''}" for c in CASES])
+def test_dense_decode_matches_reference(B, s_q, H, block_size, lens, causal, sink):
+    K = _kernel()
+    lens = [lens[i % len(lens)] for i in range(B)]
+    q, kv, table, seqlens = _make(B, s_q, H, block_size, lens, seed=B * 131 + H)
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(H, device="cuda", dtype=torch.float32)
+        attn_sink[0] = math.inf
+        if H > 1:
+            attn_sink[1] = -math.inf
+    assert K.kernel_unsupported(q, kv, table, seqlens, d_v=512, causal=causal, attn_sink=attn_sink) is None
+    scale = 576 ** -0.5
+    out, lse = K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=scale, d_v=512, causal=causal,
+                                      attn_sink=attn_sink)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = _reference(q, kv, table, seqlens, sm_scale=scale, causal=causal, sink=attn_sink)
+    _check(out, lse, ref_out, ref_lse)
+
+
+def test_dense_decode_strided_q_and_4d_cache():
+    K = _kernel()
+    q, kv, table, seqlens = _make(2, 2, 16, 64, [300, 77], seed=7)
+    big = torch.zeros(2, 2, 20, 640, dtype=torch.bfloat16, device="cuda")
+    big[:, :, 2:18, :576] = q
+    qs = big[:, :, 2:18, :576]
+    out, lse = K.run_mla_decode_dense(qs, kv.unsqueeze(2), table, seqlens, sm_scale=0.1, d_v=512, causal=True)
+    ref_out, ref_lse = _reference(q, kv, table, seqlens, sm_scale=0.1, causal=True, sink=None)
+    _check(out, lse, ref_out, ref_lse)
+
+
+def test_dense_decode_deterministic():
+    K = _kernel()
+    q, kv, table, seqlens = _make(6, 1, 16, 64, [4096, 20, 140, 0, 32768, 5], seed=3)
+    a = K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=0.05, d_v=512, causal=True)
+    b = K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=0.05, d_v=512, causal=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_dense_decode_unsupported_reasons():
+    K = _kernel()
+    q, kv, table, seqlens = _make(1, 1, 4, 64, [10], seed=1)
+    assert K.kernel_unsupported(q, kv, table, seqlens, d_v=512, causal=True) is None
+    assert K.kernel_unsupported(q, kv, table, seqlens, d_v=256, causal=True) is not None
+    assert K.kernel_unsupported(q, kv, table, seqlens, d_v=512, causal=True,
+                                indices=torch.zeros(1, 1, 4, dtype=torch.int32, device="cuda")) is not None
+    assert K.kernel_unsupported(q.float(), kv, table, seqlens, d_v=512, causal=True) is not None
+    kv8 = torch.zeros(4, 8, 576, dtype=torch.bfloat16, device="cuda")
+    assert K.kernel_unsupported(q, kv8, table, seqlens, d_v=512, causal=True) is not None  # block_size 8
+    q129 = torch.zeros(1, 1, 129, 576, dtype=torch.bfloat16, device="cuda")
+    assert K.kernel_unsupported(q129, kv, table, seqlens, d_v=512, causal=True) is not None
+
+
+def test_dense_decode_cuda_graph_replay():
+    """The whole step (GPU split plan, partial kernel, combine) is captured once and replayed with new lengths."""
+    K = _kernel()
+    B, s_q, H, bs = 6, 2, 16, 64
+    lens_a = [4096, 20, 140, 0, 32768, 1]
+    lens_b = [32768, 0, 4096, 140, 20, 2000]
+    # one cache/table that serves both length sets: build for the element-wise max
+    q, kv, table, _ = _make(B, s_q, H, bs, [max(x, y) for x, y in zip(lens_a, lens_b)], seed=11)
+    seqlens = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
+    scale = 576 ** -0.5
+    # warm up (compiles) outside the capture, on a side stream as the CUDA-graph docs require
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=scale, d_v=512, causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=scale, d_v=512, causal=True)
+    for lens in (lens_a, lens_b, lens_a):
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        # the unused tail of a shorter sequence is stale data, not NaN: the kernel must not read it either way
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = _reference(q, kv, table, seqlens, sm_scale=scale, causal=True, sink=None)
+        _check(out, lse, ref_out, ref_lse)

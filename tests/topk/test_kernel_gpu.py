@@ -1,0 +1,167 @@
+"""GPU: the TileLang radix top-k kernel against the PyTorch reference, exactly (run with ``pytest -m gpu``).
+
+Every comparison is exact equality of the int32 index tensors (the contract is exact: ties to the lower position,
+-inf/NaN never selected, -1 in leftover slots).  The kernel is compiled per (threads, cache) variant (chosen by N),
+order (index, or score with next_pow2(k) sort slots) and whether starts/ends are given; the cases below need about
+20 compiles.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("tilelang")
+
+from flashdsa.topk import kernel_radix  # noqa: E402
+from flashdsa.topk.reference import topk_indices_reference  # noqa: E402
+
+POISON = 0x5A5A5A5A
+NS = (1, 100, 2047, 8192, 33000, 131072)
+KS = (1, 64, 2048)
+MS = (1, 3, 64, 300)
+KINDS = ("randn", "ties", "allequal", "infnan", "signed_zero")
+
+
+def _poison_allocator(numel):
+    """Leave a freed block full of POISON in the caching allocator so that torch.empty of the output reuses it."""
+    junk = torch.full((numel,), POISON, dtype=torch.int32, device="cuda")
+    del junk
+
+
+def _scores(kind, M, N, gen):
+    x = torch.randn(M, N, generator=gen, device="cuda")
+    if kind == "ties":  # a handful of levels: heavy ties at the threshold
+        x = torch.round(x * 2) / 2
+    elif kind == "allequal":
+        x = torch.full((M, N), 0.75, device="cuda")
+    elif kind == "infnan":
+        r = torch.rand(M, N, generator=gen, device="cuda")
+        x = torch.where(r < 0.3, torch.full_like(x, -float("inf")), x)
+        x = torch.where((r >= 0.3) & (r < 0.5), torch.full_like(x, float("nan")), x)
+        x = torch.where((r >= 0.5) & (r < 0.52), torch.full_like(x, float("inf")), x)
+        x = torch.where((r >= 0.52) & (r < 0.56), -torch.full_like(x, float("nan")), x)  # negative NaN bits
+        x[0] = -float("inf")  # a row with nothing selectable
+        if M > 1:
+            x[1, ::2] = float("nan")
+    elif kind == "signed_zero":  # +0.0 and -0.0 must tie; subnormals stay ordered
+        r = torch.rand(M, N, generator=gen, device="cuda")
+        x = torch.where(r < 0.5, torch.zeros_like(x), -torch.zeros_like(x))
+        x = torch.where(r > 0.9, torch.full_like(x, 1e-40), x)
+        x = torch.where(r < 0.05, torch.full_like(x, -1e-40), x)
+    return x.contiguous()
+
+
+def _ranges(M, N, gen):
+    """starts > 0, empty ranges (start == end and start > end), ranges past N, negative starts."""
+    st = torch.randint(-4, max(1, N) + 4, (M,), generator=gen, device="cuda", dtype=torch.int32)
+    ln = torch.randint(-3, max(1, N) + 1, (M,), generator=gen, device="cuda", dtype=torch.int32)
+    en = st + ln
+    if M >= 3:
+        st[0], en[0] = 0, N  # full row
+        st[1], en[1] = N // 2, N // 2  # empty
+        st[2], en[2] = min(5, N), N + 100  # starts > 0, end clamped
+    return st.contiguous(), en.contiguous()
+
+
+def _check(scores, k, starts=None, ends=None, order="index"):
+    M = scores.shape[0]
+    _poison_allocator(M * k)
+    got = kernel_radix.run_topk_indices(scores, k, starts, ends, order)
+    torch.cuda.synchronize()
+    ref = topk_indices_reference(scores, k, starts, ends, order)
+    assert got.dtype == torch.int32 and got.shape == (M, k)
+    if not torch.equal(got, ref):
+        bad = (got != ref).any(dim=1).nonzero()[0, 0].item()
+        diff = (got[bad] != ref[bad]).nonzero()[:8, 0].tolist()
+        raise AssertionError(
+            f"row {bad} (of {M}), k={k}, order={order}: first mismatching slots {diff}; "
+            f"got {got[bad, diff].tolist()} ref {ref[bad, diff].tolist()}"
+        )
+    return got
+
+
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("order", ["index", "score"])
+def test_matches_reference(N, k, order):
+    gen = torch.Generator(device="cuda").manual_seed(1000 * N + k)
+    for M in MS:
+        if M * N > 64 * 131072:  # keep the reference's sort cheap
+            continue
+        for kind in KINDS:
+            x = _scores(kind, M, N, gen)
+            _check(x, k, order=order)
+            st, en = _ranges(M, N, gen)
+            _check(x, k, st, en, order=order)
+            _check(x, k, None, en, order=order)
+
+
+@pytest.mark.parametrize("N", [1, 100, 8192, 33000])
+def test_rows_shorter_than_k(N):
+    gen = torch.Generator(device="cuda").manual_seed(N)
+    x = _scores("randn", 3, N, gen)
+    for k in (N, N + 1, 2 * N + 37):
+        if k <= kernel_radix.MAX_SCORE_K:
+            _check(x, k, order="score")
+        _check(x, k, order="index")
+
+
+def test_strided_rows_and_any_order():
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    base = torch.randn(64, 9000, generator=gen, device="cuda")
+    x = base[:, 100:8292]  # row stride 9000, last dim contiguous
+    got = _check(x, 2048)
+    assert torch.equal(kernel_radix.run_topk_indices(x, 2048, order="any"), got)
+    _check(x[::2], 64, order="score")
+    _check(base[:1, :1], 1)  # size-1 dims with arbitrary strides
+
+
+def test_large_rows():
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    _check(torch.randn(16, 131072, generator=gen, device="cuda"), 2048)
+    _check(torch.randn(1, 1048576, generator=gen, device="cuda"), 2048)
+    x = torch.round(torch.randn(1, 1048576 + 3, generator=gen, device="cuda") * 4) / 4
+    _check(x, 2048)
+    _check(x, 2048, order="score")
+
+
+def test_decode_shape_with_lengths():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    M, N = 4096, 8192
+    x = torch.randn(M, N, generator=gen, device="cuda")
+    ends = torch.randint(0, N + 1, (M,), generator=gen, device="cuda", dtype=torch.int32)
+    x = torch.where(torch.arange(N, device="cuda") < ends[:, None].long(), x, torch.full_like(x, -float("inf")))
+    _check(x, 2048, None, ends)
+
+
+@pytest.mark.parametrize("order", ["index", "score"])
+@pytest.mark.parametrize("N,kind", [(8192, "ties"), (33000, "randn"), (131072, "ties"), (2047, "infnan")])
+def test_bitwise_deterministic(N, kind, order):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = _scores(kind, 64, N, gen)
+    st, en = _ranges(64, N, gen)
+    first = kernel_radix.run_topk_indices(x, 2048, st, en, order)
+    for _ in range(4):
+        _poison_allocator(first.numel())
+        again = kernel_radix.run_topk_indices(x, 2048, st, en, order)
+        assert torch.equal(first, again)
+
+
+def test_unsupported_reasons():
+    x = torch.randn(4, 100, device="cuda")
+    assert kernel_radix.kernel_unsupported(x, 8) is None
+    assert kernel_radix.kernel_unsupported(x.double(), 8) is not None
+    assert kernel_radix.kernel_unsupported(x.cpu(), 8) is not None
+    assert kernel_radix.kernel_unsupported(x.t(), 8) is not None
+    assert kernel_radix.kernel_unsupported(x, kernel_radix.MAX_SCORE_K + 1, order="score") is not None
+    assert kernel_radix.kernel_unsupported(x, kernel_radix.MAX_SCORE_K + 1, order="index") is None
+    assert kernel_radix.kernel_unsupported(x, 8, ends=torch.zeros(4, dtype=torch.int64, device="cuda")) is not None
+
+
+def test_empty_shapes():
+    assert kernel_radix.run_topk_indices(torch.empty(0, 10, device="cuda"), 4).shape == (0, 4)
+    out = kernel_radix.run_topk_indices(torch.empty(3, 0, device="cuda"), 4)
+    assert torch.equal(out, torch.full((3, 4), -1, dtype=torch.int32, device="cuda"))
