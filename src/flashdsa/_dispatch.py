@@ -24,8 +24,19 @@ ENV_VAR = "FLASHDSA_BACKEND"
 #: ops that have a TileLang kernel, mapped to the module that holds its ``kernel_unsupported`` check.
 #: A kernel module is imported only when a CUDA tensor reaches the op (tilelang is imported lazily).
 KERNEL_MODULES: dict[str, str] = {
+    "indexer_logits": "flashdsa.indexer.kernel_prefill",
+    "indexer_logits_paged": "flashdsa.indexer.kernel_paged",
+    "topk_indices": "flashdsa.topk.kernel_radix",
     "sparse_mla_fwd": "flashdsa.sparse_mla.kernel_fwd",
+    "mla_decode": "flashdsa.decode.kernel_dense",
 }
+
+
+def kernel_module(op: str):
+    """Import and return the kernel module of ``op`` (imports tilelang)."""
+    import importlib
+
+    return importlib.import_module(KERNEL_MODULES[op])
 
 OPS = (
     "indexer_logits",

@@ -14,6 +14,7 @@ import importlib.metadata
 import json
 import math
 import platform
+import os
 import re
 import shlex
 import subprocess
@@ -133,6 +134,8 @@ def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
 def git_info() -> dict:
     """Commit (``None`` outside a git checkout or before the first commit) and dirty flag: whether the package
     source (``src/flashdsa``, untracked files included) differs from that commit."""
+    if os.environ.get("FLASHDSA_COMMIT"):  # a copy of the tree without .git (the GPU host): the caller says
+        return {"commit": os.environ["FLASHDSA_COMMIT"], "dirty": os.environ.get("FLASHDSA_DIRTY", "0") == "1"}
     src = Path(__file__).resolve().parent
     commit = _run(["git", "rev-parse", "HEAD"], cwd=src)
     status = _run(["git", "status", "--porcelain", "--", "."], cwd=src.parent)  # the package, untracked files too

@@ -21,7 +21,13 @@ def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[to
                cache_seqlens: Optional[torch.Tensor], sm_scale: float, d_v: int, causal: bool,
                indices: Optional[torch.Tensor], topk_length: Optional[torch.Tensor],
                attn_sink: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _dispatch.resolve_backend("mla_decode", backend, q.device)
+    def check():
+        return _dispatch.kernel_module("mla_decode").kernel_unsupported(
+            q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal, indices=indices, attn_sink=attn_sink)
+
+    if _dispatch.resolve_backend("mla_decode", backend, q.device, check) == "kernel":
+        return _dispatch.kernel_module("mla_decode").run_mla_decode_dense(
+            q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale, d_v=d_v, causal=causal, attn_sink=attn_sink)
     out, lse = reference.mla_decode_reference(q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale, d_v=d_v,
                                               causal=causal, indices=indices, topk_length=topk_length,
                                               attn_sink=attn_sink)

@@ -23,7 +23,10 @@ def _out_dtype(q, weights):
 @custom_op("indexer_logits")
 def _logits_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, k_scale: Optional[torch.Tensor],
                k_start: Optional[torch.Tensor], k_end: Optional[torch.Tensor], backend: str) -> torch.Tensor:
-    _dispatch.resolve_backend("indexer_logits", backend, q.device)
+    op = "indexer_logits"
+    check = lambda: _dispatch.kernel_module(op).kernel_unsupported(q, k, weights, k_scale, k_start, k_end)  # noqa: E731
+    if _dispatch.resolve_backend(op, backend, q.device, check) == "kernel":
+        return _dispatch.kernel_module(op).run_indexer_logits(q, k, weights, k_scale, k_start, k_end)
     return reference.indexer_logits_reference(q, k, weights, k_scale, k_start, k_end).to(_out_dtype(q, weights))
 
 
@@ -36,7 +39,12 @@ def _(q, k, weights, k_scale, k_start, k_end, backend):
 def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
               block_table: torch.Tensor, k_scale_cache: Optional[torch.Tensor], max_context: int,
               backend: str) -> torch.Tensor:
-    _dispatch.resolve_backend("indexer_logits_paged", backend, q.device)
+    op = "indexer_logits_paged"
+    check = lambda: _dispatch.kernel_module(op).kernel_unsupported(q, k_cache, weights, context_lens, block_table,  # noqa: E731
+                                                                    k_scale_cache)
+    if _dispatch.resolve_backend(op, backend, q.device, check) == "kernel":
+        return _dispatch.kernel_module(op).run_indexer_logits_paged(q, k_cache, weights, context_lens, block_table,
+                                                                    k_scale_cache, max_context)
     out = reference.indexer_logits_paged_reference(q, k_cache, weights, context_lens, block_table, k_scale_cache,
                                                    max_context)
     return out.to(_out_dtype(q, weights))

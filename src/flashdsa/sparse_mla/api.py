@@ -21,9 +21,9 @@ _INT32 = (torch.int32,)
 
 def _kernel_check(q, kv, indices, d_v, topk_length, attn_sink):
     def check():
-        from . import kernel_fwd
-
-        return kernel_fwd.kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+        return _dispatch.kernel_module("sparse_mla_fwd").kernel_unsupported(q, kv, indices, d_v=d_v,
+                                                                            topk_length=topk_length,
+                                                                            attn_sink=attn_sink)
 
     return check
 
@@ -35,10 +35,8 @@ def _fwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: 
     path = _dispatch.resolve_backend("sparse_mla_fwd", backend, q.device,
                                      _kernel_check(q, kv, indices, d_v, topk_length, attn_sink))
     if path == "kernel":
-        from . import kernel_fwd
-
-        return kernel_fwd.run_sparse_mla_fwd(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
-                                             topk_length=topk_length, attn_sink=attn_sink)
+        return _dispatch.kernel_module("sparse_mla_fwd").run_sparse_mla_fwd(
+            q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
     out, lse, mx = reference.sparse_mla_fwd_reference(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
                                                       attn_sink=attn_sink, topk_length=topk_length)
     ld = torch.float64 if q.dtype == torch.float64 else torch.float32
