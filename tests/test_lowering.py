@@ -21,8 +21,12 @@ def _cases():
     out = []
     for modname in kernel_modules():
         mod = importlib.import_module(modname)
+        wgmma = getattr(mod, "EXPECTS_WGMMA", True)
         for name, func in mod.lowering_cases():
-            out.append(pytest.param(mod, func, id=f"{modname.removeprefix('flashdsa.')}-{name}"))
+            out.append(pytest.param(mod, func, wgmma, id=f"{modname.removeprefix('flashdsa.')}-{name}"))
+        # helper kernels without matrix products (e.g. the split-KV combine)
+        for name, func in getattr(mod, "combine_lowering_cases", list)():
+            out.append(pytest.param(mod, func, False, id=f"{modname.removeprefix('flashdsa.')}-{name}"))
     return out
 
 
@@ -43,9 +47,9 @@ def _lower(mod, func) -> str:
         return tilelang.lower(func, target=target).kernel_source
 
 
-@pytest.mark.parametrize("mod,func", _cases())
-def test_lowers_to_sm90a_cuda(mod, func):
+@pytest.mark.parametrize("mod,func,wgmma", _cases())
+def test_lowers_to_sm90a_cuda(mod, func, wgmma):
     src = _lower(mod, func)
     assert "__global__" in src
-    if getattr(mod, "EXPECTS_WGMMA", True):  # matrix kernels must be on the Hopper wgmma path
+    if wgmma:  # matrix kernels must be on the Hopper wgmma path
         assert "wgmma" in src, "the Hopper path must issue wgmma"

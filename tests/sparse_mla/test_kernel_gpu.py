@@ -220,9 +220,10 @@ def test_sparse_mla_fwd_kernel_peaky(dqk, heads, tkv, topk, n_tok, use_tl):
     emu = _bf16_p_emulation(q, kv, indices, sm_scale, topk_length).double()
     kern_err = (out.double() - ref_out).abs()
     emu_err = (emu - ref_out).abs()
-    bound = 2 * emu_err + ref_out.abs() * 2**-8 + 8e-4
     assert torch.isfinite(out.double()).all()
-    assert (kern_err <= bound).all(), f"max excess {(kern_err - bound).max().item():.3e}"
+    # per (token, head) row: the worst element error against 2x the emulation's worst, + one bf16 ulp, + 8e-4
+    bound = 2 * emu_err.amax(-1) + ref_out.abs().amax(-1) * 2**-8 + 8e-4
+    assert (kern_err.amax(-1) <= bound).all(), f"max excess {(kern_err.amax(-1) - bound).max().item():.3e}"
     assert kern_err.norm() <= 2 * emu_err.norm() + 1e-3 * ref_out.norm()
     _check_close_stat(lse, ref_lse, "lse")
 

@@ -198,8 +198,7 @@ def run_indexer_logits_paged(q, k_cache, weights, context_lens, block_table, k_s
 
 def lowering_cases():
     cases = []
-    for dtype, H, D, nn, bs in [("float8_e4m3", 64, 128, 1, 64), ("float8_e4m3", 64, 128, 2, 16),
-                                ("float8_e4m3", 32, 64, 4, 128), ("bfloat16", 64, 128, 1, 32)]:
+    for dtype, H, D, nn, bs in [("float8_e4m3", 64, 128, 2, 16)]:  # lowering is slow: one case
         name = f"{'fp8' if dtype.startswith('float8') else 'bf16'}_h{H}_d{D}_nn{nn}_bs{bs}"
         cases.append((name, build_indexer_paged(heads=H, dim=D, next_n=nn, block_size=bs, dtype=dtype)))
     return cases

@@ -252,8 +252,8 @@ def run_indexer_logits(q, k, weights, k_scale, k_start=None, k_end=None) -> torc
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     cases = []
-    for dtype, H, D in [("float8_e4m3", 64, 128), ("float8_e4m3", 32, 64), ("float8_e4m3", 8, 128),
-                        ("float8_e4m3", 16, 64), ("bfloat16", 64, 128)]:
+    # lowering takes 10-40 s a case on a 2-core CPU: the two wgmma widths (H >= 32: n256, H <= 16: n128)
+    for dtype, H, D in [("float8_e4m3", 64, 128), ("float8_e4m3", 16, 64)]:
         name = f"{'fp8' if dtype.startswith('float8') else 'bf16'}_h{H}_d{D}"
         cases.append((name, build_indexer_prefill(heads=H, dim=D, dtype=dtype)))
     return cases

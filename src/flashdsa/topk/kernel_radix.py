@@ -434,11 +434,14 @@ def run_topk_indices(scores, k, starts=None, ends=None, order="index") -> torch.
     return out
 
 
+EXPECTS_WGMMA = False  # a radix select: no matrix products
+
+
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test (one per shipped variant)."""
     cases = []
-    for threads, cache, sort_cap in [(512, 8192, 0), (1024, 32768, 0), (1024, 0, 0), (1024, 32768, 2048),
-                                     (512, 8192, 256), (1024, 0, 4096)]:
+    # lowering is slow on CPU: the smem-cached index path and the L2 re-read score path
+    for threads, cache, sort_cap in [(512, 8192, 0), (1024, 0, 4096)]:
         name = f"t{threads}_cache{cache}_" + (f"score{sort_cap}" if sort_cap else "index")
         cases.append((name, _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap)))
     return cases

@@ -1,0 +1,233 @@
+"""GPU: the warp-specialised TileLang sparse MLA forward kernel (kernel_fwd_ws) against the
+PyTorch reference (run with ``pytest -m gpu``).
+
+Mirrors test_kernel_gpu.py (same inputs, poisoning and tolerances; the helpers are copied so the
+two files evolve independently) for the subset kernel_fwd_ws supports (H in {64, 128}).
+Compiles are per (H, Dqk, ceil(topk/64), sm_scale, sink, topk_length); the cases below share
+4 compiles:
+  A 576/128/32 blocks/-/-       (headline shape; also the perf print)
+  B 576/128/4 blocks/sink/tl    (also the CUDA-graph test)
+  C 512/64/3 blocks/sink/tl     (odd block count: the last buffer pair is half used)
+  D 512/128/2 blocks/-/-
+"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("tilelang")
+
+from flashdsa.sparse_mla import kernel_fwd_ws as kmod  # noqa: E402
+from flashdsa.sparse_mla.reference import sparse_mla_fwd_reference  # noqa: E402
+
+D_V = 512
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+
+# (dqk, heads, tkv, topk, n_tok, sink, topk_length, q layout)
+CASES = [
+    (576, 128, 8192, 2048, 62, False, False, "contig"),  # A
+    (576, 128, 8192, 2048, 1, False, False, "transposed"),  # A
+    (576, 128, 1840, 256, 213, True, True, "sliced"),  # B
+    (576, 128, 592, 200, 62, True, True, "contig"),  # B, tail block masked
+    (512, 64, 1840, 192, 62, True, True, "transposed"),  # C
+    (512, 64, 128, 130, 213, True, True, "contig"),  # C, topk > Tkv (duplicates)
+    (512, 128, 4096, 100, 213, False, False, "sliced"),  # D
+    (512, 128, 128, 128, 62, False, False, "transposed"),  # D
+]
+
+
+def _make_q(n_tok, heads, dqk, layout, gen, scale):
+    if layout == "sliced":  # last dim contiguous, row stride padded
+        base = (torch.randn(n_tok, heads, dqk + 64, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+        return base[..., :dqk]
+    if layout == "transposed":  # [H, T, D] storage viewed as [T, H, D]
+        return (torch.randn(heads, n_tok, dqk, generator=gen, device="cuda") * scale).to(torch.bfloat16).transpose(0, 1)
+    return (torch.randn(n_tok, heads, dqk, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+
+def _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout, seed=0, scale=0.1):
+    """q, kv ~ N(0, scale^2) in bf16. scale=0.1 is the distribution FlashMLA's sparse tests use with these
+    tolerances; scale=1 gives peaky softmax rows (see test_sparse_mla_fwd_kernel_peaky)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = _make_q(n_tok, heads, dqk, layout, gen, scale)
+    kv = (torch.randn(tkv, dqk, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    # mostly distinct valid rows, some duplicates, ~10% invalid of every kind
+    idx = torch.randint(0, tkv, (n_tok, topk), generator=gen, device="cuda", dtype=torch.int64)
+    if topk <= tkv:
+        perm = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk]
+        use_perm = torch.rand(n_tok, 1, generator=gen, device="cuda") < 0.7
+        idx = torch.where(use_perm, perm, idx)
+    bad_vals = torch.tensor([INT_MIN, -123456, -1, tkv, 114514, INT_MAX], device="cuda", dtype=torch.int64)
+    bad = bad_vals[torch.randint(0, len(bad_vals), (n_tok, topk), generator=gen, device="cuda")]
+    is_bad = torch.rand(n_tok, topk, generator=gen, device="cuda") < 0.1
+    idx = torch.where(is_bad, bad, idx)
+    # ~2% rows with no valid index at all (at least one when n_tok > 1)
+    empty = torch.rand(n_tok, generator=gen, device="cuda") < 0.02
+    if n_tok > 1:
+        empty[n_tok // 2] = True
+    idx = torch.where(empty.unsqueeze(1), bad, idx)
+    indices = idx.to(torch.int32)
+
+    topk_length = None
+    if use_tl:
+        topk_length = torch.randint(0, topk + 1, (n_tok,), generator=gen, device="cuda", dtype=torch.int32)
+        topk_length[0] = topk  # full
+        if n_tok > 2:
+            topk_length[1] = topk + 7  # larger than topk: clamps to topk
+            topk_length[2] = 0  # empty
+        if n_tok > 3:
+            topk_length[3] = -5  # negative: empty
+
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(heads, generator=gen, device="cuda", dtype=torch.float32) * 2.0 + 3.0
+        attn_sink[0] = -math.inf
+        if heads > 1:
+            attn_sink[1] = math.inf
+        if heads > 2:
+            attn_sink[2] = 40.0
+
+    # kv rows referenced by no valid (position, index) pair hold NaN
+    pos = torch.arange(topk, device="cuda")
+    valid = (idx >= 0) & (idx < tkv)
+    if topk_length is not None:
+        valid &= pos.unsqueeze(0) < topk_length.unsqueeze(1).long()
+    referenced = torch.zeros(tkv, dtype=torch.bool, device="cuda")
+    referenced[idx[valid]] = True
+    kv[~referenced] = float("nan")
+    return q, kv, indices, topk_length, attn_sink, valid
+
+
+def _poison_allocator(*shapes):
+    # fill the caching allocator's free blocks with NaN so unwritten outputs show up
+    junk = [torch.full(s, float("nan"), device="cuda") for s in shapes]
+    del junk
+
+
+def _check_close_out(out, ref, name):
+    out64, ref64 = out.double(), ref.double()
+    err = (out64 - ref64).abs()
+    ok = (err <= 8e-4) | (err <= (3 / 128) * ref64.abs())
+    assert torch.isfinite(out64).all(), f"{name}: non-finite output"
+    assert ok.all(), f"{name}: out max abs err {err.max().item():.3e}, {int((~ok).sum())} elements out of tolerance"
+    a, b = out64.flatten(), ref64.flatten()
+    na, nb = a.norm(), b.norm()
+    if nb > 0:
+        cos_dist = 1 - (a @ b) / (na * nb).clamp_min(1e-300)
+        assert cos_dist <= 7e-6, f"{name}: cosine distance {cos_dist.item():.3e}"
+    else:
+        assert na == 0
+
+
+def _check_close_stat(x, ref, name):
+    x64, ref64 = x.double(), ref.double()
+    same_inf = torch.isinf(ref64) & (x64 == ref64)
+    err = (x64 - ref64).abs()
+    ok = same_inf | (err <= 1e-6) | (err <= (2 / 65536) * ref64.abs())
+    assert not torch.isnan(x64).any(), f"{name}: NaN"
+    assert ok.all(), f"{name}: max err {err[~same_inf].max().item():.3e}, {int((~ok).sum())} out of tolerance"
+
+
+@pytest.mark.parametrize(
+    "dqk,heads,tkv,topk,n_tok,sink,use_tl,layout",
+    CASES,
+    ids=[f"d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}{'-tl' if c[6] else ''}-{c[7]}" for c in CASES],
+)
+def test_sparse_mla_fwd_ws_kernel(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout):
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    sm_scale = dqk**-0.5
+    assert kmod.kernel_unsupported(q, kv, indices, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink) is None
+
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    out, lse, max_logits = kmod.run_sparse_mla_fwd(
+        q, kv, indices, sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink
+    )
+    torch.cuda.synchronize()
+    assert out.shape == (n_tok, heads, D_V) and out.dtype == torch.bfloat16
+    assert lse.shape == (n_tok, heads) and lse.dtype == torch.float32
+    assert max_logits.shape == (n_tok, heads) and max_logits.dtype == torch.float32
+
+    ref_out, _, _ = sparse_mla_fwd_reference(
+        q.double(), kv.double(), indices, sm_scale=sm_scale, d_v=D_V, attn_sink=attn_sink, topk_length=topk_length
+    )
+    _, ref_lse, ref_max = sparse_mla_fwd_reference(
+        q.float(), kv.float(), indices, sm_scale=sm_scale, d_v=D_V, attn_sink=attn_sink, topk_length=topk_length
+    )
+    _check_close_out(out, ref_out, "out")
+    _check_close_stat(lse, ref_lse, "lse")
+    _check_close_stat(max_logits, ref_max, "max_logits")
+
+    empty = ~valid.any(dim=1)
+    if empty.any():
+        assert (out[empty] == 0).all()
+        assert torch.isposinf(lse[empty]).all()
+        assert torch.isneginf(max_logits[empty]).all()
+
+
+def test_sparse_mla_fwd_ws_unsupported_heads():
+    q = torch.zeros(2, 16, 576, dtype=torch.bfloat16, device="cuda")
+    kv = torch.zeros(8, 576, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
+    assert kmod.kernel_unsupported(q, kv, idx, d_v=D_V) is not None
+
+
+def test_sparse_mla_fwd_ws_kernel_cuda_graph():
+    """Capturable (no host sync, no value reads); replays with new indices/lengths correctly."""
+    dqk, heads, tkv, topk, n_tok = 576, 128, 1840, 256, 62  # compile B
+    q, kv, indices, topk_length, attn_sink, _ = _make_inputs(dqk, heads, tkv, topk, n_tok, True, True, "contig", 1)
+    kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
+    eager = kmod.run_sparse_mla_fwd(q, kv, indices, **kw)  # compiles outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kmod.run_sparse_mla_fwd(q, kv, indices, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed = kmod.run_sparse_mla_fwd(q, kv, indices, **kw)
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b)
+    # replay with different indices and lengths written in place
+    _, kv2, indices2, topk_length2, _, _ = _make_inputs(dqk, heads, tkv, topk, n_tok, True, True, "contig", 2)
+    indices.copy_(indices2)
+    topk_length.copy_(topk_length2)
+    kv.copy_(torch.nan_to_num(kv2, nan=0.0))
+    g.replay()
+    fresh = kmod.run_sparse_mla_fwd(q, kv, indices, **kw)
+    torch.cuda.synchronize()
+    for a, b in zip(fresh, graphed):
+        assert torch.equal(a, b)
+
+
+def test_sparse_mla_fwd_ws_kernel_perf_smoke():
+    """Not an assertion on speed: prints TFLOP/s for T=4096, Tkv=8192, H=128, Dqk=576, topk=2048."""
+    dqk, heads, tkv, topk, n_tok = 576, 128, 8192, 2048, 4096  # compile A
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(n_tok, heads, dqk, generator=gen, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(tkv, dqk, generator=gen, device="cuda").to(torch.bfloat16)
+    indices = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk].to(torch.int32)
+    fn = lambda: kmod.run_sparse_mla_fwd(q, kv, indices, sm_scale=dqk**-0.5, d_v=D_V)  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    iters = 10
+    times = []
+    for _ in range(3):
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    ms = sorted(times)[1]
+    tflops = 2 * n_tok * heads * topk * (dqk + D_V) / (ms * 1e-3) / 1e12
+    print(f"\nsparse_mla_fwd ws kernel: {ms:.3f} ms, {tflops:.1f} TFLOP/s (target >= 700)")
+    assert math.isfinite(ms) and ms > 0
