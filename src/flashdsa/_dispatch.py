@@ -28,7 +28,7 @@ KERNEL_MODULES: dict[str, str] = {
     "indexer_logits_paged": "flashdsa.indexer.kernel_paged",
     "topk_indices": "flashdsa.topk.kernel_radix",
     "sparse_mla_fwd": "flashdsa.sparse_mla.kernel_fwd",
-    "mla_decode": "flashdsa.decode.kernel_dense",
+    # mla_decode: flashdsa.decode.kernel_dense exists but is not dispatched until its GPU tests pass (issue #6)
 }
 
 

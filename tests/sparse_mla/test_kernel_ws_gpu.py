@@ -12,6 +12,7 @@ Compiles are per (H, Dqk, ceil(topk/64), sm_scale, sink, topk_length); the cases
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -21,6 +22,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("tilelang")
+if os.environ.get("FLASHDSA_TEST_WS") != "1":
+    # On the H200 (2026-11-30, commit 61a94777) this kernel hung (mbarrier protocol bug): it is not dispatched,
+    # and its tests run only on request so a hang cannot take the whole GPU suite down. See docs/sparse_mla.md.
+    pytest.skip("warp-specialized variant hangs on the H200; set FLASHDSA_TEST_WS=1 to run", allow_module_level=True)
 
 from flashdsa.sparse_mla import kernel_fwd_ws as kmod  # noqa: E402
 from flashdsa.sparse_mla.reference import sparse_mla_fwd_reference  # noqa: E402

@@ -66,7 +66,7 @@ except Exception:  # pragma: no cover - depends on the machine
 BLOCK_N = 128  # keys per pipeline stage (wgmma M side: 2 consumer warpgroups x 64)
 COLS = 256  # wgmma N: query rows x heads per CTA (H >= 32)
 COLS_SMALL_H = 128  # H <= 16: keeps weights + per-row logits + accumulator within 240 registers
-NUM_STAGES = 3
+NUM_STAGES = 2  # 2 beat 3 and 4 at H64/D128 and H32/D64 (benchmarks/results/2026-11-30_h200_61a94777_variants.json)
 THREADS = 256  # consumer threads (TileLang adds one producer warpgroup)
 SUPPORTED_HEADS = (8, 16, 32, 64)
 SUPPORTED_DIMS = (64, 128)
