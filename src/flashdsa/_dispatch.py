@@ -28,7 +28,7 @@ KERNEL_MODULES: dict[str, str] = {
     "indexer_logits_paged": "flashdsa.indexer.kernel_paged",
     "topk_indices": "flashdsa.topk.kernel_radix",
     "sparse_mla_fwd": "flashdsa.sparse_mla.kernel_fwd",
-    # mla_decode: flashdsa.decode.kernel_dense exists but is not dispatched until its GPU tests pass (issue #6)
+    "mla_decode": "flashdsa.decode.kernel_dense",  # dense bf16 cache only; sparse / FP8 run the reference
 }
 
 
