@@ -215,7 +215,7 @@ def _dsa_topk(name, M, N, H, D, k, target, quick=False) -> Case:
     def counts(i):
         return {"flops": F.indexer_flops(H, D, i["k_start"], i["k_end"], M, N), "bytes": None}
 
-    return Case(name, p, build, run, counts, "dsa_topk", ("dsa_topk",), target, tol=1e-3, quick=quick,
+    return Case(name, p, build, run, counts, "topk_indices", ("dsa_topk",), target, tol=1e-3, quick=quick,
                 measure_memory=True, reps=3, reps_quick=1, min_reps=1, max_seconds=60.0)
 
 

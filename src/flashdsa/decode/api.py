@@ -74,7 +74,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
         TypeError / ValueError naming the argument.
 
     Supported:
-        Reference on every device (kernels: issue #6).
+        Kernel: Hopper sm_90a for dense decode over a bf16 cache (Dqk 576, d_v 512, H 1..128, block sizes
+        16..256). Sparse and FP8-cache decode run the reference for now.
 
     Example:
         >>> q = torch.randn(2, 1, 4, 576, dtype=torch.bfloat16)

@@ -67,6 +67,7 @@ BLOCK_N = 128  # keys per pipeline stage (wgmma M side: 2 consumer warpgroups x 
 COLS = 256  # wgmma N: query rows x heads per CTA (H >= 32)
 COLS_SMALL_H = 128  # H <= 16: keeps weights + per-row logits + accumulator within 240 registers
 NUM_STAGES = 2  # 2 beat 3 and 4 at H64/D128 and H32/D64 (benchmarks/results/2026-11-30_h200_61a94777_variants.json)
+SCHEDULES = ("lockstep", "pingpong", "pingpong_sync")
 THREADS = 256  # consumer threads (TileLang adds one producer warpgroup)
 SUPPORTED_HEADS = (8, 16, 32, 64)
 SUPPORTED_DIMS = (64, 128)
@@ -78,12 +79,16 @@ def default_cols(heads: int) -> int:
 
 
 def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", block_n: int = BLOCK_N,
-                          cols: int | None = None, num_stages: int = NUM_STAGES, threads: int = THREADS):
+                          cols: int | None = None, num_stages: int = NUM_STAGES, threads: int = THREADS,
+                          schedule: str = "lockstep"):
     """TileLang prim_func ``(Q[M*H, D], K[N, D], W[M*H] f32, KScale[N] f32, KStart[M] i32, KEnd[M] i32,
     Out[M, N] f32)``; M, N dynamic."""
     H, D, BN = heads, dim, block_n
     cols = cols or default_cols(H)
     assert cols % H == 0 and H in SUPPORTED_HEADS and D in SUPPORTED_DIMS, (H, D, cols)
+    assert schedule in SCHEDULES, schedule
+    pingpong = schedule != "lockstep"
+    async_issue = schedule == "pingpong"
     BQ = cols // H  # query rows per CTA
     BC = BQ * H
     fill_chunk = threads  # columns per -inf fill step
@@ -161,7 +166,12 @@ def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", b
                 n0 = (kb_lo + it) * BN
                 T.copy(K[n0:n0 + BN, :], K_s)
                 T.copy(KScale[n0:n0 + BN], ks_s)
-                T.gemm(K_s, Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if pingpong:
+                    wg = T.get_thread_binding() // 128
+                    T.named_barrier_arrive(8 + wg, 256)
+                    T.gemm(K_s, Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                else:
+                    T.gemm(K_s, Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 for n, c in T.Parallel(BN, BC):
                     acc[n, c] = T.max(acc[n, c], 0) * w_f[c]
                 T.reduce_sum(acc3, logit, dim=2)

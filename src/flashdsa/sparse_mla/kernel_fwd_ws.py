@@ -118,7 +118,18 @@ D_V = 512
 _SUPPORTED_DQK = (512, 576)
 _SUPPORTED_H = (64, 128)
 THREADS = 384
-REG_WG0, REG_WG1, REG_PRODUCER = 240, 176, 96
+# setmaxnreg budget.  The CTA's register pool is what the launch allocated: ptxas gives a
+# __launch_bounds__(384, 1) kernel floor(65536 / 384) rounded down to the 8-register granularity
+# = 168 registers per thread ("Used 168 registers"), i.e. 168 * 384 = 64,512 registers, NOT
+# 65,536.  setmaxnreg.inc blocks until the pool can supply the request, so the three per-thread
+# counts must sum to <= 3 * 168 = 504.  240 + 176 + 96 = 512 deadlocked on the H200 (one consumer
+# warpgroup waited forever in setmaxnreg.inc, everything else then waited on its mbarriers).
+# ptxas -v (sm_90a, nvcc 13.0): 240/176/88 has no spills in any region (the producer fits far
+# below 88; WG1 at 120 spills).
+REG_WG0, REG_WG1, REG_PRODUCER = 240, 176, 88
+_REG_LAUNCH = (65536 // THREADS) // 8 * 8  # 168
+assert REG_WG0 + REG_WG1 + REG_PRODUCER <= 3 * _REG_LAUNCH, "setmaxnreg requests exceed the CTA register pool"
+assert REG_WG0 >= _REG_LAUNCH and REG_WG1 >= _REG_LAUNCH and REG_PRODUCER <= _REG_LAUNCH
 BAR_WG0, BAR_WG1 = 8, 9  # named barrier ids (128 threads each); 0 is __syncthreads
 
 
