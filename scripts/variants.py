@@ -3,7 +3,7 @@
     python scripts/variants.py [--out DIR]
 
 * sparse MLA forward: the pipelined kernel (kernel_fwd) vs the warp-specialized one (kernel_fwd_ws)
-* indexer prefill: (block_n, cols, num_stages) configurations of kernel_prefill
+* indexer prefill: (block_n, cols, num_stages, schedule) configurations of kernel_prefill
 Median of CUDA-event timings after warm-up; random inputs; each variant checked against the default one.
 """
 
@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 
 import torch
 import tilelang
@@ -64,9 +65,42 @@ def sparse_cases(rows):
             print(rows[-1], flush=True)
 
 
-def indexer_cases(rows):
+# (block_n, cols, num_stages, schedule): the first is the current default (the reference of the error check); the
+# ping-pong schedules come after it so that a hang (named-barrier mistake) costs only the later rows.
+INDEXER_CONFIGS = [(128, None, 2, "lockstep"), (128, None, 2, "pingpong_sync"), (128, None, 2, "pingpong"),
+                   (128, None, 3, "pingpong")]
+INDEXER_WORKLOADS = [(64, 128, 8192), (32, 64, 8192), (64, 128, 32768)]  # (H, D, N), M = 4096 causal
+HANG_S = 20.0  # a launch not finished after this long is a deadlock: dump what we have and exit
+
+
+def _wait_or_exit(rows, out_dir, what):
+    """Synchronize with a timeout (a deadlocked kernel would otherwise eat the whole GPU session)."""
+    ev = torch.cuda.Event()
+    ev.record()
+    t0 = time.time()
+    while not ev.query():
+        if time.time() - t0 > HANG_S:
+            rows.append({"op": "indexer", "variant": what, "error": f"no completion after {HANG_S} s (hang): exiting"})
+            print(rows[-1], flush=True)
+            _dump(rows, out_dir)
+            os._exit(3)
+        time.sleep(0.001)
+
+
+def _dump(rows, out_dir):
+    if out_dir is not None:
+        with open(os.path.join(out_dir, "variants_indexer.json"), "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+def indexer_cases(rows, out_dir=None, configs=None):
+    """Variant-major: every workload of a config before the next config (a hang loses only later configs).
+    Checks per variant: bit-identical to the first config, every element written (output pre-filled with NaN),
+    rel error on the finite part; rows are also written to variants_indexer.json after each one."""
+    configs = configs or INDEXER_CONFIGS
     g = torch.Generator(device="cuda").manual_seed(1)
-    for H, D, N in [(64, 128, 8192), (32, 64, 8192), (64, 128, 32768)]:
+    data = []
+    for H, D, N in INDEXER_WORKLOADS:
         M = 4096
         q = torch.randn(M, H, D, generator=g, device="cuda").to(torch.float8_e4m3fn)
         k = torch.randn(N, D, generator=g, device="cuda").to(torch.float8_e4m3fn)
@@ -75,30 +109,47 @@ def indexer_cases(rows):
         end = (torch.arange(M, device="cuda", dtype=torch.int32) + (N - M + 1))
         start = torch.zeros(M, dtype=torch.int32, device="cuda")
         flops = 2 * H * D * float((end - start).sum())
-        configs = [(128, None, 3), (128, None, 4), (128, None, 2), (128, 128, 3), (128, 128, 4)]
-        funcs = [kernel_prefill.build_indexer_prefill(heads=H, dim=D, block_n=bn, cols=c, num_stages=st)
-                 for bn, c, st in configs]
-        kernels = tilelang.par_compile(funcs, target="cuda", pass_configs=kernel_prefill._pass_configs(),
-                                       ignore_error=True)
-        ref = None
-        for (bn, c, st), kern in zip(configs, kernels):
-            tag = f"bn{bn}_cols{c or kernel_prefill.default_cols(H)}_st{st}"
+        data.append(dict(H=H, D=D, N=N, M=M, q=q, k=k, w=w, ks=ks, start=start, end=end, flops=flops, ref=None))
+    funcs, keys = [], []
+    for d in data:
+        for bn, c, st, sch in configs:
+            funcs.append(kernel_prefill.build_indexer_prefill(heads=d["H"], dim=d["D"], block_n=bn, cols=c,
+                                                              num_stages=st, schedule=sch))
+            keys.append((d["H"], d["D"], bn, c, st, sch))
+    kernels = dict(zip(keys, tilelang.par_compile(funcs, target="cuda", pass_configs=kernel_prefill._pass_configs(),
+                                                  ignore_error=True)))
+    for bn, c, st, sch in configs:
+        for d in data:
+            H, D, N, M = d["H"], d["D"], d["N"], d["M"]
+            case = f"H{H}_D{D}_N{N}"
+            tag = f"bn{bn}_cols{c or kernel_prefill.default_cols(H)}_st{st}_{sch}"
+            kern = kernels.get((H, D, bn, c, st, sch))
             if kern is None:
-                rows.append({"op": "indexer", "case": f"H{H}_D{D}_N{N}", "variant": tag, "error": "compile failed"})
+                rows.append({"op": "indexer", "case": case, "variant": tag, "error": "compile failed"})
+                print(rows[-1], flush=True)
                 continue
-            out = torch.empty(M, N, device="cuda")
-            fn = lambda: kern(q.view(M * H, D), k, w.view(-1), ks, start, end, out)  # noqa: E731
+            out = torch.full((M, N), float("nan"), device="cuda")
+            q2, w2 = d["q"].view(M * H, D), d["w"].view(-1)
+            fn = lambda: kern(q2, d["k"], w2, d["ks"], d["start"], d["end"], out)  # noqa: E731
             try:
                 fn()
-                fin = torch.isfinite(out)
-                err = 0.0 if ref is None else ((out[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item()
-                ref = out.clone() if ref is None else ref
+                _wait_or_exit(rows, out_dir, f"{case} {tag}")
+                unwritten = int(torch.isnan(out).sum())
+                ref = d["ref"]
+                if ref is None:
+                    d["ref"] = ref = out.clone()
+                fin = torch.isfinite(ref)
+                err = ((out[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item()
+                same_inf = bool(torch.equal(torch.isneginf(out), torch.isneginf(ref)))
                 ms = bench(fn)
-                rows.append({"op": "indexer", "case": f"H{H}_D{D}_N{N}", "variant": tag, "ms": ms,
-                             "tflops": flops / ms / 1e9, "rel_err_vs_first": err})
+                rows.append({"op": "indexer", "case": case, "variant": tag, "ms": ms,
+                             "tflops": d["flops"] / ms / 1e9, "rel_err_vs_first": err,
+                             "bitwise_equal_first": bool(torch.equal(out, ref)), "neg_inf_mask_equal_first": same_inf,
+                             "unwritten": unwritten})
             except Exception as e:  # noqa: BLE001
-                rows.append({"op": "indexer", "case": f"H{H}_D{D}_N{N}", "variant": tag, "error": repr(e)[:300]})
+                rows.append({"op": "indexer", "case": case, "variant": tag, "error": repr(e)[:300]})
             print(rows[-1], flush=True)
+            _dump(rows, out_dir)
 
 
 if __name__ == "__main__":
@@ -110,6 +161,6 @@ if __name__ == "__main__":
     if a.only in (None, "sparse"):
         sparse_cases(rows)
     if a.only in (None, "indexer"):
-        indexer_cases(rows)
+        indexer_cases(rows, out_dir=a.out)
     with open(os.path.join(a.out, "variants.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

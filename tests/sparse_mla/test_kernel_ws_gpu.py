@@ -4,15 +4,27 @@ PyTorch reference (run with ``pytest -m gpu``).
 Mirrors test_kernel_gpu.py (same inputs, poisoning and tolerances; the helpers are copied so the
 two files evolve independently) for the subset kernel_fwd_ws supports (H in {64, 128}).
 Compiles are per (H, Dqk, ceil(topk/64), sm_scale, sink, topk_length); the cases below share
-4 compiles:
+4 compiles (each ~15-25 s of TileLang lowering + nvcc, paid by the first case that uses it):
   A 576/128/32 blocks/-/-       (headline shape; also the perf print)
-  B 576/128/4 blocks/sink/tl    (also the CUDA-graph test)
+  B 576/128/4 blocks/sink/tl    (also the CUDA-graph test; random topk_length -> nblk 0..4,
+                                 odd and even, so the tail-skip of every role is exercised)
   C 512/64/3 blocks/sink/tl     (odd block count: the last buffer pair is half used)
   D 512/128/2 blocks/-/-
+Hang safety: this kernel hung once (setmaxnreg over-subscription, see kernel_fwd_ws.py).
+Every launch is followed by ``_sync_or_die``, which polls the stream and, if the kernel is
+not done within HANG_S seconds, prints which case hung and hard-exits the process (a hung
+kernel cannot be interrupted, and every later CUDA call would block behind it).  Tests also
+carry ``pytest.mark.timeout(60, method="thread")`` when pytest-timeout is installed (the
+thread method is the one that works while the main thread is blocked in a CUDA call).
+Cases run small first.  Quick GPU check of the two 576/128 compiles (B, A) + perf, < 90 s:
+  FLASHDSA_TEST_WS=1 timeout -s KILL 88 python -m pytest -x -q -s -p no:cacheprovider \
+      tests/sparse_mla/test_kernel_ws_gpu.py -k "not d512"
 """
 
 import math
 import os
+import sys
+import time
 
 import pytest
 import torch
@@ -27,23 +39,50 @@ if os.environ.get("FLASHDSA_TEST_WS") != "1":
     # and its tests run only on request so a hang cannot take the whole GPU suite down. See docs/sparse_mla.md.
     pytest.skip("warp-specialized variant hangs on the H200; set FLASHDSA_TEST_WS=1 to run", allow_module_level=True)
 
+try:  # pytest-timeout is on the GPU host; keep the module importable without it
+    import pytest_timeout  # noqa: F401
+
+    _timeout = pytest.mark.timeout(60, method="thread")
+except ImportError:  # pragma: no cover
+
+    def _timeout(fn):
+        return fn
+
 from flashdsa.sparse_mla import kernel_fwd_ws as kmod  # noqa: E402
 from flashdsa.sparse_mla.reference import sparse_mla_fwd_reference  # noqa: E402
 
 D_V = 512
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+HANG_S = 20.0  # the largest launch here (perf shape, 10 iterations) takes well under 1 s
 
-# (dqk, heads, tkv, topk, n_tok, sink, topk_length, q layout)
+# (dqk, heads, tkv, topk, n_tok, sink, topk_length, q layout); small cases first
 CASES = [
-    (576, 128, 8192, 2048, 62, False, False, "contig"),  # A
-    (576, 128, 8192, 2048, 1, False, False, "transposed"),  # A
-    (576, 128, 1840, 256, 213, True, True, "sliced"),  # B
+    (576, 128, 64, 256, 3, True, True, "contig"),  # B, tiny hang canary: full / clamped / empty rows
     (576, 128, 592, 200, 62, True, True, "contig"),  # B, tail block masked
-    (512, 64, 1840, 192, 62, True, True, "transposed"),  # C
+    (576, 128, 1840, 256, 213, True, True, "sliced"),  # B
+    (576, 128, 8192, 2048, 1, False, False, "transposed"),  # A
+    (576, 128, 8192, 2048, 62, False, False, "contig"),  # A
     (512, 64, 128, 130, 213, True, True, "contig"),  # C, topk > Tkv (duplicates)
-    (512, 128, 4096, 100, 213, False, False, "sliced"),  # D
+    (512, 64, 1840, 192, 62, True, True, "transposed"),  # C
     (512, 128, 128, 128, 62, False, False, "transposed"),  # D
+    (512, 128, 4096, 100, 213, False, False, "sliced"),  # D
 ]
+
+
+def _sync_or_die(what, timeout_s=HANG_S):
+    """torch.cuda.synchronize() that cannot hang: poll the stream; on timeout report and hard-exit."""
+    stream = torch.cuda.current_stream()
+    deadline = time.monotonic() + timeout_s
+    while not stream.query():
+        if time.monotonic() > deadline:
+            msg = f"\nHANG: kernel_fwd_ws did not finish within {timeout_s:.0f} s ({what}); aborting the run\n"
+            sys.stdout.write(msg)
+            sys.stderr.write(msg)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(3)
+        time.sleep(0.002)
+    torch.cuda.synchronize()
 
 
 def _make_q(n_tok, heads, dqk, layout, gen, scale):
@@ -139,6 +178,7 @@ def _check_close_stat(x, ref, name):
     assert ok.all(), f"{name}: max err {err[~same_inf].max().item():.3e}, {int((~ok).sum())} out of tolerance"
 
 
+@_timeout
 @pytest.mark.parametrize(
     "dqk,heads,tkv,topk,n_tok,sink,use_tl,layout",
     CASES,
@@ -150,10 +190,14 @@ def test_sparse_mla_fwd_ws_kernel(dqk, heads, tkv, topk, n_tok, sink, use_tl, la
     assert kmod.kernel_unsupported(q, kv, indices, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink) is None
 
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     out, lse, max_logits = kmod.run_sparse_mla_fwd(
         q, kv, indices, sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink
     )
-    torch.cuda.synchronize()
+    t1 = time.perf_counter()  # compile (first use of a config) + launch
+    _sync_or_die(f"dqk={dqk} H={heads} Tkv={tkv} topk={topk} T={n_tok} sink={sink} tl={use_tl} {layout}")
+    print(f"[ws] d{dqk}-h{heads}-k{topk}-t{n_tok}: compile+launch {t1 - t0:.1f} s, kernel done")
     assert out.shape == (n_tok, heads, D_V) and out.dtype == torch.bfloat16
     assert lse.shape == (n_tok, heads) and lse.dtype == torch.float32
     assert max_logits.shape == (n_tok, heads) and max_logits.dtype == torch.float32
@@ -182,22 +226,25 @@ def test_sparse_mla_fwd_ws_unsupported_heads():
     assert kmod.kernel_unsupported(q, kv, idx, d_v=D_V) is not None
 
 
+@_timeout
 def test_sparse_mla_fwd_ws_kernel_cuda_graph():
     """Capturable (no host sync, no value reads); replays with new indices/lengths correctly."""
     dqk, heads, tkv, topk, n_tok = 576, 128, 1840, 256, 62  # compile B
     q, kv, indices, topk_length, attn_sink, _ = _make_inputs(dqk, heads, tkv, topk, n_tok, True, True, "contig", 1)
     kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     eager = kmod.run_sparse_mla_fwd(q, kv, indices, **kw)  # compiles outside the capture
+    _sync_or_die("cuda graph test, eager run")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         kmod.run_sparse_mla_fwd(q, kv, indices, **kw)
     torch.cuda.current_stream().wait_stream(s)
+    _sync_or_die("cuda graph test, side-stream run")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         graphed = kmod.run_sparse_mla_fwd(q, kv, indices, **kw)
     g.replay()
-    torch.cuda.synchronize()
+    _sync_or_die("cuda graph test, first replay")
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
     # replay with different indices and lengths written in place
@@ -207,11 +254,12 @@ def test_sparse_mla_fwd_ws_kernel_cuda_graph():
     kv.copy_(torch.nan_to_num(kv2, nan=0.0))
     g.replay()
     fresh = kmod.run_sparse_mla_fwd(q, kv, indices, **kw)
-    torch.cuda.synchronize()
+    _sync_or_die("cuda graph test, replay with new indices")
     for a, b in zip(fresh, graphed):
         assert torch.equal(a, b)
 
 
+@_timeout
 def test_sparse_mla_fwd_ws_kernel_perf_smoke():
     """Not an assertion on speed: prints TFLOP/s for T=4096, Tkv=8192, H=128, Dqk=576, topk=2048."""
     dqk, heads, tkv, topk, n_tok = 576, 128, 8192, 2048, 4096  # compile A
@@ -221,7 +269,7 @@ def test_sparse_mla_fwd_ws_kernel_perf_smoke():
     indices = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk].to(torch.int32)
     fn = lambda: kmod.run_sparse_mla_fwd(q, kv, indices, sm_scale=dqk**-0.5, d_v=D_V)  # noqa: E731
     fn()
-    torch.cuda.synchronize()
+    _sync_or_die("perf smoke, first launch (T=4096)")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     iters = 10
     times = []
@@ -230,7 +278,7 @@ def test_sparse_mla_fwd_ws_kernel_perf_smoke():
         for _ in range(iters):
             fn()
         end.record()
-        torch.cuda.synchronize()
+        _sync_or_die("perf smoke, timed loop")
         times.append(start.elapsed_time(end) / iters)
     ms = sorted(times)[1]
     tflops = 2 * n_tok * heads * topk * (dqk + D_V) / (ms * 1e-3) / 1e12

@@ -165,3 +165,104 @@ def test_empty_shapes():
     assert kernel_radix.run_topk_indices(torch.empty(0, 10, device="cuda"), 4).shape == (0, 4)
     out = kernel_radix.run_topk_indices(torch.empty(3, 0, device="cuda"), 4)
     assert torch.equal(out, torch.full((3, 4), -1, dtype=torch.int32, device="cuda"))
+
+
+# ---- multi-CTA path (kernel_radix_multi): forced, whatever the routing rule says ----
+
+from flashdsa.topk import kernel_radix_multi  # noqa: E402
+
+MULTI_NS = (40000, 131072, 1048576)
+MULTI_MS = (1, 3, 16)
+
+
+def _check_multi(scores, k, starts=None, ends=None, groups=None):
+    M = scores.shape[0]
+    _poison_allocator(M * k)
+    got = kernel_radix_multi.run_topk_indices_multi(scores, k, starts, ends, groups=groups)
+    torch.cuda.synchronize()
+    ref = topk_indices_reference(scores, k, starts, ends, "index")
+    assert got.dtype == torch.int32 and got.shape == (M, k)
+    if not torch.equal(got, ref):
+        bad = (got != ref).any(dim=1).nonzero()[0, 0].item()
+        diff = (got[bad] != ref[bad]).nonzero()[:8, 0].tolist()
+        raise AssertionError(
+            f"multi: row {bad} (of {M}), k={k}, groups={groups}: first mismatching slots {diff}; "
+            f"got {got[bad, diff].tolist()} ref {ref[bad, diff].tolist()}"
+        )
+    return got
+
+
+@pytest.mark.parametrize("N", MULTI_NS)
+@pytest.mark.parametrize("k", (1, 2048))
+def test_multi_matches_reference(N, k):
+    gen = torch.Generator(device="cuda").manual_seed(77 * N + k)
+    for M in MULTI_MS:
+        for kind in KINDS:
+            x = _scores(kind, M, N, gen)
+            for groups in (None, 7):  # the routing's G and an odd split
+                _check_multi(x, k, groups=groups)
+            st, en = _ranges(M, N, gen)
+            _check_multi(x, k, st, en)
+            _check_multi(x, k, None, en, groups=5)
+            _check_multi(x, k, st, None, groups=3)
+
+
+def test_multi_pass2_ties_and_short_rows():
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    # values sharing the top 22 key bits (all three passes), heavy ties at the threshold
+    x = 1.0 + torch.randint(0, 3000, (3, 131072), generator=gen, device="cuda").float() * 2.0**-23
+    for k in (1, 2048, 5000):
+        _check_multi(x, k)
+        _check_multi(x, k, groups=132)
+    y = _scores("randn", 3, 40000, gen)
+    for k in (40000, 40001, 2 * 40000 + 37):  # rows shorter than k
+        _check_multi(y, k)
+        _check_multi(y, k, groups=33)
+    _check_multi(y, 2048, groups=1)  # one CTA per row still works
+    base = torch.randn(3, 140000, generator=gen, device="cuda")
+    _check_multi(base[:, 1000:132072], 2048)  # row stride 140000
+
+
+@pytest.mark.parametrize("kind", ["ties", "randn"])
+def test_multi_bitwise_deterministic(kind):
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = _scores(kind, 3, 1048576, gen)
+    st, en = _ranges(3, 1048576, gen)
+    first = kernel_radix_multi.run_topk_indices_multi(x, 2048, st, en)
+    for _ in range(4):
+        _poison_allocator(first.numel())
+        again = kernel_radix_multi.run_topk_indices_multi(x, 2048, st, en)
+        assert torch.equal(first, again)
+
+
+def test_multi_routing():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert kernel_radix_multi.use_multi(1, 1048576, "index", sms)
+    assert kernel_radix_multi.use_multi(16, 131072, "index", sms)
+    assert not kernel_radix_multi.use_multi(16, 131072, "score", sms)
+    assert not kernel_radix_multi.use_multi(4096, 8192, "index", sms)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    x = torch.randn(1, 1048576, generator=gen, device="cuda")
+    got = _check(x, 2048)  # through run_topk_indices (routes to the multi path)
+    assert torch.equal(got, kernel_radix_multi.run_topk_indices_multi(x, 2048))
+    assert torch.equal(got, kernel_radix.run_topk_indices(x, 2048, multi=True))
+    with pytest.raises(ValueError):
+        kernel_radix.run_topk_indices(x, 2048, order="score", multi=True)
+
+
+def test_multi_cuda_graph_capture():
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    x = torch.randn(16, 131072, generator=gen, device="cuda")
+    ref = topk_indices_reference(x, 2048)
+    kernel_radix_multi.run_topk_indices_multi(x, 2048)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = kernel_radix_multi.run_topk_indices_multi(x, 2048)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    x.copy_(torch.randn(16, 131072, generator=gen, device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, topk_indices_reference(x, 2048))

@@ -523,10 +523,6 @@ def combine_lowering_cases():
 
 def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
     """Lower a prim_func to CUDA C++ source on any machine (no GPU needed)."""
-    tilelang, _ = _tl()
-    from tilelang import tvm
+    from .. import _tilelang
 
-    target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    with tvm.transform.PassContext(config=_pass_configs()), target:
-        art = tilelang.lower(func, target=target)
-    return art.kernel_source
+    return _tilelang.lower_to_cuda_source(func, _pass_configs(), arch)

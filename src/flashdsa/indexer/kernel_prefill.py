@@ -15,9 +15,22 @@ Design
     query heads x rows as N (m64n256k32 e4m3 x e4m3 -> f32, both operands K-major from 128B-swizzled smem).
   * TileLang warp-specialises the loop: warpgroup 0 is the TMA producer (K tile + the 128 k_scale values per
     stage, registers dropped to 24 with setmaxnreg), warpgroups 1-2 are consumers (240 registers each;
-    GemmWarpPolicy.FullRow: each owns 64 keys x all 256 columns, accumulator = 128 f32 regs/thread). The
-    two consumers run the same stage but are only coupled through the stage barriers, so one's epilogue
-    (CUDA cores) overlaps the other's wgmma (tensor cores).
+    GemmWarpPolicy.FullRow: each owns 64 keys x all 256 columns, accumulator = 128 f32 regs/thread).
+  * Schedules (``schedule=``, default ``SCHEDULE``):
+      - "lockstep" (measured default): both consumers wait for the same stage and issue their wgmma at the
+        same time, so their MMA phases and epilogue phases coincide and the tensor cores idle during the
+        epilogue (per 128-key block ~ 2 t_mma + epilogue).
+      - "pingpong": same data flow, plus two named barriers (ids PP_BAR, PP_BAR + 1; 256 threads = the two
+        consumer warpgroups) that make the wgmma issues alternate, FA3 style: warpgroup w waits for its turn
+        (bar.sync PP_BAR + w), issues its wgmma asynchronously (T.wgmma_gemm), hands the turn to the peer
+        (bar.arrive PP_BAR + 1 - w), then waits for its wgmma (wait_wgmma 0) and runs its epilogue while the
+        peer's wgmma (queued right behind its own) runs: per block ~ max(2 t_mma, t_mma + epilogue). Warpgroup
+        1 gives the first turn at it == 0 and skips its last hand-over, so every barrier phase is completed
+        (no arrival left pending at exit). The WS pass releases a stage after the last access of K_s in the
+        consumer body; with an async wgmma that would be before the wait, so a never-true read of K_s after
+        the wait pins the release behind it (checked in the generated CUDA: "empty" arrive after wait_wgmma).
+      - "pingpong_sync": as "pingpong" with the synchronous T.gemm (the hand-over comes after the own wgmma
+        retired: a small tensor-pipe bubble per turn, but no async subtleties).
   * Epilogue in registers: ``S = max(S, 0) * w[col]`` (FMNMX + FFMA after contraction with the sum), the sum
     over each row's H columns is a per-thread sum plus a 2-step quad shuffle (``T.reduce_sum`` on a
     ``[BN, BQ, H]`` reshape of the accumulator), then ``* k_scale[n]``, the per-row range mask, and a direct
@@ -36,6 +49,10 @@ Target workload (M=4096, N=8192, k_end = m + 4097, H=64, D=128, fp8):
   Output written once: 4096*8192*4 B = 134 MB (~0.03 ms of HBM time, overlapped with MMA). K read from L2
   once per query block: 1024 blocks x ~0.75 MB ~= 0.8 GB (~1.5 TB/s of L2 at 0.55 ms). Epilogue: ~2.7
   CUDA-core ops per accumulator element (1.6e9 elements) ~= 0.14 ms if not overlapped with the MMA.
+Verified (ping-pong, CPU only): "pingpong" and "pingpong_sync" lower for fp8 H64/D128, H32/D64 (m64n256k32),
+  H16/D64 (m64n128k32) and bf16 H64/D128; generated CUDA read (turn sync before the stage wait, async wgmma, peer
+  arrive, wait_wgmma<0>, then the stage release); ptxas (nvcc 13.0, sm_90a): 0 spills, 0 stack, 16 barriers
+  reserved (dynamic barrier id). The "lockstep" CUDA is byte-identical to the pre-option kernel. Not run on a GPU.
 Verified: lowering only (CPU, sm_90a): every lowering case issues wgmma (m64n256k32 e4m3 for H >= 32, m64n128k32
   for H <= 16, m64n256k16 bf16), TMA loads for Q / K / k_scale, setmaxnreg 24/240; ptxas (nvcc 13.0, sm_90a, on the
   CPU box): 0 spills, 0 stack for all cases. Lowering costs ~5-12 s CPU per config (TileLang layout inference).
@@ -68,6 +85,9 @@ COLS = 256  # wgmma N: query rows x heads per CTA (H >= 32)
 COLS_SMALL_H = 128  # H <= 16: keeps weights + per-row logits + accumulator within 240 registers
 NUM_STAGES = 2  # 2 beat 3 and 4 at H64/D128 and H32/D64 (benchmarks/results/2026-11-30_h200_61a94777_variants.json)
 SCHEDULES = ("lockstep", "pingpong", "pingpong_sync")
+SCHEDULE = "lockstep"  # default of build_indexer_prefill / the dispatcher (see the notes: "Schedules")
+HEAD_MAJOR = False  # tile column order default (see the notes: "Column order")
+PP_BAR = 8  # named barriers 8 and 9: ping-pong turns of consumer warpgroups 0 and 1 (0 is __syncthreads)
 THREADS = 256  # consumer threads (TileLang adds one producer warpgroup)
 SUPPORTED_HEADS = (8, 16, 32, 64)
 SUPPORTED_DIMS = (64, 128)
@@ -80,13 +100,15 @@ def default_cols(heads: int) -> int:
 
 def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", block_n: int = BLOCK_N,
                           cols: int | None = None, num_stages: int = NUM_STAGES, threads: int = THREADS,
-                          schedule: str = "lockstep"):
+                          schedule: str | None = None, head_major: bool | None = None):
     """TileLang prim_func ``(Q[M*H, D], K[N, D], W[M*H] f32, KScale[N] f32, KStart[M] i32, KEnd[M] i32,
-    Out[M, N] f32)``; M, N dynamic."""
+    Out[M, N] f32)``; M, N dynamic. ``schedule``: one of ``SCHEDULES`` (None -> ``SCHEDULE``; see the notes)."""
     H, D, BN = heads, dim, block_n
     cols = cols or default_cols(H)
     assert cols % H == 0 and H in SUPPORTED_HEADS and D in SUPPORTED_DIMS, (H, D, cols)
+    schedule = schedule or SCHEDULE
     assert schedule in SCHEDULES, schedule
+    head_major = HEAD_MAJOR if head_major is None else head_major
     pingpong = schedule != "lockstep"
     async_issue = schedule == "pingpong"
     BQ = cols // H  # query rows per CTA
@@ -114,7 +136,8 @@ def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", b
             row_hi = T.alloc_shared([BQ], i32)
             w_f = T.alloc_fragment([BC], f32)
             acc = T.alloc_fragment([BN, BC], f32)
-            acc3 = T.reshape(acc, [BN, BQ, H])
+            # column c of the tile = (row q, head h): c = q*H + h (default) or c = h*BQ + q (head_major)
+            acc3 = T.reshape(acc, [BN, H, BQ] if head_major else [BN, BQ, H])
             logit = T.alloc_fragment([BN, BQ], f32)
             lo = T.alloc_local([1], i32)
             hi = T.alloc_local([1], i32)
@@ -144,7 +167,11 @@ def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", b
             fill_a = kb_lo * BN  # columns [0, fill_a) and [fill_b, N) are never computed: -inf
             fill_b = T.min(kb_hi * BN, N)
 
-            T.copy(Q[m0 * H:m0 * H + BC, :], Q_s)  # TMA, issued before the fill so that the two overlap
+            if head_major:  # transposing SIMT copy (rows past M: clamped, their logits are never stored)
+                for c, d in T.Parallel(BC, D):
+                    Q_s[c, d] = Q[T.min(m0 + c % BQ, M - 1) * H + c // BQ, d]
+            else:
+                T.copy(Q[m0 * H:m0 * H + BC, :], Q_s)  # TMA, issued before the fill so that the two overlap
 
             # ---- -inf outside the computed key blocks (raw thread index: a T.Parallel over a symbolic range
             # makes layout inference slow). Every thread of the CTA runs this, including the producer warpgroup
@@ -160,21 +187,41 @@ def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", b
                     if (col < N) & (m0 + q < M):
                         Out[m0 + q, col] = -T.infinity(f32)
 
-            T.copy(W[m0 * H:m0 * H + BC], w_f)
+            if head_major:
+                for c in T.Parallel(BC):
+                    w_f[c] = W[T.min(m0 + c % BQ, M - 1) * H + c // BQ]
+            else:
+                T.copy(W[m0 * H:m0 * H + BC], w_f)
 
             for it in T.Pipelined(kb_hi - kb_lo, num_stages=num_stages):
                 n0 = (kb_lo + it) * BN
                 T.copy(K[n0:n0 + BN, :], K_s)
                 T.copy(KScale[n0:n0 + BN], ks_s)
                 if pingpong:
+                    # consumer warpgroup 0 / 1 (the WS pass rebases the thread index to the consumer branch)
                     wg = T.get_thread_binding() // 128
-                    T.named_barrier_arrive(8 + wg, 256)
-                    T.gemm(K_s, Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    if (it == 0) & (wg == 1):
+                        T.named_barrier_arrive(PP_BAR, 256)  # warpgroup 0 issues first
+                    T.call_extern("handle", "tl::__sync_thread_partial", PP_BAR + wg, 256)  # my turn
+                    if async_issue:
+                        T.wgmma_gemm(K_s, Q_s, acc, transpose_B=True, clear_accum=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        if (wg == 0) | (it + 1 < kb_hi - kb_lo):  # keeps the barrier arrivals balanced
+                            T.named_barrier_arrive(PP_BAR + 1 - wg, 256)  # the peer may issue behind mine
+                        T.wait_wgmma(0)
+                        # never true at run time; a read of K_s after the wait moves the WS pass's release of the
+                        # K stage (its "empty" mbarrier arrive) behind the wait: the peer's issue may not free it early
+                        if kb_hi < 0:
+                            lo[0] = T.cast(K_s[0, 0], i32)
+                    else:
+                        T.gemm(K_s, Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        if (wg == 0) | (it + 1 < kb_hi - kb_lo):
+                            T.named_barrier_arrive(PP_BAR + 1 - wg, 256)
                 else:
                     T.gemm(K_s, Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 for n, c in T.Parallel(BN, BC):
                     acc[n, c] = T.max(acc[n, c], 0) * w_f[c]
-                T.reduce_sum(acc3, logit, dim=2)
+                T.reduce_sum(acc3, logit, dim=1 if head_major else 2)
                 # mask + scale in registers first: folding this into the store statement makes TileLang's layout
                 # inference ~3x slower (12 s more per config)
                 for n, q in T.Parallel(BN, BQ):
@@ -192,8 +239,8 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(heads: int, dim: int, dtype: str):
-    func = build_indexer_prefill(heads=heads, dim=dim, dtype=dtype)
+def _compiled(heads: int, dim: int, dtype: str, schedule: str = SCHEDULE):
+    func = build_indexer_prefill(heads=heads, dim=dim, dtype=dtype, schedule=schedule)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -254,7 +301,7 @@ def run_indexer_logits(q, k, weights, k_scale, k_start=None, k_end=None) -> torc
     ks = _tma_ready(k_scale) if k_scale is not None else torch.ones(N, dtype=torch.float32, device=dev)
     ks0 = k_start.contiguous() if k_start is not None else torch.zeros(M, dtype=torch.int32, device=dev)
     ke0 = k_end.contiguous() if k_end is not None else torch.full((M,), N, dtype=torch.int32, device=dev)
-    kernel = _compiled(H, D, _TL_DTYPES[q.dtype])
+    kernel = _compiled(H, D, _TL_DTYPES[q.dtype], SCHEDULE)
     kernel(q2, k2, w, ks, ks0, ke0, out)
     return out
 
@@ -266,4 +313,7 @@ def lowering_cases():
     for dtype, H, D in [("float8_e4m3", 64, 128), ("float8_e4m3", 16, 64)]:
         name = f"{'fp8' if dtype.startswith('float8') else 'bf16'}_h{H}_d{D}"
         cases.append((name, build_indexer_prefill(heads=H, dim=D, dtype=dtype)))
+    # the other schedule (named-barrier ping-pong between the consumer warpgroups); ~10 s more
+    other = "pingpong" if SCHEDULE == "lockstep" else "lockstep"
+    cases.append((f"fp8_h64_d128_{other}", build_indexer_prefill(heads=64, dim=128, schedule=other)))
     return cases

@@ -65,6 +65,8 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from .. import _tilelang
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -345,9 +347,4 @@ def lowering_cases():
 
 def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
     """Lower a prim_func to CUDA C++ source on any machine (no GPU needed)."""
-    from tilelang import tvm
-
-    target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    with tvm.transform.PassContext(config=_pass_configs()), target:
-        art = tilelang.lower(func, target=target)
-    return art.kernel_source
+    return _tilelang.lower_to_cuda_source(func, _pass_configs(), arch)

@@ -17,7 +17,7 @@ Design
         exp2, ``sm_scale*log2(e)`` folded), writes P (bf16) and the per-row rescale
         factor alpha to shared memory, then O[:, 0:256] += P V[:, 0:256].
       - WG1 (threads 128-255, 176 regs): O[:, 256:512] *= alpha; += P V[:, 256:512].
-      - producer (threads 256-383, 96 regs): gathers the 64 KV rows of block i into
+      - producer (threads 256-383, 88 regs): gathers the 64 KV rows of block i into
         buffer i % 2 with 16-byte cp.async (8 threads per row, 4 passes of 16 rows);
         rows of invalid slots use the predicated, zero-filling form (src-size 0:
         nothing is read, NaN in unreferenced rows cannot leak), and a per-row
@@ -57,18 +57,30 @@ Shared memory (Dqk = 576, as laid out by TileLang): Q 64x576 (73,728 B) + 2 KV
   + final scale 64 f32 + flags 2x64 B + 7 mbarriers ~= 222.1 KB of the 232,448 B cap.
   Dqk = 512: Q 64 KiB + 2 x 64 KiB + 2 separate P tiles 8 KiB each + ~0.9 KB ~= 214 KB.
 Registers: WG0 acc_o 64x256 fp32 = 128/thread + acc_s 64x64 = 32/thread (+ row
-  stats) under 240; WG1 128 + few under 176; producer 96 (240 + 176 + 96 = 512 =
-  65,536 / 128).
+  stats) under 240; WG1 128 + few under 176; producer 88.  The setmaxnreg pool is the
+  launch allocation, 168 regs/thread x 384 = 64,512 (NOT 65,536), so the three counts
+  must sum to <= 504: 240 + 176 + 88 = 504.  (The first version asked for
+  240 + 176 + 96 = 512: setmaxnreg.inc blocks until the pool has the registers, so one
+  consumer warpgroup waited forever -> the H200 hang of 2026-11-30.)
 
 Verified (CPU only, TileLang 0.1.15, sm_90a): the three ``lowering_cases()`` lower in
   11-14 s each (H128/576/topk2048: 13.3 s; H64/512/topk640 sink tl: 12.2 s;
   H128/576/topk100 sink tl: 10.9 s).  The generated CUDA was read: wgmma_ss
   m64n64k16 (QK) and m64n256k16 (PV), warpgroup_reg_alloc<240>/<176> and
-  warpgroup_reg_dealloc<96>, mbarrier wait/arrive per role with the parities above,
+  warpgroup_reg_dealloc<88>, mbarrier wait/arrive per role with the parities above,
   wait_wgmma<3> (<2> for Dqk 512) between PV_l(i) and QK(i+1), 16-18
   cp_async_gs_conditional<16> per buffer followed by one commit + wait_group 0, named
   barriers 8/9 only, sink read at Sink[h0 + h], 1-D grid index split bx >> 1 / bx & 1.
   Never compiled by nvcc nor run on a GPU by the author.
+Deadlock post-mortem (2026-11-30, CPU only): the first H200 run hung in every test.  The
+  mbarrier protocol was re-checked on the generated CUDA (init by one elected thread,
+  fence.mbarrier_init + __syncthreads before the role split; every role runs the same
+  guarded iterations; arrival counts 128/128/256/128 match the arriving threads; the
+  producer's first kv_free wait uses parity 1 = passes on a fresh barrier; only bar.sync
+  ids 8/9 with 128 threads inside the roles, no __syncthreads; a role-level simulation of
+  all nblk <= NI <= 8 finds no deadlock and no parity aliasing).  The hang was the
+  register budget: nvcc 13.0 ptxas -v reports "Used 168 registers" (launch pool 64,512),
+  and 240 + 176 + 96 = 512 > 504 registers/thread were requested with setmaxnreg.inc.
 TileLang 0.1.15 pitfalls met here (in addition to kernel_fwd.py's):
   * Using ONE fragment (acc_o) in two role branches made TileLang silently drop WG1's
     element-wise loops (the alpha and final rescale vanished from the CUDA): give each
@@ -88,7 +100,7 @@ TileLang 0.1.15 pitfalls met here (in addition to kernel_fwd.py's):
     T.alloc_barrier per barrier.
 Risks (check first on the GPU):
   * Deadlock/hang = a parity or arrival-count mistake: run the small cases first with a
-    timeout.  ptxas -v: look for spills under the 240/176/96 budgets and for "wgmma
+    timeout.  ptxas -v: look for spills under the 240/176/88 budgets and for "wgmma
     serialized" warnings (would kill the PV/QK overlap).
   * The producer is serialised per buffer (wait_group 0 before arriving): if the
     gather is exposed (ncu: tensor pipe idle while kv_ready waits), go to 3 buffers of

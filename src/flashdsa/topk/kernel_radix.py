@@ -41,8 +41,12 @@ Variants (``pick_config``, untuned): N <= 8192 -> cache 8192, 512 threads (38 re
   (ptxas -v on the lowered source, CUDA 13.0, sm_90a).  Compiles: at most 3 variants x (index + 3 caps) = 12.
 Expected time on H200 (estimates, not measured): 64 x 32768 ~ 15-25 us (64 CTAs, HBM read once);
   4096 x 8192 ~ 80-150 us (HBM ~30 us + smem passes per row); 16 x 131072 ~ 40-70 us (only 16 CTAs, L2
-  re-reads of 512 KiB x 5 per SM); 1 x 1048576 ~ 150-250 us with one CTA: MISSES the 60 us target -- it needs
-  a multi-CTA (cluster / split-histogram) variant, not written yet.
+  re-reads of 512 KiB x 5 per SM); 1 x 1048576 ~ 150-250 us with one CTA: MISSES the 60 us target.
+  Measured (benchmarks/results/2026-11-30_h200_9301580b_topk.json): 50 / 189 / 187 / 1129 us for
+  64 x 32768 / 4096 x 8192 / 16 x 131072 / 1 x 1048576.
+Routing: ``run_topk_indices`` sends order "index"/"any" to ``kernel_radix_multi`` (several CTAs per row, global
+  histograms, 4 launches) when ``kernel_radix_multi.use_multi(M, N)``: G = min(ceil(SMs / M), N // 4096) >= 4
+  (1 x 1048576 and 16 x 131072 go there; 64 x 32768 and 4096 x 8192 stay here).  order="score" always stays here.
 Verified (CPU only; never run on a GPU by the author): every ``lowering_cases()`` variant lowers for sm_90a
   (7-20 s each on a loaded 2-core box, with and without ``_pass_configs()``) and its source compiles with
   nvcc -arch=sm_90a without spills.  A numpy model of exactly this algorithm (same key map, passes, digit
@@ -106,6 +110,21 @@ def pick_config(n: int) -> tuple[int, int]:
     return 1024, 0
 
 
+def to_key_expr(x):
+    """TileLang expression: float32 ``x`` -> order-preserving uint32 key (0 for NaN, -inf; +-0 tie).  Shared with
+    ``kernel_radix_multi``."""
+    import tilelang.language as T
+
+    u32 = "uint32"
+    b = T.reinterpret(x, u32)
+    a = b & T.uint32(0x7FFFFFFF)
+    k = T.if_then_else(
+        a == T.uint32(0), T.uint32(0x80000000),
+        T.if_then_else(b >= T.uint32(0x80000000), ~b, b | T.uint32(0x80000000)))
+    bad = (a > T.uint32(0x7F800000)) | (b == T.uint32(0xFF800000))  # NaN or -inf
+    return T.if_then_else(bad, T.uint32(0), k)
+
+
 def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0):
     """TileLang prim_func: Scores [M, N] f32 (row stride SM), Starts [NS] i32, Ends [NE] i32, Out [M, K] i32, Flags.
 
@@ -133,14 +152,7 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0)
     SM = T.dynamic("SM")
     u32, i32, u64 = "uint32", "int32", "uint64"
 
-    def to_key(x):
-        b = T.reinterpret(x, u32)
-        a = b & T.uint32(0x7FFFFFFF)
-        k = T.if_then_else(
-            a == T.uint32(0), T.uint32(0x80000000),
-            T.if_then_else(b >= T.uint32(0x80000000), ~b, b | T.uint32(0x80000000)))
-        bad = (a > T.uint32(0x7F800000)) | (b == T.uint32(0xFF800000))  # NaN or -inf
-        return T.if_then_else(bad, T.uint32(0), k)
+    to_key = to_key_expr
 
     @T.prim_func
     def topk_radix(
@@ -406,13 +418,25 @@ def kernel_unsupported(scores, k, starts=None, ends=None, order="index") -> str 
     return None
 
 
-def run_topk_indices(scores, k, starts=None, ends=None, order="index") -> torch.Tensor:
-    """Exact top-k positions per row; `[M, k]` int32 in ``order`` ("any" = "index").  No host synchronisation."""
+def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=None) -> torch.Tensor:
+    """Exact top-k positions per row; `[M, k]` int32 in ``order`` ("any" = "index").  No host synchronisation.
+
+    ``multi``: None routes by ``kernel_radix_multi.use_multi`` (shapes only); True / False force the multi-CTA /
+    one-CTA-per-row kernel (True with order="score" raises ValueError).
+    """
     reason = kernel_unsupported(scores, k, starts, ends, order)
     if reason is not None:
         raise ValueError(f"topk radix kernel: {reason}")
     M, N = scores.shape
     dev = scores.device
+    if multi and order == "score":
+        raise ValueError("topk radix kernel: the multi-CTA path has no order='score'")
+    if order != "score" and multi is not False:
+        from . import kernel_radix_multi as _multi
+
+        if multi or _multi.use_multi(M, N, order, _multi._sm_count(dev.index if dev.index is not None else 0)):
+            # few long rows: several CTAs per row (see kernel_radix_multi's notes for the rule)
+            return _multi.run_topk_indices_multi(scores, k, starts, ends)
     out = torch.empty((M, k), dtype=torch.int32, device=dev)
     if M == 0:
         return out

@@ -1,0 +1,556 @@
+"""Exact per-row top-k by radix select over several CTAs per row (long rows, few rows), in TileLang for Hopper.
+
+Notes
+-----
+Why: ``kernel_radix`` runs one CTA per row, so 16 x 131072 uses 16 of 132 SMs and 1 x 1048576 uses one (measured
+187 us and 1129 us on the H200, torch.topk 117 / 150 us).  Here each row is cut into ``G`` contiguous slices, one
+CTA per slice (grid ``(G, M)``), and the radix passes of ``kernel_radix`` are run with global histograms.
+
+Algorithm (one prim_func ``topk_radix_multi``, launched 4 times on the same stream with ``Pass`` = 0, 1, 2, 3;
+the kernel boundaries are the grid-wide barriers; no host synchronisation, so it is CUDA-graph capturable):
+  * Keys, digits (11/11/10 bits), the threshold rule (``g < k_rem <= g + hist[d]``), early stops (``total <= k``
+    after pass 0, or the whole bucket taken), the masked threshold (``mask``, ``prefix``, ``need``) and the output
+    formula are exactly those of ``kernel_radix`` (same ``to_key``).
+  * Slices: row range ``[lo, hi)`` (starts/ends clamped as in ``kernel_radix``), ``n = hi - lo``,
+    ``chunk = ceil(ceil(n / G) / 32) * 32``; CTA ``g`` owns row positions ``[g*chunk, (g+1)*chunk) & [0, n)``
+    (possibly empty).
+  * Workspace: ``Hist [M, 3*2048]`` int32, zeroed by the host (``torch.zeros``, one memset) and
+    ``Part [M, G, 3, 2049]`` int32 (no zeroing needed: an entry is read only if the launch that writes it did work).
+  * Launch ``Pass = p`` (p = 0, 1, 2): every CTA first re-derives the threshold state after levels ``0..p-1`` from
+    ``Hist`` (redundantly, identical in every CTA: copy ``Hist[m, q]`` to shared memory, the block suffix scan of
+    ``kernel_radix``).  If the selection is already decided it exits.  Otherwise it sweeps its slice once
+    (global / L2 reads, no key cache): keys matching the prefix go to a 2048-bin shared histogram (shared atomics),
+    and ``A`` = number of keys already *above* the prefix (``key & mask > prefix``) is counted.  Then the non-zero
+    bins are added to ``Hist[m, p]`` (global int32 atomics: integer sums, so deterministic) and the CTA writes its
+    own suffix counts ``Part[m, g, p, b] = A + sum_{b' >= b} hist[b']`` (``b = 2048`` gives ``A``).
+  * Launch ``Pass = 3`` (write): the state after all levels is derived the same way (final level ``lev`` with
+    digit ``dsel``, or ``lev = -1`` when ``total <= k``: everything valid is taken).  For that threshold the
+    counts of CTA ``g'`` are  above(g') = ``Part[m, g', lev, dsel + 1]``  and
+    tied(g') = ``Part[m, g', lev, dsel] - Part[m, g', lev, dsel + 1]``  (``lev = -1``: above 0, tied
+    ``Part[m, g', 0, 0]`` = its valid count).  CTA ``g`` sums them over ``g' < g`` (exclusive scan over CTAs,
+    each CTA reading the lower CTAs' entries), then runs ``kernel_radix``'s write unchanged on its slice (per-warp
+    segments, sweep A counts, block exclusive scan, sweep B with ballot/popc ranks) with those global bases.
+    Output slot = (#above before it in the row) + min(#tied before it in the row, need): ascending position order,
+    ties at the threshold to the lowest positions -- the same result as ``kernel_radix`` and the reference.
+    Slots ``[k_eff, k)`` get -1 (spread over the row's CTAs).
+  * ``order="score"`` is not supported here (``kernel_radix`` or the reference handle it).
+Cost per call: 1 memset + 4 launches; the slice is read from global memory 4 times at most (passes 0-2 and the
+  write's 2 sweeps; 1 x 1048576 is 4 MiB, L2 resident after pass 0); each CTA scans <= 3 global histograms per
+  launch and reads <= 2 Part entries per lower CTA in the write.
+Routing (``use_multi``; pure shape rule): G = min(ceil(SMs / M), N // 4096); the multi path is used when G >= 4
+  (and order != "score").  1 x 1048576 -> G = 132 (on 132 SMs), 16 x 131072 -> 9, 3 x 40000 -> 9,
+  64 x 32768 -> 3 (stays on ``kernel_radix``), M >= 33 never.
+Expected on the H200 (estimates, not measured): each launch ~3-6 us (launch gap + <= 32 KiB slice per CTA):
+  1 x 1048576 ~ 20-35 us, 16 x 131072 ~ 20-35 us (+ host launch overhead of 4 TileLang calls if not graphed).
+Verified on CPU (no GPU run yet): ``emulate_multi`` (a numpy model of exactly these launches, slices, Part entries,
+  bases, per-warp segments and ballot ranks) matches ``topk_indices_reference``; the prim_func lowers for sm_90a
+  and its source compiles with nvcc -arch=sm_90a.
+"""
+
+import functools
+import math
+
+import torch
+
+from .kernel_radix import _DMASKS, _SHIFTS, _UNROLL, HBINS, _pass_configs, to_key_expr
+
+MIN_PER_CTA = 4096  # elements per CTA at least
+MIN_GROUPS = 4  # use the multi-CTA path only when a row gets at least this many CTAs
+PSTRIDE = HBINS + 1  # Part row: suffix counts of 2048 bins, then A
+THREADS = 1024
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pick_groups(M: int, N: int, sms: int = 132) -> int:
+    """CTAs per row: fill the SMs once, but keep >= MIN_PER_CTA elements per CTA."""
+    return max(1, min(-(-sms // max(1, M)), N // MIN_PER_CTA))
+
+
+def use_multi(M: int, N: int, order: str = "index", sms: int = 132) -> bool:
+    """The routing rule (shapes only): multi-CTA iff order != "score" and pick_groups(M, N) >= MIN_GROUPS."""
+    return order != "score" and M >= 1 and pick_groups(M, N, sms) >= MIN_GROUPS
+
+
+def _build_topk_radix_multi(*, threads: int = THREADS):
+    """Scores [M, N] f32 (row stride SM), Starts [NS], Ends [NE], Hist [M, 3*2048], Part [M, G, 3, 2049], Out [M, K],
+    Flags (bit 0 starts given, bit 1 ends given), Pass (0, 1, 2: histogram passes; 3: write)."""
+    import tilelang.language as T
+
+    NT = threads
+    assert NT % 32 == 0 and HBINS % NT == 0 and NT <= 1024
+    W = NT // 32
+    BPT = HBINS // NT
+    U = _UNROLL
+
+    M = T.dynamic("M")
+    N = T.dynamic("N")
+    K = T.dynamic("K")
+    G = T.dynamic("G")
+    NS = T.dynamic("NS")
+    NE = T.dynamic("NE")
+    SM = T.dynamic("SM")
+    u32, i32, u64 = "uint32", "int32", "uint64"
+    to_key = to_key_expr
+
+    @T.prim_func
+    def topk_radix_multi(
+        Scores: T.StridedTensor((M, N), (SM, 1), "float32"),
+        Starts: T.Tensor((NS,), i32),
+        Ends: T.Tensor((NE,), i32),
+        Hist: T.Tensor((M, 3 * HBINS), i32),
+        Part: T.Tensor((M, G, 3, PSTRIDE), i32),
+        Out: T.Tensor((M, K), i32),
+        Flags: T.int32,
+        Pass: T.int32,
+    ):
+        with T.Kernel(G, M, threads=NT) as (gx, by):
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((HBINS,), i32)
+            wred = T.alloc_shared((2, W), i32)
+            sel = T.alloc_shared((4,), i32)
+
+            lane = tx % 32
+            warp = tx // 32
+            lo = T.alloc_var(i32)
+            hi = T.alloc_var(i32)
+            n = T.alloc_var(i32)
+            cs = T.alloc_var(i32)
+            ln = T.alloc_var(i32)
+            chunk = T.alloc_var(i32)
+            total = T.alloc_var(i32)
+            kef = T.alloc_var(i32)
+            krem = T.alloc_var(i32)
+            need = T.alloc_var(i32)
+            done = T.alloc_var(i32)
+            lev = T.alloc_var(i32)
+            dsel = T.alloc_var(i32)
+            prefix = T.alloc_var(u32)
+            mask = T.alloc_var(u32)
+            x = T.alloc_var(i32)
+            s = T.alloc_var(i32)
+            g = T.alloc_var(i32)
+            a = T.alloc_var(i32)
+            kk = T.alloc_var(u32)
+            cgt = T.alloc_var(i32)
+            ceq = T.alloc_var(i32)
+            fv = T.alloc_local((U,), "float32")
+            shift = T.alloc_var(u32)
+            dmask = T.alloc_var(u32)
+            pos = T.alloc_var(i32)
+            h1 = T.alloc_var(i32)
+            f1 = T.alloc_var("float32")
+
+            lo = 0
+            hi = N
+            if (Flags & 1) != 0:
+                lo = T.max(T.min(Starts[by], N), 0)
+            if (Flags & 2) != 0:
+                hi = T.max(T.min(Ends[by], N), 0)
+            n = T.max(hi - lo, 0)
+            chunk = T.ceildiv(T.ceildiv(n, G), 32) * 32
+            cs = T.min(gx * chunk, n)
+            ln = T.min(cs + chunk, n) - cs
+
+            # ---- threshold state after the levels decided by earlier launches (same in every CTA) ----
+            prefix = T.uint32(0)
+            mask = T.uint32(0)
+            done = 0
+            krem = K
+            kef = K
+            need = 0
+            lev = -1
+            dsel = 0
+            for p in T.unroll(3):
+                if done == 0 and p < Pass:
+                    shift = T.Cast(
+                        u32, T.if_then_else(p == 0, _SHIFTS[0], T.if_then_else(p == 1, _SHIFTS[1], _SHIFTS[2])))
+                    dmask = T.Cast(u32, T.if_then_else(p == 2, _DMASKS[2], _DMASKS[0]))
+                    for b in T.serial(BPT):
+                        hist[tx * BPT + b] = Hist[by, p * HBINS + tx * BPT + b]
+                    T.sync_threads()
+                    # block suffix scan of the histogram: thread tx owns bins [tx*BPT, tx*BPT + BPT)
+                    s = 0
+                    for b in T.serial(BPT):
+                        s = s + hist[tx * BPT + b]
+                    x = s
+                    for o in T.unroll(5):
+                        g = T.shfl_down(x, 1 << o)
+                        if lane + (1 << o) < 32:
+                            x = x + g
+                    if lane == 0:
+                        wred[0, warp] = x
+                    T.sync_threads()
+                    g = x - s
+                    total = 0
+                    for w2 in T.serial(W):
+                        total = total + wred[0, w2]
+                        if w2 > warp:
+                            g = g + wred[0, w2]
+                    if p == 0:
+                        kef = T.min(K, total)
+                        krem = kef
+                    if p == 0 and total <= K:
+                        # take every valid element
+                        done = 1
+                        need = total
+                    else:
+                        for b in T.serial(BPT):
+                            if g < krem and krem <= g + hist[tx * BPT + BPT - 1 - b]:
+                                sel[0] = tx * BPT + BPT - 1 - b
+                                sel[1] = g
+                                sel[2] = hist[tx * BPT + BPT - 1 - b]
+                            g = g + hist[tx * BPT + BPT - 1 - b]
+                        T.sync_threads()
+                        krem = krem - sel[1]
+                        prefix = prefix | (T.Cast(u32, sel[0]) << shift)
+                        mask = mask | (dmask << shift)
+                        need = krem
+                        lev = p
+                        dsel = sel[0]
+                        if sel[2] == krem or p == 2:
+                            done = 1
+                    T.sync_threads()
+
+            if Pass < 3:
+                if done == 0:
+                    # ---- histogram pass `Pass` over this CTA's slice ----
+                    shift = T.Cast(
+                        u32, T.if_then_else(Pass == 0, _SHIFTS[0], T.if_then_else(Pass == 1, _SHIFTS[1], _SHIFTS[2])))
+                    dmask = T.Cast(u32, T.if_then_else(Pass == 2, _DMASKS[2], _DMASKS[0]))
+                    for b in T.serial(BPT):
+                        hist[tx * BPT + b] = 0
+                    T.sync_threads()
+                    a = 0
+                    for j in T.serial(T.ceildiv(ln, NT * U)):
+                        for u in T.unroll(U):
+                            fv[u] = T.float32(0)
+                            if (j * U + u) * NT + tx < ln:
+                                fv[u] = Scores[by, lo + cs + (j * U + u) * NT + tx]
+                        for u in T.unroll(U):
+                            if (j * U + u) * NT + tx < ln:
+                                kk = to_key(fv[u])
+                                if (kk & mask) > prefix:
+                                    a = a + 1
+                                elif kk != T.uint32(0) and (kk & mask) == prefix:
+                                    T.atomic_add(hist[T.Cast(i32, (kk >> shift) & dmask)], 1)
+                    T.sync_threads()
+                    # publish: global histogram (atomics) and this CTA's suffix counts
+                    s = 0
+                    for b in T.serial(BPT):
+                        s = s + hist[tx * BPT + b]
+                        if hist[tx * BPT + b] != 0:
+                            T.atomic_add(Hist[by, Pass * HBINS + tx * BPT + b], hist[tx * BPT + b])
+                    x = s
+                    for o in T.unroll(5):
+                        g = T.shfl_down(x, 1 << o)
+                        if lane + (1 << o) < 32:
+                            x = x + g
+                    a = T.warp_reduce_sum(a)
+                    if lane == 0:
+                        wred[0, warp] = x
+                        wred[1, warp] = a
+                    T.sync_threads()
+                    g = x - s
+                    a = 0
+                    for w2 in T.serial(W):
+                        a = a + wred[1, w2]
+                        if w2 > warp:
+                            g = g + wred[0, w2]
+                    for b in T.serial(BPT):
+                        g = g + hist[tx * BPT + BPT - 1 - b]
+                        Part[by, gx, Pass, tx * BPT + BPT - 1 - b] = a + g
+                    if tx == 0:
+                        Part[by, gx, Pass, HBINS] = a
+            else:
+                # ---- write: bases from the lower CTAs of the row, then kernel_radix's write on the slice ----
+                cgt = 0
+                ceq = 0
+                for j in T.serial(T.ceildiv(gx, NT)):
+                    if j * NT + tx < gx:
+                        if lev < 0:
+                            ceq = ceq + Part[by, j * NT + tx, 0, 0]
+                        else:
+                            h1 = Part[by, j * NT + tx, lev, dsel + 1]
+                            cgt = cgt + h1
+                            ceq = ceq + Part[by, j * NT + tx, lev, dsel] - h1
+                cgt = T.warp_reduce_sum(cgt)
+                ceq = T.warp_reduce_sum(ceq)
+                if lane == 0:
+                    wred[0, warp] = cgt
+                    wred[1, warp] = ceq
+                T.sync_threads()
+                a = 0  # above in lower CTAs
+                h1 = 0  # tied in lower CTAs
+                for w2 in T.serial(W):
+                    a = a + wred[0, w2]
+                    h1 = h1 + wred[1, w2]
+                T.sync_threads()
+
+                seg = T.ceildiv(T.ceildiv(ln, W), 32) * 32
+                cgt = 0
+                ceq = 0
+                for j in T.serial(seg // 32):
+                    pos = warp * seg + j * 32 + lane
+                    if pos < ln:
+                        f1 = Scores[by, lo + cs + pos]
+                        kk = to_key(f1)
+                        if (kk & mask) > prefix:
+                            cgt = cgt + 1
+                        elif kk != T.uint32(0) and (kk & mask) == prefix:
+                            ceq = ceq + 1
+                cgt = T.warp_reduce_sum(cgt)
+                ceq = T.warp_reduce_sum(ceq)
+                if lane == 0:
+                    wred[0, warp] = cgt
+                    wred[1, warp] = ceq
+                T.sync_threads()
+                cgt = a
+                ceq = h1
+                for w2 in T.serial(W):
+                    if w2 < warp:
+                        cgt = cgt + wred[0, w2]
+                        ceq = ceq + wred[1, w2]
+                T.sync_threads()
+                for j in T.serial(seg // 32):
+                    kk = T.uint32(0)
+                    pos = warp * seg + j * 32 + lane
+                    if pos < ln:
+                        f1 = Scores[by, lo + cs + pos]
+                        kk = to_key(f1)
+                    bg = T.ballot_sync((kk & mask) > prefix)
+                    be = T.ballot_sync(kk != T.uint32(0) and (kk & mask) == prefix)
+                    lt = (T.uint64(1) << T.Cast(u64, lane)) - T.uint64(1)
+                    x = cgt + T.Cast(i32, T.popcount(bg & lt))
+                    s = ceq + T.Cast(i32, T.popcount(be & lt))
+                    if (kk & mask) > prefix or (kk != T.uint32(0) and (kk & mask) == prefix and s < need):
+                        Out[by, x + T.min(s, need)] = lo + cs + pos
+                    cgt = cgt + T.Cast(i32, T.popcount(bg))
+                    ceq = ceq + T.Cast(i32, T.popcount(be))
+                # leftover slots [kef, K), spread over the row's CTAs
+                for j in T.serial(T.ceildiv(K, G * NT)):
+                    if (j * G + gx) * NT + tx < K and (j * G + gx) * NT + tx >= kef:
+                        Out[by, (j * G + gx) * NT + tx] = -1
+
+    return topk_radix_multi
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(threads: int):
+    import tilelang
+
+    func = _build_topk_radix_multi(threads=threads)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def run_topk_indices_multi(scores, k, starts=None, ends=None, groups=None) -> torch.Tensor:
+    """order="index" top-k with ``groups`` CTAs per row (default ``pick_groups``).  Arguments as validated by
+    ``kernel_radix.kernel_unsupported`` (call that first); no host synchronisation."""
+    M, N = scores.shape
+    dev = scores.device
+    out = torch.empty((M, k), dtype=torch.int32, device=dev)
+    if M == 0:
+        return out
+    if N == 0:
+        return out.fill_(-1)
+    if (N == 1 and scores.stride(1) != 1) or (M == 1 and scores.stride(0) != N):
+        scores = scores.as_strided((M, N), (N if M == 1 else scores.stride(0), 1))
+    G = int(groups) if groups is not None else pick_groups(M, N, _sm_count(dev.index or 0))
+    if G < 1:
+        raise ValueError(f"groups must be >= 1 (got {G})")
+    dummy = None
+    if starts is None or ends is None:
+        dummy = torch.empty((1,), dtype=torch.int32, device=dev)
+    st = starts.contiguous() if starts is not None else dummy
+    en = ends.contiguous() if ends is not None else dummy
+    flags = (1 if starts is not None else 0) | (2 if ends is not None else 0)
+    hist = torch.zeros((M, 3 * HBINS), dtype=torch.int32, device=dev)
+    part = torch.empty((M, G, 3, PSTRIDE), dtype=torch.int32, device=dev)
+    kernel = _compiled(THREADS)
+    for p in range(4):
+        kernel(scores, st, en, hist, part, out, flags, p)
+    return out
+
+
+EXPECTS_WGMMA = False
+
+
+def lowering_cases():
+    """One prim_func serves every shape, flag and pass."""
+    return [(f"t{THREADS}_index", _build_topk_radix_multi(threads=THREADS))]
+
+
+def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
+    from .kernel_radix import lower_to_cuda_source as _lower
+
+    return _lower(func, arch)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CPU model of exactly the launches above (for checking the schedule without a GPU)
+
+
+def _keys_np(x):
+    import numpy as np
+
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    a = b & np.uint32(0x7FFFFFFF)
+    k = np.where(a == 0, np.uint32(0x80000000), np.where(b >= np.uint32(0x80000000), ~b, b | np.uint32(0x80000000)))
+    bad = (a > np.uint32(0x7F800000)) | (b == np.uint32(0xFF800000))
+    return np.where(bad, np.uint32(0), k).astype(np.uint32)
+
+
+def _state_np(H, levels, K):
+    """Threshold state after ``levels`` histogram levels (the per-CTA scan of the kernel)."""
+    import numpy as np
+
+    prefix = mask = 0
+    done, krem, kef, need, lev, dsel = 0, K, K, 0, -1, 0
+    for p in range(3):
+        if done or p >= levels:
+            continue
+        h = H[p].astype(np.int64)
+        total = int(h.sum())
+        if p == 0:
+            kef = min(K, total)
+            krem = kef
+        if p == 0 and total <= K:
+            done, need = 1, total
+            continue
+        suf = np.concatenate([np.cumsum(h[::-1])[::-1][1:], [0]])  # count of larger digits
+        hits = np.nonzero((suf < krem) & (krem <= suf + h))[0]
+        assert len(hits) == 1
+        d = int(hits[0])
+        krem -= int(suf[d])
+        prefix |= d << _SHIFTS[p]
+        mask |= _DMASKS[p] << _SHIFTS[p]
+        need, lev, dsel = krem, p, d
+        if int(h[d]) == krem or p == 2:
+            done = 1
+    return prefix, mask, done, kef, need, lev, dsel
+
+
+def emulate_multi(scores, k, starts=None, ends=None, groups=4, threads=THREADS):
+    """numpy model of ``run_topk_indices_multi`` (same slices, launches, Part entries, bases, warp segments and
+    ballot ranks); returns [M, k] int32 numpy."""
+    import numpy as np
+
+    x = np.asarray(scores, dtype=np.float32)
+    M, N = x.shape
+    G, W = groups, threads // 32
+    out = np.full((M, k), 0x5A5A5A5A, dtype=np.int64)
+    for m in range(M):
+        lo, hi = 0, N
+        if starts is not None:
+            lo = max(min(int(starts[m]), N), 0)
+        if ends is not None:
+            hi = max(min(int(ends[m]), N), 0)
+        n = max(hi - lo, 0)
+        keys = _keys_np(x[m, lo:lo + n]) if n > 0 else np.zeros(0, np.uint32)
+        chunk = -(-(-(-n // G)) // 32) * 32
+        sl = []
+        for g in range(G):
+            cs = min(g * chunk, n)
+            sl.append((cs, min(cs + chunk, n)))
+        H = np.zeros((3, HBINS), np.int64)
+        Part = np.full((G, 3, PSTRIDE), -(10**9), np.int64)  # poison: unwritten entries must never be read
+        for P in range(3):
+            prefix, mask, done, *_ = _state_np(H, P, k)
+            if done:
+                continue
+            newH = np.zeros(HBINS, np.int64)
+            for g in range(G):
+                sub = keys[sl[g][0]:sl[g][1]].astype(np.int64)
+                above = (sub & mask) > prefix
+                match = (sub != 0) & ((sub & mask) == prefix) & ~above
+                A = int(above.sum())
+                h = np.bincount((sub[match] >> _SHIFTS[P]) & _DMASKS[P], minlength=HBINS)
+                newH += h
+                Part[g, P, :HBINS] = A + np.cumsum(h[::-1])[::-1]
+                Part[g, P, HBINS] = A
+            H[P] = newH  # all atomics of the launch land before the next launch
+        prefix, mask, done, kef, need, lev, dsel = _state_np(H, 3, k)
+        assert done
+        for g in range(G):
+            cs, ce = sl[g]
+            ln = ce - cs
+            if lev < 0:
+                ab, tb = 0, int(sum(Part[g2, 0, 0] for g2 in range(g)))
+            else:
+                ab = int(sum(Part[g2, lev, dsel + 1] for g2 in range(g)))
+                tb = int(sum(Part[g2, lev, dsel] - Part[g2, lev, dsel + 1] for g2 in range(g)))
+            assert ab >= 0 and tb >= 0
+            sub = keys[cs:ce].astype(np.int64)
+            seg = -(-(-(-ln // W)) // 32) * 32
+            isg = (sub & mask) > prefix
+            ise = (sub != 0) & ((sub & mask) == prefix) & ~isg
+            wg = [int(isg[w * seg:(w + 1) * seg].sum()) for w in range(W)]
+            we = [int(ise[w * seg:(w + 1) * seg].sum()) for w in range(W)]
+            for w in range(W):
+                # sweep B of warp w: ballot/popc ranks over consecutive 32-element chunks == exclusive prefix counts
+                a0, a1 = min(w * seg, ln), min((w + 1) * seg, ln)
+                bg, be = isg[a0:a1], ise[a0:a1]
+                rg = ab + sum(wg[:w]) + np.cumsum(bg) - bg
+                re_ = tb + sum(we[:w]) + np.cumsum(be) - be
+                take = bg | (be & (re_ < need))
+                slot = rg + np.minimum(re_, need)
+                assert ((slot[take] >= 0) & (slot[take] < kef)).all()
+                out[m, slot[take]] = lo + cs + a0 + np.nonzero(take)[0]
+        # leftover slots: idx = (j*G + g)*threads + t over j, g, t enumerates [0, ceil(k / (G*threads))*G*threads) once
+        out[m, kef:] = -1
+    assert not (out == 0x5A5A5A5A).any(), "a slot was never written"
+    return out.astype(np.int32)
+
+
+def _bench_main():  # pragma: no cover - GPU only
+    """``python -m flashdsa.topk.kernel_radix_multi``: one-CTA vs multi-CTA vs torch.topk on the benchmark shapes
+    (k=2048, order="index"; L2 flushed before each call; median of 20 calls, us), plus the multi path replayed
+    from a CUDA graph (no host launch overhead), and a check that both kernels agree."""
+    from . import kernel_radix
+
+    dev = torch.device("cuda")
+    sms = _sm_count(0)
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device=dev)
+
+    def timed(fn, reps=20):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for i in range(reps):
+            flush.fill_(i)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return sorted(ts)[len(ts) // 2]
+
+    print(f"SMs {sms}; rule: multi iff min(ceil(SMs/M), N//{MIN_PER_CTA}) >= {MIN_GROUPS}")
+    for M, N in [(64, 32768), (4096, 8192), (16, 131072), (1, 1048576), (3, 40000), (32, 65536)]:
+        x = torch.randn(M, N, device=dev)
+        k = 2048
+        G = pick_groups(M, N, sms)
+        row = {"routed": "multi" if use_multi(M, N, "index", sms) else "single", "G": G}
+        one = kernel_radix.run_topk_indices(x, k, multi=False)
+        row["single_us"] = round(timed(lambda: kernel_radix.run_topk_indices(x, k, multi=False)), 1)
+        if G >= 2:
+            mul = run_topk_indices_multi(x, k)
+            row["multi_equal"] = bool(torch.equal(one, mul))
+            row["multi_us"] = round(timed(lambda: run_topk_indices_multi(x, k)), 1)
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    run_topk_indices_multi(x, k)
+                row["multi_graph_us"] = round(timed(g.replay), 1)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                row["multi_graph_us"] = f"capture failed: {type(e).__name__}: {e}"[:200]
+        row["torch_topk_us"] = round(timed(lambda: torch.topk(x, k, dim=-1)), 1)
+        print(f"{M} x {N}:", row, flush=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _bench_main()
