@@ -65,11 +65,12 @@ def sparse_cases(rows):
             print(rows[-1], flush=True)
 
 
-# (block_n, cols, num_stages, schedule): the first is the current default (the reference of the error check); the
-# ping-pong schedules come after it so that a hang (named-barrier mistake) costs only the later rows.
-INDEXER_CONFIGS = [(128, None, 2, "lockstep"), (128, None, 2, "pingpong_sync"), (128, None, 2, "pingpong"),
-                   (128, None, 3, "pingpong")]
-INDEXER_WORKLOADS = [(64, 128, 8192), (32, 64, 8192), (64, 128, 32768)]  # (H, D, N), M = 4096 causal
+# (block_n, cols, num_stages, schedule, head_major): the first is the current default (the reference of the error
+# check); the lockstep ones come first and the ping-pong schedules (named barriers) last, so that a hang costs only
+# the later rows. head_major changes the head-summation order: expect rel_err ~1e-7, not bitwise equality.
+INDEXER_CONFIGS = [(128, None, 2, "lockstep", False), (128, None, 2, "lockstep", True),
+                   (128, None, 2, "pingpong_sync", True), (128, None, 2, "pingpong", True)]
+INDEXER_WORKLOADS = [(64, 128, 8192), (32, 64, 8192)]  # (H, D, N), M = 4096 causal
 HANG_S = 20.0  # a launch not finished after this long is a deadlock: dump what we have and exit
 
 
@@ -93,10 +94,45 @@ def _dump(rows, out_dir):
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
+def _edge_check(kern, H, D, wait):
+    """Correctness on awkward sizes vs the PyTorch reference (M % rows-per-CTA != 0, N % 128 != 0, empty, inverted,
+    out-of-range and extreme ranges; same metric and tolerance as tests/indexer/test_kernel_gpu.py)."""
+    from flashdsa.indexer.reference import indexer_logits_reference
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    M, N = 1003, 1900
+    q = (torch.randn(M, H, D, generator=g, device="cuda") * 8).to(torch.float8_e4m3fn)
+    kf = torch.randn(N, D, generator=g, device="cuda")
+    ks = (kf.abs().amax(-1).clamp_min(1e-4) / 448.0).float()
+    k = (kf / ks[:, None]).to(torch.float8_e4m3fn)
+    w = torch.randn(M, H, generator=g, device="cuda") * H ** -0.5
+    st = torch.randint(-N, 2 * N, (M,), generator=g, device="cuda").to(torch.int32)
+    en = torch.randint(-N, 2 * N, (M,), generator=g, device="cuda").to(torch.int32)
+    st[::3] = en[::3]
+    st[1::7] = -(2 ** 31)
+    en[2::7] = 2 ** 31 - 1
+    causal = torch.arange(M, device="cuda") >= M // 2  # second half: causal rows (the common shape)
+    st[causal] = 0
+    en[causal] = (torch.arange(M, device="cuda")[causal] + 1 + (N - M)).to(torch.int32)
+    out = torch.full((M, N), float("nan"), device="cuda")
+    kern(q.view(M * H, D), k, w.view(-1), ks, st, en, out)
+    wait()
+    ref = indexer_logits_reference(q, k, w, ks, st, en)
+    torch.cuda.synchronize()
+    ref_inf = torch.isinf(ref)
+    x, y = out[~ref_inf].double(), ref[~ref_inf].double()
+    den = (x * x).sum() + (y * y).sum()
+    err = 0.0 if den == 0 else float(1 - 2 * (x * y).sum() / den)
+    ok = (not torch.isnan(out).any().item()) and torch.equal(torch.isinf(out), ref_inf) \
+        and bool((out[ref_inf] == -float("inf")).all()) and err < 5e-6
+    return {"edge_ok": bool(ok), "edge_err": err}
+
+
 def indexer_cases(rows, out_dir=None, configs=None):
     """Variant-major: every workload of a config before the next config (a hang loses only later configs).
     Checks per variant: bit-identical to the first config, every element written (output pre-filled with NaN),
-    rel error on the finite part; rows are also written to variants_indexer.json after each one."""
+    rel error on the finite part, and (N = 8192 cases) an awkward-size / awkward-range check against the PyTorch
+    reference (edge_ok, edge_err); rows are also written to variants_indexer.json after each one."""
     configs = configs or INDEXER_CONFIGS
     g = torch.Generator(device="cuda").manual_seed(1)
     data = []
@@ -112,18 +148,18 @@ def indexer_cases(rows, out_dir=None, configs=None):
         data.append(dict(H=H, D=D, N=N, M=M, q=q, k=k, w=w, ks=ks, start=start, end=end, flops=flops, ref=None))
     funcs, keys = [], []
     for d in data:
-        for bn, c, st, sch in configs:
+        for bn, c, st, sch, hm in configs:
             funcs.append(kernel_prefill.build_indexer_prefill(heads=d["H"], dim=d["D"], block_n=bn, cols=c,
-                                                              num_stages=st, schedule=sch))
-            keys.append((d["H"], d["D"], bn, c, st, sch))
+                                                              num_stages=st, schedule=sch, head_major=hm))
+            keys.append((d["H"], d["D"], bn, c, st, sch, hm))
     kernels = dict(zip(keys, tilelang.par_compile(funcs, target="cuda", pass_configs=kernel_prefill._pass_configs(),
                                                   ignore_error=True)))
-    for bn, c, st, sch in configs:
+    for bn, c, st, sch, hm in configs:
         for d in data:
             H, D, N, M = d["H"], d["D"], d["N"], d["M"]
             case = f"H{H}_D{D}_N{N}"
-            tag = f"bn{bn}_cols{c or kernel_prefill.default_cols(H)}_st{st}_{sch}"
-            kern = kernels.get((H, D, bn, c, st, sch))
+            tag = f"bn{bn}_cols{c or kernel_prefill.default_cols(H)}_st{st}_{sch}" + ("_hm" if hm else "")
+            kern = kernels.get((H, D, bn, c, st, sch, hm))
             if kern is None:
                 rows.append({"op": "indexer", "case": case, "variant": tag, "error": "compile failed"})
                 print(rows[-1], flush=True)
@@ -142,10 +178,13 @@ def indexer_cases(rows, out_dir=None, configs=None):
                 err = ((out[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item()
                 same_inf = bool(torch.equal(torch.isneginf(out), torch.isneginf(ref)))
                 ms = bench(fn)
-                rows.append({"op": "indexer", "case": case, "variant": tag, "ms": ms,
-                             "tflops": d["flops"] / ms / 1e9, "rel_err_vs_first": err,
-                             "bitwise_equal_first": bool(torch.equal(out, ref)), "neg_inf_mask_equal_first": same_inf,
-                             "unwritten": unwritten})
+                row = {"op": "indexer", "case": case, "variant": tag, "ms": ms,
+                       "tflops": d["flops"] / ms / 1e9, "rel_err_vs_first": err,
+                       "bitwise_equal_first": bool(torch.equal(out, ref)), "neg_inf_mask_equal_first": same_inf,
+                       "unwritten": unwritten}
+                if N == 8192:  # once per (H, D, config): awkward sizes / ranges vs the reference
+                    row.update(_edge_check(kern, H, D, lambda: _wait_or_exit(rows, out_dir, f"edge {case} {tag}")))
+                rows.append(row)
             except Exception as e:  # noqa: BLE001
                 rows.append({"op": "indexer", "case": case, "variant": tag, "error": repr(e)[:300]})
             print(rows[-1], flush=True)

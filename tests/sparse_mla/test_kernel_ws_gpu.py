@@ -17,7 +17,7 @@ kernel cannot be interrupted, and every later CUDA call would block behind it). 
 carry ``pytest.mark.timeout(60, method="thread")`` when pytest-timeout is installed (the
 thread method is the one that works while the main thread is blocked in a CUDA call).
 Cases run small first.  Quick GPU check of the two 576/128 compiles (B, A) + perf, < 90 s:
-  FLASHDSA_TEST_WS=1 timeout -s KILL 88 python -m pytest -x -q -s -p no:cacheprovider \
+  FLASHDSA_TEST_WS=1 timeout -s KILL 88 python -u -m pytest -x -q -s -p no:cacheprovider \
       tests/sparse_mla/test_kernel_ws_gpu.py -k "not d512"
 """
 
@@ -35,8 +35,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("tilelang")
 if os.environ.get("FLASHDSA_TEST_WS") != "1":
-    # On the H200 (2026-11-30, commit 61a94777) this kernel hung (mbarrier protocol bug): it is not dispatched,
-    # and its tests run only on request so a hang cannot take the whole GPU suite down. See docs/sparse_mla.md.
+    # On the H200 (2026-11-30, commit 61a94777) this kernel hung (root cause found on CPU: setmaxnreg asked for
+    # 512 > 504 registers/thread; fixed to 240/176/88, not yet re-run on a GPU). It is not dispatched, and its
+    # tests run only on request so a hang cannot take the whole GPU suite down.
     pytest.skip("warp-specialized variant hangs on the H200; set FLASHDSA_TEST_WS=1 to run", allow_module_level=True)
 
 try:  # pytest-timeout is on the GPU host; keep the module importable without it
@@ -282,5 +283,5 @@ def test_sparse_mla_fwd_ws_kernel_perf_smoke():
         times.append(start.elapsed_time(end) / iters)
     ms = sorted(times)[1]
     tflops = 2 * n_tok * heads * topk * (dqk + D_V) / (ms * 1e-3) / 1e12
-    print(f"\nsparse_mla_fwd ws kernel: {ms:.3f} ms, {tflops:.1f} TFLOP/s (target >= 700)")
+    print(f"\nsparse_mla_fwd ws kernel: {ms:.3f} ms, {tflops:.1f} TFLOP/s (target >= 700; kernel_fwd.py: 8.5 ms, 274)")
     assert math.isfinite(ms) and ms > 0

@@ -31,6 +31,17 @@ Design
         the wait pins the release behind it (checked in the generated CUDA: "empty" arrive after wait_wgmma).
       - "pingpong_sync": as "pingpong" with the synchronous T.gemm (the hand-over comes after the own wgmma
         retired: a small tensor-pipe bubble per turn, but no async subtleties).
+  * Column order (``head_major=``, default ``HEAD_MAJOR``): tile column c = q*H + h (False: Q tile = one TMA box,
+    the accumulator layout puts a row's H heads on the 4 lanes of a quad -> per-thread sums + a 2-step quad
+    all-reduce, and all 4 lanes hold every (key, row) logit: 8 (H64) / 16 (H32) logits per thread are masked,
+    scaled and stored by lane 0 of each quad) or c = h*BQ + q (True: the wgmma m64nNk32 accumulator gives thread
+    (lane) the columns 8j + 2*(lane%4) + {0,1}, i.e. rows q = c % BQ that are distinct per lane for BQ >= 8 (H <= 32:
+    the head sum is entirely in-thread, no shuffle) and shared by 2 lanes for BQ = 4 (H64: one xor-2 shuffle); 4
+    logits per thread to mask/scale/store). Per-iteration consumer PTX: H32/D64 951 -> 604 instructions, H64/D128
+    783 -> 630 (of which 128 max + 128 mul + 128 add, fused to FFMA by ptxas). Cost: the Q tile is loaded by a
+    transposing SIMT copy (16-byte vectors, all 384 threads, once per CTA, before the -inf fill) instead of one TMA
+    box, and the 256 weights by scalar loads; rows past M are clamped to M - 1 (their logits are never stored).
+    The head sum runs in a different order: results differ from the q-major kernel by fp32 rounding (~1e-7 rel).
   * Epilogue in registers: ``S = max(S, 0) * w[col]`` (FMNMX + FFMA after contraction with the sum), the sum
     over each row's H columns is a per-thread sum plus a 2-step quad shuffle (``T.reduce_sum`` on a
     ``[BN, BQ, H]`` reshape of the accumulator), then ``* k_scale[n]``, the per-row range mask, and a direct
@@ -49,10 +60,12 @@ Target workload (M=4096, N=8192, k_end = m + 4097, H=64, D=128, fp8):
   Output written once: 4096*8192*4 B = 134 MB (~0.03 ms of HBM time, overlapped with MMA). K read from L2
   once per query block: 1024 blocks x ~0.75 MB ~= 0.8 GB (~1.5 TB/s of L2 at 0.55 ms). Epilogue: ~2.7
   CUDA-core ops per accumulator element (1.6e9 elements) ~= 0.14 ms if not overlapped with the MMA.
-Verified (ping-pong, CPU only): "pingpong" and "pingpong_sync" lower for fp8 H64/D128, H32/D64 (m64n256k32),
-  H16/D64 (m64n128k32) and bf16 H64/D128; generated CUDA read (turn sync before the stage wait, async wgmma, peer
-  arrive, wait_wgmma<0>, then the stage release); ptxas (nvcc 13.0, sm_90a): 0 spills, 0 stack, 16 barriers
-  reserved (dynamic barrier id). The "lockstep" CUDA is byte-identical to the pre-option kernel. Not run on a GPU.
+Verified (schedule / head_major options, CPU only): "pingpong" and "pingpong_sync", with and without head_major,
+  lower for fp8 H64/D128, H32/D64 (m64n256k32), H16/D64 (m64n128k32) and bf16 H64/D128; generated CUDA read (turn
+  sync before the stage wait, async wgmma, peer arrive, wait_wgmma<0>, then the stage release; head-major: 16-byte
+  Q vectors at the right (row, head) with the 128B/64B swizzle, AllReduce<Sum,4,2> for H64, none for H <= 32);
+  ptxas (nvcc 13.0, sm_90a): 0 spills, 0 stack (16 barriers reserved for the dynamic named-barrier id). The
+  default (lockstep, q-major) CUDA is byte-identical to the pre-option kernel. Not run on a GPU.
 Verified: lowering only (CPU, sm_90a): every lowering case issues wgmma (m64n256k32 e4m3 for H >= 32, m64n128k32
   for H <= 16, m64n256k16 bf16), TMA loads for Q / K / k_scale, setmaxnreg 24/240; ptxas (nvcc 13.0, sm_90a, on the
   CPU box): 0 spills, 0 stack for all cases. Lowering costs ~5-12 s CPU per config (TileLang layout inference).
@@ -102,13 +115,15 @@ def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", b
                           cols: int | None = None, num_stages: int = NUM_STAGES, threads: int = THREADS,
                           schedule: str | None = None, head_major: bool | None = None):
     """TileLang prim_func ``(Q[M*H, D], K[N, D], W[M*H] f32, KScale[N] f32, KStart[M] i32, KEnd[M] i32,
-    Out[M, N] f32)``; M, N dynamic. ``schedule``: one of ``SCHEDULES`` (None -> ``SCHEDULE``; see the notes)."""
+    Out[M, N] f32)``; M, N dynamic. ``schedule``: one of ``SCHEDULES`` (None -> ``SCHEDULE``); ``head_major``:
+    tile column order (None -> ``HEAD_MAJOR``); both described in the notes. Same signature for every option."""
     H, D, BN = heads, dim, block_n
     cols = cols or default_cols(H)
     assert cols % H == 0 and H in SUPPORTED_HEADS and D in SUPPORTED_DIMS, (H, D, cols)
     schedule = schedule or SCHEDULE
     assert schedule in SCHEDULES, schedule
     head_major = HEAD_MAJOR if head_major is None else head_major
+    vec_q = 16 if dtype == "float8_e4m3" else 8  # elements per 16-byte vector of the head-major Q copy
     pingpong = schedule != "lockstep"
     async_issue = schedule == "pingpong"
     BQ = cols // H  # query rows per CTA
@@ -168,7 +183,7 @@ def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", b
             fill_b = T.min(kb_hi * BN, N)
 
             if head_major:  # transposing SIMT copy (rows past M: clamped, their logits are never stored)
-                for c, d in T.Parallel(BC, D):
+                for c, d in T.Parallel(BC, D, coalesced_width=T.int32(vec_q)):
                     Q_s[c, d] = Q[T.min(m0 + c % BQ, M - 1) * H + c // BQ, d]
             else:
                 T.copy(Q[m0 * H:m0 * H + BC, :], Q_s)  # TMA, issued before the fill so that the two overlap
@@ -209,6 +224,8 @@ def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", b
                         if (wg == 0) | (it + 1 < kb_hi - kb_lo):  # keeps the barrier arrivals balanced
                             T.named_barrier_arrive(PP_BAR + 1 - wg, 256)  # the peer may issue behind mine
                         T.wait_wgmma(0)
+                        # as CUTLASS after warpgroup_wait: keeps nvcc from hoisting accumulator reads above the wait
+                        T.warpgroup_fence_operand(acc, 0, BN * BC // threads)
                         # never true at run time; a read of K_s after the wait moves the WS pass's release of the
                         # K stage (its "empty" mbarrier arrive) behind the wait: the peer's issue may not free it early
                         if kb_hi < 0:
@@ -239,8 +256,8 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(heads: int, dim: int, dtype: str, schedule: str = SCHEDULE):
-    func = build_indexer_prefill(heads=heads, dim=dim, dtype=dtype, schedule=schedule)
+def _compiled(heads: int, dim: int, dtype: str, schedule: str = SCHEDULE, head_major: bool = HEAD_MAJOR):
+    func = build_indexer_prefill(heads=heads, dim=dim, dtype=dtype, schedule=schedule, head_major=head_major)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -301,7 +318,7 @@ def run_indexer_logits(q, k, weights, k_scale, k_start=None, k_end=None) -> torc
     ks = _tma_ready(k_scale) if k_scale is not None else torch.ones(N, dtype=torch.float32, device=dev)
     ks0 = k_start.contiguous() if k_start is not None else torch.zeros(M, dtype=torch.int32, device=dev)
     ke0 = k_end.contiguous() if k_end is not None else torch.full((M,), N, dtype=torch.int32, device=dev)
-    kernel = _compiled(H, D, _TL_DTYPES[q.dtype], SCHEDULE)
+    kernel = _compiled(H, D, _TL_DTYPES[q.dtype], SCHEDULE, HEAD_MAJOR)
     kernel(q2, k2, w, ks, ks0, ke0, out)
     return out
 
@@ -313,7 +330,8 @@ def lowering_cases():
     for dtype, H, D in [("float8_e4m3", 64, 128), ("float8_e4m3", 16, 64)]:
         name = f"{'fp8' if dtype.startswith('float8') else 'bf16'}_h{H}_d{D}"
         cases.append((name, build_indexer_prefill(heads=H, dim=D, dtype=dtype)))
-    # the other schedule (named-barrier ping-pong between the consumer warpgroups); ~10 s more
+    # the non-default options together (named-barrier ping-pong, head-major columns); ~10-20 s more
     other = "pingpong" if SCHEDULE == "lockstep" else "lockstep"
-    cases.append((f"fp8_h64_d128_{other}", build_indexer_prefill(heads=64, dim=128, schedule=other)))
+    cases.append((f"fp8_h64_d128_{other}_hm{int(not HEAD_MAJOR)}",
+                  build_indexer_prefill(heads=64, dim=128, schedule=other, head_major=not HEAD_MAJOR)))
     return cases

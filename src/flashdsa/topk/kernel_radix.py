@@ -45,7 +45,7 @@ Expected time on H200 (estimates, not measured): 64 x 32768 ~ 15-25 us (64 CTAs,
   Measured (benchmarks/results/2026-11-30_h200_9301580b_topk.json): 50 / 189 / 187 / 1129 us for
   64 x 32768 / 4096 x 8192 / 16 x 131072 / 1 x 1048576.
 Routing: ``run_topk_indices`` sends order "index"/"any" to ``kernel_radix_multi`` (several CTAs per row, global
-  histograms, 4 launches) when ``kernel_radix_multi.use_multi(M, N)``: G = min(ceil(SMs / M), N // 4096) >= 4
+  histograms, 4 launches) when ``kernel_radix_multi.use_multi(M, N)``: G = min(SMs // M, N // 4096) >= 4
   (1 x 1048576 and 16 x 131072 go there; 64 x 32768 and 4096 x 8192 stay here).  order="score" always stays here.
 Verified (CPU only; never run on a GPU by the author): every ``lowering_cases()`` variant lowers for sm_90a
   (7-20 s each on a loaded 2-core box, with and without ``_pass_configs()``) and its source compiles with

@@ -34,21 +34,35 @@ the kernel boundaries are the grid-wide barriers; no host synchronisation, so it
     ties at the threshold to the lowest positions -- the same result as ``kernel_radix`` and the reference.
     Slots ``[k_eff, k)`` get -1 (spread over the row's CTAs).
   * ``order="score"`` is not supported here (``kernel_radix`` or the reference handle it).
-Cost per call: 1 memset + 4 launches; the slice is read from global memory 4 times at most (passes 0-2 and the
+Cost per call: 1 memset + 4 launches; the slice is read from global memory 5 times at most (passes 0-2 and the
   write's 2 sweeps; 1 x 1048576 is 4 MiB, L2 resident after pass 0); each CTA scans <= 3 global histograms per
   launch and reads <= 2 Part entries per lower CTA in the write.
-Routing (``use_multi``; pure shape rule): G = min(ceil(SMs / M), N // 4096); the multi path is used when G >= 4
-  (and order != "score").  1 x 1048576 -> G = 132 (on 132 SMs), 16 x 131072 -> 9, 3 x 40000 -> 9,
-  64 x 32768 -> 3 (stays on ``kernel_radix``), M >= 33 never.
+Routing (``use_multi``; pure shape rule): G = min(floor(SMs / M), N // 4096) (one wave: the 1024-thread CTA holds
+  a whole SM, 64 registers/thread); the multi path is used when G >= 4 (and order != "score").  On 132 SMs:
+  1 x 1048576 -> G = 132, 16 x 131072 -> 8, 3 x 40000 -> 9, 64 x 32768 -> 2 (stays on ``kernel_radix``),
+  M > 33 or N < 16384 never.
 Expected on the H200 (estimates, not measured): each launch ~3-6 us (launch gap + <= 32 KiB slice per CTA):
-  1 x 1048576 ~ 20-35 us, 16 x 131072 ~ 20-35 us (+ host launch overhead of 4 TileLang calls if not graphed).
-Verified on CPU (no GPU run yet): ``emulate_multi`` (a numpy model of exactly these launches, slices, Part entries,
-  bases, per-warp segments and ballot ranks) matches ``topk_indices_reference``; the prim_func lowers for sm_90a
-  and its source compiles with nvcc -arch=sm_90a.
+  1 x 1048576 ~ 20-35 us, 16 x 131072 ~ 20-35 us GPU time; host side 4 TileLang calls + 3 allocations + 1 memset
+  (the benchmark's L2-flush fill before each call hides most of it; a CUDA graph removes it).
+  ``python -m flashdsa.topk.kernel_radix_multi`` prints one-CTA vs multi vs multi-in-a-graph vs torch.topk.
+Registers: 64/thread, no spills (ptxas -v, CUDA 13.0, sm_90a, 1024 threads); shared memory ~8.5 KiB.
+Verified on CPU only (never run on a GPU by the author):
+  * ``emulate_multi`` (numpy model of these launches, slices, Part entries, bases, warp segments and ballot ranks)
+    equals ``topk_indices_reference`` on 968 cases (M 1-16, N 1..1048576, k 1..N+1, G 1..132, ties / all-equal /
+    NaN / -inf / signed zeros / values sharing 22 key bits, starts/ends incl. empty and clamped; every final level
+    -1, 0, 1, 2 hit).
+  * The lowered CUDA source itself, compiled for the CPU with a mock runtime (one OS thread per CUDA thread,
+    barriers for __syncthreads / shfl / ballot / warp_reduce_sum, CTAs of each launch in a random order, shared
+    memory refilled with garbage per CTA, Part poisoned, strided rows): equal to the reference on 200 random cases
+    (256-thread build), 30 (1024-thread build, the shipped one) and 12 benchmark-shape cases (1 x 1048576 with
+    G = 132, 16 x 131072 with G = 8, 3 x 40000; full rows and starts/ends).  The same harness catches a seeded
+    off-by-one in the CTA bases.
+  * ``lowering_cases()`` lowers for sm_90a; the source compiles with nvcc -arch=sm_90a.
+Risks for the first GPU run: the 2-D grid ``(G, M)`` with G bound from ``Part.shape[1]``; the scalar ``Pass``
+  argument; TileLang picking up torch's current stream under CUDA-graph capture (``test_multi_cuda_graph_capture``).
 """
 
 import functools
-import math
 
 import torch
 
@@ -66,8 +80,8 @@ def _sm_count(index: int) -> int:
 
 
 def pick_groups(M: int, N: int, sms: int = 132) -> int:
-    """CTAs per row: fill the SMs once, but keep >= MIN_PER_CTA elements per CTA."""
-    return max(1, min(-(-sms // max(1, M)), N // MIN_PER_CTA))
+    """CTAs per row: at most one wave (1024-thread CTAs, 1 per SM: M * G <= SMs), >= MIN_PER_CTA elements each."""
+    return max(1, min(sms // max(1, M), N // MIN_PER_CTA))
 
 
 def use_multi(M: int, N: int, order: str = "index", sms: int = 132) -> bool:
@@ -359,8 +373,8 @@ def run_topk_indices_multi(scores, k, starts=None, ends=None, groups=None) -> to
     if (N == 1 and scores.stride(1) != 1) or (M == 1 and scores.stride(0) != N):
         scores = scores.as_strided((M, N), (N if M == 1 else scores.stride(0), 1))
     G = int(groups) if groups is not None else pick_groups(M, N, _sm_count(dev.index or 0))
-    if G < 1:
-        raise ValueError(f"groups must be >= 1 (got {G})")
+    if not 1 <= G <= 2**16 - 1 or M > 2**16 - 1:
+        raise ValueError(f"multi-CTA top-k: grid (groups={G}, M={M}) must fit in [1, 65535] x [1, 65535]")
     dummy = None
     if starts is None or ends is None:
         dummy = torch.empty((1,), dtype=torch.int32, device=dev)
@@ -529,7 +543,7 @@ def _bench_main():  # pragma: no cover - GPU only
             ts.append(a.elapsed_time(b) * 1e3)
         return sorted(ts)[len(ts) // 2]
 
-    print(f"SMs {sms}; rule: multi iff min(ceil(SMs/M), N//{MIN_PER_CTA}) >= {MIN_GROUPS}")
+    print(f"SMs {sms}; rule: multi iff min(SMs // M, N // {MIN_PER_CTA}) >= {MIN_GROUPS}")
     for M, N in [(64, 32768), (4096, 8192), (16, 131072), (1, 1048576), (3, 40000), (32, 65536)]:
         x = torch.randn(M, N, device=dev)
         k = 2048
