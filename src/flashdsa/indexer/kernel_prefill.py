@@ -98,8 +98,10 @@ COLS = 256  # wgmma N: query rows x heads per CTA (H >= 32)
 COLS_SMALL_H = 128  # H <= 16: keeps weights + per-row logits + accumulator within 240 registers
 NUM_STAGES = 2  # 2 beat 3 and 4 at H64/D128 and H32/D64 (benchmarks/results/2026-11-30_h200_61a94777_variants.json)
 SCHEDULES = ("lockstep", "pingpong", "pingpong_sync")
-SCHEDULE = "lockstep"  # default of build_indexer_prefill / the dispatcher (see the notes: "Schedules")
-HEAD_MAJOR = False  # tile column order default (see the notes: "Column order")
+# ping-pong + head-major: 824 vs 681 TFLOP/s (H64 D128) and 418 vs 313 (H32 D64), causal M 4096, N 8192, same
+# results up to head-summation order (benchmarks/results/2026-11-30_h200_48a0c95_variants_indexer.json)
+SCHEDULE = "pingpong"  # default of build_indexer_prefill / the dispatcher (see the notes: "Schedules")
+HEAD_MAJOR = True  # tile column order default (see the notes: "Column order")
 PP_BAR = 8  # named barriers 8 and 9: ping-pong turns of consumer warpgroups 0 and 1 (0 is __syncthreads)
 THREADS = 256  # consumer threads (TileLang adds one producer warpgroup)
 SUPPORTED_HEADS = (8, 16, 32, 64)
