@@ -37,14 +37,10 @@ def test_every_dispatched_kernel_module_exists():
 
 
 def _lower(mod, func) -> str:
-    """The module's own lowering (with its pass configs) when it has one."""
-    if hasattr(mod, "lower_to_cuda_source"):
-        return mod.lower_to_cuda_source(func, arch="sm_90a")
-    from tilelang import tvm
+    """Lower with the pass configs the module compiles with."""
+    from flashdsa._tilelang import lower_to_cuda_source
 
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-    with target:
-        return tilelang.lower(func, target=target).kernel_source
+    return lower_to_cuda_source(func, mod._pass_configs() if hasattr(mod, "_pass_configs") else None, "sm_90a")
 
 
 @pytest.mark.parametrize("mod,func,wgmma", _cases())

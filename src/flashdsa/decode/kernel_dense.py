@@ -519,10 +519,3 @@ def combine_lowering_cases():
         cases.append((f"combine_h{heads}_sq{s_q}" + ("_sink" if sink else ""),
                       build_combine_kernel(heads=heads, s_q=s_q, has_sink=sink)))
     return cases
-
-
-def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
-    """Lower a prim_func to CUDA C++ source on any machine (no GPU needed)."""
-    from .. import _tilelang
-
-    return _tilelang.lower_to_cuda_source(func, _pass_configs(), arch)

@@ -9,8 +9,6 @@ Math:
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 
 _CHUNK_ELEMS = 1 << 26

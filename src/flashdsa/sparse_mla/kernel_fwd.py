@@ -65,7 +65,6 @@ import torch
 import tilelang
 import tilelang.language as T
 
-from .. import _tilelang
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -302,8 +301,15 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
     if reason is not None:
         raise ValueError(f"sparse_mla fwd kernel: {reason}")
+    return launch(_compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+                  attn_sink=attn_sink)
+
+
+def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
+    """Host side shared by the forward variants: outputs, empty inputs, layouts, dummy optional args, then
+    ``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)(...)``. Arguments already checked."""
     if not (sm_scale > 0 and math.isfinite(sm_scale)):
-        raise ValueError("sm_scale must be a finite positive float")
+        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale}")
     n_tok, heads, dqk = q.shape
     dev = q.device
     out = torch.empty((n_tok, heads, d_v), dtype=torch.bfloat16, device=dev)
@@ -324,7 +330,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
     sink_arg = attn_sink.contiguous() if has_sink else torch.empty((1,), dtype=torch.float32, device=dev)
     n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
-    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl)
+    kernel = compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl)
     kernel(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 
@@ -343,8 +349,3 @@ def lowering_cases():
         )
         cases.append((name, fn))
     return cases
-
-
-def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
-    """Lower a prim_func to CUDA C++ source on any machine (no GPU needed)."""
-    return _tilelang.lower_to_cuda_source(func, _pass_configs(), arch)

@@ -121,18 +121,18 @@ Risks (check first on the GPU):
 """
 
 import functools
-import math
-
-import torch
 
 import tilelang
 import tilelang.language as T
+
+from . import kernel_fwd
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 BLOCK_H = 64  # heads per CTA (wgmma M)
 BLOCK_I = 64  # top-k slots per block
+assert BLOCK_I == kernel_fwd.BLOCK_I  # kernel_fwd.launch sizes the top-k loop with it
 D_V = 512
 _SUPPORTED_DQK = (512, 576)
 _SUPPORTED_H = (64, 128)
@@ -460,37 +460,12 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
 
 
 def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
-    """None if this kernel handles the arguments, else a short reason (shapes/dtypes only)."""
-    if not (q.is_cuda and kv.is_cuda and indices.is_cuda):
-        return "tensors must be on CUDA"
-    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
-        return "q and kv must be bfloat16"
-    if indices.dtype != torch.int32:
-        return "indices must be int32"
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
-        return "expected q [T,H,Dqk], kv [Tkv,Dqk], indices [T,topk]"
-    n_tok, heads, dqk = q.shape
-    if dqk not in _SUPPORTED_DQK:
-        return f"Dqk={dqk} not in {_SUPPORTED_DQK}"
-    if d_v != D_V:
-        return f"d_v={d_v} != {D_V}"
-    if kv.shape[1] != dqk:
-        return "kv last dim != q last dim"
-    if heads not in _SUPPORTED_H:
-        return f"H={heads} not in {_SUPPORTED_H} (warp-specialised kernel needs full 64-head tiles)"
-    if indices.shape[0] != n_tok or indices.shape[1] < 1:
-        return "indices must be [T, topk] with topk >= 1"
-    if n_tok * (heads // BLOCK_H) >= 2**31 or kv.shape[0] >= 2**31 or indices.shape[1] >= 2**30:
-        return "sizes exceed int32 indexing"
-    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
-        return "last dim must be contiguous"
-    if topk_length is not None:
-        if topk_length.dtype != torch.int32 or topk_length.shape != (n_tok,) or not topk_length.is_cuda:
-            return "topk_length must be int32 [T] on CUDA"
-    if attn_sink is not None:
-        if attn_sink.dtype != torch.float32 or attn_sink.shape != (heads,) or not attn_sink.is_cuda:
-            return "attn_sink must be float32 [H] on CUDA"
-    return None
+    """None if this kernel handles the arguments, else a short reason (shapes/dtypes only): the pipelined
+    kernel's rules, and full 64-head tiles."""
+    reason = kernel_fwd.kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+    if reason is None and q.shape[1] not in _SUPPORTED_H:
+        reason = f"H={q.shape[1]} not in {_SUPPORTED_H} (warp-specialised kernel needs full 64-head tiles)"
+    return reason
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
@@ -498,31 +473,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
     if reason is not None:
         raise ValueError(f"sparse_mla fwd ws kernel: {reason}")
-    if not (sm_scale > 0 and math.isfinite(sm_scale)):
-        raise ValueError("sm_scale must be a finite positive float")
-    n_tok, heads, dqk = q.shape
-    dev = q.device
-    out = torch.empty((n_tok, heads, d_v), dtype=torch.bfloat16, device=dev)
-    lse = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
-    max_logits = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
-    if n_tok == 0:
-        return out, lse, max_logits
-    if kv.shape[0] == 0:  # every index is invalid
-        out.zero_()
-        lse.fill_(math.inf)
-        max_logits.fill_(-math.inf)
-        return out, lse, max_logits
-    q = q.contiguous()
-    kv = kv.contiguous()
-    indices = indices.contiguous()
-    has_sink = attn_sink is not None
-    has_tl = topk_length is not None
-    tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
-    sink_arg = attn_sink.contiguous() if has_sink else torch.empty((1,), dtype=torch.float32, device=dev)
-    n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
-    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl)
-    kernel(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
-    return out, lse, max_logits
+    return kernel_fwd.launch(_compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+                             attn_sink=attn_sink)
 
 
 def lowering_cases():
@@ -537,13 +489,3 @@ def lowering_cases():
         )
         cases.append((name, fn))
     return cases
-
-
-def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
-    """Lower a prim_func to CUDA C++ source on any machine (no GPU needed)."""
-    from tilelang import tvm
-
-    target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    with tvm.transform.PassContext(config=_pass_configs()), target:
-        art = tilelang.lower(func, target=target)
-    return art.kernel_source

@@ -469,14 +469,3 @@ def lowering_cases():
         name = f"t{threads}_cache{cache}_" + (f"score{sort_cap}" if sort_cap else "index")
         cases.append((name, _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap)))
     return cases
-
-
-def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
-    """Lower a prim_func to CUDA C++ source on any machine (no GPU needed)."""
-    import tilelang
-    from tilelang import tvm
-
-    target = tvm.target.Target({"kind": "cuda", "arch": arch})
-    with tvm.transform.PassContext(config=_pass_configs()), target:
-        art = tilelang.lower(func, target=target)
-    return art.kernel_source

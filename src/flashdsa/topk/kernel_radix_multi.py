@@ -397,12 +397,6 @@ def lowering_cases():
     return [(f"t{THREADS}_index", _build_topk_radix_multi(threads=THREADS))]
 
 
-def lower_to_cuda_source(func, arch: str = "sm_90a") -> str:
-    from .kernel_radix import lower_to_cuda_source as _lower
-
-    return _lower(func, arch)
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # CPU model of exactly the launches above (for checking the schedule without a GPU)
 
