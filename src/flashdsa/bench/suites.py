@@ -119,16 +119,20 @@ def fp8_kv_cache(rows: int, device, gen) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ indexer
+def _causal_fp8_indexer_inputs(M, N, H, D, device, gen) -> dict:
+    """fp8 q/k with per-row scales, head weights, causal ranges ending at m + N - M + 1."""
+    q8, qs = _api().quantize_fp8(randn((M, H, D), torch.bfloat16, device, gen), block=D)
+    k8, ks = _api().quantize_fp8(randn((N, D), torch.bfloat16, device, gen), block=D)
+    w = randn((M, H), torch.float32, device, gen) * qs[..., 0] * (H * D) ** -0.5
+    k_end = (torch.arange(M, device=device) + (N - M) + 1).int()
+    return dict(q=q8, k=k8, weights=w, k_scale=ks[:, 0].contiguous(), k_start=torch.zeros_like(k_end), k_end=k_end)
+
+
 def _indexer_prefill(name, M, N, H, D, target, quick=True) -> Case:
     p = dict(M=M, N=N, H=H, D=D, dtype="float8_e4m3fn", ranges="causal: k_end = m + N - M + 1")
 
     def build(device, gen):
-        q8, qs = _api().quantize_fp8(randn((M, H, D), torch.bfloat16, device, gen), block=D)
-        k8, ks = _api().quantize_fp8(randn((N, D), torch.bfloat16, device, gen), block=D)
-        w = randn((M, H), torch.float32, device, gen) * qs[..., 0] * (H * D) ** -0.5
-        k_end = (torch.arange(M, device=device) + (N - M) + 1).int()
-        return dict(q=q8, k=k8, weights=w, k_scale=ks[:, 0].contiguous(), k_start=torch.zeros_like(k_end),
-                    k_end=k_end)
+        return _causal_fp8_indexer_inputs(M, N, H, D, device, gen)
 
     def run(i, b):
         return _api().indexer_logits(i["q"], i["k"], i["weights"], k_scale=i["k_scale"], k_start=i["k_start"],
@@ -201,12 +205,7 @@ def _dsa_topk(name, M, N, H, D, k, target, quick=False) -> Case:
     p = dict(M=M, N=N, H=H, D=D, k=k, dtype="float8_e4m3fn", ranges="causal: k_end = m + N - M + 1")
 
     def build(device, gen):
-        q8, qs = _api().quantize_fp8(randn((M, H, D), torch.bfloat16, device, gen), block=D)
-        k8, ks = _api().quantize_fp8(randn((N, D), torch.bfloat16, device, gen), block=D)
-        w = randn((M, H), torch.float32, device, gen) * qs[..., 0] * (H * D) ** -0.5
-        k_end = (torch.arange(M, device=device) + (N - M) + 1).int()
-        return dict(q=q8, k=k8, weights=w, k_scale=ks[:, 0].contiguous(), k_start=torch.zeros_like(k_end),
-                    k_end=k_end)
+        return _causal_fp8_indexer_inputs(M, N, H, D, device, gen)
 
     def run(i, b):
         return _api().dsa_topk(i["q"], i["k"], i["weights"], k, k_scale=i["k_scale"], k_start=i["k_start"],
