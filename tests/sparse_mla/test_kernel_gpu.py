@@ -133,21 +133,9 @@ def _check_close_stat(x, ref, name):
     assert ok.all(), f"{name}: max err {err[~same_inf].max().item():.3e}, {int((~ok).sum())} out of tolerance"
 
 
-@pytest.mark.parametrize(
-    "dqk,heads,tkv,topk,n_tok,sink,use_tl,layout",
-    CASES,
-    ids=[f"d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}{'-tl' if c[6] else ''}-{c[7]}" for c in CASES],
-)
-def test_sparse_mla_fwd_kernel(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout):
-    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
-    sm_scale = dqk**-0.5
-    assert kernel_fwd.kernel_unsupported(q, kv, indices, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink) is None
-
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    out, lse, max_logits = kernel_fwd.run_sparse_mla_fwd(
-        q, kv, indices, sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink
-    )
-    torch.cuda.synchronize()
+def check_against_reference(out, lse, max_logits, q, kv, indices, sm_scale, topk_length, attn_sink, valid):
+    """Shapes, dtypes and values of a forward kernel's outputs against the reference on the same inputs."""
+    n_tok, heads = q.shape[:2]
     assert out.shape == (n_tok, heads, D_V) and out.dtype == torch.bfloat16
     assert lse.shape == (n_tok, heads) and lse.dtype == torch.float32
     assert max_logits.shape == (n_tok, heads) and max_logits.dtype == torch.float32
@@ -169,6 +157,24 @@ def test_sparse_mla_fwd_kernel(dqk, heads, tkv, topk, n_tok, sink, use_tl, layou
         assert (out[empty] == 0).all()
         assert torch.isposinf(lse[empty]).all()
         assert torch.isneginf(max_logits[empty]).all()
+
+
+@pytest.mark.parametrize(
+    "dqk,heads,tkv,topk,n_tok,sink,use_tl,layout",
+    CASES,
+    ids=[f"d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}{'-tl' if c[6] else ''}-{c[7]}" for c in CASES],
+)
+def test_sparse_mla_fwd_kernel(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout):
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    sm_scale = dqk**-0.5
+    assert kernel_fwd.kernel_unsupported(q, kv, indices, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink) is None
+
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    out, lse, max_logits = kernel_fwd.run_sparse_mla_fwd(
+        q, kv, indices, sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink
+    )
+    torch.cuda.synchronize()
+    check_against_reference(out, lse, max_logits, q, kv, indices, sm_scale, topk_length, attn_sink, valid)
 
 
 def test_sparse_mla_fwd_kernel_cuda_graph():
