@@ -1,0 +1,475 @@
+"""Sparse MLA backward (dq, dkv, d_sink) in TileLang for Hopper (sm_90a).  NOT dispatched yet: never run on a GPU.
+
+Notes
+-----
+Math (reference.sparse_mla_bwd_reference is the source of truth):
+  ``P = exp(s - lse) * g`` (g the sink gate), ``delta = out . dout``, ``dP = dout . V``,
+  ``dS = P * (dP - delta)`` (+ ``exp(s - lse) * dlse``), ``dq = sm_scale dS K``,
+  ``dkv[i] += sm_scale dS^T q`` and ``dkv[i, :d_v] += P^T dout``, ``d_sink = -sum_t (1 - g) delta``.
+Design:
+  * Preprocess (torch ops on the device, memory-bound, token chunks of <= 2^26 elements): per (t, h)
+    ``lse2 = (lse + softplus(sink - lse)) * log2(e)`` -- the natural-log lse converted to log2 units with the
+    sink gate folded in (``P = exp2(s * sm_scale * log2e - lse2)``; g = 0 or an empty row give lse2 = +inf,
+    so P = 0 exactly) -- and ``delta`` (minus dlse when given; 0 on empty rows).  d_sink is a torch reduction.
+  * Main kernel, grid ``(T, H / 64)``, 256 threads = 2 warpgroups, one CTA per (token, 64-head group).  Q, Q-tail
+    and dO tiles stay in shared memory.  A static-trip-count loop over top-k blocks of BI = 64 slots:
+      - slot rows: ``row = valid ? indices[t, j] : -1`` (valid: j < topk_length, 0 <= idx < Tkv) into shared;
+      - gather KV rows with the forward's predicated idiom (row -1 past topk_eff, safe-access legalisation
+        predicates the load on 0 <= row < Tkv: invalid rows are zero-filled, never read; NaN cannot leak);
+      - S = Q K^T (wgmma, invalid columns start at -inf), P = exp2(S c - lse2);
+      - dP = dO V^T (wgmma), dS = sm_scale * P * (dP - delta); P and dS -> bf16 shared;
+      - dq += dS K, dq_tail += dS K_tail (wgmma, fp32 register accumulators for the whole loop);
+      - dKV in 64-column chunks (keeps registers low): acc = dS^T Q[:, chunk] (+ P^T dO[:, chunk] for chunk < d_v)
+        (wgmma with transposed A), then fp32 ``atomicAdd`` into a ``[Tkv, Dqk]`` fp32 buffer, skipping invalid
+        rows (fast path), or plain stores into a partial buffer keyed by (head group, token, slot)
+        (deterministic path).
+    The loop is a plain serial loop (no cp.async multi-buffering: shared memory is full, see below).
+  * Deterministic mode (``deterministic=True``): tokens are processed in chunks so the partial buffer stays
+    <= 1 GiB; per chunk the valid slot keys are stably sorted by kv row (torch.sort(stable=True)), segment
+    starts come from searchsorted, and a small TileLang kernel (one CTA per kv row) adds each row's partials
+    in sorted order into the fp32 accumulator (no atomics; chunks in fixed order).  Bitwise reproducible
+    by construction (every sum has a fixed order); slower: the partials cost 2 x 4 B x Dqk per (slot, head
+    group) of extra HBM traffic (~77 GB at the headline H = 128 shape, ~18 ms) -- likely > 2x the fast path.
+  * dkv = fp32 accumulator .to(bf16); dq is written once, bf16, through the Q tile (no atomics).
+  * T, Tkv and the indices width are dynamic symbols; the trip count ceil(topk / 64) is static (TileLang
+    0.1.15 pitfalls, see kernel_fwd.py): kernels are cached per (H, Dqk, n_blocks, sm_scale, topk_length,
+    partials).
+Shared memory (Dqk = 576): Q 64x512 + dO 64x512 + KV 64x512 bf16 (3 x 64 KiB) + Q/K tails 2 x 8 KiB + P, dS
+  2 x 8 KiB + rows/lse2/delta = 230,400 B as TileLang lays it out (cap 232,448 B).  Dqk = 512: 214,016 B.
+Registers (per thread, 256 threads): dq 64x512 fp32 = 128, dq_tail 16, S/P 16, dP/dS 16, dKV chunk 64x64 = 16:
+  ~192 live floats + addresses.  ptxas (CUDA 13.0, sm_90a, -O3): 254 registers, 0 spill stores/loads for
+  H128/Dqk576/topk2048/topk_length, H64/Dqk576/partials, H128/Dqk512; segment_reduce: 32 registers.
+FLOPs: 2 * S * H * topk * (3 * Dqk + 2 * d_v) (QK^T, dS K, dS^T Q over Dqk; dO V^T, P^T dO over d_v).
+Verified (CPU only, TileLang 0.1.15, sm_90a): lowering_cases() lowers in ~10 s on the 2-core box with wgmma
+  (m64n32 for S/dP/dKV chunks, m64n256 for dq), the predicated gather (row -1 / out of range -> zero fill),
+  AtomicAddx2 on valid rows only, fence.proxy.async before the wgmmas that read stmatrix-written P/dS; the
+  generated CUDA of three configs compiled with nvcc (numbers above).  The host logic (preprocess, sink gate,
+  dlse, deterministic sort / segment bounds / chunking) was checked on CPU against sparse_mla_bwd_reference by
+  substituting torch emulations of the two kernels.  Never run on a GPU.
+Risks:
+  * Register pressure: 254/255 registers with no spills under this toolchain; a different nvcc/TileLang
+    codegen may spill.  Fix: split dq over d (two 256-column passes) or give dq its own warpgroup.
+  * The dKV wgmmas read Q_s / dO_s column slices as MN-major B operands; TileLang picked a 64B-swizzle layout
+    for Q_s / dO_s to allow it (descriptor offsets c * 8192 B).  Correct by construction if TileLang's layout
+    inference is, but this combination (same buffer as K-major A and sliced MN-major B) is new in this repo.
+  * Speed: no overlap of gather and math, per-element fp32 atomics (2 x per CTA x 64 x 576), every KV row
+    gathered once per 64-head group; expect well below 300 TFLOP/s.  Deterministic mode likely > 2x slower.
+  * dlse together with attn_sink is not supported by this kernel (kernel_unsupported says so).
+  * Only H % 64 == 0 (64, 128).
+"""
+
+import functools
+import math
+
+import torch
+
+import tilelang
+import tilelang.language as T
+
+LOG2E = 1.4426950408889634
+
+BLOCK_H = 64  # heads per CTA (wgmma M)
+BLOCK_I = 64  # top-k slots per iteration
+D_V = 512
+DC = 64  # dKV column chunk
+_SUPPORTED_DQK = (512, 576)
+_PARTIAL_ELEMS = 1 << 28  # deterministic mode: partial buffer <= 1 GiB fp32
+
+
+def build_sparse_mla_bwd(
+    *,
+    heads: int,
+    dqk: int,
+    d_v: int = D_V,
+    topk: int,
+    sm_scale: float,
+    has_topk_length: bool = False,
+    partials: bool = False,
+    block_i: int = BLOCK_I,
+    threads: int = 256,
+):
+    """Return the main backward prim_func.
+
+    Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], Indices[T,topk], TopkLen[n_tl], Lse2[T,H] f32,
+    Delta[T,H] f32, dQ[T,H,Dqk] bf16, dKV[n_out,Dqk] f32).  ``partials=False``: dKV is the [Tkv, Dqk]
+    accumulator (fp32 atomics).  ``partials=True``: dKV is [H/64 * T * topk, Dqk], row
+    ``(head_group * T + t) * topk + j`` (valid slots only are written).
+    """
+    assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
+    assert heads % BLOCK_H == 0 and 1 <= heads // BLOCK_H <= 2, heads
+    D = d_v
+    D_tail = dqk - d_v
+    assert D_tail in (0, DC), D_tail  # the rope tail is one dKV chunk
+    BH = BLOCK_H
+    BI = block_i
+    n_hblk = heads // BH
+    NI = (int(topk) + BI - 1) // BI
+    assert sm_scale is not None and sm_scale > 0
+    c_log2 = float(sm_scale) * LOG2E
+
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    n_tok = T.dynamic("n_tok")
+    n_kv = T.dynamic("n_kv")
+    n_tl = T.dynamic("n_tl")
+    n_out = T.dynamic("n_out")
+    topk_dim = T.dynamic("topk")
+
+    def _row(Indices, t, lim, j):
+        # as in kernel_fwd: -1 past topk_eff, the Indices read kept in bounds
+        return T.if_then_else(j < lim, Indices[t, T.min(j, topk_dim - 1)], -1)
+
+    @T.macro
+    def store_dkv(dKV, acc_kv, rows_s, bx, by, it, col0):
+        if partials:  # row (head group, token, slot) of the partial buffer; valid slots only
+            for r, d in T.Parallel(BI, DC):
+                if rows_s[r] >= 0:
+                    dKV[(by * n_tok + bx) * topk_dim + it * BI + r, col0 + d] = acc_kv[r, d]
+        else:  # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped
+            for r, d in T.Parallel(BI, DC):
+                if rows_s[r] >= 0:
+                    T.atomic_add(dKV[rows_s[r], col0 + d], acc_kv[r, d])
+
+    @T.prim_func
+    def sparse_mla_bwd(
+        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        KV: T.Tensor([n_kv, dqk], bf16),
+        dO: T.Tensor([n_tok, heads, D], bf16),
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Lse2: T.Tensor([n_tok, heads], f32),
+        Delta: T.Tensor([n_tok, heads], f32),
+        dQ: T.Tensor([n_tok, heads, dqk], bf16),
+        dKV: T.Tensor([n_out, dqk], f32),
+    ):
+        with T.Kernel(n_tok, n_hblk, threads=threads) as (bx, by):
+            Q_s = T.alloc_shared([BH, D], bf16)
+            dO_s = T.alloc_shared([BH, D], bf16)
+            KV_s = T.alloc_shared([BI, D], bf16)
+            P_s = T.alloc_shared([BH, BI], bf16)
+            dS_s = T.alloc_shared([BH, BI], bf16)
+            if D_tail > 0:
+                Qt_s = T.alloc_shared([BH, D_tail], bf16)
+                Kt_s = T.alloc_shared([BI, D_tail], bf16)
+            rows_s = T.alloc_shared([BI], i32)
+            lse_s = T.alloc_shared([BH], f32)
+            delta_s = T.alloc_shared([BH], f32)
+
+            acc_dq = T.alloc_fragment([BH, D], f32)
+            if D_tail > 0:
+                acc_dqt = T.alloc_fragment([BH, D_tail], f32)
+            acc_s = T.alloc_fragment([BH, BI], f32)
+            acc_dp = T.alloc_fragment([BH, BI], f32)
+            acc_kv = T.alloc_fragment([BI, DC], f32)
+            lim = T.alloc_local([1], i32)
+
+            h0 = by * BH
+            if has_topk_length:
+                lim[0] = T.min(TopkLen[bx], topk_dim)
+            else:
+                lim[0] = topk_dim
+
+            T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s)
+            if D_tail > 0:
+                T.copy(Q[bx, h0 : h0 + BH, D:dqk], Qt_s)
+            T.copy(dO[bx, h0 : h0 + BH, 0:D], dO_s)
+            for h in T.Parallel(BH):
+                lse_s[h] = Lse2[bx, h0 + h]
+                delta_s[h] = Delta[bx, h0 + h]
+            T.fill(acc_dq, 0)
+            if D_tail > 0:
+                T.fill(acc_dqt, 0)
+
+            for it in T.serial(NI):
+                # ---- slot rows (-1 = invalid) and the predicated gather ----
+                for r in T.Parallel(BI):
+                    rr = _row(Indices, bx, lim[0], it * BI + r)
+                    rows_s[r] = T.if_then_else((rr >= 0) & (rr < n_kv), rr, -1)
+                for r, d in T.Parallel(BI, D):
+                    KV_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), d]
+                if D_tail > 0:
+                    for r, d in T.Parallel(BI, D_tail):
+                        Kt_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), D + d]
+
+                # ---- P = exp2(S c - lse2) (invalid columns -inf -> 0) ----
+                for h, r in T.Parallel(BH, BI):
+                    acc_s[h, r] = T.if_then_else(rows_s[r] >= 0, T.float32(0), -T.infinity(f32))
+                T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                if D_tail > 0:
+                    T.gemm(Qt_s, Kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for h, r in T.Parallel(BH, BI):
+                    acc_s[h, r] = T.exp2(acc_s[h, r] * c_log2 - lse_s[h])
+
+                # ---- dP = dO V^T, dS = sm_scale * P * (dP - delta) ----
+                T.gemm(dO_s, KV_s, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for h, r in T.Parallel(BH, BI):
+                    acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta_s[h]) * T.float32(sm_scale)
+                T.copy(acc_s, P_s)
+                T.copy(acc_dp, dS_s)
+
+                # ---- dq += dS K ----
+                T.gemm(dS_s, KV_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
+                if D_tail > 0:
+                    T.gemm(dS_s, Kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullRow)
+
+                # ---- dKV rows of this block, 64 columns at a time ----
+                for c in T.unroll(D // DC):
+                    T.gemm(dS_s, Q_s[:, c * DC : c * DC + DC], acc_kv, transpose_A=True, clear_accum=True,
+                           policy=T.GemmWarpPolicy.FullRow)
+                    T.gemm(P_s, dO_s[:, c * DC : c * DC + DC], acc_kv, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullRow)
+                    store_dkv(dKV, acc_kv, rows_s, bx, by, it, c * DC)
+                if D_tail > 0:
+                    T.gemm(dS_s, Qt_s, acc_kv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    store_dkv(dKV, acc_kv, rows_s, bx, by, it, D)
+
+            # ---- epilogue: dq (already scaled) through the Q tile ----
+            T.copy(acc_dq, Q_s)
+            T.copy(Q_s, dQ[bx, h0 : h0 + BH, 0:D])
+            if D_tail > 0:
+                T.copy(acc_dqt, Qt_s)
+                T.copy(Qt_s, dQ[bx, h0 : h0 + BH, D:dqk])
+
+    return sparse_mla_bwd
+
+
+def build_segment_reduce(*, dqk: int, threads: int = 64):
+    """Deterministic segmented sum: ``Acc[r] += sum_{k in [Start[r], Start[r+1])} Part[Order[k]]`` in k order.
+
+    One CTA per kv row, thread x owns columns x, x + 64, ...: every output element is a sequential sum.
+    """
+    assert dqk % threads == 0
+    NC = dqk // threads
+    f32, i32 = "float32", "int32"
+    n_part = T.dynamic("n_part")
+    n_ord = T.dynamic("n_ord")
+    n_start = T.dynamic("n_start")
+    n_kv = T.dynamic("n_kv")
+
+    @T.prim_func
+    def segment_reduce(
+        Part: T.Tensor([n_part, dqk], f32),
+        Order: T.Tensor([n_ord], i32),
+        Start: T.Tensor([n_start], i32),
+        Acc: T.Tensor([n_kv, dqk], f32),
+    ):
+        with T.Kernel(n_kv, threads=threads) as bx:
+            tx = T.get_thread_binding()
+            acc = T.alloc_local([NC], f32)
+            lo = T.alloc_local([1], i32)
+            cnt = T.alloc_local([1], i32)
+            lo[0] = Start[bx]
+            cnt[0] = Start[bx + 1] - Start[bx]
+            for c in T.serial(NC):
+                acc[c] = Acc[bx, c * threads + tx]
+            for k in T.serial(cnt[0]):
+                src = Order[lo[0] + k]
+                for c in T.serial(NC):
+                    acc[c] = acc[c] + Part[src, c * threads + tx]
+            for c in T.serial(NC):
+                Acc[bx, c * threads + tx] = acc[c]
+
+    return segment_reduce
+
+
+def _pass_configs():
+    return {
+        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    }
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_topk_length: bool,
+              partials: bool):
+    func = build_sparse_mla_bwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
+                                has_topk_length=has_topk_length, partials=partials)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled_reduce(dqk: int):
+    return tilelang.compile(build_segment_reduce(dqk=dqk), target="cuda", pass_configs=_pass_configs())
+
+
+def kernel_unsupported(q, kv, indices, out, lse, dout, *, d_v, topk_length=None, attn_sink=None,
+                       dlse=None) -> str | None:
+    """None if this kernel handles the arguments, else a short reason (shapes/dtypes only)."""
+    if not all(x.is_cuda for x in (q, kv, indices, out, lse, dout)):
+        return "tensors must be on CUDA"
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        return "q and kv must be bfloat16"
+    if out.dtype != torch.bfloat16 or dout.dtype != torch.bfloat16:
+        return "out and dout must be bfloat16"
+    if lse.dtype != torch.float32:
+        return "lse must be float32"
+    if indices.dtype != torch.int32:
+        return "indices must be int32"
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+        return "expected q [T,H,Dqk], kv [Tkv,Dqk], indices [T,topk]"
+    n_tok, heads, dqk = q.shape
+    if dqk not in _SUPPORTED_DQK:
+        return f"Dqk={dqk} not in {_SUPPORTED_DQK}"
+    if d_v != D_V:
+        return f"d_v={d_v} != {D_V}"
+    if kv.shape[1] != dqk:
+        return "kv last dim != q last dim"
+    if heads % BLOCK_H != 0 or not 1 <= heads // BLOCK_H <= 2:
+        return f"H={heads} not in (64, 128)"
+    if indices.shape[0] != n_tok or indices.shape[1] < 1:
+        return "indices must be [T, topk] with topk >= 1"
+    if out.shape != (n_tok, heads, d_v) or dout.shape != (n_tok, heads, d_v) or lse.shape != (n_tok, heads):
+        return "out/dout must be [T,H,d_v] and lse [T,H]"
+    if n_tok >= 2**31 or kv.shape[0] >= 2**31 or indices.shape[1] >= 2**30:
+        return "sizes exceed int32 indexing"
+    if topk_length is not None:
+        if topk_length.dtype != torch.int32 or topk_length.shape != (n_tok,) or not topk_length.is_cuda:
+            return "topk_length must be int32 [T] on CUDA"
+    if attn_sink is not None:
+        if attn_sink.dtype != torch.float32 or attn_sink.shape != (heads,) or not attn_sink.is_cuda:
+            return "attn_sink must be float32 [H] on CUDA"
+    if dlse is not None:
+        if attn_sink is not None:
+            return "dlse together with attn_sink is not supported"
+        if dlse.shape != (n_tok, heads) or not dlse.is_cuda:
+            return "dlse must be [T,H] on CUDA"
+    return None
+
+
+def _preprocess(out, dout, lse, attn_sink, dlse):
+    """(lse2 [T,H] f32: log2-unit lse with the sink gate folded in, delta [T,H] f32, gate g or None)."""
+    lse = lse.float()
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+    step = max(1, (1 << 26) // max(1, out.shape[1] * out.shape[2]))  # bounded fp32 temporaries (<= 256 MiB each)
+    for a in range(0, out.shape[0], step):
+        delta[a : a + step] = (out[a : a + step].float() * dout[a : a + step].float()).sum(-1)
+    empty = torch.isposinf(lse)
+    lse2 = lse
+    g = None
+    if attn_sink is not None:
+        diff = attn_sink.float().unsqueeze(0) - lse
+        lse2 = lse + torch.nn.functional.softplus(diff)
+        # empty rows (lse = +inf) keep +inf (sink = +inf would give inf - inf)
+        g = torch.where(empty, torch.ones_like(lse), torch.sigmoid(-diff))
+    lse2 = torch.where(empty, torch.full_like(lse, math.inf), lse2 * LOG2E).contiguous()
+    if dlse is not None:  # no sink here: dS = P (dP - delta + dlse)
+        delta = delta - dlse.float()
+    delta = torch.where(torch.isfinite(lse), delta, torch.zeros_like(delta)).contiguous()
+    return lse2, delta, g
+
+
+def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: int, topk_length=None,
+                       attn_sink=None, deterministic: bool = False, dlse=None):
+    """Returns (dq [T,H,Dqk] bf16, dkv [Tkv,Dqk] bf16, d_sink [H] f32 or None)."""
+    reason = kernel_unsupported(q, kv, indices, out, lse, dout, d_v=d_v, topk_length=topk_length,
+                                attn_sink=attn_sink, dlse=dlse)
+    if reason is not None:
+        raise ValueError(f"sparse_mla bwd kernel: {reason}")
+    if not (sm_scale > 0 and math.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale}")
+    n_tok, heads, dqk = q.shape
+    n_kv = kv.shape[0]
+    dev = q.device
+    lse2, delta, g = _preprocess(out, dout, lse, attn_sink, dlse)
+    d_sink = None
+    if attn_sink is not None:
+        d_sink = -((1 - g) * delta * torch.isfinite(lse)).sum(0)  # delta has no dlse here (unsupported)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    acc = torch.zeros((n_kv, dqk), dtype=torch.float32, device=dev)
+    if n_tok == 0 or n_kv == 0:
+        dq.zero_()
+        return dq, acc.to(kv.dtype), d_sink
+    q = q.contiguous()
+    kv = kv.contiguous()
+    dout = dout.contiguous()
+    indices = indices.contiguous()
+    has_tl = topk_length is not None
+    tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
+    topk = indices.shape[1]
+    n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
+    if not deterministic:
+        kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, False)
+        kernel(q, kv, dout, indices, tl_arg, lse2, delta, dq, acc)
+        return dq, acc.to(kv.dtype), d_sink
+
+    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, True)
+    reduce = _compiled_reduce(dqk)
+    n_hblk = heads // BLOCK_H
+    chunk = max(1, min(n_tok, _PARTIAL_ELEMS // (n_hblk * topk * dqk)))
+    pos = torch.arange(topk, device=dev)
+    rows = torch.arange(n_kv + 1, device=dev)
+    part = torch.empty((n_hblk * chunk * topk, dqk), dtype=torch.float32, device=dev)
+    for a in range(0, n_tok, chunk):
+        b = min(n_tok, a + chunk)
+        tc = b - a
+        idx = indices[a:b]
+        valid = (idx >= 0) & (idx < n_kv)
+        if has_tl:
+            valid &= pos.unsqueeze(0) < topk_length[a:b].unsqueeze(1)
+        keys = torch.where(valid, idx.long(), torch.full_like(idx, n_kv, dtype=torch.long))
+        keys = keys.reshape(-1).repeat(n_hblk)  # slot id (g * tc + t) * topk + j
+        skeys, order = torch.sort(keys, stable=True)
+        start = torch.searchsorted(skeys, rows).to(torch.int32)
+        tl_c = tl_arg[a:b] if has_tl else tl_arg
+        pc = part[: n_hblk * tc * topk]
+        kernel(q[a:b], kv, dout[a:b], idx, tl_c, lse2[a:b], delta[a:b], dq[a:b], pc)
+        reduce(pc, order.to(torch.int32), start, acc)
+    return dq, acc.to(kv.dtype), d_sink
+
+
+def lowering_cases():
+    """ONE representative case for the CPU lowering test (lowering is slow): H 128, Dqk 576, topk_length."""
+    fn = build_sparse_mla_bwd(heads=128, dqk=576, d_v=D_V, topk=2048, sm_scale=576**-0.5, has_topk_length=True)
+    return [("h128_d576_topk2048_tl", fn)]
+
+
+def combine_lowering_cases():
+    """Helper kernels without matrix products."""
+    return [("segment_reduce_d576", build_segment_reduce(dqk=576))]
+
+
+def _bench(argv=None):
+    """GPU timing of the headline shapes: ``python -m flashdsa.sparse_mla.kernel_bwd [--quick]``."""
+    import sys
+
+    from . import kernel_fwd
+
+    quick = "--quick" in (argv if argv is not None else sys.argv[1:])
+    shapes = [  # (S, SKV, H, Dqk, topk, sink)
+        (4096, 8192, 64, 576, 2048, False),
+        (4096, 8192, 128, 576, 2048, False),
+        (4096, 8192, 64, 512, 640, True),
+    ]
+    if quick:
+        shapes = shapes[:1]
+    for S, SKV, H, dqk, topk, sink in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+        kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+        idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
+        dout = (torch.randn(S, H, D_V, generator=gen, device="cuda") * 0.1).bfloat16()
+        attn_sink = torch.randn(H, generator=gen, device="cuda") if sink else None
+        scale = dqk**-0.5
+        out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V, attn_sink=attn_sink)
+        flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
+        for det in (False, True):
+            def fn():
+                return run_sparse_mla_bwd(q, kv, idx, out, lse, dout, sm_scale=scale, d_v=D_V, attn_sink=attn_sink,
+                                          deterministic=det)
+
+            fn()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(3 if quick else 10):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            ms = sorted(times)[len(times) // 2]
+            print(f"S={S} SKV={SKV} H={H} Dqk={dqk} topk={topk} sink={sink} deterministic={det}: "
+                  f"{ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    _bench()
