@@ -17,7 +17,7 @@ import torch
 import tilelang
 
 from flashdsa.indexer import kernel_prefill
-from flashdsa.sparse_mla import kernel_fwd, kernel_fwd_ws
+from flashdsa.sparse import kernel_fwd, kernel_fwd_ws
 
 
 def bench(fn, reps=20, warmup=3):

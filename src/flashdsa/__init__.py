@@ -10,7 +10,7 @@ from .cache import write_indexer_cache, write_kv_cache
 from .decode.api import mla_decode
 from .indexer.api import indexer_logits, indexer_logits_paged
 from .quant import dequantize_kv_fp8, quantize_fp8, quantize_kv_fp8
-from .sparse_mla.api import sparse_attn, sparse_mla, sparse_mla_fwd
+from .sparse.api import sparse_attn, sparse_mla, sparse_mla_fwd
 from .topk.api import dsa_topk, topk_indices
 
 __all__ = [

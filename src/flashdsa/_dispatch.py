@@ -27,7 +27,7 @@ KERNEL_MODULES: dict[str, str] = {
     "indexer_logits": "flashdsa.indexer.kernel_prefill",
     "indexer_logits_paged": "flashdsa.indexer.kernel_paged",
     "topk_indices": "flashdsa.topk.kernel_radix",
-    "sparse_mla_fwd": "flashdsa.sparse_mla.kernel_fwd",
+    "sparse_mla_fwd": "flashdsa.sparse.kernel_fwd",
     "mla_decode": "flashdsa.decode.kernel_dense",  # dense bf16 cache only; sparse / FP8 run the reference
 }
 

@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("tilelang")
 
-from flashdsa.sparse_mla import kernel_bwd  # noqa: E402
-from flashdsa.sparse_mla.reference import (  # noqa: E402
+from flashdsa.sparse import kernel_bwd  # noqa: E402
+from flashdsa.sparse.reference import (  # noqa: E402
     sparse_mla_bwd_reference,
     sparse_mla_fwd_reference,
 )

@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("tilelang")
 
-from flashdsa.sparse_mla import kernel_fwd  # noqa: E402
-from flashdsa.sparse_mla.reference import sparse_mla_fwd_reference  # noqa: E402
+from flashdsa.sparse import kernel_fwd  # noqa: E402
+from flashdsa.sparse.reference import sparse_mla_fwd_reference  # noqa: E402
 
 D_V = 512
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
@@ -199,7 +199,7 @@ def test_sparse_mla_fwd_kernel_cuda_graph():
 
 def _bf16_p_emulation(q, kv, indices, sm_scale, topk_length):
     """fp32 reference that rounds the probabilities to bf16 before PV, as every bf16 tensor-core kernel does."""
-    from flashdsa.sparse_mla.reference import _gather, valid_mask
+    from flashdsa.sparse.reference import _gather, valid_mask
 
     valid = valid_mask(indices, kv.shape[0], topk_length)
     k = _gather(kv, indices, valid, torch.float32)

@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover
     def _timeout(fn):
         return fn
 
-from flashdsa.sparse_mla import kernel_fwd_ws as kmod  # noqa: E402
+from flashdsa.sparse import kernel_fwd_ws as kmod  # noqa: E402
 
 D_V = 512
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1

@@ -6,7 +6,7 @@ Math:
     ``p < cache_seqlens[b]``, position p living in block ``block_table[b, p // block_size]`` at offset
     ``p % block_size``; positions past the table or in an out-of-range block id are skipped.
     Sparse: query i of sequence b attends slots ``indices[b, i, :topk_length[b]]`` (invalid ones skipped).
-    Both reduce to the sparse MLA reference (``flashdsa.sparse_mla.reference``) over those slot lists; FP8 rows are
+    Both reduce to the sparse MLA reference (``flashdsa.sparse.reference``) over those slot lists; FP8 rows are
     dequantized after the gather, so the result equals attention over the dequantized cache.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..indexer.reference import paged_positions
-from ..sparse_mla.reference import sparse_mla_fwd_reference
+from ..sparse.reference import sparse_mla_fwd_reference
 
 
 def dense_slots(block_table, cache_seqlens, num_blocks: int, block_size: int, s_q: int, causal: bool):

@@ -428,7 +428,7 @@ def combine_lowering_cases():
 
 
 def _bench(argv=None):
-    """GPU timing of the headline shapes: ``python -m flashdsa.sparse_mla.kernel_bwd [--quick]``."""
+    """GPU timing of the headline shapes: ``python -m flashdsa.sparse.kernel_bwd [--quick]``."""
     import sys
 
     from . import kernel_fwd
