@@ -60,3 +60,18 @@ def test_mla_decode_reference_on_cuda():
     _close(*_both(flashdsa.mla_decode, q, cache, bt, lens), 2e-2, 2e-2)
     fp8 = flashdsa.quantize_kv_fp8(cache)
     _close(*_both(flashdsa.mla_decode, q, fp8, bt, lens), 2e-2, 2e-2)
+
+
+def test_sparse_mla_reference_backward_deterministic_on_cuda():
+    """deterministic=True: the reference backward's dkv is bitwise identical over 5 runs (heavy duplicates)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(64, 16, 512, generator=g).bfloat16().cuda().requires_grad_()
+    kv = torch.randn(40, 512, generator=g).bfloat16().cuda().requires_grad_()
+    idx = torch.randint(-2, 40, (64, 96), generator=g, dtype=torch.int32).cuda()
+    grads = []
+    for _ in range(5):
+        q.grad = kv.grad = None
+        flashdsa.sparse_mla(q, kv, idx, deterministic=True, backend="reference").float().square().sum().backward()
+        grads.append((q.grad.clone(), kv.grad.clone()))
+    for dq, dkv in grads[1:]:
+        assert torch.equal(dq, grads[0][0]) and torch.equal(dkv, grads[0][1])

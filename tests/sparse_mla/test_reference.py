@@ -384,3 +384,19 @@ def test_degenerate_sizes():
     kvg = torch.randn(0, 512, dtype=F64, requires_grad=True)
     flashdsa.sparse_mla(qg, kvg, torch.zeros(2, 3, dtype=I32), backend="reference").sum().backward()
     assert (qg.grad == 0).all() and kvg.grad.shape == (0, 512)
+
+
+def test_backward_deterministic_flag_matches_default():
+    """deterministic=True changes only the summation order of duplicated kv rows: same gradients on CPU."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(6, 3, 512, generator=g, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(9, 512, generator=g, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(-1, 9, (6, 12), generator=g, dtype=torch.int32)
+    grads = []
+    for det in (False, True):
+        q.grad = kv.grad = None
+        flashdsa.sparse_mla(q, kv, idx, deterministic=det, backend="reference").square().sum().backward()
+        grads.append((q.grad.clone(), kv.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=0, atol=1e-12)
+    assert not torch.are_deterministic_algorithms_enabled()  # the global flag is restored

@@ -57,7 +57,8 @@ def _bwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _dispatch.resolve_backend("sparse_mla_bwd", backend, q.device)  # raises if a kernel was forced
     dq, dkv, ds = reference.sparse_mla_bwd_reference(q, kv, indices, out, lse, dout, sm_scale=sm_scale, d_v=d_v,
-                                                     attn_sink=attn_sink, topk_length=topk_length, dlse=dlse)
+                                                     attn_sink=attn_sink, topk_length=topk_length, dlse=dlse,
+                                                     deterministic=deterministic)
     if ds is None:
         ds = q.new_zeros(0, dtype=torch.float32)
     sink_dtype = attn_sink.dtype if attn_sink is not None else torch.float32

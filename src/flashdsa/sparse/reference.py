@@ -105,16 +105,30 @@ def sparse_mla_fwd_reference(q, kv, indices, *, sm_scale: float, d_v: int,
     return out, lse, max_logits
 
 
+def _scatter_add_rows(dst: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor, deterministic: bool):
+    """``dst[rows] += vals`` with duplicates summed; with ``deterministic`` the sum order is fixed (sorted)."""
+    if not deterministic:
+        dst.index_add_(0, rows, vals)
+        return
+    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        dst.index_put_((rows,), vals, accumulate=True)
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
 def sparse_mla_bwd_reference(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: int,
                              attn_sink: Optional[torch.Tensor] = None,
                              topk_length: Optional[torch.Tensor] = None,
-                             dlse: Optional[torch.Tensor] = None):
+                             dlse: Optional[torch.Tensor] = None, deterministic: bool = False):
     """Reference backward on the flat form (analytic, see module docstring).
 
     Args:
         q, kv, indices, attn_sink, topk_length: as for the forward; out `[T, H, d_v]` and lse `[T, H]` from the
         forward (out including the sink factor); dout `[T, H, d_v]`; dlse `[T, H]` or None, the gradient reaching
-        lse (adds ``exp(s_j - lse) * dlse`` to dS_j).
+        lse (adds ``exp(s_j - lse) * dlse`` to dS_j); deterministic: accumulate dkv with PyTorch's
+        deterministic (sorted) scatter-add, bitwise reproducible on CUDA too (CPU is deterministic either way).
 
     Returns:
         dq `[T, H, Dqk]`, dkv `[Tkv, Dqk]`, d_sink `[H]` (None without sink), all in the compute dtype.
@@ -149,7 +163,7 @@ def sparse_mla_bwd_reference(q, kv, indices, out, lse, dout, *, sm_scale: float,
         dk[..., :d_v] += torch.einsum("thk,thd->tkd", p, do)
         flat_valid = valid.reshape(-1)
         rows = indices[a:b].reshape(-1)[flat_valid].long()
-        dkv.index_add_(0, rows, dk.reshape(-1, dqk)[flat_valid])
+        _scatter_add_rows(dkv, rows, dk.reshape(-1, dqk)[flat_valid], deterministic)
         if d_sink is not None:
             d_sink -= ((1 - g) * delta * finite).sum(0)
     return dq, dkv, d_sink
