@@ -66,6 +66,8 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from . import kernel_fwd
+
 LOG2E = 1.4426950408889634
 
 BLOCK_H = 64  # heads per CTA (wgmma M)
@@ -293,40 +295,22 @@ def _compiled_reduce(dqk: int):
 
 def kernel_unsupported(q, kv, indices, out, lse, dout, *, d_v, topk_length=None, attn_sink=None,
                        dlse=None) -> str | None:
-    """None if this kernel handles the arguments, else a short reason (shapes/dtypes only)."""
-    if not all(x.is_cuda for x in (q, kv, indices, out, lse, dout)):
-        return "tensors must be on CUDA"
-    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
-        return "q and kv must be bfloat16"
+    """None if this kernel handles the arguments, else a short reason (shapes/dtypes only): the forward kernel's
+    rules for q, kv, indices, topk_length and attn_sink, then the backward's own."""
+    reason = kernel_fwd.kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+    if reason is not None:
+        return reason
+    n_tok, heads = q.shape[:2]
+    if not all(x.is_cuda for x in (out, lse, dout)):
+        return "out, lse and dout must be on CUDA"
     if out.dtype != torch.bfloat16 or dout.dtype != torch.bfloat16:
         return "out and dout must be bfloat16"
     if lse.dtype != torch.float32:
         return "lse must be float32"
-    if indices.dtype != torch.int32:
-        return "indices must be int32"
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
-        return "expected q [T,H,Dqk], kv [Tkv,Dqk], indices [T,topk]"
-    n_tok, heads, dqk = q.shape
-    if dqk not in _SUPPORTED_DQK:
-        return f"Dqk={dqk} not in {_SUPPORTED_DQK}"
-    if d_v != D_V:
-        return f"d_v={d_v} != {D_V}"
-    if kv.shape[1] != dqk:
-        return "kv last dim != q last dim"
-    if heads % BLOCK_H != 0 or not 1 <= heads // BLOCK_H <= 2:
+    if heads % BLOCK_H != 0:
         return f"H={heads} not in (64, 128)"
-    if indices.shape[0] != n_tok or indices.shape[1] < 1:
-        return "indices must be [T, topk] with topk >= 1"
     if out.shape != (n_tok, heads, d_v) or dout.shape != (n_tok, heads, d_v) or lse.shape != (n_tok, heads):
         return "out/dout must be [T,H,d_v] and lse [T,H]"
-    if n_tok >= 2**31 or kv.shape[0] >= 2**31 or indices.shape[1] >= 2**30:
-        return "sizes exceed int32 indexing"
-    if topk_length is not None:
-        if topk_length.dtype != torch.int32 or topk_length.shape != (n_tok,) or not topk_length.is_cuda:
-            return "topk_length must be int32 [T] on CUDA"
-    if attn_sink is not None:
-        if attn_sink.dtype != torch.float32 or attn_sink.shape != (heads,) or not attn_sink.is_cuda:
-            return "attn_sink must be float32 [H] on CUDA"
     if dlse is not None:
         if attn_sink is not None:
             return "dlse together with attn_sink is not supported"
@@ -430,8 +414,6 @@ def combine_lowering_cases():
 def _bench(argv=None):
     """GPU timing of the headline shapes: ``python -m flashdsa.sparse.kernel_bwd [--quick]``."""
     import sys
-
-    from . import kernel_fwd
 
     quick = "--quick" in (argv if argv is not None else sys.argv[1:])
     shapes = [  # (S, SKV, H, Dqk, topk, sink)
