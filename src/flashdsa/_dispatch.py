@@ -28,6 +28,7 @@ KERNEL_MODULES: dict[str, str] = {
     "indexer_logits_paged": "flashdsa.indexer.kernel_paged",
     "topk_indices": "flashdsa.topk.kernel_radix",
     "sparse_mla_fwd": "flashdsa.sparse.kernel_fwd",
+    "sparse_mla_bwd": "flashdsa.sparse.kernel_bwd",  # H padded to a multiple of 64 by sparse/api.py
     "mla_decode": "flashdsa.decode.kernel_dense",  # dense bf16 cache only; sparse / FP8 run the reference
 }
 

@@ -6,6 +6,7 @@ All three reduce to one flat custom op ``flashdsa::sparse_mla_fwd`` (q `[T, H, D
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -50,15 +51,48 @@ def _(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, deterministic, back
     return q.new_empty(T, H, d_v), q.new_empty(T, H, dtype=ld), q.new_empty(T, H, dtype=ld)
 
 
+def _pad_heads(x: torch.Tensor, heads: int, value: float = 0.0) -> torch.Tensor:
+    """Pad dim 1 (heads) of x to ``heads`` with ``value`` (the backward kernel tiles 64 heads)."""
+    if x.shape[1] == heads:
+        return x
+    pad = x.new_full((x.shape[0], heads - x.shape[1], *x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
+
+
+def _bwd_kernel(q, kv, indices, out, lse, dout, dlse, sm_scale, d_v, attn_sink, topk_length, deterministic,
+                check_only=False):
+    """Run (or, with check_only, vet) the backward kernel with H padded to a multiple of 64.
+
+    Padded heads have q = 0, dout = 0, out = 0 and lse = 0, so dP = dout.V = 0, delta = 0 and dS = P * (dP - delta)
+    = 0: they add nothing to dkv, and their dq rows are dropped. A padded sink is -inf (gate 1, no gradient).
+    """
+    heads = q.shape[1]
+    hp = -(-heads // 64) * 64
+    args = (_pad_heads(q, hp), kv, indices, _pad_heads(out, hp), _pad_heads(lse, hp), _pad_heads(dout, hp))
+    sink = None if attn_sink is None else torch.cat([attn_sink, attn_sink.new_full((hp - heads,), -math.inf)])
+    dl = None if dlse is None else _pad_heads(dlse, hp)
+    mod = _dispatch.kernel_module("sparse_mla_bwd")
+    if check_only:
+        return mod.kernel_unsupported(*args, d_v=d_v, topk_length=topk_length, attn_sink=sink, dlse=dl)
+    dq, dkv, ds = mod.run_sparse_mla_bwd(*args, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+                                         attn_sink=sink, deterministic=deterministic, dlse=dl)
+    return dq[:, :heads], dkv, (None if ds is None else ds[:heads])
+
+
 @custom_op("sparse_mla_bwd")
 def _bwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
             dout: torch.Tensor, dlse: Optional[torch.Tensor], sm_scale: float, d_v: int,
             attn_sink: Optional[torch.Tensor], topk_length: Optional[torch.Tensor], deterministic: bool,
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _dispatch.resolve_backend("sparse_mla_bwd", backend, q.device)  # raises if a kernel was forced
-    dq, dkv, ds = reference.sparse_mla_bwd_reference(q, kv, indices, out, lse, dout, sm_scale=sm_scale, d_v=d_v,
-                                                     attn_sink=attn_sink, topk_length=topk_length, dlse=dlse,
-                                                     deterministic=deterministic)
+    args = (q, kv, indices, out, lse, dout, dlse, sm_scale, d_v, attn_sink, topk_length, deterministic)
+    path = _dispatch.resolve_backend("sparse_mla_bwd", backend, q.device,
+                                     lambda: _bwd_kernel(*args, check_only=True))
+    if path == "kernel":
+        dq, dkv, ds = _bwd_kernel(*args)
+    else:
+        dq, dkv, ds = reference.sparse_mla_bwd_reference(q, kv, indices, out, lse, dout, sm_scale=sm_scale,
+                                                         d_v=d_v, attn_sink=attn_sink, topk_length=topk_length,
+                                                         dlse=dlse, deterministic=deterministic)
     if ds is None:
         ds = q.new_zeros(0, dtype=torch.float32)
     sink_dtype = attn_sink.dtype if attn_sink is not None else torch.float32
@@ -220,7 +254,9 @@ def sparse_mla(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, topk_l
         TypeError / ValueError naming the argument.
 
     Supported:
-        Forward as :func:`sparse_mla_fwd`; backward currently runs the reference on every device.
+        Forward as :func:`sparse_mla_fwd`. Backward: the TileLang kernel on Hopper for bf16 inputs (any H, padded
+        to a multiple of 64 inside; ``deterministic=True`` replaces the fp32 atomics by a sorted fixed-order
+        reduction), the reference elsewhere and for ``dlse`` together with a sink.
 
     Example:
         >>> q = torch.randn(2, 4, 512, dtype=torch.bfloat16, requires_grad=True)
