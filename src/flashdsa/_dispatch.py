@@ -45,6 +45,8 @@ OPS = (
     "topk_indices",
     "dsa_topk",
     "sparse_mla_fwd",
+    "sparse_mla_fwd_cache656",
+    "sparse_mla_fwd_fp8",
     "sparse_mla_bwd",
     "mla_decode",
 )

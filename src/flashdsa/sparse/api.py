@@ -14,7 +14,7 @@ import torch
 from .. import _dispatch
 from .._library import custom_op
 from .._validate import check_float, check_same_device, check_tensor
-from . import reference
+from . import fp8, reference
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # kernels: bf16; others run the reference
 _INT32 = (torch.int32,)
@@ -126,10 +126,13 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------- validation
-def _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, *, dqk_allowed, names=("q", "kv", "indices")):
-    """Validate and reduce the flat / batched forms to the flat form. Returns (q, kv, idx, tl, scale, lead)."""
+def _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, *, dqk_allowed, names=("q", "kv", "indices"),
+             q_dtypes=_FLOATS, kv_dtypes=None, kv_dim=None):
+    """Validate and reduce the flat / batched forms to the flat form. Returns (q, kv, idx, tl, scale, lead).
+
+    kv must have q's dtype and last dim Dqk unless ``kv_dtypes`` / ``kv_dim`` say otherwise (FP8 forms)."""
     qn, kvn, ixn = names
-    check_tensor(qn, q, ndim=(3, 4), dtypes=_FLOATS)
+    check_tensor(qn, q, ndim=(3, 4), dtypes=q_dtypes)
     batched = q.dim() == 4
     dqk = q.shape[-1]
     if dqk_allowed is not None and dqk not in dqk_allowed:
@@ -137,18 +140,20 @@ def _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, *, dqk_allow
     if dqk % 8 != 0:
         raise ValueError(f"{qn}: expected a last dim that is a multiple of 8, got {dqk}")
     H = q.shape[-2]
+    kv_dtypes = (q.dtype,) if kv_dtypes is None else kv_dtypes
+    kd = dqk if kv_dim is None else kv_dim
     if batched:
         B, S = q.shape[:2]
-        check_tensor(kvn, kv, shape=(B, None, dqk), dtypes=(q.dtype,))
+        check_tensor(kvn, kv, shape=(B, None, kd), dtypes=kv_dtypes)
         check_tensor(ixn, indices, shape=(B, S, None), dtypes=_INT32)
         lead = (B, S)
     else:
         T = q.shape[0]
-        check_tensor(kvn, kv, ndim=(2, 3), dtypes=(q.dtype,))
+        check_tensor(kvn, kv, ndim=(2, 3), dtypes=kv_dtypes)
         if kv.dim() == 3:
-            check_tensor(kvn, kv, shape=(None, 1, dqk))
+            check_tensor(kvn, kv, shape=(None, 1, kd))
             kv = kv.squeeze(1)
-        check_tensor(kvn, kv, shape=(None, dqk))
+        check_tensor(kvn, kv, shape=(None, kd))
         check_tensor(ixn, indices, ndim=(2, 3), dtypes=_INT32)
         if indices.dim() == 3:
             check_tensor(ixn, indices, shape=(T, 1, None))
@@ -175,7 +180,7 @@ def _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, *, dqk_allow
         offset = (torch.arange(B, device=q.device, dtype=torch.int32) * skv).view(B, 1, 1)
         ok = (indices >= 0) & (indices < skv)
         indices = torch.where(ok, indices + offset, torch.full_like(indices, -1))
-        q, kv, indices = q.reshape(B * S, H, dqk), kv.reshape(B * skv, dqk), indices.reshape(B * S, -1)
+        q, kv, indices = q.reshape(B * S, H, dqk), kv.reshape(B * skv, kd), indices.reshape(B * S, -1)
         if topk_length is not None:
             topk_length = topk_length.reshape(B * S)
     return q, kv, indices, topk_length, scale, lead
@@ -186,7 +191,7 @@ def _unflatten(t: torch.Tensor, lead):
 
 
 def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, topk_length=None,
-                   return_max_logits=False, backend="auto"):
+                   return_max_logits=False, q_scale=None, kv_scale=None, backend="auto"):
     """Sparse MLA forward: each query row attends only the KV rows its indices select (MQA, shared latent KV).
 
     Math:
@@ -203,7 +208,14 @@ def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, to
         attn_sink: `[H]` float32 or None; +inf zeroes the output, -inf has no effect; lse excludes it.
         topk_length: `[T]` (batched `[B, S]`) int32 or None: only ``indices[t, :topk_length[t]]`` are used.
         return_max_logits: bool, also return the max scaled logit per row (-inf for empty rows).
+        q_scale: FP8 compute form only (q, kv float8_e4m3fn): float32 `[T, H]` (batched `[B, S, H]`); the op
+            computes on ``q * q_scale[..., None]``.
+        kv_scale: FP8 compute form only: float32 `[Tkv]` (batched `[B, S_kv]`), kv is ``kv * kv_scale[..., None]``.
         backend: "auto" | "kernel" | "reference" (see docs/conventions.md#backends).
+
+    FP8 forms (see :mod:`flashdsa.sparse.fp8`): ``kv`` uint8 `[Tkv, 656]` (the :func:`quantize_kv_fp8` cache,
+    q bf16 with Dqk 576) gives the bf16 forward of the dequantized cache; q and kv float8_e4m3fn with
+    ``q_scale``/``kv_scale`` give the forward of the dequantized tensors on FP8 tensor cores.
 
     Returns:
         out `[T, H, d_v]` bfloat16 and lse `[T, H]` float32 (natural log; empty rows: out 0, lse +inf)
@@ -223,10 +235,15 @@ def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, to
         >>> out.shape, lse.shape
         (torch.Size([2, 4, 512]), torch.Size([2, 4]))
     """
-    qf, kvf, idx, tl, scale, lead = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink,
-                                            dqk_allowed=(512, 576))
     _dispatch.requested_backend(backend)
-    out, lse, mx = _fwd_op(qf, kvf, idx, scale, d_v, attn_sink, tl, False, backend)
+    if fp8.is_fp8_form(q, kv, q_scale, kv_scale):
+        (out, lse, mx), lead = fp8.sparse_mla_fwd_fp8_forms(q, kv, indices, q_scale=q_scale, kv_scale=kv_scale,
+                                                            sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
+                                                            topk_length=topk_length, backend=backend)
+    else:
+        qf, kvf, idx, tl, scale, lead = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink,
+                                                dqk_allowed=(512, 576))
+        out, lse, mx = _fwd_op(qf, kvf, idx, scale, d_v, attn_sink, tl, False, backend)
     res = (_unflatten(out, lead), _unflatten(lse, lead))
     return res + (_unflatten(mx, lead),) if return_max_logits else res
 
