@@ -112,6 +112,12 @@ def resolve_backend(op: str, backend: Optional[str], device: torch.device,
     return path
 
 
+def record_choice(op: str, path: Optional[str]) -> None:
+    """Record the path of an op that delegates to another op (``mla_decode`` -> the sparse forward)."""
+    if path is not None:
+        _LAST_CHOICE[op] = path
+
+
 def last_choice(op: str) -> Optional[str]:
     """The path the most recent call of ``op`` in this process took (for bench and demo reports)."""
     return _LAST_CHOICE.get(op)

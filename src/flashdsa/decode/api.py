@@ -16,11 +16,48 @@ _Q = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # kernels: b
 _I32 = (torch.int32,)
 
 
+def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, topk_length, attn_sink,
+                    backend):
+    """Sparse decode, and dense decode over the FP8 cache, as one sparse MLA forward over the flat cache.
+
+    The cache viewed as ``num_blocks * block_size`` rows is exactly the forward's kv (slot = row), each of the
+    B * s_q query tokens is one forward row with its slot list (dense: the causal slots from the block table, -1
+    past the length, computed on the GPU without a host sync). The forward's kernels (bf16 rows, or the 656-byte
+    FP8 rows dequantized in shared memory) and its reference give the same contract as ``mla_decode``.
+    """
+    from ..sparse import api as sparse_api, fp8 as sparse_fp8
+
+    B, s_q, H, dqk = q.shape
+    nb, bs, width = kv_cache.shape
+    flat = kv_cache.reshape(nb * bs, width)
+    if indices is None:
+        slots, tl = reference.dense_slots(block_table, cache_seqlens, nb, bs, s_q, causal), None
+    else:
+        slots = indices
+        tl = None if topk_length is None else topk_length.view(B, 1).expand(B, s_q).reshape(B * s_q).contiguous()
+    if slots.shape[-1] == 0:  # no cache at all: one invalid slot keeps the shapes non-empty
+        slots = torch.full((B, s_q, 1), -1, dtype=torch.int32, device=q.device)
+    slots = slots.reshape(B * s_q, slots.shape[-1])
+    qf = q.reshape(B * s_q, H, dqk)
+    if width == KV_FP8_BYTES:
+        op = "sparse_mla_fwd_cache656"
+        out, lse, _ = sparse_fp8._cache656_op(qf, flat, slots, sm_scale, d_v, attn_sink, tl, backend)
+    else:
+        op = "sparse_mla_fwd"
+        out, lse, _ = sparse_api._fwd_op(qf, flat, slots, sm_scale, d_v, attn_sink, tl, False, backend)
+    _dispatch.record_choice("mla_decode", _dispatch.last_choice(op))
+    return out.reshape(B, s_q, H, d_v), lse.reshape(B, s_q, H)
+
+
 @custom_op("mla_decode")
 def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],
                cache_seqlens: Optional[torch.Tensor], sm_scale: float, d_v: int, causal: bool,
                indices: Optional[torch.Tensor], topk_length: Optional[torch.Tensor],
                attn_sink: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if _dispatch.requested_backend(backend) != "reference" and (indices is not None or kv_cache.dtype == torch.uint8):
+        return _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, topk_length,
+                               attn_sink, backend)
+
     def check():
         return _dispatch.kernel_module("mla_decode").kernel_unsupported(
             q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal, indices=indices, attn_sink=attn_sink)
@@ -74,8 +111,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
         TypeError / ValueError naming the argument.
 
     Supported:
-        Kernel: Hopper sm_90a for dense decode over a bf16 cache (Dqk 576, d_v 512, H 1..128, block sizes
-        16..256). Sparse and FP8-cache decode run the reference for now.
+        Kernel: Hopper sm_90a. Dense decode over a bf16 cache (Dqk 576, d_v 512, H 1..128, block sizes 16..256):
+        the split-KV decode kernel. Sparse decode, and dense decode over the FP8 cache: one sparse MLA forward
+        over the flat cache (see :func:`sparse_mla_fwd`; FP8 rows through the 656-byte-cache forward).
 
     Example:
         >>> q = torch.randn(2, 1, 4, 576, dtype=torch.bfloat16)

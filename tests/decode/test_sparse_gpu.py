@@ -1,0 +1,114 @@
+"""GPU: sparse MLA decode (bf16 and FP8 656-byte caches) and dense decode over the FP8 cache, through
+``flashdsa.mla_decode`` with ``backend="kernel"`` (they run as one sparse MLA forward over the flat cache), against
+the reference on the same (for FP8: dequantized) cache.
+
+Inputs as tests/decode/test_kernel_gpu.py: shuffled block tables, NaN in every unused slot (FP8: the quantized NaN
+rows, so a stray read shows), topk larger than the cached tokens (trailing -1), out-of-range slots, all-invalid
+requests (topk_length 0), attention sinks including +-inf. Tolerances: those of the dense decode tests.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flashdsa
+from flashdsa import _dispatch
+
+from .test_kernel_gpu import _check, _make
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("tilelang")
+
+
+def _sparse_indices(table, seqlens, block_size, s_q, topk, seed, n_slots):
+    """[B, s_q, topk] slots of random cached positions (no repeats), -1 / out-of-range sprinkled, -1 tail."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B = table.shape[0]
+    idx = torch.full((B, s_q, topk), -1, dtype=torch.int32)
+    tab, lens = table.cpu(), seqlens.cpu()
+    for b in range(B):
+        n = int(lens[b])
+        for i in range(s_q):
+            pos = torch.randperm(n, generator=g)[:topk] if n else torch.zeros(0, dtype=torch.long)
+            slots = tab[b, pos // block_size].long() * block_size + pos % block_size
+            idx[b, i, :len(slots)] = slots.to(torch.int32)
+            if len(slots) > 4:  # a few invalid entries inside the list
+                idx[b, i, 1] = -1
+                idx[b, i, 3] = n_slots + 1000
+    return idx.to(table.device)
+
+
+# (B, s_q, H, block_size, lens, topk, fp8, sink)
+SPARSE = [
+    (1, 1, 16, 64, (4096,), 2048, True, False),
+    (2, 2, 3, 16, (140, 0), 256, True, True),
+    (6, 1, 9, 256, (0, 20, 140, 4096, 32768, 140), 512, True, False),
+    (64, 1, 64, 64, (4096, 140, 20, 0), 2048, True, False),
+    (74, 2, 128, 64, (140, 4096, 20), 2048, True, True),
+    (6, 4, 126, 16, (1, 2, 3, 140, 4096, 20), 100, False, False),
+    (2, 1, 128, 64, (32768, 4096), 2048, False, True),
+]
+
+
+@pytest.mark.parametrize("B,s_q,H,bs,lens,topk,fp8,sink", SPARSE,
+                         ids=[f"B{c[0]}-sq{c[1]}-H{c[2]}-bs{c[3]}-k{c[5]}-{'fp8' if c[6] else 'bf16'}"
+                              + ("-sink" if c[7] else "") for c in SPARSE])
+def test_sparse_decode_matches_reference(B, s_q, H, bs, lens, topk, fp8, sink):
+    lens = [lens[i % len(lens)] for i in range(B)]
+    q, kv, table, seqlens = _make(B, s_q, H, bs, lens, seed=B * 7 + H)
+    idx = _sparse_indices(table, seqlens, bs, s_q, topk, seed=B + H, n_slots=kv.shape[0] * bs)
+    tl = torch.randint(0, topk + 1, (B,), device="cuda", dtype=torch.int32)
+    tl[0] = topk
+    if B > 1:
+        tl[1] = 0  # all-invalid request
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(H, device="cuda")
+        attn_sink[0] = math.inf
+        attn_sink[-1] = -math.inf
+    cache = flashdsa.quantize_kv_fp8(kv) if fp8 else kv
+    ref_cache = flashdsa.dequantize_kv_fp8(cache) if fp8 else kv
+    out, lse = flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, attn_sink=attn_sink,
+                                   backend="kernel")
+    assert _dispatch.last_choice("mla_decode") == "kernel"
+    ref_out, ref_lse = flashdsa.mla_decode(q, ref_cache, None, None, indices=idx, topk_length=tl,
+                                           attn_sink=attn_sink, backend="reference")
+    _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
+
+
+@pytest.mark.parametrize("B,s_q,H,bs,lens", [(2, 2, 16, 64, (140, 0)), (6, 1, 64, 16, (0, 20, 140, 4096, 1, 33))])
+def test_dense_decode_fp8_cache(B, s_q, H, bs, lens):
+    lens = [lens[i % len(lens)] for i in range(B)]
+    q, kv, table, seqlens = _make(B, s_q, H, bs, lens, seed=3)
+    cache = flashdsa.quantize_kv_fp8(kv)
+    out, lse = flashdsa.mla_decode(q, cache, table, seqlens, backend="kernel")
+    ref_out, ref_lse = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), table, seqlens, backend="reference")
+    _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
+
+
+def test_sparse_decode_fp8_cuda_graph_replay():
+    """Capture one sparse FP8 decode step, replay it with new indices and lengths written in place."""
+    B, s_q, H, bs, topk = 8, 1, 64, 64, 512
+    lens = [4096, 140, 20, 0, 4096, 1000, 77, 512]
+    q, kv, table, seqlens = _make(B, s_q, H, bs, lens, seed=11)
+    cache = flashdsa.quantize_kv_fp8(kv)
+    idx = _sparse_indices(table, seqlens, bs, s_q, topk, seed=1, n_slots=kv.shape[0] * bs)
+    tl = torch.full((B,), topk, device="cuda", dtype=torch.int32)
+    flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, backend="kernel")  # compile, warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, backend="kernel")
+    for seed in (2, 3):
+        idx.copy_(_sparse_indices(table, seqlens, bs, s_q, topk, seed=seed, n_slots=kv.shape[0] * bs))
+        tl.copy_(torch.randint(0, topk + 1, (B,), device="cuda", dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), None, None, indices=idx,
+                                               topk_length=tl, backend="reference")
+        _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
