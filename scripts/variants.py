@@ -3,7 +3,7 @@
     python scripts/variants.py [--out DIR]
 
 * sparse MLA forward: the pipelined kernel (kernel_fwd) vs the warp-specialized one (kernel_fwd_ws)
-* indexer prefill: (block_n, cols, num_stages, schedule) configurations of kernel_prefill
+* indexer prefill: (block_n, cols, num_stages, schedule, head_major, chains, relu_add) configurations of kernel_prefill
 Median of CUDA-event timings after warm-up; random inputs; each variant checked against the default one.
 """
 
@@ -65,11 +65,15 @@ def sparse_cases(rows):
             print(rows[-1], flush=True)
 
 
-# (block_n, cols, num_stages, schedule, head_major): the first is the current default (the reference of the error
-# check); the lockstep ones come first and the ping-pong schedules (named barriers) last, so that a hang costs only
-# the later rows. head_major changes the head-summation order: expect rel_err ~1e-7, not bitwise equality.
-INDEXER_CONFIGS = [(128, None, 2, "lockstep", False), (128, None, 2, "lockstep", True),
-                   (128, None, 2, "pingpong_sync", True), (128, None, 2, "pingpong", True)]
+# (block_n, cols, num_stages, schedule, head_major, chains, relu_add): the first is the reference of the error check
+# (the 98d26d6 schedule: ping-pong, head-major, one serial head sum per logit); then the epilogue with `chains`
+# independent partial head sums and a branch-free mask (kernel_prefill notes, "Epilogue"; default for H <= 32), its
+# relu as FADD(x, |x|) on the FMA pipe, and pipeline depth 3 with it. Only the epilogue differs from the first
+# config (same barriers: no new hang risk). chains changes the head-summation order: expect rel_err ~1e-7, not
+# bitwise equality; relu_add with chains=4 should be bitwise equal to chains=4.
+INDEXER_CONFIGS = [(128, None, 2, "pingpong", True, 1, False), (128, None, 2, "pingpong", True, 2, False),
+                   (128, None, 2, "pingpong", True, 4, False), (128, None, 2, "pingpong", True, 4, True),
+                   (128, None, 3, "pingpong", True, 4, False)]
 INDEXER_WORKLOADS = [(64, 128, 8192), (32, 64, 8192)]  # (H, D, N), M = 4096 causal
 HANG_S = 20.0  # a launch not finished after this long is a deadlock: dump what we have and exit
 
@@ -148,18 +152,20 @@ def indexer_cases(rows, out_dir=None, configs=None):
         data.append(dict(H=H, D=D, N=N, M=M, q=q, k=k, w=w, ks=ks, start=start, end=end, flops=flops, ref=None))
     funcs, keys = [], []
     for d in data:
-        for bn, c, st, sch, hm in configs:
+        for bn, c, st, sch, hm, ch, ra in configs:
             funcs.append(kernel_prefill.build_indexer_prefill(heads=d["H"], dim=d["D"], block_n=bn, cols=c,
-                                                              num_stages=st, schedule=sch, head_major=hm))
-            keys.append((d["H"], d["D"], bn, c, st, sch, hm))
+                                                              num_stages=st, schedule=sch, head_major=hm,
+                                                              chains=ch, relu_add=ra))
+            keys.append((d["H"], d["D"], bn, c, st, sch, hm, ch, ra))
     kernels = dict(zip(keys, tilelang.par_compile(funcs, target="cuda", pass_configs=kernel_prefill._pass_configs(),
                                                   ignore_error=True)))
-    for bn, c, st, sch, hm in configs:
+    for bn, c, st, sch, hm, ch, ra in configs:
         for d in data:
             H, D, N, M = d["H"], d["D"], d["N"], d["M"]
             case = f"H{H}_D{D}_N{N}"
-            tag = f"bn{bn}_cols{c or kernel_prefill.default_cols(H)}_st{st}_{sch}" + ("_hm" if hm else "")
-            kern = kernels.get((H, D, bn, c, st, sch, hm))
+            tag = (f"bn{bn}_cols{c or kernel_prefill.default_cols(H)}_st{st}_{sch}" + ("_hm" if hm else "")
+                   + f"_ch{ch}" + ("_radd" if ra else ""))
+            kern = kernels.get((H, D, bn, c, st, sch, hm, ch, ra))
             if kern is None:
                 rows.append({"op": "indexer", "case": case, "variant": tag, "error": "compile failed"})
                 print(rows[-1], flush=True)

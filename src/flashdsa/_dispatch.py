@@ -28,6 +28,8 @@ KERNEL_MODULES: dict[str, str] = {
     "indexer_logits_paged": "flashdsa.indexer.kernel_paged",
     "topk_indices": "flashdsa.topk.kernel_radix",
     "sparse_mla_fwd": "flashdsa.sparse.kernel_fwd",
+    "sparse_mla_fwd_cache656": "flashdsa.sparse.kernel_fwd_fp8cache",  # 656-byte FP8 cache rows, bf16 compute
+    "sparse_mla_fwd_fp8": "flashdsa.sparse.kernel_fwd_fp8",  # e4m3 q/kv + scales, FP8 wgmma
     "sparse_mla_bwd": "flashdsa.sparse.kernel_bwd",  # H padded to a multiple of 64 by sparse/api.py
     "mla_decode": "flashdsa.decode.kernel_dense",  # dense bf16 cache only; sparse / FP8 run the reference
 }

@@ -8,6 +8,15 @@ reference backward runs in float64 on exactly the tensors the kernel sees.
 
 Compiled configs (4): main kernel (H 64, Dqk 576, 4 blocks, topk_length) fast and deterministic, (H 128,
 Dqk 512, 4 blocks) fast, and the deterministic segment-reduce kernel.  Small cases first.
+
+dkv tolerance: like every bf16 tensor-core backward, the kernel rounds P and sm_scale * dS to bf16 for the dK/dV
+wgmmas.  Where a token has few valid keys (topk_length 2 gives P ~ 0.5 on all 64 heads), the rounding of P
+(up to 2^-10 absolute) summed over 64 heads of dout gives dkv errors ~1e-3 that no per-element "abs 1e-3 or rel
+8/128" bound can admit where the exact value is small.  A CPU emulation of those roundings (no atomics, no
+races) reproduced the first GPU run's failures (1-9 elements, max err 7.7e-3 at kv 8192 / 213 tokens; the dlse
+case).  So an element also passes when its error is within 2x that of a float64 emulation that rounds P and
+dS the same way, + 3e-4 (bf16 rounding-boundary flips between the kernel's fp32 P and the float64 one).  A lost
+or doubled atomic contribution (~3e-3 where the rounding error is ~1e-5) still fails.
 """
 
 import math
@@ -23,8 +32,10 @@ pytest.importorskip("tilelang")
 
 from flashdsa.sparse import kernel_bwd  # noqa: E402
 from flashdsa.sparse.reference import (  # noqa: E402
+    sink_gate,
     sparse_mla_bwd_reference,
     sparse_mla_fwd_reference,
+    valid_mask,
 )
 
 from .test_kernel_gpu import _make_inputs, _poison_allocator  # noqa: E402
@@ -68,15 +79,55 @@ def _reference(q, kv, indices, out, lse, dout, sm_scale, topk_length, attn_sink,
                                     dlse=None if dlse is None else dlse.double())
 
 
-def _check_close(x, ref, name, mask=None):
-    """abs 1e-3 or rel 8/128 per element, cosine distance <= 7e-6 (issue 3); mask: elements to compare."""
+def _bf16_emulation(q, kv, indices, out, lse, dout, sm_scale, topk_length, attn_sink, dlse=None):
+    """(dq, dkv) in float64 except where the kernel rounds to bf16: P and sm_scale * dS (the wgmma operands)."""
+    f64 = torch.float64
+    n_kv = kv.shape[0]
+    valid = valid_mask(indices, n_kv, topk_length)
+    k = torch.where(valid.unsqueeze(-1), kv[torch.where(valid, indices, 0).long()].to(f64), 0.0)  # [T, k, Dqk]
+    q64, do64, lse64 = q.to(f64), dout.to(f64), lse.to(f64)
+    finite = torch.isfinite(lse64)
+    s = torch.einsum("thd,tkd->thk", q64, k) * sm_scale
+    p_raw = torch.exp(s - torch.where(finite, lse64, 0.0).unsqueeze(-1))
+    p_raw = torch.where(valid.unsqueeze(1) & finite.unsqueeze(-1), p_raw, 0.0)
+    p = p_raw * sink_gate(lse64, attn_sink).unsqueeze(-1)
+    delta = (out.to(f64) * do64).sum(-1)
+    ds = p * (torch.einsum("thd,tkd->thk", do64, k[..., :D_V]) - delta.unsqueeze(-1))
+    if dlse is not None:
+        ds = ds + p_raw * dlse.to(f64).unsqueeze(-1)
+    ds = (ds * sm_scale).to(torch.bfloat16).to(f64)
+    p = p.to(torch.bfloat16).to(f64)
+    dq = torch.einsum("thk,tkd->thd", ds, k)
+    dk = torch.einsum("thk,thd->tkd", ds, q64)
+    dk[..., :D_V] += torch.einsum("thk,thd->tkd", p, do64)
+    dkv = torch.zeros(n_kv, q.shape[-1], dtype=f64, device=q.device)
+    dkv.index_add_(0, indices.long()[valid], dk[valid])
+    return dq, dkv
+
+
+def _check_close(x, ref, name, mask=None, emu=None):
+    """abs 1e-3 or rel 8/128 per element (issue 3), or (with emu, the bf16-rounding emulation) within
+    2 |emu - ref| + 3e-4; cosine distance <= 7e-6.  mask: elements to compare.  The failure message lists the
+    first failing elements as (index, x, ref[, emu]) so one GPU run tells a race from rounding."""
     x64, ref64 = x.double(), ref.double()
     assert torch.isfinite(x64).all(), f"{name}: non-finite values"
+    emu64 = None if emu is None else emu.double()
     if mask is not None:
         x64, ref64 = x64[mask], ref64[mask]
+        emu64 = None if emu64 is None else emu64[mask]
     err = (x64 - ref64).abs()
     ok = (err <= 1e-3) | (err <= (8 / 128) * ref64.abs())
-    assert ok.all(), f"{name}: max abs err {err.max().item():.3e}, {int((~ok).sum())} elements out of tolerance"
+    if emu64 is not None:
+        ok |= err <= 2 * (emu64 - ref64).abs() + 3e-4
+    if not ok.all():
+        bad = (~ok).nonzero()[:6]
+        rows = []
+        for b in bad.tolist():
+            b = tuple(b)
+            e = "" if emu64 is None else f", emu {emu64[b].item():.4e}"
+            rows.append(f"{b}: x {x64[b].item():.4e}, ref {ref64[b].item():.4e}{e}")
+        raise AssertionError(f"{name}: max abs err {err.max().item():.3e}, {int((~ok).sum())} elements out of "
+                             f"tolerance; first: " + "; ".join(rows))
     a, b = x64.flatten(), ref64.flatten()
     na, nb = a.norm(), b.norm()
     if nb > 0:
@@ -86,11 +137,12 @@ def _check_close(x, ref, name, mask=None):
         assert na == 0, f"{name}: expected all zeros"
 
 
-def _check_all(res, ref, valid, kv_rows, indices, topk_length, name=""):
+def _check_all(res, ref, valid, kv_rows, indices, topk_length, name="", emu=None):
     dq, dkv, d_sink = res
     ref_dq, ref_dkv, ref_ds = ref
-    _check_close(dq, ref_dq, name + "dq")
-    _check_close(dkv, ref_dkv, name + "dkv")
+    emu_dq, emu_dkv = (None, None) if emu is None else emu
+    _check_close(dq, ref_dq, name + "dq", emu=emu_dq)
+    _check_close(dkv, ref_dkv, name + "dkv", emu=emu_dkv)
     # rows with no valid key: exactly zero dq
     empty = ~valid.any(dim=1)
     if empty.any():
@@ -127,7 +179,8 @@ def test_sparse_mla_bwd_kernel(dqk, heads, tkv, topk, n_tok, sink, use_tl):
     assert dq.shape == q.shape and dq.dtype == torch.bfloat16
     assert dkv.shape == kv.shape and dkv.dtype == torch.bfloat16
     ref = _reference(q, kv, indices, out, lse, dout, sm_scale, tl, sink_t)
-    _check_all(res, ref, valid, tkv, indices, tl)
+    emu = _bf16_emulation(q, kv, indices, out, lse, dout, sm_scale, tl, sink_t)
+    _check_all(res, ref, valid, tkv, indices, tl, emu=emu)
 
 
 @_timeout
@@ -141,7 +194,8 @@ def test_sparse_mla_bwd_kernel_dlse():
     res = kernel_bwd.run_sparse_mla_bwd(q, kv, indices, out, lse, dout, sm_scale=sm_scale, d_v=D_V,
                                         topk_length=tl, dlse=dlse)
     ref = _reference(q, kv, indices, out, lse, dout, sm_scale, tl, None, dlse=dlse)
-    _check_all(res, ref, valid, tkv, indices, tl)
+    emu = _bf16_emulation(q, kv, indices, out, lse, dout, sm_scale, tl, None, dlse=dlse)
+    _check_all(res, ref, valid, tkv, indices, tl, emu=emu)
 
 
 @_timeout
@@ -159,7 +213,8 @@ def test_sparse_mla_bwd_kernel_deterministic(tkv, n_tok):
         for a, b in zip(first, again):
             assert torch.equal(a, b), "deterministic mode is not bitwise reproducible"
     ref = _reference(q, kv, indices, out, lse, dout, sm_scale, tl, sink_t)
-    _check_all(first, ref, valid, tkv, indices, tl, "det ")
+    emu = _bf16_emulation(q, kv, indices, out, lse, dout, sm_scale, tl, sink_t)
+    _check_all(first, ref, valid, tkv, indices, tl, "det ", emu=emu)
     # the chunked path: force several token chunks and compare bitwise with the one-chunk result
     old = kernel_bwd._PARTIAL_ELEMS
     try:
@@ -168,7 +223,7 @@ def test_sparse_mla_bwd_kernel_deterministic(tkv, n_tok):
     finally:
         kernel_bwd._PARTIAL_ELEMS = old
     assert torch.equal(first[0], chunked[0])
-    _check_all(chunked, ref, valid, tkv, indices, tl, "det chunked ")
+    _check_all(chunked, ref, valid, tkv, indices, tl, "det chunked ", emu=emu)
 
 
 @_timeout

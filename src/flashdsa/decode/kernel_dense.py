@@ -2,6 +2,12 @@
 
 Notes
 -----
+Variants (``run_mla_decode_dense(..., variant=)``, else ``$FLASHDSA_DECODE_VARIANT``, else ``DEFAULT_VARIANT``):
+  * "ws" (default): the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
+    consumer warpgroups, 64-key tiles, the n_mt row tiles of a split in adjacent CTAs); see its notes.
+  * "pipelined": this module's partial kernel, described below (the one measured on the H200 first).
+  Both use this module's split plan (``_plan``, tile size per variant), partial buffers and combine kernel.
+
 Design
   * Query rows: the ``s_q * H`` query rows of one sequence (row ``m = i * H + h``) form the M side of the wgmma
     tile, ``BLOCK_M = 64`` rows per tile (padded rows read q = 0 and are never written); ``s_q * H > 64`` gives
@@ -73,6 +79,7 @@ Risks for the GPU run
 
 import functools
 import math
+import os
 
 import torch
 
@@ -89,6 +96,9 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 _OVERHEAD_TILES = 5  # fixed cost of one split (Q load, epilogue, combine) in units of 64-token tiles
 _MIN_CHUNK_TILES = 2  # never split below 128 tokens
 _COMBINE_THREADS = 128
+VARIANTS = ("ws", "pipelined")
+DEFAULT_VARIANT = "ws"  # "pipelined": the two-stage cp.async kernel of this module (measured on the H200)
+VARIANT_ENV = "FLASHDSA_DECODE_VARIANT"
 
 
 def _tl():
@@ -389,20 +399,21 @@ def max_items(batch: int, n_mt: int, num_sms: int) -> int:
     return batch + num_sms // n_mt + 1
 
 
-def _plan(cache_seqlens, *, max_blocks: int, block_size: int, n_mt: int, num_sms: int):
+def _plan(cache_seqlens, *, max_blocks: int, block_size: int, n_mt: int, num_sms: int, tile: int = BLOCK_N,
+          overhead: int = _OVERHEAD_TILES, min_chunk: int = _MIN_CHUNK_TILES):
     """Work items from cache_seqlens, on the device (no host sync).
 
     Returns ``plan [4, max_items]`` int32 rows (b or -1, start, end, nsplit_b) and ``seq_plan [2, B]`` int32 rows
-    (first item of b, nsplit_b).  Chunk boundaries are multiples of BLOCK_N positions.
+    (first item of b, nsplit_b).  Chunk boundaries are multiples of ``tile`` positions (the kernel's tile).
     """
     B = cache_seqlens.shape[0]
     dev = cache_seqlens.device
     n_items = max_items(B, n_mt, num_sms)
     cap = max_blocks * block_size  # positions past the table are skipped
     lens = cache_seqlens.to(torch.int64).clamp(0, cap)
-    tiles = (lens + BLOCK_N - 1) // BLOCK_N
-    work = (tiles.sum() + B * _OVERHEAD_TILES) * n_mt
-    chunk = torch.clamp((work + num_sms - 1) // num_sms, min=_MIN_CHUNK_TILES)  # tiles per split (0-dim tensor)
+    tiles = (lens + tile - 1) // tile
+    work = (tiles.sum() + B * overhead) * n_mt
+    chunk = torch.clamp((work + num_sms - 1) // num_sms, min=min_chunk)  # tiles per split (0-dim tensor)
     nsplit = torch.clamp((tiles + chunk - 1) // chunk, min=1)
     ends = torch.cumsum(nsplit, 0)
     first = ends - nsplit
@@ -411,8 +422,8 @@ def _plan(cache_seqlens, *, max_blocks: int, block_size: int, n_mt: int, num_sms
     live = b_of < B
     bc = b_of.clamp(max=B - 1)
     k = ids - first[bc]
-    start = k * chunk * BLOCK_N
-    end = torch.minimum(start + chunk * BLOCK_N, lens[bc])
+    start = k * chunk * tile
+    end = torch.minimum(start + chunk * tile, lens[bc])
     plan = torch.stack([torch.where(live, bc, -1), torch.where(live, start, 0), torch.where(live, end, 0),
                         torch.where(live, nsplit[bc], 0)]).to(torch.int32)
     seq_plan = torch.stack([first, nsplit]).to(torch.int32)
@@ -458,14 +469,28 @@ def kernel_unsupported(q, kv_cache, block_table, cache_seqlens, *, d_v, causal, 
     return None
 
 
-def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d_v, causal, attn_sink=None):
-    """Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] f32 natural log, +inf / 0 for empty rows)."""
+def _variant(variant):
+    v = variant if variant is not None else (os.environ.get(VARIANT_ENV, "").strip().lower() or DEFAULT_VARIANT)
+    if v not in VARIANTS:
+        raise ValueError(f"mla_decode dense kernel: variant {v!r} not in {VARIANTS} (argument or ${VARIANT_ENV})")
+    return v
+
+
+def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d_v, causal, attn_sink=None,
+                         variant=None):
+    """Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] f32 natural log, +inf / 0 for empty rows).
+
+    ``variant``: "ws" (warp-specialised partial kernel, ``kernel_dense_ws``) or "pipelined" (this module's
+    two-stage cp.async kernel); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.  Both share the
+    split plan, the partial buffers and the combine kernel.
+    """
     reason = kernel_unsupported(q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal,
                                 attn_sink=attn_sink)
     if reason is not None:
         raise ValueError(f"mla_decode dense kernel: {reason}")
     if not (sm_scale > 0 and math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale}")
+    variant = _variant(variant)
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.squeeze(2)
     B, s_q, H, _ = q.shape
@@ -482,8 +507,15 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
         return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
     n_mt = (M + BLOCK_M - 1) // BLOCK_M
     num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-    plan, seq_plan = _plan(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
-                           num_sms=num_sms)
+    if variant == "ws":
+        from . import kernel_dense_ws as ws
+
+        plan, seq_plan = _plan(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
+                               num_sms=num_sms, tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
+                               min_chunk=ws._MIN_CHUNK_TILES)
+    else:
+        plan, seq_plan = _plan(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
+                               num_sms=num_sms)
     n_items = plan.shape[1]
     qf = q.reshape(B, M, DQK).contiguous()
     kvf = kv_cache.contiguous()
@@ -493,7 +525,10 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
     sink = attn_sink.contiguous() if has_sink else torch.zeros(1, dtype=torch.float32, device=dev)
     o_part = torch.empty((n_items, M, D_V), dtype=torch.float32, device=dev)
     lse_part = torch.empty((n_items, M), dtype=torch.float32, device=dev)
-    part = _compiled_partial(H, s_q, bs, bool(causal), float(sm_scale), has_sink)
+    if variant == "ws":
+        part = ws.compiled_partial(H, s_q, bs, bool(causal), float(sm_scale), has_sink)
+    else:
+        part = _compiled_partial(H, s_q, bs, bool(causal), float(sm_scale), has_sink)
     part(qf, kvf, bt, sl, plan, sink, out, lse, o_part, lse_part)
     comb = _compiled_combine(H, s_q, has_sink)
     comb(seq_plan, sink, o_part, lse_part, out, lse)

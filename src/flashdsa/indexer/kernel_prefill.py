@@ -46,6 +46,17 @@ Design
     over each row's H columns is a per-thread sum plus a 2-step quad shuffle (``T.reduce_sum`` on a
     ``[BN, BQ, H]`` reshape of the accumulator), then ``* k_scale[n]``, the per-row range mask, and a direct
     store (no shared staging: lanes of one quad hold one key, 8 quads write 8 consecutive keys = 32 B).
+  * Epilogue chains (``chains=``, default ``default_chains(H, D)``: 4 for H 16 / 32, 2 for H 8, 1 for H 64; needs
+    head_major). With ``chains=1`` each logit is one serial sum over its H in-thread columns, and the masking
+    select after it let nvcc sink every logit's sum into its own branch: at H32/D64 the SASS did the 4 logits one
+    after another as 32-deep dependent FADD chains, the FMULs uncontracted (per iteration and warp 527
+    instructions: 128 FMNMX + 100 FMUL + 96 FADD + 32 FFMA + ~170 other; H64: 550, 4 chains interleaved but
+    also uncontracted). ``chains=G`` splits head h = j*G + g into G partial sums (``T.reduce_sum`` over j of a
+    ``[BN, H/G, G, BQ]`` reshape, then over g) and masks branch-free, ``min(logit * ks, +inf | -inf)``: SASS
+    H32/D64 424 instructions (128 FMNMX + 128 FFMA + 16 FADD + ...), 16 independent 8-long FFMA chains per
+    thread, interleaved with the FMNMX; H64/D128 446. Summation order differs from chains=1 (~1e-7 rel).
+    ``relu_add=True`` (variant) computes relu as ``(x + |x|) * (w/2)`` (FADD with an |x| operand, FMA pipe
+    instead of the ALU pipe's FMNMX; for finite inputs bitwise equal to chains alone: halving w is exact).
   * Range skipping: the CTA loops only over key blocks that intersect the union ``[min start, max end)`` of
     its non-empty rows; every other column of its rows is filled with -inf by the same CTA (coalesced scalar
     stores, all 384 threads, before the pipeline starts) -> each output element is written exactly once.
@@ -60,6 +71,8 @@ Target workload (M=4096, N=8192, k_end = m + 4097, H=64, D=128, fp8):
   Output written once: 4096*8192*4 B = 134 MB (~0.03 ms of HBM time, overlapped with MMA). K read from L2
   once per query block: 1024 blocks x ~0.75 MB ~= 0.8 GB (~1.5 TB/s of L2 at 0.55 ms). Epilogue: ~2.7
   CUDA-core ops per accumulator element (1.6e9 elements) ~= 0.14 ms if not overlapped with the MMA.
+Verified (chains / relu_add, CPU only): lower for fp8 H32/D64, H16/D64, H8/D64, H16/D128, H64/D128 and bf16 H32/D64;
+  ptxas (nvcc 13.0, sm_90a): 168 registers, 0 spills, 0 stack; SASS counts above (nvdisasm). Not run on a GPU.
 Verified (schedule / head_major options, CPU only): "pingpong" and "pingpong_sync", with and without head_major,
   lower for fp8 H64/D128, H32/D64 (m64n256k32), H16/D64 (m64n128k32) and bf16 H64/D128; generated CUDA read (turn
   sync before the stage wait, async wgmma, peer arrive, wait_wgmma<0>, then the stage release; head-major: 16-byte
@@ -109,22 +122,37 @@ SUPPORTED_DIMS = (64, 128)
 _TL_DTYPES = {torch.float8_e4m3fn: "float8_e4m3", torch.bfloat16: "bfloat16"}
 
 
+CHAINS = (1, 2, 4, 8)  # partial head sums per logit in the epilogue (1: the single serial sum of 98d26d6)
+
+
+def default_chains(heads: int, dim: int) -> int:
+    """Epilogue chains per (H, D): 4-long FFMA chains for H <= 32 (H 8: 2 chains of 4); H 64 keeps the measured
+    serial sum (841 / 927 TFLOP/s) until the chains variant is timed there (scripts/variants.py)."""
+    return 1 if heads >= 64 else min(4, heads // 4)
+
+
 def default_cols(heads: int) -> int:
     return COLS if heads >= 32 else COLS_SMALL_H
 
 
 def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", block_n: int = BLOCK_N,
                           cols: int | None = None, num_stages: int = NUM_STAGES, threads: int = THREADS,
-                          schedule: str | None = None, head_major: bool | None = None):
+                          schedule: str | None = None, head_major: bool | None = None, chains: int | None = None,
+                          relu_add: bool = False):
     """TileLang prim_func ``(Q[M*H, D], K[N, D], W[M*H] f32, KScale[N] f32, KStart[M] i32, KEnd[M] i32,
     Out[M, N] f32)``; M, N dynamic. ``schedule``: one of ``SCHEDULES`` (None -> ``SCHEDULE``); ``head_major``:
-    tile column order (None -> ``HEAD_MAJOR``); both described in the notes. Same signature for every option."""
+    tile column order (None -> ``HEAD_MAJOR``); ``chains``: partial head sums per logit (None ->
+    ``default_chains``); ``relu_add``: relu as (x + |x|) * w/2; all described in the notes. Same signature for
+    every option."""
     H, D, BN = heads, dim, block_n
     cols = cols or default_cols(H)
     assert cols % H == 0 and H in SUPPORTED_HEADS and D in SUPPORTED_DIMS, (H, D, cols)
     schedule = schedule or SCHEDULE
     assert schedule in SCHEDULES, schedule
     head_major = HEAD_MAJOR if head_major is None else head_major
+    chains = default_chains(H, D) if chains is None else chains
+    assert chains in CHAINS and H % chains == 0 and (chains == 1 or head_major), (chains, H, head_major)
+    assert not relu_add or chains > 1, "relu_add needs the chains epilogue"
     vec_q = 16 if dtype == "float8_e4m3" else 8  # elements per 16-byte vector of the head-major Q copy
     pingpong = schedule != "lockstep"
     async_issue = schedule == "pingpong"
@@ -156,6 +184,9 @@ def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", b
             # column c of the tile = (row q, head h): c = q*H + h (default) or c = h*BQ + q (head_major)
             acc3 = T.reshape(acc, [BN, H, BQ] if head_major else [BN, BQ, H])
             logit = T.alloc_fragment([BN, BQ], f32)
+            if chains > 1:  # head h = j*chains + g: chains independent partial sums per logit (see "Epilogue")
+                acc4 = T.reshape(acc, [BN, H // chains, chains, BQ])
+                part = T.alloc_fragment([BN, chains, BQ], f32)
             lo = T.alloc_local([1], i32)
             hi = T.alloc_local([1], i32)
 
@@ -204,7 +235,10 @@ def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", b
                     if (col < N) & (m0 + q < M):
                         Out[m0 + q, col] = -T.infinity(f32)
 
-            if head_major:
+            if relu_add:  # weights / 2 (exact): see the epilogue
+                for c in T.Parallel(BC):
+                    w_f[c] = W[T.min(m0 + c % BQ, M - 1) * H + c // BQ] * T.float32(0.5)
+            elif head_major:
                 for c in T.Parallel(BC):
                     w_f[c] = W[T.min(m0 + c % BQ, M - 1) * H + c // BQ]
             else:
@@ -238,14 +272,28 @@ def build_indexer_prefill(*, heads: int, dim: int, dtype: str = "float8_e4m3", b
                             T.named_barrier_arrive(PP_BAR + 1 - wg, 256)
                 else:
                     T.gemm(K_s, Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for n, c in T.Parallel(BN, BC):
-                    acc[n, c] = T.max(acc[n, c], 0) * w_f[c]
-                T.reduce_sum(acc3, logit, dim=1 if head_major else 2)
-                # mask + scale in registers first: folding this into the store statement makes TileLang's layout
-                # inference ~3x slower (12 s more per config)
-                for n, q in T.Parallel(BN, BQ):
-                    logit[n, q] = T.if_then_else((n0 + n >= row_lo[q]) & (n0 + n < row_hi[q]),
-                                                 logit[n, q] * ks_s[n], -T.infinity(f32))
+                if relu_add:  # (x + |x|) * (w / 2) == max(x, 0) * w exactly; FADD runs on the FMA pipe
+                    for n, c in T.Parallel(BN, BC):
+                        acc[n, c] = (acc[n, c] + T.abs(acc[n, c])) * w_f[c]
+                else:
+                    for n, c in T.Parallel(BN, BC):
+                        acc[n, c] = T.max(acc[n, c], 0) * w_f[c]
+                if chains > 1:
+                    T.reduce_sum(acc4, part, dim=1)  # chains x BQ independent in-thread FFMA chains per key
+                    T.reduce_sum(part, logit, dim=1)  # + the xor-2 shuffle at H64
+                    # Branch-free mask. The select form below makes nvcc sink each logit's whole head sum into its
+                    # own branch (4 serial FADD chains, FMUL no longer contracted). min(v, +inf) = v and
+                    # min(v, -inf) = -inf whatever v is (PTX min.f32 returns the non-NaN operand).
+                    for n, q in T.Parallel(BN, BQ):
+                        logit[n, q] = T.min(logit[n, q] * ks_s[n], T.if_then_else(
+                            (n0 + n >= row_lo[q]) & (n0 + n < row_hi[q]), T.infinity(f32), -T.infinity(f32)))
+                else:
+                    T.reduce_sum(acc3, logit, dim=1 if head_major else 2)
+                    # mask + scale in registers first: folding this into the store statement makes TileLang's
+                    # layout inference ~3x slower (12 s more per config)
+                    for n, q in T.Parallel(BN, BQ):
+                        logit[n, q] = T.if_then_else((n0 + n >= row_lo[q]) & (n0 + n < row_hi[q]),
+                                                     logit[n, q] * ks_s[n], -T.infinity(f32))
                 for n, q in T.Parallel(BN, BQ):
                     if (m0 + q < M) & (n0 + n < N):
                         Out[m0 + q, n0 + n] = logit[n, q]

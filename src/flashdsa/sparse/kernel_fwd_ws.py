@@ -1,126 +1,93 @@
-"""Sparse MLA forward, warp-specialised TileLang kernel for Hopper (sm_90a).
+"""Sparse MLA forward, warp-specialised TileLang kernels for Hopper (sm_90a).
 
 Notes
 -----
-Same contract, host interface and numerics as ``kernel_fwd.py`` (the simple pipelined
-kernel); this module is a drop-in alternative for the dispatcher, for a narrower
-subset: H a multiple of 64 (64 or 128), Dqk in {512, 576}, d_v = 512.
+Same contract, host interface and numerics as ``kernel_fwd.py`` (the pipelined kernel), for H in {64, 128},
+Dqk in {512, 576}, d_v = 512.  One CTA per (token, 64-head group) on a 1-D grid (head group fastest, so the
+two CTAs of one token at H = 128 gather the same rows back to back: the second gather hits L2); 384 threads =
+two consumer warpgroups (WG0 threads 0-127, WG1 128-255) + one producer warpgroup (256-383), ``setmaxnreg``.
+Two schedules (``schedule=``; env ``FLASHDSA_SPARSE_WS_SCHEDULE`` sets the default, "ws1"):
 
-Design
-  * Grid: 1-D, ``T * (H / 64)`` CTAs, head group fastest (block b -> token b // G,
-    head group b % G), so the two head groups of one token run in adjacent CTAs and
-    the second gather of the same KV rows is an L2 hit.  1-D also avoids the 65535
-    limit of gridDim.y for T > 65535.
-  * 384 threads = 3 warpgroups with ``setmaxnreg``:
-      - WG0 (threads 0-127, 240 regs): S = Q K^T for all 64 heads x 64 keys over the
-        full Dqk (2 or 3 async wgmma, K split 256 | 256 | 64), online softmax (fp32,
-        exp2, ``sm_scale*log2(e)`` folded), writes P (bf16) and the per-row rescale
-        factor alpha to shared memory, then O[:, 0:256] += P V[:, 0:256].
-      - WG1 (threads 128-255, 176 regs): O[:, 256:512] *= alpha; += P V[:, 256:512].
-      - producer (threads 256-383, 88 regs): gathers the 64 KV rows of block i into
-        buffer i % 2 with 16-byte cp.async (one warp per row per pass: 32 lanes x 16 B
-        = 256 columns of KV_l and of KV_r, lanes 0-7 also the 64 rope columns; 16
-        passes of 4 rows);
-        rows of invalid slots use the predicated, zero-filling form (src-size 0:
-        nothing is read, NaN in unreferenced rows cannot leak), and a per-row
-        validity flag is written to shared memory.
-  * Synchronisation (mbarriers, parity = (i // 2) & 1 for block i in buffer b = i % 2):
-      kv_ready[b]  (128 producer arrivals: each thread waited its own cp.async group
-                    (wait_group 0), stored its validity flags, fence.proxy.async, then a
-                    plain release arrive; WG0's wait acquires tile + flags)
-      s_ready[b]   (128, WG0 -> WG1: P and alpha of block i are in shared memory)
-      kv_free[b]   (256, WG0 + WG1 after their PV wgmma on buffer b retired)
-      fin          (128, WG0 -> WG1 after the loop: final 1/(l + sink term) in smem,
-                    and WG0 is done reading Q, so WG1 may stage its output in Q_r)
-    Intra-warpgroup syncs are explicit named barriers (ids 8 = WG0, 9 = WG1, 128
-    threads); TileLang's automatic thread-storage-sync pass is disabled (see pitfalls).
-  * WG0 schedule per block i: wait kv_ready -> QK (async) -> wait -> softmax ->
-    bar(WG0) -> alpha + P into the K-rope tile of block i (Dqk = 576: the rope tile is
-    dead after QK, saves 8 KiB; Dqk = 512 uses two separate P tiles) ->
-    fence.proxy.async -> bar(WG0) -> arrive s_ready -> issue PV_l(i) async -> wait
-    kv_ready of block i+1 and issue its QK right behind PV_l(i) (the tensor pipe does
-    not drain between them) -> wait_group(#QK groups) retires PV_l(i) -> arrive
-    kv_free -> wait_group(0) -> softmax(i+1) ...  WG1's PV_r(i) overlaps WG0's
-    QK(i+1).  P and alpha are per buffer, so WG0 never waits for WG1 (WG1 only gates
-    buffer reuse through kv_free).
-  * Blocks past ceil(topk_eff / 64) (topk_eff = min(topk_length[t], topk)) are skipped
-    by all three roles (uniform condition, only at the tail, so barrier parities stay
-    in step): short rows cost nothing.
-  * Masking / numerics exactly as kernel_fwd.py: slot j valid iff j < topk_eff and
-    0 <= idx < Tkv; invalid columns start at -inf before the QK wgmma accumulates;
-    running max starts at -1e30 (finite); empty row -> out 0, lse +inf,
-    max_logits -inf; sink folded as 1 / (l + exp2(sink*log2e - m*c)).
-  * Static trip count ceil(ceil(topk/64)/2) pairs per compiled kernel; T, Tkv and the
-    indices width are dynamic.  One compile per (H, Dqk, ceil(topk/64), sm_scale,
-    has_sink, has_topk_length).
+Measured (H200, 2026-11-30, scripts/bench_sparse_fwd.py, random per-token indices, median of 10; ms / TFLOP/s):
+  | case                       | kernel_fwd   | ws1          | pair         |
+  | V32 H128 SKV 8K topk 2048  | 8.74 / 267   | 8.08 / 289   | 11.55 / 202  |
+  | V32 H64                    | 4.53 / 258   | 4.15 / 282   | 5.93 / 197   |
+  | V32 H128 SKV 128K          | 8.78 / 266   | 8.82 / 265   | 13.08 / 179  |
+  | V4 h64 d512 topk 640 sink  | 1.61 / 213   | 2.19 / 157   | 2.45 / 140   |
+  "pair" passes all GPU tests (12/12) but is SLOWER: the binding limit is the KV gather, not the MMA schedule.
+  All three kernels move 8192 CTAs x 2048 rows x 1152 B = 19.3 GB from L2 into shared memory at the headline
+  shape; 8.1-8.7 ms is 2.2-2.4 TB/s, ~4 us per 72 KiB block per SM, i.e. ~7,000 cycles per block against
+  ~2,200 tensor-core cycles of MMA.  Each producer keeps ONE 72 KiB cp.async nest in flight (the nest ends in
+  wait_group 0), so an SM's gather rate is 72 KiB per L2 round trip + issue time.  "pair" is worse because
+  its nest B of pair j+1 can only start after nest A of pair j+1 landed (free_b waits for the next QK issue),
+  so two round trips per pair are exposed instead of overlapping compute.  Next step (both schedules): keep
+  several nests in flight (cp.async without the per-nest wait_group 0, completion signalled by
+  cp.async.mbarrier.arrive.noinc per buffer half, as FlashMLA's producer does; TileLang has
+  T.cp_async_barrier_noinc and the loop annotation "parallel_async_without_async_commit_wait" - not yet tried)
+  and issue nest B of pair j+1 as soon as the remote PVs of pair j retire.
 
-Shared memory (Dqk = 576, as laid out by TileLang): Q 64x576 (73,728 B) + 2 KV
-  buffers 64x576 (147,456 B; the 64x64 rope tile of each doubles as P) + alpha 2x64 f32
-  + final scale 64 f32 + flags 2x64 B + 7 mbarriers ~= 222.1 KB of the 232,448 B cap.
-  Dqk = 512: Q 64 KiB + 2 x 64 KiB + 2 separate P tiles 8 KiB each + ~0.9 KB ~= 214 KB.
-Registers: WG0 acc_o 64x256 fp32 = 128/thread + acc_s 64x64 = 32/thread (+ row
-  stats) under 240; WG1 128 + few under 176; producer 88.  The setmaxnreg pool is the
-  launch allocation, 168 regs/thread x 384 = 64,512 (NOT 65,536), so the three counts
-  must sum to <= 504: 240 + 176 + 88 = 504.  (The first version asked for
-  240 + 176 + 96 = 512: setmaxnreg.inc blocks until the pool has the registers, so one
-  consumer warpgroup waited forever -> the H200 hang of 2026-11-30.)
+"pair" -- both consumers compute QK (FlashMLA's sparse-prefill split on Hopper, our own code):
+  * Blocks of 64 top-k slots go in pairs: block a = 2j in buffer 0, block b = 2j+1 in buffer 1.  WG0 computes
+    S_a = Q K_a^T, WG1 S_b (64 heads x 64 keys x Dqk each, async SS wgmma, K split 256 | 256 | 64), in
+    parallel.  WG0 owns O[:, 0:256], WG1 O[:, 256:512]; each does PV for its columns over BOTH blocks.
+  * Running max chain (raw score units, exp2 with c = sm_scale*log2e folded): WG0: m_a = max(m, rowmax S_a),
+    rescale O_l and l_0 by 2^((m - m_a) c), P_a = 2^(S_a c - m_a c) in registers, publish m_a (smem Ma,
+    mbarrier bar_ma), O_l += P_a V_a[:, :256] (RS wgmma: P from registers).  WG1: m_b = max(m_a, rowmax S_b)
+    (m_b >= m_a >= the common m of the last pair), rescale O_r, l_1, P_b = 2^(S_b c - m_b c), publish m_b
+    (Mb, bar_mb), O_r += P_b V_b[:, 256:] (RS), store bf16 P_b to smem (bar_p1).  WG0 then moves O_l, l_0
+    and P_a to m_b (factor 2^((m_a - m_b) c)), stores bf16 P_a to smem (bar_p0) and adds P_b V_b[:, :256]
+    (SS); WG1 adds P_a V_a[:, 256:] (SS).  After each pair both consumers hold O and l at the same max m_b;
+    at the end l = l_0 + l_1 (exchanged through smem, same operand order in both) and the sink term is
+    folded as 1 / (l + 2^(sink log2e - m c)).
+  * Next pair's QK is issued right behind the remote PV (tensor pipe stays fed), so WG0's softmax overlaps
+    WG1's QK and vice versa.  P of a block lives in that block's rope tile (Dqk 576: dead after its QK)
+    or in two 8 KiB tiles (Dqk 512).
+  * Producer: two predicated, zero-filling cp.async nests per pair (invalid slots are never read), each
+    72 KiB in flight: A = KV_a[:, :256] + KV_b[:, 256:512] + validity flags (what each consumer's first QK
+    half and its local PV read), B = KV_a[:, 256:512] + KV_b[:, :256] + both rope tiles.  Consumers issue
+    the first QK half after ready_a and the rest after ready_b.
+  * mbarriers (one phase per pair, parity j & 1): ready_a/ready_b (128 producer arrivals, after wait_group 0
+    + fence.proxy.async), free_a (256: WG0 after its local PV retired, WG1 likewise), free_b (256: each
+    consumer after its remote PV retired, i.e. after the next pair's first QK half is issued and
+    wait_wgmma(1)), bar_ma/bar_mb/bar_p0/bar_p1 (128).  Deadlock-freedom: every event of pair j+1 depends
+    only on events of pair j (free_b(j) needs ready_a(j+1), which needs only free_a(j)); no barrier can run
+    two phases ahead of its waiter (each arrive of phase j+1 is ordered after the waiter's wait of phase
+    j through another barrier).  Named barriers: 8 (WG0), 9 (WG1), 10 (WG0+WG1, 256, epilogue).
+  * Blocks past ceil(topk_eff / 64) are skipped by all roles (uniform condition); an odd block count makes
+    block b of the last pair all-invalid (zero-filled, scores -inf, P = 0).
+  * Count per pair and CTA: 2 x (QK 4.7 + PV 4.2) MFLOP = 17.8 MFLOP = 4352 tensor-core cycles at the
+    2048 bf16 MAC/clk/SM peak; gathered 144 KiB (two nests).  Shared memory (Dqk 576): Q 72 KiB + 2 x 72 KiB
+    KV + flags/max/l ~1.2 KiB ~= 217.3 KiB of 227 KiB; Dqk 512: 64 + 128 + 16 (P) KiB.
+  * Registers: each consumer holds O 64x256 fp32 (128/thread) + S 64x64 fp32 (32) + P bf16 (16); setmaxnreg
+    208 + 208 + 88 = 504 = 3 x 168, the launch pool of __launch_bounds__(384, 1) (a larger sum HANGS).
+    ptxas -v (nvcc 13.0, sm_90a): consumers spill nothing at 208 (at 200 ptxas serialises the wgmmas, C7512);
+    the producer (two rows per nest) spills ~190-240 B at 88 (none at 104, which the pool cannot give).
+  * ptxas serialises EVERY wgmma of the kernel (C7515) when a wgmma is still in flight at the loop back edge
+    (the accumulator phi copies) or when its issue and its wait_group are in different `if` blocks (TileLang
+    splits a guarded body into one `if` per statement): hence the dynamic trip count and each iteration
+    retiring what it issued.  Both lowering cases compile without C7515/C7512/C7517.
 
-Verified (CPU only, TileLang 0.1.15, sm_90a): the three ``lowering_cases()`` lower in
-  11-14 s each (H128/576/topk2048: 13.3 s; H64/512/topk640 sink tl: 12.2 s;
-  H128/576/topk100 sink tl: 10.9 s).  The generated CUDA was read: wgmma_ss
-  m64n64k16 (QK) and m64n256k16 (PV), warpgroup_reg_alloc<240>/<176> and
-  warpgroup_reg_dealloc<88>, mbarrier wait/arrive per role with the parities above,
-  wait_wgmma<3> (<2> for Dqk 512) between PV_l(i) and QK(i+1), one unrolled 16-pass
-  loop of 2 (+1 for lanes 0-7 with Dqk 576) cp_async_gs_conditional<16> per buffer
-  followed by one commit + wait_group 0, named
-  barriers 8/9 only, sink read at Sink[h0 + h], 1-D grid index split bx >> 1 / bx & 1.
-  Compiled by nvcc 13.0 (sm_90a, TileLang's flags) after the deadlock fix below: 168
-  registers, 0 spills, no wgmma-serialisation warning, 10 barriers (ids 0, 8, 9 used).
-Deadlock post-mortem (2026-11-30, CPU only): the first H200 run hung in every test.  The
-  mbarrier protocol was re-checked on the generated CUDA (init by one elected thread,
-  fence.mbarrier_init + __syncthreads before the role split; every role runs the same
-  guarded iterations; arrival counts 128/128/256/128 match the arriving threads; the
-  producer's first kv_free wait uses parity 1 = passes on a fresh barrier; only bar.sync
-  ids 8/9 with 128 threads inside the roles, no __syncthreads; a role-level simulation of
-  all nblk <= NI <= 8 finds no deadlock and no parity aliasing).  The hang was the
-  register budget: nvcc 13.0 ptxas -v reports "Used 168 registers" (launch pool 64,512),
-  and 240 + 176 + 96 = 512 > 504 registers/thread were requested with setmaxnreg.inc.
+"ws1" -- the first schedule (GPU-verified at 48a0c95, 7.78 ms = 300 TFLOP/s at the headline shape): WG0 does
+  QK + softmax of every block and PV on O[:, :256], WG1 only PV on O[:, 256:] (P, alpha via smem); the
+  producer gathers one whole block per buffer (two buffers); setmaxnreg 240 + 176 + 88.  QK and softmax sit
+  on one warpgroup's critical path, which is what "pair" removes.
+
 TileLang 0.1.15 pitfalls met here (in addition to kernel_fwd.py's):
-  * Using ONE fragment (acc_o) in two role branches made TileLang silently drop WG1's
-    element-wise loops (the alpha and final rescale vanished from the CUDA): give each
-    role its own fragment (acc_o / acc_o1).
-  * The automatic thread-storage-sync pass inserted ``bar.sync 3, 128`` in both the
-    producer and WG0 branches (same id, different warps: a cross-role barrier mix-up);
-    hence TL_DISABLE_THREAD_STORAGE_SYNC and explicit T.sync_threads(id, 128).
-  * ``T.attr(..., "async_scope", 1)`` on manual vectorized loops is ignored (plain
-    ld/st); the zero-fill cp.async comes from a T.Parallel nest annotated
-    ``{"parallel_prefer_async": True}`` whose body is if_then_else(ok, KV[row, c], 0).
-    An inner T.unroll loop inside that nest silently disables the rewrite; the 64-column
-    chunk index is a third T.Parallel dimension instead (the nine written-out statements
-    of the first version cost ~1 s of LayoutInference each), and the rope tile is a
-    ``if c == 0`` statement in the same nest (still rewritten: one cp.async group).  The
-    nest always ends in wait_group 0.
-  * Repeating the Indices-based row expression in every statement made lowering take
-    320 s; binding ``row = ...`` once in the nest body (a Let) brings it to ~13 s.
-  * Barrier buffers passed into T.macro must be whole Buffers (an element
-    ``bar[1]`` becomes a Var inside the macro and T.barrier_arrive rejects it): one
-    T.alloc_barrier per barrier.
-Risks (check first on the GPU):
-  * Deadlock/hang = a parity or arrival-count mistake: run the small cases first with a
-    timeout.  ptxas -v: look for spills under the 240/176/88 budgets and for "wgmma
-    serialized" warnings (would kill the PV/QK overlap).
-  * The producer is serialised per buffer (wait_group 0 before arriving): if the
-    gather is exposed (ncu: tensor pipe idle while kv_ready waits), go to 3 buffers of
-    BI = 32 or split the free barrier per half (FlashMLA style).
-  * Performance model: 8.9 MFLOP of wgmma per block per CTA; WG0's softmax is not
-    overlapped with its own QK (only with WG1's PV) and the QK SS-wgmma at N = 64 is
-    at the 128 B/clk shared-memory read limit; expect ~80% of the wgmma ceiling at
-    best, i.e. likely short of 700 TFLOP/s.  The next step toward the target is
-    FlashMLA's schedule (each consumer does QK of alternate blocks, P of the peer via
-    smem, rescale after the max exchange).
+  * ONE fragment used in two role branches made TileLang silently drop a role's element-wise loops: every
+    role has its own fragments.
+  * The automatic thread-storage-sync pass put the same named-barrier id into two roles: it is disabled
+    (TL_DISABLE_THREAD_STORAGE_SYNC) and every intra-role sync is an explicit T.sync_threads(id, n).
+  * The zero-filling cp.async comes from a T.Parallel nest annotated ``{"parallel_prefer_async": True}``
+    whose body is if_then_else(ok, KV[row, c], 0); an inner serial/unroll loop in it silently disables the
+    rewrite; bind ``row = ...`` once in the body (repeating the Indices expression made lowering take
+    minutes).  The nest ends in cp.async wait_group 0.
+  * Barrier buffers passed into T.macro must be whole Buffers (one T.alloc_barrier per barrier).
+Verification: both schedules pass tests/sparse_mla/test_kernel_ws_gpu.py on the H200 ("ws1" at 48a0c95, "pair"
+2026-11-30); timings above.
 """
 
 import functools
+import os
 
 import tilelang
 import tilelang.language as T
@@ -137,19 +104,20 @@ D_V = 512
 _SUPPORTED_DQK = (512, 576)
 _SUPPORTED_H = (64, 128)
 THREADS = 384
-# setmaxnreg budget.  The CTA's register pool is what the launch allocated: ptxas gives a
-# __launch_bounds__(384, 1) kernel floor(65536 / 384) rounded down to the 8-register granularity
-# = 168 registers per thread ("Used 168 registers"), i.e. 168 * 384 = 64,512 registers, NOT
-# 65,536.  setmaxnreg.inc blocks until the pool can supply the request, so the three per-thread
-# counts must sum to <= 3 * 168 = 504.  240 + 176 + 96 = 512 deadlocked on the H200 (one consumer
-# warpgroup waited forever in setmaxnreg.inc, everything else then waited on its mbarriers).
-# ptxas -v (sm_90a, nvcc 13.0): 240/176/88 has no spills in any region (the producer fits far
-# below 88; WG1 at 120 spills).
-REG_WG0, REG_WG1, REG_PRODUCER = 240, 176, 88
+SCHEDULES = ("pair", "ws1")
+DEFAULT_SCHEDULE = os.environ.get("FLASHDSA_SPARSE_WS_SCHEDULE", "ws1")  # the faster one measured (below)
+assert DEFAULT_SCHEDULE in SCHEDULES, DEFAULT_SCHEDULE
+# setmaxnreg budgets (WG0, WG1, producer).  The CTA's pool is what the launch allocated: a
+# __launch_bounds__(384, 1) kernel gets floor(65536 / 384) rounded down to 8 = 168 registers per thread, i.e.
+# 64,512 registers; setmaxnreg.inc blocks until the pool can supply the request, so the per-thread counts
+# must sum to <= 3 * 168 = 504 (240 + 176 + 96 = 512 hung the H200 on 2026-11-30).
+WS1_REGS = (240, 176, 88)
+PAIR_REGS = (208, 208, 88)
 _REG_LAUNCH = (65536 // THREADS) // 8 * 8  # 168
-assert REG_WG0 + REG_WG1 + REG_PRODUCER <= 3 * _REG_LAUNCH, "setmaxnreg requests exceed the CTA register pool"
-assert REG_WG0 >= _REG_LAUNCH and REG_WG1 >= _REG_LAUNCH and REG_PRODUCER <= _REG_LAUNCH
-BAR_WG0, BAR_WG1 = 8, 9  # named barrier ids (128 threads each); 0 is __syncthreads
+for _regs in (WS1_REGS, PAIR_REGS):
+    assert sum(_regs) <= 3 * _REG_LAUNCH, "setmaxnreg requests exceed the CTA register pool"
+    assert _regs[0] >= _REG_LAUNCH and _regs[1] >= _REG_LAUNCH and _regs[2] <= _REG_LAUNCH
+BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128, 128, 256 threads); 0 is __syncthreads
 
 
 def build_sparse_mla_fwd(
@@ -161,12 +129,32 @@ def build_sparse_mla_fwd(
     sm_scale: float,
     has_sink: bool = False,
     has_topk_length: bool = False,
+    schedule: str = DEFAULT_SCHEDULE,
 ):
     """Return the warp-specialised TileLang prim_func (same signature as kernel_fwd).
 
-    Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], Indices[T,topk], TopkLen[n_tl], Sink[n_sink],
-    Out[T,H,d_v], Lse[T,H], MaxLogits[T,H]).
+    Signature: (Q[T,H,Dqk] bf16, KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32,
+    Out[T,H,d_v] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``schedule``: "ws1" or "pair" (default DEFAULT_SCHEDULE).
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    build = _build_pair if schedule == "pair" else _build_ws1
+    return build(heads=heads, dqk=dqk, d_v=d_v, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
+                 has_topk_length=has_topk_length)
+
+
+def _build_ws1(
+    *,
+    heads: int,
+    dqk: int,
+    d_v: int = D_V,
+    topk: int,
+    sm_scale: float,
+    has_sink: bool = False,
+    has_topk_length: bool = False,
+):
+    """The first warp-specialised schedule ("ws1", GPU-verified at 48a0c95: 300 TFLOP/s): WG0 does QK + softmax
+    of every block and PV on O[:, :256], WG1 only PV on O[:, 256:]; see the module notes."""
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     assert heads in _SUPPORTED_H, heads
     assert sm_scale is not None and sm_scale > 0
@@ -359,7 +347,7 @@ def build_sparse_mla_fwd(
 
             if tx < 128:
                 # ---------------------------------------------------------- WG0
-                T.set_max_nreg(REG_WG0, 1)
+                T.set_max_nreg(WS1_REGS[0], 1)
                 T.fill(acc_o, 0)
                 T.fill(l_i, 0)
                 T.fill(m_i, neg_big)
@@ -406,7 +394,7 @@ def build_sparse_mla_fwd(
                 T.copy(Q_l, Out[tok, h0 : h0 + BH, 0:DH])
             elif tx < 256:
                 # ---------------------------------------------------------- WG1
-                T.set_max_nreg(REG_WG1, 1)
+                T.set_max_nreg(WS1_REGS[1], 1)
                 T.fill(acc_o1, 0)
                 for j in T.serial(NP):
                     if j * 2 < nblk[0]:
@@ -421,7 +409,7 @@ def build_sparse_mla_fwd(
                 T.copy(Q_r, Out[tok, h0 : h0 + BH, DH:D])
             else:
                 # ---------------------------------------------------------- producer
-                T.set_max_nreg(REG_PRODUCER, 0)
+                T.set_max_nreg(WS1_REGS[2], 0)
                 for j in T.serial(NP):
                     if j * 2 < nblk[0]:
                         T.barrier_wait(kv_free0, (j & 1) ^ 1)
@@ -435,6 +423,354 @@ def build_sparse_mla_fwd(
     return sparse_mla_fwd_ws
 
 
+
+def _build_pair(
+    *,
+    heads: int,
+    dqk: int,
+    d_v: int = D_V,
+    topk: int,
+    sm_scale: float,
+    has_sink: bool = False,
+    has_topk_length: bool = False,
+):
+    """The "pair" schedule: WG0 does QK of even blocks, WG1 of odd blocks, both do PV on their
+    256 output columns over every block; see the module notes for the per-pair protocol."""
+    assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
+    assert heads in _SUPPORTED_H, heads
+    assert sm_scale is not None and sm_scale > 0
+    D = d_v
+    DH = D // 2
+    D_tail = dqk - D
+    BH = BLOCK_H
+    BI = BLOCK_I
+    G = heads // BH
+    NI = (int(topk) + BI - 1) // BI
+    c_log2 = float(sm_scale) * LOG2E
+    neg_big = -1.0e30
+
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    n_tok = T.dynamic("n_tok")
+    n_kv = T.dynamic("n_kv")
+    n_tl = T.dynamic("n_tl")
+    n_sink = T.dynamic("n_sink")
+    topk_dim = T.dynamic("topk")
+
+    def _row(Indices, tok, lim, slot):
+        # KV row of top-k slot `slot`, or -1 past topk_eff (the Indices read stays in bounds)
+        return T.if_then_else(slot < lim, Indices[tok, T.min(slot, topk_dim - 1)], -1)
+
+    def _ok(row):
+        return (row >= 0) & (row < n_kv)
+
+    # ------------------------------------------------------------------ producer
+    # Two cp.async nests per block pair (each one group, closed by wait_group 0 = 72 KiB in flight):
+    #   A: KV0_l of block a (=2j) + KV1_r of block b (=2j+1) + both validity flag rows;
+    #   B: KV0_r (+ rope K0_t) of block a + KV1_l (+ rope K1_t) of block b.
+    # A holds what each consumer's first QK half reads and what its own local PV reads; B the rest.
+    @T.macro
+    def gather_a(KV0l, KV1r, Vld0, Vld1, Indices, KV, tok, lim, blk_a):
+        for r in T.Parallel(BI):
+            Vld0[r] = _ok(_row(Indices, tok, lim, blk_a * BI + r))
+            Vld1[r] = _ok(_row(Indices, tok, lim, (blk_a + 1) * BI + r))
+        for r, c, d in T.Parallel(BI, 4, 64, annotations={"parallel_prefer_async": True}):
+            row_a = _row(Indices, tok, lim, blk_a * BI + r)
+            row_b = _row(Indices, tok, lim, (blk_a + 1) * BI + r)
+            ok_a = _ok(row_a)
+            ok_b = _ok(row_b)
+            KV0l[r, c * 64 + d] = T.if_then_else(ok_a, KV[row_a, c * 64 + d], T.cast(0, bf16))
+            KV1r[r, c * 64 + d] = T.if_then_else(ok_b, KV[row_b, DH + c * 64 + d], T.cast(0, bf16))
+        T.fence_proxy_async()
+
+    @T.macro
+    def gather_b(KV0r, KV1l, K0t, K1t, Indices, KV, tok, lim, blk_a):
+        for r, c, d in T.Parallel(BI, 4, 64, annotations={"parallel_prefer_async": True}):
+            row_a = _row(Indices, tok, lim, blk_a * BI + r)
+            row_b = _row(Indices, tok, lim, (blk_a + 1) * BI + r)
+            ok_a = _ok(row_a)
+            ok_b = _ok(row_b)
+            KV0r[r, c * 64 + d] = T.if_then_else(ok_a, KV[row_a, DH + c * 64 + d], T.cast(0, bf16))
+            KV1l[r, c * 64 + d] = T.if_then_else(ok_b, KV[row_b, c * 64 + d], T.cast(0, bf16))
+            if D_tail > 0:
+                if c == 0:
+                    K0t[r, d] = T.if_then_else(ok_a, KV[row_a, D + d], T.cast(0, bf16))
+                    K1t[r, d] = T.if_then_else(ok_b, KV[row_b, D + d], T.cast(0, bf16))
+        T.fence_proxy_async()
+
+    # ------------------------------------------------------------------ consumer pieces
+    @T.macro
+    def qk_first(Qa, Ka, Vld, acc_s):
+        # invalid slots start at -inf; the first K half (from nest A)
+        for h, r in T.Parallel(BH, BI):
+            acc_s[h, r] = T.if_then_else(Vld[r], T.float32(0), -T.infinity(f32))
+        T.wgmma_gemm(Qa, Ka, acc_s, transpose_B=True)
+
+    @T.macro
+    def qk_second(Qb, Kb, Qt, Kt, acc_s):
+        T.wgmma_gemm(Qb, Kb, acc_s, transpose_B=True)
+        if D_tail > 0:
+            T.wgmma_gemm(Qt, Kt, acc_s, transpose_B=True)
+
+    @T.macro
+    def exp_and_rescale(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk):
+        # m_new holds the new running max (raw score units): rescale O and l from m_run to m_new,
+        # P = exp2(S c - m_new c) in place (invalid -inf -> 0), l += rowsum(P)
+        for h in T.Parallel(BH):
+            alpha[h] = T.exp2((m_run[h] - m_new[h]) * c_log2)
+            m_run[h] = m_new[h]
+        for h, r in T.Parallel(BH, BI):
+            acc_s[h, r] = T.exp2(acc_s[h, r] * c_log2 - m_run[h] * c_log2)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for h in T.Parallel(BH):
+            l_acc[h] = l_acc[h] * alpha[h] + l_blk[h]
+        for h, d in T.Parallel(BH, DH):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+
+    @T.macro
+    def rescale_to(acc_o, m_run, m_new, alpha, l_acc):
+        # move O and l from the running max m_run to m_new (>= m_run); alpha keeps the factor
+        for h in T.Parallel(BH):
+            alpha[h] = T.exp2((m_run[h] - m_new[h]) * c_log2)
+            m_run[h] = m_new[h]
+            l_acc[h] = l_acc[h] * alpha[h]
+        for h, d in T.Parallel(BH, DH):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+
+    @T.macro
+    def final_scale(l_acc, m_run, inv, Ls0, Ls1, Sink, h0):
+        # total l = l_WG0 + l_WG1 (both at the common final max; same operand order in both roles, so
+        # both get bit-identical factors); inv = 1 / (l + sink term), 0 for empty rows
+        for h in T.Parallel(BH):
+            l_acc[h] = Ls0[h] + Ls1[h]
+        for h in T.Parallel(BH):
+            if has_sink:
+                inv[h] = T.if_then_else(
+                    l_acc[h] > 0,
+                    1.0 / (l_acc[h] + T.exp2(Sink[h0 + h] * T.float32(LOG2E) - m_run[h] * c_log2)),
+                    T.float32(0),
+                )
+            else:
+                inv[h] = T.if_then_else(l_acc[h] > 0, 1.0 / l_acc[h], T.float32(0))
+
+    @T.prim_func
+    def sparse_mla_fwd_ws_pair(
+        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        KV: T.Tensor([n_kv, dqk], bf16),
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok * G, threads=THREADS) as bx:
+            Q_l = T.alloc_shared([BH, DH], bf16)
+            Q_r = T.alloc_shared([BH, DH], bf16)
+            KV0_l = T.alloc_shared([BI, DH], bf16)
+            KV0_r = T.alloc_shared([BI, DH], bf16)
+            KV1_l = T.alloc_shared([BI, DH], bf16)
+            KV1_r = T.alloc_shared([BI, DH], bf16)
+            if D_tail > 0:
+                Q_t = T.alloc_shared([BH, D_tail], bf16)
+                K0_t = T.alloc_shared([BI, D_tail], bf16)
+                K1_t = T.alloc_shared([BI, D_tail], bf16)
+                # P of a block (bf16, at the pair's common max) lives in that block's rope tile, dead
+                # after the block's QK; it is refilled by nest B only after the peer's PV freed it
+                P0 = K0_t
+                P1 = K1_t
+            else:
+                Q_t = Q_r  # unused placeholders
+                K0_t = KV0_r
+                K1_t = KV1_r
+                P0 = T.alloc_shared([BH, BI], bf16)
+                P1 = T.alloc_shared([BH, BI], bf16)
+            Vld0 = T.alloc_shared([BI], "bool")
+            Vld1 = T.alloc_shared([BI], "bool")
+            Ma = T.alloc_shared([BH], f32)  # WG0's running max after block 2j
+            Mb = T.alloc_shared([BH], f32)  # common running max after block 2j+1 (WG1)
+            Ls0 = T.alloc_shared([BH], f32)
+            Ls1 = T.alloc_shared([BH], f32)
+
+            ready_a = T.alloc_barrier(128)  # producer: nest A of pair j landed
+            ready_b = T.alloc_barrier(128)  # producer: nest B of pair j landed
+            free_a = T.alloc_barrier(256)  # consumers: nest-A tiles of pair j no longer read
+            free_b = T.alloc_barrier(256)  # consumers: nest-B tiles (and P tiles) of pair j no longer read
+            bar_ma = T.alloc_barrier(128)  # WG0 -> WG1: Ma written
+            bar_mb = T.alloc_barrier(128)  # WG1 -> WG0: Mb written
+            bar_p0 = T.alloc_barrier(128)  # WG0 -> WG1: P0 (at Mb) in smem
+            bar_p1 = T.alloc_barrier(128)  # WG1 -> WG0: P1 (at Mb) in smem
+
+            # per-role fragments (one fragment shared by two role branches loses code in TileLang 0.1.15)
+            acc_o0 = T.alloc_fragment([BH, DH], f32)
+            acc_s0 = T.alloc_fragment([BH, BI], f32)
+            p0 = T.alloc_fragment([BH, BI], bf16)
+            m_run0 = T.alloc_fragment([BH], f32)
+            m_new0 = T.alloc_fragment([BH], f32)
+            alpha0 = T.alloc_fragment([BH], f32)
+            l0 = T.alloc_fragment([BH], f32)
+            lb0 = T.alloc_fragment([BH], f32)
+            inv0 = T.alloc_fragment([BH], f32)
+            acc_o1 = T.alloc_fragment([BH, DH], f32)
+            acc_s1 = T.alloc_fragment([BH, BI], f32)
+            p1 = T.alloc_fragment([BH, BI], bf16)
+            m_run1 = T.alloc_fragment([BH], f32)
+            m_new1 = T.alloc_fragment([BH], f32)
+            alpha1 = T.alloc_fragment([BH], f32)
+            l1 = T.alloc_fragment([BH], f32)
+            lb1 = T.alloc_fragment([BH], f32)
+            inv1 = T.alloc_fragment([BH], f32)
+            lim = T.alloc_local([1], i32)
+            npair = T.alloc_local([1], i32)
+
+            tok = bx // G
+            h0 = (bx % G) * BH
+            tx = T.get_thread_binding()
+
+            if has_topk_length:
+                lim[0] = T.max(T.min(TopkLen[tok], topk_dim), 0)
+            else:
+                lim[0] = topk_dim
+            # blocks past ceil(topk_eff / 64) are skipped; an odd count leaves block 2j+1 all-invalid
+            # (zero-filled, -inf scores, P = 0)
+            npair[0] = (T.min((lim[0] + BI - 1) // BI, NI) + 1) // 2
+
+            T.copy(Q[tok, h0 : h0 + BH, 0:DH], Q_l)
+            T.copy(Q[tok, h0 : h0 + BH, DH:D], Q_r)
+            if D_tail > 0:
+                T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t)
+            T.fence_proxy_async()
+            T.sync_threads()
+
+            if tx < 128:
+                # ------------------------------------------------ WG0: QK of blocks 2j, O[:, 0:256]
+                T.set_max_nreg(PAIR_REGS[0], 1)
+                T.fill(acc_o0, 0)
+                T.fill(l0, 0)
+                T.fill(m_run0, neg_big)
+                # No wgmma may be in flight across the loop back edge or have its issue and its wait_group in
+                # different `if` blocks: ptxas then serialises every wgmma of the kernel (C7515).  Hence a
+                # dynamic trip count (no per-statement guards) and each iteration retires what it issued.
+                if npair[0] > 0:
+                    T.barrier_wait(ready_a, 0)
+                    qk_first(Q_l, KV0_l, Vld0, acc_s0)
+                    T.barrier_wait(ready_b, 0)
+                    qk_second(Q_r, KV0_r, Q_t, K0_t, acc_s0)
+                    T.wait_wgmma(0)
+                for j in T.serial(npair[0]):
+                    # acc_s0 = S of block 2j (retired)
+                    T.copy(m_run0, m_new0)
+                    T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
+                    exp_and_rescale(acc_s0, acc_o0, m_run0, m_new0, alpha0, l0, lb0)
+                    T.copy(m_run0, Ma)
+                    T.barrier_arrive(bar_ma)
+                    # local PV: O_l += P(2j) V(2j)[:, 0:256], P from registers
+                    T.copy(acc_s0, p0)
+                    T.wgmma_gemm(p0, KV0_l, acc_o0)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(free_a)  # KV0_l, Vld0 done (WG0's share of nest A)
+                    # common max after block 2j+1: rescale O_l, l, and P(2j) for WG1
+                    T.barrier_wait(bar_mb, j & 1)
+                    for h in T.Parallel(BH):
+                        m_new0[h] = Mb[h]
+                    rescale_to(acc_o0, m_run0, m_new0, alpha0, l0)
+                    for h, r in T.Parallel(BH, BI):
+                        p0[h, r] = T.cast(acc_s0[h, r] * alpha0[h], bf16)
+                    T.sync_threads(BAR_WG0, 128)  # every WG0 warp is past QK(2j): rope tile free
+                    T.copy(p0, P0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_p0)
+                    # remote PV: O_l += P(2j+1) V(2j+1)[:, 0:256], P from WG1 via smem
+                    T.barrier_wait(bar_p1, j & 1)
+                    T.wgmma_gemm(P1, KV1_l, acc_o0)
+                    if j + 1 < npair[0]:
+                        # QK(2j+2) queued right behind it (the tensor pipe does not drain)
+                        T.barrier_wait(ready_a, (j + 1) & 1)
+                        qk_first(Q_l, KV0_l, Vld0, acc_s0)
+                        T.wait_wgmma(1)  # remote PV retired
+                        T.barrier_arrive(free_b)  # KV1_l, P1 of pair j done (WG0's share of nest B)
+                        T.barrier_wait(ready_b, (j + 1) & 1)
+                        qk_second(Q_r, KV0_r, Q_t, K0_t, acc_s0)
+                    T.wait_wgmma(0)
+                T.wait_wgmma(0)
+                T.copy(l0, Ls0)
+                T.sync_threads(BAR_BOTH, 256)  # both l halves in smem; both consumers past every wgmma
+                final_scale(l0, m_run0, inv0, Ls0, Ls1, Sink, h0)
+                for h in T.Parallel(BH):
+                    Lse[tok, h0 + h] = T.if_then_else(
+                        l0[h] > 0, (T.log2(l0[h]) + m_run0[h] * c_log2) * T.float32(LN2), T.infinity(f32)
+                    )
+                    MaxLogits[tok, h0 + h] = T.if_then_else(
+                        l0[h] > 0, m_run0[h] * c_log2 * T.float32(LN2), -T.infinity(f32)
+                    )
+                for h, d in T.Parallel(BH, DH):
+                    acc_o0[h, d] = acc_o0[h, d] * inv0[h]
+                T.copy(acc_o0, Q_l)  # Q_l is dead: every QK retired before BAR_BOTH
+                T.sync_threads(BAR_WG0, 128)
+                T.copy(Q_l, Out[tok, h0 : h0 + BH, 0:DH])
+            elif tx < 256:
+                # ------------------------------------------------ WG1: QK of blocks 2j+1, O[:, 256:512]
+                T.set_max_nreg(PAIR_REGS[1], 1)
+                T.fill(acc_o1, 0)
+                T.fill(l1, 0)
+                T.fill(m_run1, neg_big)
+                if npair[0] > 0:
+                    T.barrier_wait(ready_a, 0)
+                    qk_first(Q_r, KV1_r, Vld1, acc_s1)
+                    T.barrier_wait(ready_b, 0)
+                    qk_second(Q_l, KV1_l, Q_t, K1_t, acc_s1)
+                    T.wait_wgmma(0)
+                for j in T.serial(npair[0]):
+                    # acc_s1 = S of block 2j+1 (retired)
+                    T.barrier_wait(bar_ma, j & 1)
+                    for h in T.Parallel(BH):
+                        m_new1[h] = Ma[h]
+                    T.reduce_max(acc_s1, m_new1, dim=1, clear=False)
+                    exp_and_rescale(acc_s1, acc_o1, m_run1, m_new1, alpha1, l1, lb1)
+                    T.copy(m_run1, Mb)
+                    T.barrier_arrive(bar_mb)
+                    # local PV: O_r += P(2j+1) V(2j+1)[:, 256:512], P from registers
+                    T.copy(acc_s1, p1)
+                    T.wgmma_gemm(p1, KV1_r, acc_o1)
+                    T.sync_threads(BAR_WG1, 128)  # every WG1 warp is past QK(2j+1): rope tile free
+                    T.copy(p1, P1)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_p1)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(free_a)  # KV1_r, Vld1 done (WG1's share of nest A)
+                    # remote PV: O_r += P(2j) V(2j)[:, 256:512], P0 already at the common max
+                    T.barrier_wait(bar_p0, j & 1)
+                    T.wgmma_gemm(P0, KV0_r, acc_o1)
+                    if j + 1 < npair[0]:
+                        T.barrier_wait(ready_a, (j + 1) & 1)
+                        qk_first(Q_r, KV1_r, Vld1, acc_s1)
+                        T.wait_wgmma(1)  # remote PV retired
+                        T.barrier_arrive(free_b)  # KV0_r, P0 of pair j done (WG1's share of nest B)
+                        T.barrier_wait(ready_b, (j + 1) & 1)
+                        qk_second(Q_l, KV1_l, Q_t, K1_t, acc_s1)
+                    T.wait_wgmma(0)
+                T.wait_wgmma(0)
+                T.copy(l1, Ls1)
+                T.sync_threads(BAR_BOTH, 256)
+                final_scale(l1, m_run1, inv1, Ls0, Ls1, Sink, h0)
+                for h, d in T.Parallel(BH, DH):
+                    acc_o1[h, d] = acc_o1[h, d] * inv1[h]
+                T.copy(acc_o1, Q_r)
+                T.sync_threads(BAR_WG1, 128)
+                T.copy(Q_r, Out[tok, h0 : h0 + BH, DH:D])
+            else:
+                # ------------------------------------------------ producer
+                T.set_max_nreg(PAIR_REGS[2], 0)
+                for j in T.serial(npair[0]):
+                    T.barrier_wait(free_a, (j & 1) ^ 1)  # fresh barrier: parity 1 passes
+                    gather_a(KV0_l, KV1_r, Vld0, Vld1, Indices, KV, tok, lim[0], j * 2)
+                    T.barrier_arrive(ready_a)
+                    T.barrier_wait(free_b, (j & 1) ^ 1)
+                    gather_b(KV0_r, KV1_l, K0_t, K1_t, Indices, KV, tok, lim[0], j * 2)
+                    T.barrier_arrive(ready_b)
+
+    return sparse_mla_fwd_ws_pair
+
+
 def _pass_configs():
     return {
         tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
@@ -446,7 +782,8 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
+              schedule: str = DEFAULT_SCHEDULE):
     func = build_sparse_mla_fwd(
         heads=heads,
         dqk=dqk,
@@ -455,6 +792,7 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
         sm_scale=sm_scale,
         has_sink=has_sink,
         has_topk_length=has_topk_length,
+        schedule=schedule,
     )
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
@@ -468,24 +806,31 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
     return reason
 
 
-def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
-    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
+def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
+                       schedule: str | None = None):
+    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
+
+    ``schedule``: "pair" or "ws1" (None: DEFAULT_SCHEDULE)."""
     reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
     if reason is not None:
         raise ValueError(f"sparse_mla fwd ws kernel: {reason}")
-    return kernel_fwd.launch(_compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+    schedule = DEFAULT_SCHEDULE if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    compiled = functools.partial(_compiled, schedule=schedule)
+    return kernel_fwd.launch(compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
                              attn_sink=attn_sink)
 
 
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test (lowering is slow)."""
     cases = []
-    for heads, dqk, topk, sink, tl in [
-        (64, 512, 640, True, True),  # lowering is slow on CPU: one case
+    for sched, heads, dqk, topk, sink, tl in [
+        ("ws1", 64, 512, 640, True, True),  # V4 shape: Dqk 512, sink, topk_length
+        ("pair", 128, 576, 2048, False, False),  # headline shape
     ]:
-        name = f"ws_h{heads}_d{dqk}_topk{topk}" + ("_sink" if sink else "") + ("_tl" if tl else "")
-        fn = build_sparse_mla_fwd(
-            heads=heads, dqk=dqk, d_v=D_V, topk=topk, sm_scale=dqk**-0.5, has_sink=sink, has_topk_length=tl
-        )
+        name = f"{sched}_h{heads}_d{dqk}_topk{topk}" + ("_sink" if sink else "") + ("_tl" if tl else "")
+        fn = build_sparse_mla_fwd(heads=heads, dqk=dqk, d_v=D_V, topk=topk, sm_scale=dqk**-0.5, has_sink=sink,
+                                  has_topk_length=tl, schedule=sched)
         cases.append((name, fn))
     return cases

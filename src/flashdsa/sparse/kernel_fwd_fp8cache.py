@@ -1,0 +1,397 @@
+"""Sparse MLA forward reading the DeepSeek-V3.2 FP8 KV cache (656-byte rows) directly (TileLang, Hopper sm_90a).
+
+Notes
+-----
+Same contract, host interface and numerics as ``kernel_fwd.py`` (the pipelined bf16 forward), with ``kv`` the
+uint8 `[Tkv, 656]` cache of :func:`flashdsa.quant.quantize_kv_fp8`::
+
+    bytes [  0, 512)  e4m3 of dims 0..511 (four 128-dim tiles)
+    bytes [512, 528)  four float32 scales (powers of two), one per tile
+    bytes [528, 656)  dims 512..575 (rope) as bfloat16
+
+The kernel gathers the raw rows, dequantizes ``bf16(float(e4m3) * scale)`` (exact) into a bf16 tile in shared
+memory and then computes exactly like the bf16 forward on ``dequantize_kv_fp8(kv)``: bf16 wgmma for QK^T and PV,
+fp32 online softmax in the exp2 domain.  q is bf16 `[T, H, 576]`, d_v = 512.
+
+Design
+  * Grid ``(T, ceil(H / 64))``, 256 threads = 2 warpgroups, ``GemmWarpPolicy.FullRow`` (as kernel_fwd): QK^T is
+    64 x 32 per warpgroup over 576 dims, PV 64 x 256 per warpgroup.  Heads padded to 64 rows (H = 1..128).
+  * The cache is passed as 16-byte chunks: a `[n_chunks, 16]` array (three dtype views of the same bytes: e4m3
+    `[n_chunks, 16]`, float32 `[n_chunks, 4]`, bf16 `[n_chunks, 8]`), row ``r`` starting at chunk ``r * rs16``
+    (``rs16`` = row stride / 16, a scalar argument), so padded row strides need no copy and every address is
+    provably 16-byte aligned.  Chunks 0..31 of a row are the e4m3 latent, 32 the scales, 33..40 the rope.
+  * Hand-written pipeline, one top-k block of ``BI = 64`` slots per iteration (cp.async, ``wait_group 0``):
+        wait(raw i, rope i) -> barrier -> dequant Raw -> KV (bf16) -> fence.proxy.async + barrier
+        -> issue cp.async of raw i+1 (Raw, Scl) and rope i+1 (Kt[(i+1)%2]) -> QK(i) -> softmax -> PV(i)
+    The gather of block i+1 (41 x 16 B per row, 57% of the bf16 kernel's 72 x 16 B) is in flight during
+    QK/softmax/PV of block i (one whole block of latency cover).  The rope goes straight from the cache into a
+    double-buffered bf16 tile (no conversion); the e4m3 latent and the scales are staged raw (one stage).
+  * Gathers are ``T.Parallel`` nests annotated ``parallel_prefer_async`` + ``parallel_async_without_async_
+    commit_wait``: predicated zero-filling cp.async (src-size 0 for invalid slots: nothing is read, the staging
+    rows are zeros, scale 0) with one explicit commit per block.  The address of an invalid slot is clamped to
+    row 0 anyway.  Invalid score columns start at -inf before the QK wgmma accumulates (as kernel_fwd).
+  * Blocks past ceil(topk_eff / 64) are skipped (uniform per CTA): short ``topk_length`` rows cost less.
+  * Masking / numerics exactly as kernel_fwd: slot j valid iff j < topk_eff and 0 <= idx < Tkv; running max
+    starts at -1e30; empty row -> out 0, lse +inf, max_logits -inf; sink folded as
+    1 / (l + exp2(sink*log2e - m*c)).
+  * Dequantization: the vectorized fp8 -> f32 cast (cvt.rn.f16x2.e4m3x2 + f16 -> f32), fp32 multiply by the
+    power-of-two tile scale (exact), f32x2 -> bf16x2 (exact: 4 significant bits).
+Shared memory: Q 64x512 + 64x64 bf16 (73,728) + KV latent 64x512 bf16 (65,536) + 2 rope tiles 64x64 bf16
+  (16,384) + raw e4m3 64x512 (32,768) + scales 64x4 f32 (1,024) + P 64x64 bf16 (8,192) = 197,632 B + reduction
+  scratch (~2 KB), under the 232,448 B cap.  A second raw stage would not fit next to a double bf16 tile.
+Cost model per block vs kernel_fwd: the gather moves 41 instead of 72 16-byte chunks per row (fewer cp.async
+  and shared stores); the dequant adds 64x512 conversions (~6 ALU instructions per pair of values, ~400 per
+  thread), 32 KB of shared reads and 64 KB of shared writes, serialized between the gather wait and QK.
+  Expected 0.85-0.95x of kernel_fwd's time per block; see Risks.
+Verified: CPU lowering only (see ``lowering_cases``); never run on a GPU by the author.
+Risks
+  * Speed: the dequant is not overlapped with the tensor cores (one bf16 tile only).  If below 0.9x, next step:
+    register-staged raw prefetch (ld.global of block i+1 into 36 registers/thread) + two bf16 tiles (like
+    kernel_fwd's smem) + async PV(i) overlapping the dequant of block i+1 into the other tile.
+  * Exactness assumes the format's scales (powers of two in [2^-126, 2^127] such that e4m3 * scale is a normal
+    bf16, true for the quantizer's scales >= 2^-13).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
+
+import functools
+import math
+
+import torch
+
+import tilelang
+import tilelang.language as T
+
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+BLOCK_H = 64  # heads per block (wgmma M)
+BLOCK_I = 64  # top-k slots per iteration
+D_V = 512
+DQK = 576
+D_TAIL = DQK - D_V  # 64 rope dims
+ROW_BYTES = 656
+CHUNK = 16  # bytes per cp.async
+N_CHUNKS_ROW = ROW_BYTES // CHUNK  # 41
+LAT_CHUNKS = D_V // CHUNK  # 32 e4m3 chunks (dims 0..511)
+SCALE_CHUNK = 32  # 4 float32 scales
+ROPE_CHUNK0 = 33  # 8 chunks of 8 bf16
+TILE = 128  # dims per scale
+FP8 = "float8_e4m3fn"
+
+# async gather nests: cp.async without the implicit commit/wait (one explicit commit per block)
+_ASYNC = {"parallel_prefer_async": True, "parallel_async_without_async_commit_wait": True}
+
+
+def build_sparse_mla_fwd_fp8cache(
+    *,
+    heads: int,
+    topk: int,
+    sm_scale: float,
+    has_sink: bool = False,
+    has_topk_length: bool = False,
+    threads: int = 256,
+):
+    """Return the TileLang prim_func.
+
+    Specialised on ceil(topk / 64) (static trip count); T, the number of cache chunks and the indices width are
+    dynamic.  Signature: (Q[T,H,576] bf16, KV8[n_ch,16] e4m3, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (three views of
+    the same cache bytes), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32,
+    TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).
+    """
+    assert 1 <= heads <= 2 * BLOCK_H
+    assert sm_scale is not None and sm_scale > 0
+    D = D_V
+    DT = D_TAIL
+    BH = BLOCK_H
+    BI = BLOCK_I
+    n_hblk = (heads + BH - 1) // BH
+    heads_exact = heads % BH == 0
+    NI = (int(topk) + BI - 1) // BI
+    c_log2 = float(sm_scale) * LOG2E  # raw score -> log2 units
+    neg_big = -1.0e30
+
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    n_tok = T.dynamic("n_tok")
+    n_ch = T.dynamic("n_ch")
+    n_tl = T.dynamic("n_tl")
+    n_sink = T.dynamic("n_sink")
+    topk_dim = T.dynamic("topk")
+
+    def _row(Indices, tok, lim, j):
+        # cache row of top-k slot j, or -1 past topk_eff (the Indices read stays in bounds)
+        return T.if_then_else(j < lim, Indices[tok, T.min(j, topk_dim - 1)], -1)
+
+    @T.macro
+    def issue(Indices, KV8, KVf, KVb, rs16, n_rows, tok, lim, blk, Raw_s, Scl_s, Kt_b):
+        # cp.async (no commit, no wait) of block blk: e4m3 latent -> Raw_s, scales -> Scl_s, rope -> Kt_b.
+        # Invalid slots: src-size 0 (zero fill, nothing read); their address is clamped to row 0.
+        for r, c, v in T.Parallel(BI, LAT_CHUNKS, CHUNK, annotations=_ASYNC):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            ok = (row >= 0) & (row < n_rows)
+            base = T.if_then_else(ok, row, 0) * rs16
+            Raw_s[r, c * CHUNK + v] = T.if_then_else(ok, KV8[base + c, v], T.cast(0, FP8))
+        for r, v in T.Parallel(BI, 4, annotations=_ASYNC):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            ok = (row >= 0) & (row < n_rows)
+            base = T.if_then_else(ok, row, 0) * rs16
+            Scl_s[r, v] = T.if_then_else(ok, KVf[base + SCALE_CHUNK, v], T.float32(0))
+        for r, c, v in T.Parallel(BI, DT // 8, 8, annotations=_ASYNC):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            ok = (row >= 0) & (row < n_rows)
+            base = T.if_then_else(ok, row, 0) * rs16
+            Kt_b[r, c * 8 + v] = T.if_then_else(ok, KVb[base + ROPE_CHUNK0 + c, v], T.cast(0, bf16))
+
+    @T.macro
+    def attend(Indices, n_rows, tok, lim, blk, Q_s, Qt_s, KV_s, Kt_b, S_s, acc_s, acc_o, m_i, m_prev, alpha, l_i,
+               l_blk):
+        # ---- S = Q K^T, invalid columns start at -inf ----
+        for h, r in T.Parallel(BH, BI):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            acc_s[h, r] = T.if_then_else((row >= 0) & (row < n_rows), T.float32(0), -T.infinity(f32))
+        T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(Qt_s, Kt_b, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        # ---- online softmax (raw-score max, exp2 with folded scale) ----
+        T.copy(m_i, m_prev)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        for h in T.Parallel(BH):
+            alpha[h] = T.exp2((m_prev[h] - m_i[h]) * c_log2)
+        for h, r in T.Parallel(BH, BI):
+            acc_s[h, r] = T.exp2(acc_s[h, r] * c_log2 - m_i[h] * c_log2)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for h in T.Parallel(BH):
+            l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+        for h, d in T.Parallel(BH, D):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+        T.copy(acc_s, S_s)
+        T.gemm(S_s, KV_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.prim_func
+    def sparse_mla_fwd_fp8cache(
+        Q: T.Tensor([n_tok, heads, DQK], bf16),
+        KV8: T.Tensor([n_ch, CHUNK], FP8),
+        KVf: T.Tensor([n_ch, CHUNK // 4], f32),
+        KVb: T.Tensor([n_ch, CHUNK // 2], bf16),
+        rs16: T.int32,
+        n_rows: T.int32,
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok, n_hblk, threads=threads) as (bx, by):
+            Q_s = T.alloc_shared([BH, D], bf16)
+            Qt_s = T.alloc_shared([BH, DT], bf16)
+            KV_s = T.alloc_shared([BI, D], bf16)
+            Kt0 = T.alloc_shared([BI, DT], bf16)
+            Kt1 = T.alloc_shared([BI, DT], bf16)
+            Raw_s = T.alloc_shared([BI, D], FP8)
+            Scl_s = T.alloc_shared([BI, 4], f32)
+            S_s = T.alloc_shared([BH, BI], bf16)
+
+            acc_o = T.alloc_fragment([BH, D], f32)
+            acc_s = T.alloc_fragment([BH, BI], f32)
+            m_i = T.alloc_fragment([BH], f32)
+            m_prev = T.alloc_fragment([BH], f32)
+            alpha = T.alloc_fragment([BH], f32)
+            l_i = T.alloc_fragment([BH], f32)
+            l_blk = T.alloc_fragment([BH], f32)
+            inv = T.alloc_fragment([BH], f32)
+            lim = T.alloc_local([1], i32)
+            nblk = T.alloc_local([1], i32)
+
+            h0 = by * BH
+            if has_topk_length:
+                lim[0] = T.max(T.min(TopkLen[bx], topk_dim), 0)
+            else:
+                lim[0] = topk_dim
+            nblk[0] = T.min((lim[0] + BI - 1) // BI, NI)
+
+            # ---- Q tile (padded heads -> 0) ----
+            if heads_exact:
+                T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s)
+                T.copy(Q[bx, h0 : h0 + BH, D:DQK], Qt_s)
+            else:
+                for h, d in T.Parallel(BH, D):
+                    Q_s[h, d] = T.if_then_else(h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), d], T.cast(0, bf16))
+                for h, d in T.Parallel(BH, DT):
+                    Qt_s[h, d] = T.if_then_else(
+                        h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), D + d], T.cast(0, bf16)
+                    )
+
+            T.fill(acc_o, 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, neg_big)
+
+            if nblk[0] > 0:
+                issue(Indices, KV8, KVf, KVb, rs16, n_rows, bx, lim[0], 0, Raw_s, Scl_s, Kt0)
+                T.ptx_commit_group()
+
+            for it in T.serial(NI):
+                if it < nblk[0]:
+                    # raw(it) and rope(it) landed (each thread its own copies, then the barrier for all);
+                    # every thread is past PV(it-1), so KV_s and S_s are free
+                    T.ptx_wait_group(0)
+                    T.fence_proxy_async()
+                    T.sync_threads()
+                    for r, d in T.Parallel(BI, D):
+                        KV_s[r, d] = T.cast(T.cast(Raw_s[r, d], f32) * Scl_s[r, d // TILE], bf16)
+                    T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
+                    T.sync_threads()  # KV_s complete; Raw_s / Scl_s consumed
+                    if it % 2 == 0:
+                        if it + 1 < nblk[0]:
+                            issue(Indices, KV8, KVf, KVb, rs16, n_rows, bx, lim[0], it + 1, Raw_s, Scl_s, Kt1)
+                            T.ptx_commit_group()
+                        attend(Indices, n_rows, bx, lim[0], it, Q_s, Qt_s, KV_s, Kt0, S_s, acc_s, acc_o, m_i,
+                               m_prev, alpha, l_i, l_blk)
+                    else:
+                        if it + 1 < nblk[0]:
+                            issue(Indices, KV8, KVf, KVb, rs16, n_rows, bx, lim[0], it + 1, Raw_s, Scl_s, Kt0)
+                            T.ptx_commit_group()
+                        attend(Indices, n_rows, bx, lim[0], it, Q_s, Qt_s, KV_s, Kt1, S_s, acc_s, acc_o, m_i,
+                               m_prev, alpha, l_i, l_blk)
+
+            # ---- epilogue ----
+            for h in T.Parallel(BH):
+                if has_sink:
+                    inv[h] = T.if_then_else(
+                        l_i[h] > 0,
+                        1.0
+                        / (
+                            l_i[h]
+                            + T.exp2(Sink[T.min(h0 + h, heads - 1)] * T.float32(LOG2E) - m_i[h] * c_log2)
+                        ),
+                        T.float32(0),
+                    )
+                else:
+                    inv[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], T.float32(0))
+            for h, d in T.Parallel(BH, D):
+                acc_o[h, d] = acc_o[h, d] * inv[h]
+            T.sync_threads()  # every warpgroup is past its last QK (reads Q_s)
+            T.copy(acc_o, Q_s)  # reuse the Q tile as the output staging buffer
+            if heads_exact:
+                T.copy(Q_s, Out[bx, h0 : h0 + BH, :])
+            else:
+                for h, d in T.Parallel(BH, D):
+                    if h0 + h < heads:
+                        Out[bx, h0 + h, d] = Q_s[h, d]
+            for h in T.Parallel(BH):
+                if h0 + h < heads:
+                    Lse[bx, h0 + h] = T.if_then_else(
+                        l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * c_log2) * T.float32(LN2), T.infinity(f32)
+                    )
+                    MaxLogits[bx, h0 + h] = T.if_then_else(
+                        l_i[h] > 0, m_i[h] * c_log2 * T.float32(LN2), -T.infinity(f32)
+                    )
+
+    return sparse_mla_fwd_fp8cache
+
+
+def _pass_configs():
+    return {
+        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+    func = build_sparse_mla_fwd_fp8cache(
+        heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale, has_sink=has_sink, has_topk_length=has_topk_length
+    )
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
+    """None if this kernel handles the arguments, else a short reason (shapes/dtypes/layout only)."""
+    if not (q.is_cuda and kv.is_cuda and indices.is_cuda):
+        return "tensors must be on CUDA"
+    if q.dtype != torch.bfloat16:
+        return "q must be bfloat16"
+    if kv.dtype != torch.uint8:
+        return "kv must be the uint8 656-byte FP8 cache"
+    if indices.dtype != torch.int32:
+        return "indices must be int32"
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+        return "expected q [T,H,576], kv [Tkv,656], indices [T,topk]"
+    n_tok, heads, dqk = q.shape
+    if dqk != DQK:
+        return f"Dqk={dqk} != {DQK}"
+    if d_v != D_V:
+        return f"d_v={d_v} != {D_V}"
+    if kv.shape[1] != ROW_BYTES:
+        return f"kv last dim {kv.shape[1]} != {ROW_BYTES}"
+    if not 1 <= heads <= 2 * BLOCK_H:
+        return f"H={heads} not in 1..{2 * BLOCK_H}"
+    if indices.shape[0] != n_tok or indices.shape[1] < 1:
+        return "indices must be [T, topk] with topk >= 1"
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
+        return "last dim must be contiguous"
+    if kv.shape[0] > 1 and (kv.stride(0) % CHUNK != 0 or kv.stride(0) < ROW_BYTES):
+        return "kv row stride must be a multiple of 16 bytes and >= 656"
+    if kv.data_ptr() % CHUNK != 0:
+        return "kv must be 16-byte aligned"
+    n_ch = _n_chunks(kv)
+    if n_tok >= 2**31 or n_ch >= 2**31 or indices.shape[1] >= 2**30:
+        return "sizes exceed int32 indexing"
+    if topk_length is not None:
+        if topk_length.dtype != torch.int32 or topk_length.shape != (n_tok,) or not topk_length.is_cuda:
+            return "topk_length must be int32 [T] on CUDA"
+    if attn_sink is not None:
+        if attn_sink.dtype != torch.float32 or attn_sink.shape != (heads,) or not attn_sink.is_cuda:
+            return "attn_sink must be float32 [H] on CUDA"
+    return None
+
+
+def _rs16(kv) -> int:
+    return (kv.stride(0) if kv.shape[0] > 1 else ROW_BYTES) // CHUNK
+
+
+def _n_chunks(kv) -> int:
+    return (kv.shape[0] - 1) * _rs16(kv) + N_CHUNKS_ROW if kv.shape[0] > 0 else 0
+
+
+def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
+    """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
+    reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+    if reason is not None:
+        raise ValueError(f"sparse_mla fwd fp8-cache kernel: {reason}")
+    if not (sm_scale > 0 and math.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale}")
+    n_tok, heads, _ = q.shape
+    dev = q.device
+    out = torch.empty((n_tok, heads, d_v), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
+    max_logits = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
+    if n_tok == 0:
+        return out, lse, max_logits
+    if kv.shape[0] == 0:  # every index is invalid
+        out.zero_()
+        lse.fill_(math.inf)
+        max_logits.fill_(-math.inf)
+        return out, lse, max_logits
+    q = q.contiguous()
+    indices = indices.contiguous()
+    # the cache as 16-byte chunks (no copy, any row stride that is a multiple of 16 bytes)
+    chunks = kv.as_strided((_n_chunks(kv), CHUNK), (CHUNK, 1))
+    kv8 = chunks.view(torch.float8_e4m3fn)
+    kvf = chunks.view(torch.float32)
+    kvb = chunks.view(torch.bfloat16)
+    has_sink = attn_sink is not None
+    has_tl = topk_length is not None
+    tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
+    sink_arg = attn_sink.contiguous() if has_sink else torch.empty((1,), dtype=torch.float32, device=dev)
+    n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
+    kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
+    kernel(q, kv8, kvf, kvb, _rs16(kv), kv.shape[0], indices, tl_arg, sink_arg, out, lse, max_logits)
+    return out, lse, max_logits
+
+
+def lowering_cases():
+    """One representative (name, prim_func) for the CPU lowering test (lowering is slow on CPU)."""
+    heads, topk = 128, 2048
+    fn = build_sparse_mla_fwd_fp8cache(heads=heads, topk=topk, sm_scale=DQK**-0.5, has_sink=True, has_topk_length=True)
+    return [(f"fp8cache_h{heads}_topk{topk}_sink_tl", fn)]

@@ -1,0 +1,127 @@
+"""GPU: the sparse MLA forward on the 656-byte FP8 cache (``kernel_fwd_fp8cache``) against the reference on
+``dequantize_kv_fp8(kv)`` (dequantization is exact, so quantization error is excluded) with the bf16 forward's
+tolerances.  Run with ``pytest -m gpu``.
+
+Unreferenced cache rows are poisoned byte-wise (0xFF: NaN e4m3 / NaN scale / NaN rope; 0x7F: NaN e4m3, scale
+3.4e38, rope 3.4e38) so any stray read of them shows up.  5 compiled configs + 1 kernel_fwd config (timing smoke).
+"""
+
+import math
+import os
+import statistics
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("tilelang")
+
+from flashdsa.quant import dequantize_kv_fp8, quantize_kv_fp8  # noqa: E402
+from flashdsa.sparse import kernel_fwd, kernel_fwd_fp8cache  # noqa: E402
+
+from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
+
+D_V = 512
+DQK = 576
+
+# (heads, tkv, topk, n_tok, sink, topk_length, kv row stride in bytes)
+CASES = [
+    (128, 8192, 2048, 62, False, False, 656),
+    (128, 8192, 2048, 213, True, True, 672),  # padded rows: the kernel reads the cache in place
+    (64, 1840, 256, 62, True, True, 656),
+    (16, 592, 100, 213, False, True, 656),
+    (1, 4096, 100, 62, True, False, 704),
+]
+
+
+def _fp8_cache(kv_bf16, row_stride, gen):
+    """Quantize (NaN rows -> 0 first), lay the rows out with ``row_stride`` bytes, poison the unreferenced rows and
+    the padding bytes.  Returns (kv uint8 [Tkv, 656] view, its exact bf16 dequantization)."""
+    tkv = kv_bf16.shape[0]
+    unref = torch.isnan(kv_bf16).any(dim=1)
+    packed = quantize_kv_fp8(torch.where(unref.unsqueeze(1), torch.zeros_like(kv_bf16), kv_bf16))
+    poison = torch.where(torch.rand(tkv, generator=gen, device="cuda") < 0.5, 0xFF, 0x7F).to(torch.uint8)
+    packed[unref] = poison[unref].unsqueeze(1).expand(-1, packed.shape[1])
+    base = torch.full((tkv, row_stride), 0xFF, dtype=torch.uint8, device="cuda")
+    base[:, :656] = packed
+    kv8 = base[:, :656]
+    return kv8, dequantize_kv_fp8(kv8)
+
+
+@pytest.mark.parametrize(
+    "heads,tkv,topk,n_tok,sink,use_tl,row_stride",
+    CASES,
+    ids=[f"h{c[0]}-kv{c[1]}-k{c[2]}-t{c[3]}{'-sink' if c[4] else ''}{'-tl' if c[5] else ''}-rs{c[6]}" for c in CASES],
+)
+def test_sparse_mla_fwd_fp8cache(heads, tkv, topk, n_tok, sink, use_tl, row_stride):
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, "contig")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    kv8, kv_deq = _fp8_cache(kv, row_stride, gen)
+    assert kv8.stride(0) == row_stride
+    sm_scale = DQK**-0.5
+    assert kernel_fwd_fp8cache.kernel_unsupported(
+        q, kv8, indices, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink
+    ) is None
+
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    out, lse, max_logits = kernel_fwd_fp8cache.run_sparse_mla_fwd(
+        q, kv8, indices, sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink
+    )
+    torch.cuda.synchronize()
+    check_against_reference(out, lse, max_logits, q, kv_deq, indices, sm_scale, topk_length, attn_sink, valid)
+
+
+def test_fp8cache_unsupported_reasons():
+    q = torch.zeros(4, 16, DQK, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(4, 64, dtype=torch.int32, device="cuda")
+    kv8 = torch.zeros(32, 656, dtype=torch.uint8, device="cuda")
+    assert kernel_fwd_fp8cache.kernel_unsupported(q, kv8, idx, d_v=D_V) is None
+    assert kernel_fwd_fp8cache.kernel_unsupported(q, kv8.view(torch.int8), idx, d_v=D_V) is not None
+    assert kernel_fwd_fp8cache.kernel_unsupported(q, torch.zeros(32, 664, dtype=torch.uint8, device="cuda")[:, :656],
+                                                  idx, d_v=D_V) is not None  # row stride not a multiple of 16
+    assert kernel_fwd_fp8cache.kernel_unsupported(q[..., :512], kv8, idx, d_v=D_V) is not None
+
+
+def _median_ms(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+@pytest.mark.parametrize("tkv", [8192, 131072])
+def test_fp8cache_timing_smoke(tkv):
+    """S 4096, H 128, topk 2048: ms of the FP8-cache kernel vs kernel_fwd on the dequantized bf16 cache (printed,
+    not asserted; FLASHDSA_FP8CACHE_TIMING=0 skips)."""
+    if os.environ.get("FLASHDSA_FP8CACHE_TIMING", "1") == "0":
+        pytest.skip("timing disabled")
+    n_tok, heads, topk = 4096, 128, 2048
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = (torch.randn(n_tok, heads, DQK, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    kv = (torch.randn(tkv, DQK, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk].to(torch.int32)
+    kv8 = quantize_kv_fp8(kv)
+    kv_deq = dequantize_kv_fp8(kv8)
+    sm = DQK**-0.5
+    flops = 2 * n_tok * heads * topk * (DQK + D_V)
+    t8 = _median_ms(lambda: kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V))
+    tb = _median_ms(lambda: kernel_fwd.run_sparse_mla_fwd(q, kv_deq, idx, sm_scale=sm, d_v=D_V))
+    o8 = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V)
+    ob = kernel_fwd.run_sparse_mla_fwd(q, kv_deq, idx, sm_scale=sm, d_v=D_V)
+    same = all(torch.equal(a, b) for a, b in zip(o8, ob))
+    print(
+        f"\n[fp8cache timing] S={n_tok} SKV={tkv} H={heads} topk={topk}: fp8cache {t8:.3f} ms "
+        f"({flops / t8 / 1e9:.0f} TFLOP/s), kernel_fwd bf16 {tb:.3f} ms ({flops / tb / 1e9:.0f} TFLOP/s), "
+        f"speed ratio {tb / t8:.3f}x, bitwise equal outputs: {same}"
+    )
+    assert math.isfinite(t8)
