@@ -36,7 +36,7 @@ Algorithm (kernel ``topk_radix``; grid ``M``, one CTA of ``threads`` threads per
 Passes per row: 1 global read (pass 0) + up to 2 histogram passes + 2 write sweeps (smem, or L2 without the
   cache) + a bitonic sort (score only).  About 9 __syncthreads per row (index), plus log2(cap)^2/2 for score.
 Shared memory: hist 8 KiB + keys 4*cache (32 KiB for 8192, 128 KiB for 32768) + sort 8*sort_cap (<= 32 KiB).
-Variants (``pick_config``, untuned): N <= 8192 -> cache 8192, 512 threads (38 regs, up to 4 CTAs/SM);
+Variants (``pick_config``): N <= 8192 -> cache 8192, 256 threads (was 512: 38 regs, 3 CTAs/SM);
   N <= 32768 -> cache 32768, 1024 threads (56 regs); longer -> no cache, 1024 threads (62 regs).  No spills
   (ptxas -v on the lowered source, CUDA 13.0, sm_90a).  Compiles: at most 3 variants x (index + 3 caps) = 12.
 Expected time on H200 (estimates, not measured): 64 x 32768 ~ 15-25 us (64 CTAs, HBM read once);
@@ -44,9 +44,22 @@ Expected time on H200 (estimates, not measured): 64 x 32768 ~ 15-25 us (64 CTAs,
   re-reads of 512 KiB x 5 per SM); 1 x 1048576 ~ 150-250 us with one CTA: MISSES the 60 us target.
   Measured (benchmarks/results/2026-11-30_h200_9301580b_topk.json): 50 / 189 / 187 / 1129 us for
   64 x 32768 / 4096 x 8192 / 16 x 131072 / 1 x 1048576.
-Routing: ``run_topk_indices`` sends order "index"/"any" to ``kernel_radix_multi`` (several CTAs per row, global
-  histograms, 4 launches) when ``kernel_radix_multi.use_multi(M, N)``: G = min(SMs // M, N // 4096) >= 4
-  (1 x 1048576 and 16 x 131072 go there; 64 x 32768 and 4096 x 8192 stay here).  order="score" always stays here.
+Routing (``pick_impl``, shapes only; order="score" always stays here): "persist" (``kernel_radix_persist``: G CTAs
+  per row in ONE launch with row barriers and the slice cached in shared memory) when its G >= 4 (16 x 131072,
+  1 x 1048576); else "multi4" (``kernel_radix_multi``, 4 launches; rows too long for the persistent cache);
+  else this kernel (64 x 32768, 4096 x 8192).  ``run_topk_indices(impl=...)`` forces a path.
+Pass-0 loads in flight (``pick_u0``): 16 per thread for 512 threads / 8192 keys (the whole row in one round),
+  8 for 1024 threads / 32768 keys; ``u0=4`` is the original schedule.
+Candidate compaction (``cand=True``, off by default): after pass 0 the threshold bucket's positions (at most
+  ``cand_cap_for(cache)``, else the original full passes) are compacted into shared memory; passes 1-2 and the
+  per-warp counts then read only them, so the row is swept 3 times instead of 5.  Exact, but measured slower
+  (4096 x 8192: 197.7 vs 185.6 us): the full-row sweeps are not what limits this kernel.
+Measured after this change (H200, k 2048, ``scripts/bench_topk.py``, median of 30, L2 flushed; kernel call /
+  through ``flashdsa.topk_indices`` / torch.topk): 64 x 32768 31.0 / 30.6 / 114 us; 4096 x 8192 186 / 186 /
+  742 us at 512 threads, 169 us at 256 (misses 150); 16 x 131072 34.0 / 33.9 / 119 us (persist);
+  1 x 1048576 28.4 / 32.5 / 153 us (persist).  ncu on 4096 x 8192 (512 threads): SM throughput 83%, DRAM 18%,
+  occupancy 3 CTAs/SM (registers and shared memory): issue-bound, so fewer instructions per element is what is
+  left (64-bit index math on shared-memory addresses, per-statement bounds checks, 5 sweeps over the row).
 Verified (CPU only; never run on a GPU by the author): every ``lowering_cases()`` variant lowers for sm_90a
   (7-20 s each on a loaded 2-core box, with and without ``_pass_configs()``) and its source compiles with
   nvcc -arch=sm_90a without spills.  A numpy model of exactly this algorithm (same key map, passes, digit
@@ -102,9 +115,11 @@ def _sort_cap(k: int) -> int:
 
 
 def pick_config(n: int) -> tuple[int, int]:
-    """(threads, cache) for rows of length n.  Estimates, to be tuned on the H200 (no benchmark JSON yet)."""
+    """(threads, cache) for rows of length n.  N <= 8192: 256 threads (measured on 4096 x 8192: 169 / 186 / 334 us
+    at 256 / 512 / 1024 threads; the kernel is issue-bound (ncu: SM 83%, DRAM 18%) and 256-thread CTAs fit 5 per
+    SM instead of 3, with half the barrier width)."""
     if n <= 8192:
-        return 512, 8192
+        return 256, 8192
     if n <= 32768:
         return 1024, 32768
     return 1024, 0
@@ -125,11 +140,14 @@ def to_key_expr(x):
     return T.if_then_else(bad, T.uint32(0), k)
 
 
-def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0):
+def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0, cand_cap: int = 0, u0: int = 0):
     """TileLang prim_func: Scores [M, N] f32 (row stride SM), Starts [NS] i32, Ends [NE] i32, Out [M, K] i32, Flags.
 
     ``Flags`` bit 0: Starts is given, bit 1: Ends is given (else the dummy tensor is never read).
     ``sort_cap`` 0 means order="index"; otherwise order="score" with K <= sort_cap (a power of two).
+    ``cand_cap`` > 0 (needs ``cache``): candidate compaction after pass 0 when the threshold bucket holds at most
+    ``cand_cap`` keys (see the module notes); 0 is the original schedule.
+    ``u0``: loads in flight per thread in pass 0 (the only global read with a cache); 0 = ``_UNROLL``.
     """
     import tilelang.language as T
 
@@ -138,11 +156,13 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0)
     W = NT // 32
     BPT = HBINS // NT
     score = sort_cap > 0
+    assert cand_cap == 0 or cache > 0
     if score:
         assert sort_cap & (sort_cap - 1) == 0 and sort_cap >= 2
         LOG_CAP = sort_cap.bit_length() - 1
         HALF = sort_cap // 2
     U = _UNROLL
+    U0 = u0 if u0 > 0 else U
 
     M = T.dynamic("M")
     N = T.dynamic("N")
@@ -171,6 +191,9 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0)
                 skeys = T.alloc_shared((cache,), u32)
             if score:
                 sbuf = T.alloc_shared((sort_cap,), u64)
+            if cand_cap > 0:
+                cand = T.alloc_shared((cand_cap,), i32)  # row positions of the pass-0 threshold bucket
+                wcnt = T.alloc_shared((2, W), i32)  # per-warp above / tied counts of the candidate schedule
 
             lane = tx % 32
             warp = tx // 32
@@ -191,11 +214,17 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0)
             cgt = T.alloc_var(i32)
             ceq = T.alloc_var(i32)
             vals = T.alloc_local((U,), u32)
-            fv = T.alloc_local((U,), "float32")
+            fv = T.alloc_local((max(U, U0),), "float32")
             shift = T.alloc_var(u32)
             dmask = T.alloc_var(u32)
             pos = T.alloc_var(i32)
             f1 = T.alloc_var("float32")
+            # candidate schedule taken (block-uniform); a Python 0 when compiled out, so its branches vanish
+            usecand = T.alloc_var(i32) if cand_cap > 0 else 0
+            ncand = T.alloc_var(i32)
+            slot = T.alloc_var(i32)
+            w1 = T.alloc_var(i32)
+            segv = T.alloc_var(i32)
 
             lo = 0
             hi = N
@@ -204,21 +233,29 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0)
             if (Flags & 2) != 0:
                 hi = T.max(T.min(Ends[bx], N), 0)
             n = T.max(hi - lo, 0)
+            # one contiguous segment of positions per warp (the write sweeps and the candidate compaction)
+            segv = T.ceildiv(T.ceildiv(n, W), 32) * 32
+            if cand_cap > 0:
+                usecand = 0
+            ncand = 0
 
             # ---- pass 0: histogram of the top 11 bits (and the shared-memory key cache) ----
             for b in T.serial(BPT):
                 hist[tx * BPT + b] = 0
+            if cand_cap > 0:
+                if tx == 0:
+                    sel[3] = 0  # candidate counter
             T.sync_threads()
-            for j in T.serial(T.ceildiv(n, NT * U)):
-                for u in T.unroll(U):
+            for j in T.serial(T.ceildiv(n, NT * U0)):
+                for u in T.unroll(U0):
                     fv[u] = T.float32(0)
-                    if (j * U + u) * NT + tx < n:
-                        fv[u] = Scores[bx, lo + (j * U + u) * NT + tx]
-                for u in T.unroll(U):
-                    if (j * U + u) * NT + tx < n:
+                    if (j * U0 + u) * NT + tx < n:
+                        fv[u] = Scores[bx, lo + (j * U0 + u) * NT + tx]
+                for u in T.unroll(U0):
+                    if (j * U0 + u) * NT + tx < n:
                         kk = to_key(fv[u])
                         if cache > 0:
-                            skeys[(j * U + u) * NT + tx] = kk
+                            skeys[(j * U0 + u) * NT + tx] = kk
                         if kk != T.uint32(0):
                             T.atomic_add(hist[T.Cast(i32, kk >> T.uint32(_SHIFTS[0]))], 1)
             T.sync_threads()
@@ -237,21 +274,29 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0)
                         for b in T.serial(BPT):
                             hist[tx * BPT + b] = 0
                         T.sync_threads()
-                        for j in T.serial(T.ceildiv(n, NT * U)):
-                            for u in T.unroll(U):
-                                vals[u] = T.uint32(0)
-                                if (j * U + u) * NT + tx < n:
-                                    if cache > 0:
-                                        vals[u] = skeys[(j * U + u) * NT + tx]
-                                    else:
-                                        fv[u] = Scores[bx, lo + (j * U + u) * NT + tx]
-                            if cache == 0:
+                        if usecand == 1:
+                            # only the candidates can match the prefix (they all have key != 0)
+                            for j in T.serial(T.ceildiv(ncand, NT)):
+                                if j * NT + tx < ncand:
+                                    kk = skeys[cand[j * NT + tx]]
+                                    if (kk & mask) == prefix:
+                                        T.atomic_add(hist[T.Cast(i32, (kk >> shift) & dmask)], 1)
+                        else:
+                            for j in T.serial(T.ceildiv(n, NT * U)):
                                 for u in T.unroll(U):
+                                    vals[u] = T.uint32(0)
                                     if (j * U + u) * NT + tx < n:
-                                        vals[u] = to_key(fv[u])
-                            for u in T.unroll(U):
-                                if vals[u] != T.uint32(0) and (vals[u] & mask) == prefix:
-                                    T.atomic_add(hist[T.Cast(i32, (vals[u] >> shift) & dmask)], 1)
+                                        if cache > 0:
+                                            vals[u] = skeys[(j * U + u) * NT + tx]
+                                        else:
+                                            fv[u] = Scores[bx, lo + (j * U + u) * NT + tx]
+                                if cache == 0:
+                                    for u in T.unroll(U):
+                                        if (j * U + u) * NT + tx < n:
+                                            vals[u] = to_key(fv[u])
+                                for u in T.unroll(U):
+                                    if vals[u] != T.uint32(0) and (vals[u] & mask) == prefix:
+                                        T.atomic_add(hist[T.Cast(i32, (vals[u] >> shift) & dmask)], 1)
                         T.sync_threads()
                     # block suffix scan of the histogram: thread tx owns bins [tx*BPT, tx*BPT + BPT)
                     s = 0
@@ -290,38 +335,78 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0)
                         prefix = prefix | (T.Cast(u32, sel[0]) << shift)
                         mask = mask | (dmask << shift)
                         need = krem
+                        if p == 0:
+                            ncand = sel[2]
                         if sel[2] == krem or p == 2:
                             done = 1
+                    if cand_cap > 0:
+                        if p == 0 and done == 0 and ncand <= cand_cap:
+                            # ---- candidate compaction: the threshold bucket's positions; per-warp "above" ----
+                            usecand = 1
+                            cgt = 0
+                            for j in T.serial(segv // 32):
+                                pos = warp * segv + j * 32 + lane
+                                if pos < n:
+                                    kk = skeys[pos]
+                                    if (kk & mask) > prefix:
+                                        cgt = cgt + 1
+                                    elif kk != T.uint32(0) and (kk & mask) == prefix:
+                                        slot = T.atomic_add(sel[3], 1, return_prev=True)
+                                        if slot < cand_cap:  # always: exactly ncand keys match
+                                            cand[slot] = pos
+                            cgt = T.warp_reduce_sum(cgt)
+                            if lane == 0:
+                                wcnt[0, warp] = cgt
+                                wcnt[1, warp] = 0
                     T.sync_threads()
 
             # ---- write: one contiguous segment per warp, ranks by ballot/popc in position order ----
-            seg = T.ceildiv(T.ceildiv(n, W), 32) * 32
-            cgt = 0
-            ceq = 0
-            for j in T.serial(seg // 32):
-                pos = warp * seg + j * 32 + lane
-                if pos < n:
-                    if cache > 0:
+            seg = segv
+            if usecand == 1:
+                # per-warp counts: "above" outside the bucket (compaction) + the candidates by final threshold
+                for j in T.serial(T.ceildiv(ncand, NT)):
+                    if j * NT + tx < ncand:
+                        pos = cand[j * NT + tx]
                         kk = skeys[pos]
-                    else:
-                        f1 = Scores[bx, lo + pos]
-                        kk = to_key(f1)
-                    if (kk & mask) > prefix:
-                        cgt = cgt + 1
-                    elif kk != T.uint32(0) and (kk & mask) == prefix:
-                        ceq = ceq + 1
-            cgt = T.warp_reduce_sum(cgt)
-            ceq = T.warp_reduce_sum(ceq)
-            if lane == 0:
-                wred[0, warp] = cgt
-                wred[1, warp] = ceq
-            T.sync_threads()
-            cgt = 0
-            ceq = 0
-            for w2 in T.serial(W):
-                if w2 < warp:
-                    cgt = cgt + wred[0, w2]
-                    ceq = ceq + wred[1, w2]
+                        w1 = pos // seg
+                        if (kk & mask) > prefix:
+                            T.atomic_add(wcnt[0, w1], 1)
+                        elif (kk & mask) == prefix:
+                            T.atomic_add(wcnt[1, w1], 1)
+                T.sync_threads()
+                cgt = 0
+                ceq = 0
+                for w2 in T.serial(W):
+                    if w2 < warp:
+                        cgt = cgt + wcnt[0, w2]
+                        ceq = ceq + wcnt[1, w2]
+            else:
+                cgt = 0
+                ceq = 0
+                for j in T.serial(seg // 32):
+                    pos = warp * seg + j * 32 + lane
+                    if pos < n:
+                        if cache > 0:
+                            kk = skeys[pos]
+                        else:
+                            f1 = Scores[bx, lo + pos]
+                            kk = to_key(f1)
+                        if (kk & mask) > prefix:
+                            cgt = cgt + 1
+                        elif kk != T.uint32(0) and (kk & mask) == prefix:
+                            ceq = ceq + 1
+                cgt = T.warp_reduce_sum(cgt)
+                ceq = T.warp_reduce_sum(ceq)
+                if lane == 0:
+                    wred[0, warp] = cgt
+                    wred[1, warp] = ceq
+                T.sync_threads()
+                cgt = 0
+                ceq = 0
+                for w2 in T.serial(W):
+                    if w2 < warp:
+                        cgt = cgt + wred[0, w2]
+                        ceq = ceq + wred[1, w2]
             T.sync_threads()
             for j in T.serial(seg // 32):
                 kk = T.uint32(0)
@@ -379,11 +464,37 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0)
     return topk_radix
 
 
+_DUMMY: dict = {}
+
+
+def _dummy(dev):
+    """A cached 1-element int32 tensor for the starts/ends arguments that are not given (never read)."""
+    t = _DUMMY.get(dev)
+    if t is None:
+        t = _DUMMY[dev] = torch.zeros((1,), dtype=torch.int32, device=dev)
+    return t
+
+
+def pick_u0(threads: int, cache: int) -> int:
+    """Pass-0 loads in flight per thread: the whole cached row in one round for the 512-thread / 8192-key variant
+    (HBM latency is paid once per row, not 4 times), 8 for 1024 threads (64-register cap), else the original 4."""
+    if cache > 0 and threads <= 512:
+        return min(16, cache // threads)
+    if cache > 0:
+        return 8
+    return _UNROLL
+
+
+def cand_cap_for(cache: int) -> int:
+    """Candidate slots of the compaction schedule (0 = off): 2048 for the 8192-key cache, 4096 for 32768."""
+    return 0 if cache == 0 else max(2048, cache // 8)
+
+
 @functools.lru_cache(maxsize=64)
-def _compiled(threads: int, cache: int, sort_cap: int):
+def _compiled(threads: int, cache: int, sort_cap: int, cand_cap: int = 0, u0: int = 0):
     import tilelang
 
-    func = _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap)
+    func = _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap, cand_cap=cand_cap, u0=u0)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -418,25 +529,58 @@ def kernel_unsupported(scores, k, starts=None, ends=None, order="index") -> str 
     return None
 
 
-def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=None) -> torch.Tensor:
+IMPLS = ("single", "multi4", "persist")
+
+
+def pick_impl(M: int, N: int, order: str, sms: int) -> str:
+    """Routing rule (shapes only): "persist" (G CTAs per row, one launch, ``kernel_radix_persist.use_persist``),
+    else "multi4" (G CTAs per row, 4 launches, ``kernel_radix_multi.use_multi``), else "single" (this kernel)."""
+    from . import kernel_radix_multi as _multi
+    from . import kernel_radix_persist as _persist
+
+    if _persist.use_persist(M, N, order, sms):
+        return "persist"
+    if _multi.use_multi(M, N, order, sms):
+        return "multi4"
+    return "single"
+
+
+def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=None, impl=None,
+                     cand=False, u0=None, threads=None) -> torch.Tensor:
     """Exact top-k positions per row; `[M, k]` int32 in ``order`` ("any" = "index").  No host synchronisation.
 
-    ``multi``: None routes by ``kernel_radix_multi.use_multi`` (shapes only); True / False force the multi-CTA /
-    one-CTA-per-row kernel (True with order="score" raises ValueError).
+    ``impl``: None routes by ``pick_impl`` (shapes only); "single" (one CTA per row, this module), "multi4"
+    (``kernel_radix_multi``, 4 launches) or "persist" (``kernel_radix_persist``, one launch) force a path
+    ("multi4" / "persist" with order="score" raise ValueError).  ``multi`` (older switch): True = "multi4",
+    False = "single".  ``cand``: the one-CTA kernel uses the candidate compaction schedule (measured slower on
+    4096 x 8192: 202 vs 189.5 us; kept for experiments).  ``u0``: pass-0 loads in flight per thread (None:
+    ``pick_u0``; 4 is the original).  ``threads``: CTA size of the one-CTA kernel (None: ``pick_config``).
     """
     reason = kernel_unsupported(scores, k, starts, ends, order)
     if reason is not None:
         raise ValueError(f"topk radix kernel: {reason}")
     M, N = scores.shape
     dev = scores.device
-    if multi and order == "score":
-        raise ValueError("topk radix kernel: the multi-CTA path has no order='score'")
-    if order != "score" and multi is not False:
+    if impl is None and multi is not None:
+        impl = "multi4" if multi else "single"
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"topk radix kernel: impl {impl!r} not in {IMPLS}")
+    if impl in ("multi4", "persist") and order == "score":
+        raise ValueError("topk radix kernel: the multi-CTA paths have no order='score'")
+    if impl is None:
         from . import kernel_radix_multi as _multi
 
-        if multi or _multi.use_multi(M, N, order, _multi._sm_count(dev.index if dev.index is not None else 0)):
-            # few long rows: several CTAs per row (see kernel_radix_multi's notes for the rule)
-            return _multi.run_topk_indices_multi(scores, k, starts, ends)
+        impl = pick_impl(M, N, order, _multi._sm_count(dev.index if dev.index is not None else 0))
+    if impl == "persist":
+        from . import kernel_radix_persist as _persist
+
+        # rows that leave SMs idle: several CTAs per row, one launch with row barriers
+        return _persist.run_topk_indices_persist(scores, k, starts, ends)
+    if impl == "multi4":
+        from . import kernel_radix_multi as _multi
+
+        # few very long rows: several CTAs per row (see kernel_radix_multi's notes for the rule)
+        return _multi.run_topk_indices_multi(scores, k, starts, ends)
     out = torch.empty((M, k), dtype=torch.int32, device=dev)
     if M == 0:
         return out
@@ -445,15 +589,17 @@ def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=
     if (N == 1 and scores.stride(1) != 1) or (M == 1 and scores.stride(0) != N):
         # size-1 dims may carry any stride in torch; give the kernel the canonical one (same storage)
         scores = scores.as_strided((M, N), (N if M == 1 else scores.stride(0), 1))
-    threads, cache = pick_config(N)
+    threads0, cache = pick_config(N)
+    threads = threads0 if threads is None else int(threads)
     sort_cap = _sort_cap(k) if order == "score" else 0
     dummy = None
     if starts is None or ends is None:
-        dummy = torch.empty((1,), dtype=torch.int32, device=dev)
+        dummy = _dummy(dev)
     st = starts.contiguous() if starts is not None else dummy
     en = ends.contiguous() if ends is not None else dummy
     flags = (1 if starts is not None else 0) | (2 if ends is not None else 0)
-    kernel = _compiled(threads, cache, sort_cap)
+    kernel = _compiled(threads, cache, sort_cap, cand_cap_for(cache) if cand else 0,
+                       pick_u0(threads, cache) if u0 is None else int(u0))
     kernel(scores, st, en, out, flags)
     return out
 
@@ -465,7 +611,9 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test (one per shipped variant)."""
     cases = []
     # lowering is slow on CPU: the smem-cached index path and the L2 re-read score path
-    for threads, cache, sort_cap in [(512, 8192, 0), (1024, 0, 4096)]:
-        name = f"t{threads}_cache{cache}_" + (f"score{sort_cap}" if sort_cap else "index")
-        cases.append((name, _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap)))
+    # (the first with candidate compaction, which also holds the original schedule as its fallback branch)
+    for threads, cache, sort_cap in [(256, 8192, 0), (1024, 0, 4096)]:
+        cc, u0 = cand_cap_for(cache), pick_u0(threads, cache)
+        name = f"t{threads}_cache{cache}_cand{cc}_u{u0}_" + (f"score{sort_cap}" if sort_cap else "index")
+        cases.append((name, _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap, cand_cap=cc, u0=u0)))
     return cases

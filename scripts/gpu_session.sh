@@ -1,0 +1,29 @@
+#!/bin/bash
+# One device call: GPU tests in parallel, then benchmark suites, all inside a wall-clock budget.
+#
+#   scripts/gpu_session.sh BUDGET_S TEST_TIMEOUT_S "PYTEST ARGS" SUITE...
+#
+# Run from the repo root on the GPU host with $OUT set (the device tool does); FLASHDSA_COMMIT names the commit.
+# Logs: $OUT/tests.log, $OUT/bench_<suite>.log; benchmark JSON lands in $OUT (copy to benchmarks/results/).
+# Each suite gets at most the time left; a killed suite leaves its log (JSON is written only at the end).
+set -u
+budget=$1; test_timeout=$2; pytest_args=$3; shift 3
+start=$(date +%s)
+source .gpu/env.sh
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlc}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+if [ "$test_timeout" -gt 0 ]; then
+  timeout -s KILL "$test_timeout" python -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark $pytest_args \
+    > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?" | tee -a "$OUT/tests.log"
+  grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
+fi
+for suite in "$@"; do
+  left=$(( budget - ($(date +%s) - start) - 5 ))
+  if [ "$left" -lt 20 ]; then echo "no time left for $suite"; continue; fi
+  timeout -s KILL "$left" python -m flashdsa bench --op "$suite" --results-dir "$OUT" > "$OUT/bench_$suite.log" 2>&1
+  echo "bench $suite rc=$? ($(( $(date +%s) - start )) s)"
+  grep -vE "TileLang|^\s*$|Warning|warn" "$OUT/bench_$suite.log" | tail -14
+done
+echo "total $(( $(date +%s) - start )) s"
