@@ -10,28 +10,19 @@ Median of CUDA-event timings after warm-up; random inputs; each variant checked 
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 import tilelang
 
+from flashdsa.bench.harness import time_fn
 from flashdsa.indexer import kernel_prefill
 from flashdsa.sparse import kernel_fwd, kernel_fwd_ws
 
 
 def bench(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of ``fn()`` (CUDA events, L2 flushed before each run: ``flashdsa.bench.harness.time_fn``)."""
+    return time_fn(lambda _: fn(), [None], torch.device("cuda"), warmup=warmup, reps=reps).ms_median
 
 
 def sparse_cases(rows):

@@ -8,7 +8,6 @@ Unreferenced cache rows are poisoned byte-wise (0xFF: NaN e4m3 / NaN scale / NaN
 
 import math
 import os
-import statistics
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("tilelang")
 
+from flashdsa.bench.harness import time_fn  # noqa: E402
 from flashdsa.quant import dequantize_kv_fp8, quantize_kv_fp8  # noqa: E402
 from flashdsa.sparse import kernel_fwd, kernel_fwd_fp8cache  # noqa: E402
 
@@ -86,17 +86,7 @@ def test_fp8cache_unsupported_reasons():
 
 
 def _median_ms(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return time_fn(lambda _: fn(), [None], torch.device("cuda"), reps=reps).ms_median
 
 
 @pytest.mark.parametrize("tkv", [8192, 131072])
