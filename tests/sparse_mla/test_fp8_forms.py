@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashdsa
-from tests.oracles import kv_fp8_unpack_oracle, sparse_mla_oracle, sparse_mla_oracle_batched
+from oracles import kv_fp8_unpack_oracle, sparse_mla_oracle, sparse_mla_oracle_batched
 
 E4M3 = torch.float8_e4m3fn
 
