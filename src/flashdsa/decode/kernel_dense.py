@@ -83,12 +83,8 @@ import os
 
 import torch
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from ._tl_common import D_ROPE, D_V, DQK, LN2, LOG2E, partial_prim_func, partial_sizes
 
-DQK = 576
-D_V = 512
-D_ROPE = DQK - D_V
 BLOCK_M = 64  # query rows (s_q * H) per tile: the wgmma M
 BLOCK_N = 32  # cache positions per tile (64 needs 233472 B of smem, over the 232448 B cap)
 MAX_ROWS = 4 * 128  # s_q * H <= 512 (s_q <= 4 at H = 128)
@@ -130,12 +126,8 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
     c_log2 = float(sm_scale) * LOG2E
     neg_big = -1.0e30
     bf16, f32, i32 = "bfloat16", "float32", "int32"
-
-    nbat = T.dynamic("batch")
-    nblk = T.dynamic("num_blocks")
-    maxb = T.dynamic("max_blocks")
-    nitem = T.dynamic("max_items")
-    n_sink = T.dynamic("n_sink")
+    sizes = partial_sizes()
+    _, nblk, maxb, nitem, _ = sizes  # (batch, num_blocks, max_blocks, max_items, n_sink)
 
     @T.macro
     def issue_tile(KV, BlockTable, b, p0, end, KV_b, Kt_b):
@@ -183,19 +175,8 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
         T.copy(acc_s, P_s)
         T.gemm(P_s, KV_b, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
-    @T.prim_func
-    def mla_decode_dense_partial(
-        Q: T.Tensor([nbat, M, DQK], bf16),
-        KV: T.Tensor([nblk, bs, DQK], bf16),
-        BlockTable: T.Tensor([nbat, maxb], i32),
-        SeqLens: T.Tensor([nbat], i32),
-        Plan: T.Tensor([4, nitem], i32),
-        Sink: T.Tensor([n_sink], f32),
-        Out: T.Tensor([nbat, M, D], bf16),
-        Lse: T.Tensor([nbat, M], f32),
-        OPart: T.Tensor([nitem, M, D], f32),
-        LsePart: T.Tensor([nitem, M], f32),
-    ):
+    @T.macro
+    def body(Q, KV, BlockTable, SeqLens, Plan, Sink, Out, Lse, OPart, LsePart):
         with T.Kernel(nitem, n_mt, threads=threads) as (bx, by):
             Q_s = T.alloc_shared([BM, D], bf16)
             Qt_s = T.alloc_shared([BM, DT], bf16)
@@ -294,7 +275,7 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
                         if m0 + r < M:
                             LsePart[bx, m0 + r] = lse2[r]
 
-    return mla_decode_dense_partial
+    return partial_prim_func("mla_decode_dense_partial", body, M=M, block_size=bs, sizes=sizes)
 
 
 def build_combine_kernel(*, heads: int, s_q: int, has_sink: bool, threads: int = _COMBINE_THREADS):

@@ -58,6 +58,7 @@ import tilelang
 import tilelang.language as T
 
 from . import kernel_dense as _kd
+from ._tl_common import partial_prim_func, partial_sizes
 
 LOG2E = _kd.LOG2E
 LN2 = _kd.LN2
@@ -91,12 +92,8 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
     c_log2 = float(sm_scale) * LOG2E
     neg_big = -1.0e30
     bf16, f32, i32 = "bfloat16", "float32", "int32"
-
-    nbat = T.dynamic("batch")
-    nblk = T.dynamic("num_blocks")
-    maxb = T.dynamic("max_blocks")
-    nitem = T.dynamic("max_items")
-    n_sink = T.dynamic("n_sink")
+    sizes = partial_sizes()
+    _, nblk, maxb, nitem, _ = sizes  # (batch, num_blocks, max_blocks, max_items, n_sink)
 
     def _page(BlockTable, b, p):
         # page id of position p (the table read stays in bounds; p may run past the table on the last tile)
@@ -185,19 +182,8 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
         T.wait_wgmma(0)
         T.barrier_arrive(kv_fr)
 
-    @T.prim_func
-    def mla_decode_dense_partial_ws(
-        Q: T.Tensor([nbat, M, DQK], bf16),
-        KV: T.Tensor([nblk, bs, DQK], bf16),
-        BlockTable: T.Tensor([nbat, maxb], i32),
-        SeqLens: T.Tensor([nbat], i32),
-        Plan: T.Tensor([4, nitem], i32),
-        Sink: T.Tensor([n_sink], f32),
-        Out: T.Tensor([nbat, M, D], bf16),
-        Lse: T.Tensor([nbat, M], f32),
-        OPart: T.Tensor([nitem, M, D], f32),
-        LsePart: T.Tensor([nitem, M], f32),
-    ):
+    @T.macro
+    def body(Q, KV, BlockTable, SeqLens, Plan, Sink, Out, Lse, OPart, LsePart):
         with T.Kernel(nitem * n_mt, threads=THREADS) as bx:
             Q_l = T.alloc_shared([BH, DH], bf16)
             Q_r = T.alloc_shared([BH, DH], bf16)
@@ -350,7 +336,7 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
                                    info[2])
                             T.barrier_arrive(kv_ready1)
 
-    return mla_decode_dense_partial_ws
+    return partial_prim_func("mla_decode_dense_partial_ws", body, M=M, block_size=bs, sizes=sizes)
 
 
 def _pass_configs():

@@ -54,8 +54,8 @@ Risks for the first GPU run of "pipelined"
     async wgmma of tile it+1 issued before the epilogue of tile it (two accumulators, 192 regs, 2-3 CTAs/SM).
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations with the function's
+# closure, and the shared signature (`_paged_prim_func`) names its sizes only in the annotations
 import functools
 
 import torch
@@ -83,21 +83,18 @@ PIPE_STAGES = 4  # "pipelined" variant: cp.async ring depth (tiles of BLOCK_N ke
 _TL_DTYPES = {torch.float8_e4m3fn: "float8_e4m3", torch.bfloat16: "bfloat16"}
 
 
-def build_indexer_paged(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
-                        chunk: int = CHUNK, num_stages: int = NUM_STAGES, threads: int = THREADS):
-    """prim_func ``(Q[B*next_n*H, D], KCache[num_blocks, bs, D], KScale[num_blocks, bs] f32, W[B*next_n*H] f32,
-    ContextLens[B] i32, BlockTable[B, max_blocks] i32, Out[B*next_n, L] f32)``; B, num_blocks, max_blocks, L dynamic."""
-    H, D, NN, BS, BN = heads, dim, next_n, block_size, BLOCK_N
-    assert H in SUPPORTED_HEADS and D in SUPPORTED_DIMS and BS in SUPPORTED_BLOCK_SIZES and 1 <= NN <= MAX_NEXT_N
-    BC = NN * H
-    PPS = max(1, BN // BS)  # pages per stage
-    KPP = min(BS, BN)  # keys copied per page per stage
-    n_stage_chunk = chunk // BN
+def _paged_sizes():
+    """The symbolic sizes of the kernels' signature: (B, num_blocks, max_blocks, L)."""
+    return T.dynamic("B"), T.dynamic("num_blocks"), T.dynamic("max_blocks"), T.dynamic("L")
+
+
+def _paged_prim_func(name: str, body, *, heads: int, dim: int, next_n: int, block_size: int, dtype: str, sizes):
+    """prim_func ``name`` with the signature both variants share (see ``build_indexer_paged``); its body is the
+    variant's ``T.macro`` ``body(Q, KCache, KScale, W, ContextLens, BlockTable, Out)``, inlined when parsed (the
+    generated CUDA is that of the prim_func written out in full)."""
+    H, D, NN, BS = heads, dim, next_n, block_size
     f32, i32 = "float32", "int32"
-    B = T.dynamic("B")
-    NB = T.dynamic("num_blocks")
-    MB = T.dynamic("max_blocks")
-    L = T.dynamic("L")
+    B, NB, MB, L = sizes
 
     @T.prim_func
     def indexer_paged(
@@ -109,6 +106,27 @@ def build_indexer_paged(*, heads: int, dim: int, next_n: int, block_size: int, d
         BlockTable: T.Tensor([B, MB], i32),
         Out: T.Tensor([B * NN, L], f32),
     ):
+        body(Q, KCache, KScale, W, ContextLens, BlockTable, Out)
+
+    return indexer_paged.with_attr("global_symbol", name)
+
+
+def build_indexer_paged(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
+                        chunk: int = CHUNK, num_stages: int = NUM_STAGES, threads: int = THREADS):
+    """prim_func ``(Q[B*next_n*H, D], KCache[num_blocks, bs, D], KScale[num_blocks, bs] f32, W[B*next_n*H] f32,
+    ContextLens[B] i32, BlockTable[B, max_blocks] i32, Out[B*next_n, L] f32)``; B, num_blocks, max_blocks, L dynamic."""
+    H, D, NN, BS, BN = heads, dim, next_n, block_size, BLOCK_N
+    assert H in SUPPORTED_HEADS and D in SUPPORTED_DIMS and BS in SUPPORTED_BLOCK_SIZES and 1 <= NN <= MAX_NEXT_N
+    BC = NN * H
+    PPS = max(1, BN // BS)  # pages per stage
+    KPP = min(BS, BN)  # keys copied per page per stage
+    n_stage_chunk = chunk // BN
+    f32, i32 = "float32", "int32"
+    sizes = _paged_sizes()
+    B, NB, MB, L = sizes
+
+    @T.macro
+    def body(Q, KCache, KScale, W, ContextLens, BlockTable, Out):
         with T.Kernel(T.ceildiv(L, chunk), B, threads=threads) as (bc, b):
             Q_s = T.alloc_shared([BC, D], dtype)
             K_s = T.alloc_shared([BN, D], dtype)
@@ -160,7 +178,8 @@ def build_indexer_paged(*, heads: int, dim: int, next_n: int, block_size: int, d
                     if p0 + n < L:
                         Out[b * NN + j, p0 + n] = logit[n, j]
 
-    return indexer_paged
+    return _paged_prim_func("indexer_paged", body, heads=H, dim=D, next_n=NN, block_size=BS, dtype=dtype,
+                            sizes=sizes)
 
 
 def min_ctas_per_sm(heads: int, next_n: int) -> int:
@@ -186,10 +205,8 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
     n_tile_chunk = chunk // BN
     f32, i32 = "float32", "int32"
     no_commit = {"no_implicit_async_commit_wait": True}
-    B = T.dynamic("B")
-    NB = T.dynamic("num_blocks")
-    MB = T.dynamic("max_blocks")
-    L = T.dynamic("L")
+    sizes = _paged_sizes()
+    B, NB, MB, L = sizes
 
     @T.macro
     def issue(KCache, KScale, K_s, ks_s, bt_s, t, st):
@@ -201,16 +218,8 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
                 T.async_copy(KCache[blk, off:off + KPP, :], K_s[st, sg * KPP:(sg + 1) * KPP, :], annotations=no_commit)
                 T.async_copy(KScale[blk, off:off + KPP], ks_s[st, sg * KPP:(sg + 1) * KPP], annotations=no_commit)
 
-    @T.prim_func
-    def indexer_paged_pipelined(
-        Q: T.Tensor([B * NN * H, D], dtype),
-        KCache: T.Tensor([NB, BS, D], dtype),
-        KScale: T.Tensor([NB, BS], f32),
-        W: T.Tensor([B * NN * H], f32),
-        ContextLens: T.Tensor([B], i32),
-        BlockTable: T.Tensor([B, MB], i32),
-        Out: T.Tensor([B * NN, L], f32),
-    ):
+    @T.macro
+    def body(Q, KCache, KScale, W, ContextLens, BlockTable, Out):
         with T.Kernel(T.ceildiv(L, chunk), B, threads=threads) as (bc, b):
             Q_s = T.alloc_shared([BC, D], dtype)
             K_s = T.alloc_shared([S, BN, D], dtype)
@@ -267,7 +276,8 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
                     if p0 + n < L:
                         Out[b * NN + j, p0 + n] = logit[n, j]
 
-    return indexer_paged_pipelined
+    return _paged_prim_func("indexer_paged_pipelined", body, heads=H, dim=D, next_n=NN, block_size=BS, dtype=dtype,
+                            sizes=sizes)
 
 
 def _pass_configs(variant: str = VARIANT) -> dict:
