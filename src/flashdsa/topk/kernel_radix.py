@@ -81,22 +81,11 @@ import functools
 
 import torch
 
-HBINS = 2048  # 11-bit digits; pass 2 uses the low 10 bits
-_SHIFTS = (21, 10, 0)
-_DMASKS = (0x7FF, 0x7FF, 0x3FF)
+# (HBINS, _SHIFTS, _DMASKS, _UNROLL, _pass_configs, to_key_expr: also re-exported from here, their old home)
+from ._tl_radix import _DMASKS, _SHIFTS, _UNROLL, HBINS, Ix, _pass_configs, dmask_expr, dynamic_dims  # noqa: F401
+from ._tl_radix import new_output, radix_macros, range_args, shift_expr, to_key_expr
+
 MAX_SCORE_K = 4096  # order="score" sorts k_eff entries in shared memory
-_UNROLL = 4
-
-
-def _pass_configs():
-    import tilelang
-
-    return {
-        # every __syncthreads is written by hand (the automatic pass would put some under divergent branches)
-        tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
-        # no aliasing of shared buffers: with hand-written syncs the planner's lifetime view is not safe
-        tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True,
-    }
 
 
 def _next_pow2(x: int) -> int:
@@ -125,21 +114,6 @@ def pick_config(n: int) -> tuple[int, int]:
     return 1024, 0
 
 
-def to_key_expr(x):
-    """TileLang expression: float32 ``x`` -> order-preserving uint32 key (0 for NaN, -inf; +-0 tie).  Shared with
-    ``kernel_radix_multi``."""
-    import tilelang.language as T
-
-    u32 = "uint32"
-    b = T.reinterpret(x, u32)
-    a = b & T.uint32(0x7FFFFFFF)
-    k = T.if_then_else(
-        a == T.uint32(0), T.uint32(0x80000000),
-        T.if_then_else(b >= T.uint32(0x80000000), ~b, b | T.uint32(0x80000000)))
-    bad = (a > T.uint32(0x7F800000)) | (b == T.uint32(0xFF800000))  # NaN or -inf
-    return T.if_then_else(bad, T.uint32(0), k)
-
-
 def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0, cand_cap: int = 0, u0: int = 0):
     """TileLang prim_func: Scores [M, N] f32 (row stride SM), Starts [NS] i32, Ends [NE] i32, Out [M, K] i32, Flags.
 
@@ -164,15 +138,11 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
     U = _UNROLL
     U0 = u0 if u0 > 0 else U
 
-    M = T.dynamic("M")
-    N = T.dynamic("N")
-    K = T.dynamic("K")
-    NS = T.dynamic("NS")
-    NE = T.dynamic("NE")
-    SM = T.dynamic("SM")
+    M, N, K, NS, NE, SM = dynamic_dims("M", "N", "K", "NS", "NE", "SM")
     u32, i32, u64 = "uint32", "int32", "uint64"
 
     to_key = to_key_expr
+    R = radix_macros(NT)
 
     @T.prim_func
     def topk_radix(
@@ -226,13 +196,7 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
             w1 = T.alloc_var(i32)
             segv = T.alloc_var(i32)
 
-            lo = 0
-            hi = N
-            if (Flags & 1) != 0:
-                lo = T.max(T.min(Starts[bx], N), 0)
-            if (Flags & 2) != 0:
-                hi = T.max(T.min(Ends[bx], N), 0)
-            n = T.max(hi - lo, 0)
+            R.row_range(lo, hi, n, Starts, Ends, Flags, N, Ix(row=bx))
             # one contiguous segment of positions per warp (the write sweeps and the candidate compaction)
             segv = T.ceildiv(T.ceildiv(n, W), 32) * 32
             if cand_cap > 0:
@@ -246,18 +210,7 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
                 if tx == 0:
                     sel[3] = 0  # candidate counter
             T.sync_threads()
-            for j in T.serial(T.ceildiv(n, NT * U0)):
-                for u in T.unroll(U0):
-                    fv[u] = T.float32(0)
-                    if (j * U0 + u) * NT + tx < n:
-                        fv[u] = Scores[bx, lo + (j * U0 + u) * NT + tx]
-                for u in T.unroll(U0):
-                    if (j * U0 + u) * NT + tx < n:
-                        kk = to_key(fv[u])
-                        if cache > 0:
-                            skeys[(j * U0 + u) * NT + tx] = kk
-                        if kk != T.uint32(0):
-                            T.atomic_add(hist[T.Cast(i32, kk >> T.uint32(_SHIFTS[0]))], 1)
+            R.first_hist(U0, n, kk, fv, tx, hist, skeys if cache > 0 else None, Scores, Ix(row=bx, base=lo))
             T.sync_threads()
 
             prefix = T.uint32(0)
@@ -266,9 +219,8 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
             krem = K
             for p in T.unroll(3):
                 if done == 0:
-                    shift = T.Cast(
-                        u32, T.if_then_else(p == 0, _SHIFTS[0], T.if_then_else(p == 1, _SHIFTS[1], _SHIFTS[2])))
-                    dmask = T.Cast(u32, T.if_then_else(p == 2, _DMASKS[2], _DMASKS[0]))
+                    shift = shift_expr(p)
+                    dmask = dmask_expr(p)
                     if p > 0:
                         # histogram of the next digit among keys matching the decided prefix
                         for b in T.serial(BPT):
@@ -298,47 +250,9 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
                                     if vals[u] != T.uint32(0) and (vals[u] & mask) == prefix:
                                         T.atomic_add(hist[T.Cast(i32, (vals[u] >> shift) & dmask)], 1)
                         T.sync_threads()
-                    # block suffix scan of the histogram: thread tx owns bins [tx*BPT, tx*BPT + BPT)
-                    s = 0
-                    for b in T.serial(BPT):
-                        s = s + hist[tx * BPT + b]
-                    x = s
-                    for o in T.unroll(5):
-                        g = T.shfl_down(x, 1 << o)
-                        if lane + (1 << o) < 32:
-                            x = x + g
-                    if lane == 0:
-                        wred[0, warp] = x
-                    T.sync_threads()
-                    g = x - s
-                    total = 0
-                    for w2 in T.serial(W):
-                        total = total + wred[0, w2]
-                        if w2 > warp:
-                            g = g + wred[0, w2]
-                    if p == 0:
-                        kef = T.min(K, total)
-                        krem = kef
-                    if p == 0 and total <= K:
-                        # take every valid element
-                        done = 1
-                        need = total
-                    else:
-                        for b in T.serial(BPT):
-                            if g < krem and krem <= g + hist[tx * BPT + BPT - 1 - b]:
-                                sel[0] = tx * BPT + BPT - 1 - b
-                                sel[1] = g
-                                sel[2] = hist[tx * BPT + BPT - 1 - b]
-                            g = g + hist[tx * BPT + BPT - 1 - b]
-                        T.sync_threads()
-                        krem = krem - sel[1]
-                        prefix = prefix | (T.Cast(u32, sel[0]) << shift)
-                        mask = mask | (dmask << shift)
-                        need = krem
-                        if p == 0:
-                            ncand = sel[2]
-                        if sel[2] == krem or p == 2:
-                            done = 1
+                    # threshold digit of level p (records the level-0 bucket size in ncand)
+                    R.choose_digit(p, K, tx, lane, warp, hist, wred, sel, s, x, g, total, kef, krem, need, done, prefix,
+                                   mask, shift, dmask, ncand, ncand, False)
                     if cand_cap > 0:
                         if p == 0 and done == 0 and ncand <= cand_cap:
                             # ---- candidate compaction: the threshold bucket's positions; per-warp "above" ----
@@ -374,62 +288,13 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
                         elif (kk & mask) == prefix:
                             T.atomic_add(wcnt[1, w1], 1)
                 T.sync_threads()
-                cgt = 0
-                ceq = 0
-                for w2 in T.serial(W):
-                    if w2 < warp:
-                        cgt = cgt + wcnt[0, w2]
-                        ceq = ceq + wcnt[1, w2]
+                R.warp_bases(cgt, ceq, wcnt, warp, Ix(cnt0=0, tie0=0))
             else:
-                cgt = 0
-                ceq = 0
-                for j in T.serial(seg // 32):
-                    pos = warp * seg + j * 32 + lane
-                    if pos < n:
-                        if cache > 0:
-                            kk = skeys[pos]
-                        else:
-                            f1 = Scores[bx, lo + pos]
-                            kk = to_key(f1)
-                        if (kk & mask) > prefix:
-                            cgt = cgt + 1
-                        elif kk != T.uint32(0) and (kk & mask) == prefix:
-                            ceq = ceq + 1
-                cgt = T.warp_reduce_sum(cgt)
-                ceq = T.warp_reduce_sum(ceq)
-                if lane == 0:
-                    wred[0, warp] = cgt
-                    wred[1, warp] = ceq
-                T.sync_threads()
-                cgt = 0
-                ceq = 0
-                for w2 in T.serial(W):
-                    if w2 < warp:
-                        cgt = cgt + wred[0, w2]
-                        ceq = ceq + wred[1, w2]
+                R.count_sweep(seg, lane, warp, n, kk, f1, pos, cgt, ceq, mask, prefix, wred,
+                              skeys if cache > 0 else None, Scores, Ix(row=bx, base=lo, cnt0=0, tie0=0))
             T.sync_threads()
-            for j in T.serial(seg // 32):
-                kk = T.uint32(0)
-                pos = warp * seg + j * 32 + lane
-                if pos < n:
-                    if cache > 0:
-                        kk = skeys[pos]
-                    else:
-                        f1 = Scores[bx, lo + pos]
-                        kk = to_key(f1)
-                bg = T.ballot_sync((kk & mask) > prefix)
-                be = T.ballot_sync(kk != T.uint32(0) and (kk & mask) == prefix)
-                lt = (T.uint64(1) << T.Cast(u64, lane)) - T.uint64(1)
-                x = cgt + T.Cast(i32, T.popcount(bg & lt))
-                s = ceq + T.Cast(i32, T.popcount(be & lt))
-                if (kk & mask) > prefix or (kk != T.uint32(0) and (kk & mask) == prefix and s < need):
-                    if score:
-                        sbuf[x + T.min(s, need)] = (T.Cast(u64, kk) << T.uint64(32)) | T.Cast(
-                            u64, T.uint32(0xFFFFFFFF) - T.Cast(u32, pos))
-                    else:
-                        Out[bx, x + T.min(s, need)] = lo + pos
-                cgt = cgt + T.Cast(i32, T.popcount(bg))
-                ceq = ceq + T.Cast(i32, T.popcount(be))
+            R.write_sweep(seg, lane, warp, n, kk, f1, pos, cgt, ceq, mask, prefix, x, s, need,
+                          skeys if cache > 0 else None, Scores, Out, sbuf if score else None, Ix(row=bx, base=lo))
 
             if score:
                 for j in T.serial(T.ceildiv(sort_cap, NT)):
@@ -462,17 +327,6 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
                         Out[bx, j * NT + tx] = -1
 
     return topk_radix
-
-
-_DUMMY: dict = {}
-
-
-def _dummy(dev):
-    """A cached 1-element int32 tensor for the starts/ends arguments that are not given (never read)."""
-    t = _DUMMY.get(dev)
-    if t is None:
-        t = _DUMMY[dev] = torch.zeros((1,), dtype=torch.int32, device=dev)
-    return t
 
 
 def pick_u0(threads: int, cache: int) -> int:
@@ -581,23 +435,13 @@ def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=
 
         # few very long rows: several CTAs per row (see kernel_radix_multi's notes for the rule)
         return _multi.run_topk_indices_multi(scores, k, starts, ends)
-    out = torch.empty((M, k), dtype=torch.int32, device=dev)
-    if M == 0:
+    out, scores = new_output(scores, k)
+    if scores is None:  # M == 0 or N == 0
         return out
-    if N == 0:
-        return out.fill_(-1)
-    if (N == 1 and scores.stride(1) != 1) or (M == 1 and scores.stride(0) != N):
-        # size-1 dims may carry any stride in torch; give the kernel the canonical one (same storage)
-        scores = scores.as_strided((M, N), (N if M == 1 else scores.stride(0), 1))
     threads0, cache = pick_config(N)
     threads = threads0 if threads is None else int(threads)
     sort_cap = _sort_cap(k) if order == "score" else 0
-    dummy = None
-    if starts is None or ends is None:
-        dummy = _dummy(dev)
-    st = starts.contiguous() if starts is not None else dummy
-    en = ends.contiguous() if ends is not None else dummy
-    flags = (1 if starts is not None else 0) | (2 if ends is not None else 0)
+    st, en, flags = range_args(starts, ends, dev)
     kernel = _compiled(threads, cache, sort_cap, cand_cap_for(cache) if cand else 0,
                        pick_u0(threads, cache) if u0 is None else int(u0))
     kernel(scores, st, en, out, flags)

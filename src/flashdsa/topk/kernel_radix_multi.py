@@ -66,7 +66,8 @@ import functools
 
 import torch
 
-from .kernel_radix import _DMASKS, _SHIFTS, _UNROLL, HBINS, _pass_configs, to_key_expr
+from ._tl_radix import _DMASKS, _SHIFTS, _UNROLL, HBINS, Ix, _pass_configs, alloc_vars, dmask_expr  # noqa: F401
+from ._tl_radix import dynamic_dims, new_output, radix_macros, range_args, shift_expr, sm_count, to_key_expr
 
 MIN_PER_CTA = 4096  # elements per CTA at least
 MIN_GROUPS = 4  # use the multi-CTA path only when a row gets at least this many CTAs
@@ -74,9 +75,7 @@ PSTRIDE = HBINS + 1  # Part row: suffix counts of 2048 bins, then A
 THREADS = 1024
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+_sm_count = sm_count
 
 
 def pick_groups(M: int, N: int, sms: int = 132) -> int:
@@ -100,15 +99,10 @@ def _build_topk_radix_multi(*, threads: int = THREADS):
     BPT = HBINS // NT
     U = _UNROLL
 
-    M = T.dynamic("M")
-    N = T.dynamic("N")
-    K = T.dynamic("K")
-    G = T.dynamic("G")
-    NS = T.dynamic("NS")
-    NE = T.dynamic("NE")
-    SM = T.dynamic("SM")
-    u32, i32, u64 = "uint32", "int32", "uint64"
+    M, N, K, G, NS, NE, SM = dynamic_dims("M", "N", "K", "G", "NS", "NE", "SM")
+    u32, i32 = "uint32", "int32"
     to_key = to_key_expr
+    R = radix_macros(NT)
 
     @T.prim_func
     def topk_radix_multi(
@@ -129,112 +123,37 @@ def _build_topk_radix_multi(*, threads: int = THREADS):
 
             lane = tx % 32
             warp = tx // 32
-            lo = T.alloc_var(i32)
-            hi = T.alloc_var(i32)
-            n = T.alloc_var(i32)
-            cs = T.alloc_var(i32)
-            ln = T.alloc_var(i32)
-            chunk = T.alloc_var(i32)
-            total = T.alloc_var(i32)
-            kef = T.alloc_var(i32)
-            krem = T.alloc_var(i32)
-            need = T.alloc_var(i32)
-            done = T.alloc_var(i32)
-            lev = T.alloc_var(i32)
-            dsel = T.alloc_var(i32)
-            prefix = T.alloc_var(u32)
-            mask = T.alloc_var(u32)
-            x = T.alloc_var(i32)
-            s = T.alloc_var(i32)
-            g = T.alloc_var(i32)
-            a = T.alloc_var(i32)
+            lo, hi, n, cs, ln, chunk, total, kef, krem, need, done, lev, dsel = alloc_vars(i32, 13)
+            prefix, mask = alloc_vars(u32, 2)
+            x, s, g, a = alloc_vars(i32, 4)
             kk = T.alloc_var(u32)
-            cgt = T.alloc_var(i32)
-            ceq = T.alloc_var(i32)
+            cgt, ceq = alloc_vars(i32, 2)
             fv = T.alloc_local((U,), "float32")
-            shift = T.alloc_var(u32)
-            dmask = T.alloc_var(u32)
-            pos = T.alloc_var(i32)
-            h1 = T.alloc_var(i32)
+            shift, dmask = alloc_vars(u32, 2)
+            pos, h1 = alloc_vars(i32, 2)
             f1 = T.alloc_var("float32")
 
-            lo = 0
-            hi = N
-            if (Flags & 1) != 0:
-                lo = T.max(T.min(Starts[by], N), 0)
-            if (Flags & 2) != 0:
-                hi = T.max(T.min(Ends[by], N), 0)
-            n = T.max(hi - lo, 0)
-            chunk = T.ceildiv(T.ceildiv(n, G), 32) * 32
-            cs = T.min(gx * chunk, n)
-            ln = T.min(cs + chunk, n) - cs
+            R.row_range(lo, hi, n, Starts, Ends, Flags, N, Ix(row=by))
+            R.cta_slice(G, n, chunk, cs, ln, None, Ix(gx=gx))
 
             # ---- threshold state after the levels decided by earlier launches (same in every CTA) ----
-            prefix = T.uint32(0)
-            mask = T.uint32(0)
-            done = 0
-            krem = K
-            kef = K
-            need = 0
-            lev = -1
-            dsel = 0
+            R.init_threshold(K, prefix, mask, done, krem, kef, need, lev, dsel)
             for p in T.unroll(3):
                 if done == 0 and p < Pass:
-                    shift = T.Cast(
-                        u32, T.if_then_else(p == 0, _SHIFTS[0], T.if_then_else(p == 1, _SHIFTS[1], _SHIFTS[2])))
-                    dmask = T.Cast(u32, T.if_then_else(p == 2, _DMASKS[2], _DMASKS[0]))
+                    shift = shift_expr(p)
+                    dmask = dmask_expr(p)
                     for b in T.serial(BPT):
                         hist[tx * BPT + b] = Hist[by, p * HBINS + tx * BPT + b]
                     T.sync_threads()
-                    # block suffix scan of the histogram: thread tx owns bins [tx*BPT, tx*BPT + BPT)
-                    s = 0
-                    for b in T.serial(BPT):
-                        s = s + hist[tx * BPT + b]
-                    x = s
-                    for o in T.unroll(5):
-                        g = T.shfl_down(x, 1 << o)
-                        if lane + (1 << o) < 32:
-                            x = x + g
-                    if lane == 0:
-                        wred[0, warp] = x
-                    T.sync_threads()
-                    g = x - s
-                    total = 0
-                    for w2 in T.serial(W):
-                        total = total + wred[0, w2]
-                        if w2 > warp:
-                            g = g + wred[0, w2]
-                    if p == 0:
-                        kef = T.min(K, total)
-                        krem = kef
-                    if p == 0 and total <= K:
-                        # take every valid element
-                        done = 1
-                        need = total
-                    else:
-                        for b in T.serial(BPT):
-                            if g < krem and krem <= g + hist[tx * BPT + BPT - 1 - b]:
-                                sel[0] = tx * BPT + BPT - 1 - b
-                                sel[1] = g
-                                sel[2] = hist[tx * BPT + BPT - 1 - b]
-                            g = g + hist[tx * BPT + BPT - 1 - b]
-                        T.sync_threads()
-                        krem = krem - sel[1]
-                        prefix = prefix | (T.Cast(u32, sel[0]) << shift)
-                        mask = mask | (dmask << shift)
-                        need = krem
-                        lev = p
-                        dsel = sel[0]
-                        if sel[2] == krem or p == 2:
-                            done = 1
+                    R.choose_digit(p, K, tx, lane, warp, hist, wred, sel, s, x, g, total, kef, krem, need, done, prefix,
+                                   mask, shift, dmask, lev, dsel, True)
                     T.sync_threads()
 
             if Pass < 3:
                 if done == 0:
                     # ---- histogram pass `Pass` over this CTA's slice ----
-                    shift = T.Cast(
-                        u32, T.if_then_else(Pass == 0, _SHIFTS[0], T.if_then_else(Pass == 1, _SHIFTS[1], _SHIFTS[2])))
-                    dmask = T.Cast(u32, T.if_then_else(Pass == 2, _DMASKS[2], _DMASKS[0]))
+                    shift = shift_expr(Pass)
+                    dmask = dmask_expr(Pass)
                     for b in T.serial(BPT):
                         hist[tx * BPT + b] = 0
                     T.sync_threads()
@@ -253,32 +172,7 @@ def _build_topk_radix_multi(*, threads: int = THREADS):
                                     T.atomic_add(hist[T.Cast(i32, (kk >> shift) & dmask)], 1)
                     T.sync_threads()
                     # publish: global histogram (atomics) and this CTA's suffix counts
-                    s = 0
-                    for b in T.serial(BPT):
-                        s = s + hist[tx * BPT + b]
-                        if hist[tx * BPT + b] != 0:
-                            T.atomic_add(Hist[by, Pass * HBINS + tx * BPT + b], hist[tx * BPT + b])
-                    x = s
-                    for o in T.unroll(5):
-                        g = T.shfl_down(x, 1 << o)
-                        if lane + (1 << o) < 32:
-                            x = x + g
-                    a = T.warp_reduce_sum(a)
-                    if lane == 0:
-                        wred[0, warp] = x
-                        wred[1, warp] = a
-                    T.sync_threads()
-                    g = x - s
-                    a = 0
-                    for w2 in T.serial(W):
-                        a = a + wred[1, w2]
-                        if w2 > warp:
-                            g = g + wred[0, w2]
-                    for b in T.serial(BPT):
-                        g = g + hist[tx * BPT + BPT - 1 - b]
-                        Part[by, gx, Pass, tx * BPT + BPT - 1 - b] = a + g
-                    if tx == 0:
-                        Part[by, gx, Pass, HBINS] = a
+                    R.publish(tx, lane, warp, hist, wred, Hist, Part, s, x, g, a, Ix(row=by, gx=gx, lvl=Pass))
             else:
                 # ---- write: bases from the lower CTAs of the row, then kernel_radix's write on the slice ----
                 cgt = 0
@@ -291,12 +185,7 @@ def _build_topk_radix_multi(*, threads: int = THREADS):
                             h1 = Part[by, j * NT + tx, lev, dsel + 1]
                             cgt = cgt + h1
                             ceq = ceq + Part[by, j * NT + tx, lev, dsel] - h1
-                cgt = T.warp_reduce_sum(cgt)
-                ceq = T.warp_reduce_sum(ceq)
-                if lane == 0:
-                    wred[0, warp] = cgt
-                    wred[1, warp] = ceq
-                T.sync_threads()
+                R.warp_totals(cgt, ceq, wred, lane, warp)
                 a = 0  # above in lower CTAs
                 h1 = 0  # tied in lower CTAs
                 for w2 in T.serial(W):
@@ -305,49 +194,12 @@ def _build_topk_radix_multi(*, threads: int = THREADS):
                 T.sync_threads()
 
                 seg = T.ceildiv(T.ceildiv(ln, W), 32) * 32
-                cgt = 0
-                ceq = 0
-                for j in T.serial(seg // 32):
-                    pos = warp * seg + j * 32 + lane
-                    if pos < ln:
-                        f1 = Scores[by, lo + cs + pos]
-                        kk = to_key(f1)
-                        if (kk & mask) > prefix:
-                            cgt = cgt + 1
-                        elif kk != T.uint32(0) and (kk & mask) == prefix:
-                            ceq = ceq + 1
-                cgt = T.warp_reduce_sum(cgt)
-                ceq = T.warp_reduce_sum(ceq)
-                if lane == 0:
-                    wred[0, warp] = cgt
-                    wred[1, warp] = ceq
+                R.count_sweep(seg, lane, warp, ln, kk, f1, pos, cgt, ceq, mask, prefix, wred, None, Scores,
+                              Ix(row=by, base=lo + cs, cnt0=a, tie0=h1))
                 T.sync_threads()
-                cgt = a
-                ceq = h1
-                for w2 in T.serial(W):
-                    if w2 < warp:
-                        cgt = cgt + wred[0, w2]
-                        ceq = ceq + wred[1, w2]
-                T.sync_threads()
-                for j in T.serial(seg // 32):
-                    kk = T.uint32(0)
-                    pos = warp * seg + j * 32 + lane
-                    if pos < ln:
-                        f1 = Scores[by, lo + cs + pos]
-                        kk = to_key(f1)
-                    bg = T.ballot_sync((kk & mask) > prefix)
-                    be = T.ballot_sync(kk != T.uint32(0) and (kk & mask) == prefix)
-                    lt = (T.uint64(1) << T.Cast(u64, lane)) - T.uint64(1)
-                    x = cgt + T.Cast(i32, T.popcount(bg & lt))
-                    s = ceq + T.Cast(i32, T.popcount(be & lt))
-                    if (kk & mask) > prefix or (kk != T.uint32(0) and (kk & mask) == prefix and s < need):
-                        Out[by, x + T.min(s, need)] = lo + cs + pos
-                    cgt = cgt + T.Cast(i32, T.popcount(bg))
-                    ceq = ceq + T.Cast(i32, T.popcount(be))
-                # leftover slots [kef, K), spread over the row's CTAs
-                for j in T.serial(T.ceildiv(K, G * NT)):
-                    if (j * G + gx) * NT + tx < K and (j * G + gx) * NT + tx >= kef:
-                        Out[by, (j * G + gx) * NT + tx] = -1
+                R.write_sweep(seg, lane, warp, ln, kk, f1, pos, cgt, ceq, mask, prefix, x, s, need, None, Scores, Out,
+                              None, Ix(row=by, base=lo + cs))
+                R.fill_tail(K, G, tx, kef, Out, Ix(row=by, gx=gx))
 
     return topk_radix_multi
 
@@ -365,22 +217,13 @@ def run_topk_indices_multi(scores, k, starts=None, ends=None, groups=None) -> to
     ``kernel_radix.kernel_unsupported`` (call that first); no host synchronisation."""
     M, N = scores.shape
     dev = scores.device
-    out = torch.empty((M, k), dtype=torch.int32, device=dev)
-    if M == 0:
+    out, scores = new_output(scores, k)
+    if scores is None:  # M == 0 or N == 0
         return out
-    if N == 0:
-        return out.fill_(-1)
-    if (N == 1 and scores.stride(1) != 1) or (M == 1 and scores.stride(0) != N):
-        scores = scores.as_strided((M, N), (N if M == 1 else scores.stride(0), 1))
     G = int(groups) if groups is not None else pick_groups(M, N, _sm_count(dev.index or 0))
     if not 1 <= G <= 2**16 - 1 or M > 2**16 - 1:
         raise ValueError(f"multi-CTA top-k: grid (groups={G}, M={M}) must fit in [1, 65535] x [1, 65535]")
-    dummy = None
-    if starts is None or ends is None:
-        dummy = torch.empty((1,), dtype=torch.int32, device=dev)
-    st = starts.contiguous() if starts is not None else dummy
-    en = ends.contiguous() if ends is not None else dummy
-    flags = (1 if starts is not None else 0) | (2 if ends is not None else 0)
+    st, en, flags = range_args(starts, ends, dev, fresh_dummy=True)
     hist = torch.zeros((M, 3 * HBINS), dtype=torch.int32, device=dev)
     part = torch.empty((M, G, 3, PSTRIDE), dtype=torch.int32, device=dev)
     kernel = _compiled(THREADS)

@@ -51,7 +51,8 @@ import functools
 
 import torch
 
-from .kernel_radix import _DMASKS, _SHIFTS, _UNROLL, HBINS, _pass_configs, to_key_expr
+from ._tl_radix import _UNROLL, HBINS, Ix, _pass_configs, alloc_vars, cached_dummy, dmask_expr  # noqa: F401
+from ._tl_radix import dynamic_dims, new_output, radix_macros, range_args, shift_expr, sm_count
 
 THREADS = 1024
 CACHE = 32768  # keys per CTA in shared memory (128 KiB)
@@ -104,9 +105,7 @@ __device__ __forceinline__ void fdsa_row_exit(int* base, long long off, int nb, 
 """
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+_sm_count = sm_count
 
 
 def pick_groups(M: int, N: int, sms: int = 132) -> int:
@@ -140,15 +139,9 @@ def _build_topk_radix_persist(*, threads: int = THREADS, cache: int = CACHE):
     BPT = HBINS // NT
     U = _UNROLL
 
-    M = T.dynamic("M")
-    N = T.dynamic("N")
-    K = T.dynamic("K")
-    G = T.dynamic("G")
-    NS = T.dynamic("NS")
-    NE = T.dynamic("NE")
-    SM = T.dynamic("SM")
-    u32, i32, u64, i64 = "uint32", "int32", "uint64", "int64"
-    to_key = to_key_expr
+    M, N, K, G, NS, NE, SM = dynamic_dims("M", "N", "K", "G", "NS", "NE", "SM")
+    u32, i32, i64 = "uint32", "int32", "int64"
+    R = radix_macros(NT)
 
     @T.prim_func
     def topk_radix_persist(
@@ -169,76 +162,31 @@ def _build_topk_radix_persist(*, threads: int = THREADS, cache: int = CACHE):
 
             lane = tx % 32
             warp = tx // 32
-            lo = T.alloc_var(i32)
-            hi = T.alloc_var(i32)
-            n = T.alloc_var(i32)
-            cs = T.alloc_var(i32)
-            ln = T.alloc_var(i32)
-            chunk = T.alloc_var(i32)
-            total = T.alloc_var(i32)
-            kef = T.alloc_var(i32)
-            krem = T.alloc_var(i32)
-            need = T.alloc_var(i32)
-            done = T.alloc_var(i32)
-            lev = T.alloc_var(i32)
-            dsel = T.alloc_var(i32)
-            prefix = T.alloc_var(u32)
-            mask = T.alloc_var(u32)
-            x = T.alloc_var(i32)
-            s = T.alloc_var(i32)
-            g = T.alloc_var(i32)
-            a = T.alloc_var(i32)
+            lo, hi, n, cs, ln, chunk, total, kef, krem, need, done, lev, dsel = alloc_vars(i32, 13)
+            prefix, mask = alloc_vars(u32, 2)
+            x, s, g, a = alloc_vars(i32, 4)
             kk = T.alloc_var(u32)
-            cgt = T.alloc_var(i32)
-            ceq = T.alloc_var(i32)
+            cgt, ceq = alloc_vars(i32, 2)
             fv = T.alloc_local((U,), "float32")
-            shift = T.alloc_var(u32)
-            dmask = T.alloc_var(u32)
-            pos = T.alloc_var(i32)
-            h1 = T.alloc_var(i32)
+            shift, dmask = alloc_vars(u32, 2)
+            pos, h1 = alloc_vars(i32, 2)
             h2 = T.alloc_var(i32)
 
-            lo = 0
-            hi = N
-            if (Flags & 1) != 0:
-                lo = T.max(T.min(Starts[by], N), 0)
-            if (Flags & 2) != 0:
-                hi = T.max(T.min(Ends[by], N), 0)
-            n = T.max(hi - lo, 0)
-            chunk = T.ceildiv(T.ceildiv(n, G), 32) * 32
-            cs = T.min(gx * chunk, n)
-            ln = T.min(T.min(cs + chunk, n) - cs, cache)  # the min never binds (host rule); it keeps smem in bounds
+            R.row_range(lo, hi, n, Starts, Ends, Flags, N, Ix(row=by))
+            R.cta_slice(G, n, chunk, cs, ln, cache, Ix(gx=gx))
 
-            prefix = T.uint32(0)
-            mask = T.uint32(0)
-            done = 0
-            krem = K
-            kef = K
-            need = 0
-            lev = -1
-            dsel = 0
+            R.init_threshold(K, prefix, mask, done, krem, kef, need, lev, dsel)
             for p in T.unroll(3):
                 if done == 0:
-                    shift = T.Cast(
-                        u32, T.if_then_else(p == 0, _SHIFTS[0], T.if_then_else(p == 1, _SHIFTS[1], _SHIFTS[2])))
-                    dmask = T.Cast(u32, T.if_then_else(p == 2, _DMASKS[2], _DMASKS[0]))
+                    shift = shift_expr(p)
+                    dmask = dmask_expr(p)
                     # ---- local histogram of digit p over this CTA's slice ----
                     for b in T.serial(BPT):
                         hist[tx * BPT + b] = 0
                     T.sync_threads()
                     a = 0
                     if p == 0:
-                        for j in T.serial(T.ceildiv(ln, NT * U)):
-                            for u in T.unroll(U):
-                                fv[u] = T.float32(0)
-                                if (j * U + u) * NT + tx < ln:
-                                    fv[u] = Scores[by, lo + cs + (j * U + u) * NT + tx]
-                            for u in T.unroll(U):
-                                if (j * U + u) * NT + tx < ln:
-                                    kk = to_key(fv[u])
-                                    skeys[(j * U + u) * NT + tx] = kk
-                                    if kk != T.uint32(0):
-                                        T.atomic_add(hist[T.Cast(i32, kk >> T.uint32(_SHIFTS[0]))], 1)
+                        R.first_hist(U, ln, kk, fv, tx, hist, skeys, Scores, Ix(row=by, base=lo + cs))
                     else:
                         for j in T.serial(T.ceildiv(ln, NT)):
                             if j * NT + tx < ln:
@@ -249,32 +197,7 @@ def _build_topk_radix_persist(*, threads: int = THREADS, cache: int = CACHE):
                                     T.atomic_add(hist[T.Cast(i32, (kk >> shift) & dmask)], 1)
                     T.sync_threads()
                     # ---- publish: row histogram (global atomics) and this CTA's suffix counts ----
-                    s = 0
-                    for b in T.serial(BPT):
-                        s = s + hist[tx * BPT + b]
-                        if hist[tx * BPT + b] != 0:
-                            T.atomic_add(Ws[by, p * HBINS + tx * BPT + b], hist[tx * BPT + b])
-                    x = s
-                    for o in T.unroll(5):
-                        g = T.shfl_down(x, 1 << o)
-                        if lane + (1 << o) < 32:
-                            x = x + g
-                    a = T.warp_reduce_sum(a)
-                    if lane == 0:
-                        wred[0, warp] = x
-                        wred[1, warp] = a
-                    T.sync_threads()
-                    g = x - s
-                    a = 0
-                    for w2 in T.serial(W):
-                        a = a + wred[1, w2]
-                        if w2 > warp:
-                            g = g + wred[0, w2]
-                    for b in T.serial(BPT):
-                        g = g + hist[tx * BPT + BPT - 1 - b]
-                        Part[by, gx, p, tx * BPT + BPT - 1 - b] = a + g
-                    if tx == 0:
-                        Part[by, gx, p, HBINS] = a
+                    R.publish(tx, lane, warp, hist, wred, Ws, Part, s, x, g, a, Ix(row=by, gx=gx, lvl=p))
                     # ---- every CTA of the row has published level p ----
                     T.call_extern("handle", "fdsa_row_barrier", Ws.data, T.Cast(i64, by) * WSTRIDE + CTR, G,
                                   T.Cast(i32, gx == 0))
@@ -284,46 +207,8 @@ def _build_topk_radix_persist(*, threads: int = THREADS, cache: int = CACHE):
                                            T.Cast(i64, by) * WSTRIDE + p * HBINS + tx * BPT + b)
                         hist[tx * BPT + b] = h2
                     T.sync_threads()
-                    s = 0
-                    for b in T.serial(BPT):
-                        s = s + hist[tx * BPT + b]
-                    x = s
-                    for o in T.unroll(5):
-                        g = T.shfl_down(x, 1 << o)
-                        if lane + (1 << o) < 32:
-                            x = x + g
-                    if lane == 0:
-                        wred[0, warp] = x
-                    T.sync_threads()
-                    g = x - s
-                    total = 0
-                    for w2 in T.serial(W):
-                        total = total + wred[0, w2]
-                        if w2 > warp:
-                            g = g + wred[0, w2]
-                    if p == 0:
-                        kef = T.min(K, total)
-                        krem = kef
-                    if p == 0 and total <= K:
-                        # take every valid element
-                        done = 1
-                        need = total
-                    else:
-                        for b in T.serial(BPT):
-                            if g < krem and krem <= g + hist[tx * BPT + BPT - 1 - b]:
-                                sel[0] = tx * BPT + BPT - 1 - b
-                                sel[1] = g
-                                sel[2] = hist[tx * BPT + BPT - 1 - b]
-                            g = g + hist[tx * BPT + BPT - 1 - b]
-                        T.sync_threads()
-                        krem = krem - sel[1]
-                        prefix = prefix | (T.Cast(u32, sel[0]) << shift)
-                        mask = mask | (dmask << shift)
-                        need = krem
-                        lev = p
-                        dsel = sel[0]
-                        if sel[2] == krem or p == 2:
-                            done = 1
+                    R.choose_digit(p, K, tx, lane, warp, hist, wred, sel, s, x, g, total, kef, krem, need, done, prefix,
+                                   mask, shift, dmask, lev, dsel, True)
                     T.sync_threads()
 
             # ---- write: bases from the lower CTAs of the row, then kernel_radix's write on the cached slice ----
@@ -343,12 +228,7 @@ def _build_topk_radix_persist(*, threads: int = THREADS, cache: int = CACHE):
                                            ((T.Cast(i64, by) * G + j * NT + tx) * 3 + lev) * PSTRIDE + dsel)
                         cgt = cgt + h1
                         ceq = ceq + h2 - h1
-            cgt = T.warp_reduce_sum(cgt)
-            ceq = T.warp_reduce_sum(ceq)
-            if lane == 0:
-                wred[0, warp] = cgt
-                wred[1, warp] = ceq
-            T.sync_threads()
+            R.warp_totals(cgt, ceq, wred, lane, warp)
             a = 0  # above in lower CTAs
             h1 = 0  # tied in lower CTAs
             for w2 in T.serial(W):
@@ -357,47 +237,13 @@ def _build_topk_radix_persist(*, threads: int = THREADS, cache: int = CACHE):
             T.sync_threads()
 
             seg = T.ceildiv(T.ceildiv(ln, W), 32) * 32
-            cgt = 0
-            ceq = 0
-            for j in T.serial(seg // 32):
-                pos = warp * seg + j * 32 + lane
-                if pos < ln:
-                    kk = skeys[pos]
-                    if (kk & mask) > prefix:
-                        cgt = cgt + 1
-                    elif kk != T.uint32(0) and (kk & mask) == prefix:
-                        ceq = ceq + 1
-            cgt = T.warp_reduce_sum(cgt)
-            ceq = T.warp_reduce_sum(ceq)
-            if lane == 0:
-                wred[0, warp] = cgt
-                wred[1, warp] = ceq
+            # (kk doubles as the unused float scratch: the keys always come from the cache)
+            R.count_sweep(seg, lane, warp, ln, kk, kk, pos, cgt, ceq, mask, prefix, wred, skeys, Scores,
+                          Ix(row=by, cnt0=a, tie0=h1))
             T.sync_threads()
-            cgt = a
-            ceq = h1
-            for w2 in T.serial(W):
-                if w2 < warp:
-                    cgt = cgt + wred[0, w2]
-                    ceq = ceq + wred[1, w2]
-            T.sync_threads()
-            for j in T.serial(seg // 32):
-                kk = T.uint32(0)
-                pos = warp * seg + j * 32 + lane
-                if pos < ln:
-                    kk = skeys[pos]
-                bg = T.ballot_sync((kk & mask) > prefix)
-                be = T.ballot_sync(kk != T.uint32(0) and (kk & mask) == prefix)
-                lt = (T.uint64(1) << T.Cast(u64, lane)) - T.uint64(1)
-                x = cgt + T.Cast(i32, T.popcount(bg & lt))
-                s = ceq + T.Cast(i32, T.popcount(be & lt))
-                if (kk & mask) > prefix or (kk != T.uint32(0) and (kk & mask) == prefix and s < need):
-                    Out[by, x + T.min(s, need)] = lo + cs + pos
-                cgt = cgt + T.Cast(i32, T.popcount(bg))
-                ceq = ceq + T.Cast(i32, T.popcount(be))
-            # leftover slots [kef, K), spread over the row's CTAs
-            for j in T.serial(T.ceildiv(K, G * NT)):
-                if (j * G + gx) * NT + tx < K and (j * G + gx) * NT + tx >= kef:
-                    Out[by, (j * G + gx) * NT + tx] = -1
+            R.write_sweep(seg, lane, warp, ln, kk, kk, pos, cgt, ceq, mask, prefix, x, s, need, skeys, Scores, Out, None,
+                          Ix(row=by, base=lo + cs))
+            R.fill_tail(K, G, tx, kef, Out, Ix(row=by, gx=gx))
             # hand the workspace back zeroed (the next call on this stream reuses it without a memset)
             T.call_extern("handle", "fdsa_row_exit", Ws.data, T.Cast(i64, by) * WSTRIDE, G, 3 * HBINS, EXIT)
 
@@ -417,39 +263,25 @@ def run_topk_indices_persist(scores, k, starts=None, ends=None, groups=None) -> 
     by ``kernel_radix.kernel_unsupported``; no host synchronisation (CUDA-graph capturable)."""
     M, N = scores.shape
     dev = scores.device
-    out = torch.empty((M, k), dtype=torch.int32, device=dev)
-    if M == 0:
+    out, scores = new_output(scores, k)
+    if scores is None:  # M == 0 or N == 0
         return out
-    if N == 0:
-        return out.fill_(-1)
-    if (N == 1 and scores.stride(1) != 1) or (M == 1 and scores.stride(0) != N):
-        scores = scores.as_strided((M, N), (N if M == 1 else scores.stride(0), 1))
     sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
     G = int(groups) if groups is not None else pick_groups(M, N, sms)
     if G < 1 or G * M > sms or -(-N // G) > CACHE:
         # a row barrier needs all G CTAs of the row resident at once, and every slice must fit the cache
         raise ValueError(f"persistent top-k: groups={G} x M={M} must be <= {sms} SMs and ceil(N / groups) <= {CACHE}")
-    dummy = None
-    if starts is None or ends is None:
-        dummy = _dummy(dev)
-    st = starts.contiguous() if starts is not None else dummy
-    en = ends.contiguous() if ends is not None else dummy
-    flags = (1 if starts is not None else 0) | (2 if ends is not None else 0)
+    st, en, flags = range_args(starts, ends, dev)
     ws, part = _workspace(dev, M, G)
     _compiled(THREADS, CACHE)(scores, st, en, ws, part, out, flags)
     return out
 
 
-_DUMMY: dict = {}
 _WS: "collections.OrderedDict" = collections.OrderedDict()
 _WS_MAX = 16
 
 
-def _dummy(dev):
-    t = _DUMMY.get(dev)
-    if t is None:
-        t = _DUMMY[dev] = torch.zeros((1,), dtype=torch.int32, device=dev)
-    return t
+_dummy = cached_dummy
 
 
 def _workspace(dev, M: int, G: int):
