@@ -81,15 +81,12 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from . import _tl_common as tc
 from . import kernel_fwd
+from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
-LOG2E = 1.4426950408889634
-
-BLOCK_H = 64  # heads per CTA (wgmma M)
-BLOCK_I = 64  # top-k slots per iteration
-D_V = 512
 DC = 64  # dKV column chunk
-_SUPPORTED_DQK = (512, 576)
+_SUPPORTED_DQK = tc.SUPPORTED_DQK
 _PARTIAL_ELEMS = 1 << 28  # deterministic mode: partial buffer <= 1 GiB fp32
 
 
@@ -130,15 +127,8 @@ def build_sparse_mla_bwd(
     c_log2 = float(sm_scale) * LOG2E
 
     bf16, f32, i32 = "bfloat16", "float32", "int32"
-    n_tok = T.dynamic("n_tok")
-    n_kv = T.dynamic("n_kv")
-    n_tl = T.dynamic("n_tl")
-    n_out = T.dynamic("n_out")
-    topk_dim = T.dynamic("topk")
-
-    def _row(Indices, t, lim, j):
-        # as in kernel_fwd: -1 past topk_eff, the Indices read kept in bounds
-        return T.if_then_else(j < lim, Indices[t, T.min(j, topk_dim - 1)], -1)
+    n_tok, n_kv, n_tl, n_out, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_out", "topk")
+    _row = tc.make_slot_row(topk_dim)  # as in kernel_fwd: -1 past topk_eff, the Indices read kept in bounds
 
     @T.macro
     def store_dkv(dKV, acc_kv, rows_s, bx, by, it, col0):
@@ -297,10 +287,7 @@ def build_segment_reduce(*, dqk: int, threads: int = 64):
 
 
 def _pass_configs():
-    return {
-        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
-        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-    }
+    return tc.plain_pass_configs()
 
 
 @functools.lru_cache(maxsize=32)

@@ -58,21 +58,16 @@ Known risks for the GPU run:
 
 
 import functools
-import math
 
 import torch
 
 import tilelang
 import tilelang.language as T
 
+from . import _tl_common as tc
+from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401  (re-exported: LN2, LOG2E)
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-BLOCK_H = 64  # heads per block (wgmma M)
-BLOCK_I = 64  # top-k indices per iteration
-D_V = 512
-_SUPPORTED_DQK = (512, 576)
+_SUPPORTED_DQK = tc.SUPPORTED_DQK
 
 
 def build_sparse_mla_fwd(
@@ -103,25 +98,21 @@ def build_sparse_mla_fwd(
     BH = BLOCK_H
     BI = block_i
     n_hblk = (heads + BH - 1) // BH
-    heads_exact = heads % BH == 0
 
     bf16, f32, i32 = "bfloat16", "float32", "int32"
-    n_tok = T.dynamic("n_tok")
-    n_kv = T.dynamic("n_kv")
-    n_tl = T.dynamic("n_tl")
-    n_sink = T.dynamic("n_sink")
     # The indices width is always a dynamic symbol; the loop trip count is static
     # (a symbolic trip count breaks TileLang 0.1.15's pipelined codegen), so one
     # kernel serves every topk with the same ceil(topk / BI).
-    topk_dim = T.dynamic("topk")
+    n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     NI = (int(topk) + BI - 1) // BI
     assert sm_scale is not None and sm_scale > 0
     c_log2 = float(sm_scale) * LOG2E  # raw score -> log2 units
-    neg_big = -1.0e30
-
-    def _row(Indices, t, lim, j):
-        # KV row of top-k slot j of token t, or -1 when j >= topk_eff (Indices read kept in-bounds)
-        return T.if_then_else(j < lim, Indices[t, T.min(j, topk_dim - 1)], -1)
+    neg_big = tc.NEG_BIG
+    _row = tc.make_slot_row(topk_dim)
+    online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2)
+    load_q, normaliser, store_out, store_lse = tc.padded_head_macros(
+        BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16
+    )
 
     @T.prim_func
     def sparse_mla_fwd(
@@ -141,6 +132,8 @@ def build_sparse_mla_fwd(
             if D_tail > 0:
                 Qt_s = T.alloc_shared([BH, D_tail], bf16)
                 Kt_s = T.alloc_shared([BI, D_tail], bf16)
+            else:
+                Qt_s = None
 
             acc_o = T.alloc_fragment([BH, D], f32)
             acc_s = T.alloc_fragment([BH, BI], f32)
@@ -158,19 +151,7 @@ def build_sparse_mla_fwd(
             else:
                 lim[0] = topk_dim
 
-            # ---- Q tile (padded heads -> 0) ----
-            if heads_exact:
-                T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s)
-                if D_tail > 0:
-                    T.copy(Q[bx, h0 : h0 + BH, D:dqk], Qt_s)
-            else:
-                for h, d in T.Parallel(BH, D):
-                    Q_s[h, d] = T.if_then_else(h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), d], T.cast(0, bf16))
-                if D_tail > 0:
-                    for h, d in T.Parallel(BH, D_tail):
-                        Qt_s[h, d] = T.if_then_else(
-                            h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), D + d], T.cast(0, bf16)
-                        )
+            load_q(Q, Q_s, Qt_s, bx, h0)  # Q tile, padded heads -> 0
 
             T.fill(acc_o, 0)
             T.fill(l_i, 0)
@@ -196,51 +177,14 @@ def build_sparse_mla_fwd(
                     T.gemm(Qt_s, Kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
 
                 # ---- online softmax (raw-score max, exp2 with folded scale) ----
-                T.copy(m_i, m_prev)
-                T.reduce_max(acc_s, m_i, dim=1, clear=False)
-                for h in T.Parallel(BH):
-                    alpha[h] = T.exp2((m_prev[h] - m_i[h]) * c_log2)
-                for h, r in T.Parallel(BH, BI):
-                    acc_s[h, r] = T.exp2(acc_s[h, r] * c_log2 - m_i[h] * c_log2)
-                T.reduce_sum(acc_s, l_blk, dim=1)
-                for h in T.Parallel(BH):
-                    l_i[h] = l_i[h] * alpha[h] + l_blk[h]
-                for h, d in T.Parallel(BH, D):
-                    acc_o[h, d] = acc_o[h, d] * alpha[h]
+                online_softmax(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)
                 T.copy(acc_s, S_s)
                 T.gemm(S_s, KV_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
-            # ---- epilogue ----
-            for h in T.Parallel(BH):
-                if has_sink:
-                    inv[h] = T.if_then_else(
-                        l_i[h] > 0,
-                        1.0
-                        / (
-                            l_i[h]
-                            + T.exp2(Sink[T.min(h0 + h, heads - 1)] * T.float32(LOG2E) - m_i[h] * c_log2)
-                        ),
-                        T.float32(0),
-                    )
-                else:
-                    inv[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], T.float32(0))
-            for h, d in T.Parallel(BH, D):
-                acc_o[h, d] = acc_o[h, d] * inv[h]
-            T.copy(acc_o, Q_s)  # reuse the Q tile as the output staging buffer
-            if heads_exact:
-                T.copy(Q_s, Out[bx, h0 : h0 + BH, :])
-            else:
-                for h, d in T.Parallel(BH, D):
-                    if h0 + h < heads:
-                        Out[bx, h0 + h, d] = Q_s[h, d]
-            for h in T.Parallel(BH):
-                if h0 + h < heads:
-                    Lse[bx, h0 + h] = T.if_then_else(
-                        l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * c_log2) * T.float32(LN2), T.infinity(f32)
-                    )
-                    MaxLogits[bx, h0 + h] = T.if_then_else(
-                        l_i[h] > 0, m_i[h] * c_log2 * T.float32(LN2), -T.infinity(f32)
-                    )
+            # ---- epilogue (the Q tile is the output staging buffer) ----
+            normaliser(inv, l_i, m_i, Sink, h0)
+            store_out(acc_o, inv, Q_s, Out, bx, h0)
+            store_lse(l_i, m_i, Lse, MaxLogits, bx, h0)
 
     return sparse_mla_fwd
 
@@ -248,10 +192,7 @@ def build_sparse_mla_fwd(
 
 
 def _pass_configs():
-    return {
-        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
-        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-    }
+    return tc.plain_pass_configs()
 
 
 @functools.lru_cache(maxsize=64)
@@ -272,28 +213,7 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
         return "indices must be int32"
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
         return "expected q [T,H,Dqk], kv [Tkv,Dqk], indices [T,topk]"
-    n_tok, heads, dqk = q.shape
-    if dqk not in _SUPPORTED_DQK:
-        return f"Dqk={dqk} not in {_SUPPORTED_DQK}"
-    if d_v != D_V:
-        return f"d_v={d_v} != {D_V}"
-    if kv.shape[1] != dqk:
-        return "kv last dim != q last dim"
-    if not 1 <= heads <= 2 * BLOCK_H:
-        return f"H={heads} not in 1..{2 * BLOCK_H}"
-    if indices.shape[0] != n_tok or indices.shape[1] < 1:
-        return "indices must be [T, topk] with topk >= 1"
-    if n_tok >= 2**31 or kv.shape[0] >= 2**31 or indices.shape[1] >= 2**30:
-        return "sizes exceed int32 indexing"
-    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
-        return "last dim must be contiguous"
-    if topk_length is not None:
-        if topk_length.dtype != torch.int32 or topk_length.shape != (n_tok,) or not topk_length.is_cuda:
-            return "topk_length must be int32 [T] on CUDA"
-    if attn_sink is not None:
-        if attn_sink.dtype != torch.float32 or attn_sink.shape != (heads,) or not attn_sink.is_cuda:
-            return "attn_sink must be float32 [H] on CUDA"
-    return None
+    return tc.check_fwd_shapes(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
@@ -308,28 +228,14 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
 def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
     """Host side shared by the forward variants: outputs, empty inputs, layouts, dummy optional args, then
     ``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)(...)``. Arguments already checked."""
-    if not (sm_scale > 0 and math.isfinite(sm_scale)):
-        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale}")
+    (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
+    if done:
+        return out, lse, max_logits
     n_tok, heads, dqk = q.shape
-    dev = q.device
-    out = torch.empty((n_tok, heads, d_v), dtype=torch.bfloat16, device=dev)
-    lse = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
-    max_logits = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
-    if n_tok == 0:
-        return out, lse, max_logits
-    if kv.shape[0] == 0:  # every index is invalid
-        out.zero_()
-        lse.fill_(math.inf)
-        max_logits.fill_(-math.inf)
-        return out, lse, max_logits
     q = q.contiguous()
     kv = kv.contiguous()
     indices = indices.contiguous()
-    has_sink = attn_sink is not None
-    has_tl = topk_length is not None
-    tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
-    sink_arg = attn_sink.contiguous() if has_sink else torch.empty((1,), dtype=torch.float32, device=dev)
-    n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
+    has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     kernel = compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl)
     kernel(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits

@@ -50,16 +50,16 @@ Verified (CPU only, never run on a GPU by the author): lowering for sm_90a (H 12
 
 
 import functools
-import math
 
 import torch
 
 import tilelang
 import tilelang.language as T
 
-from .kernel_fwd import LOG2E, LN2, BLOCK_H, BLOCK_I, D_V
+from . import _tl_common as tc
+from ._tl_common import LOG2E, BLOCK_H, BLOCK_I, D_V
 
-_SUPPORTED_DQK = (512, 576)
+_SUPPORTED_DQK = tc.SUPPORTED_DQK
 P_RANGE = 256.0  # P' = P * kv_scale / u with u = row max / P_RANGE: P' in [0, 256] (e4m3 max 448)
 
 # Vt[d][r] = KV[r][d] for r < 64 keys, d < 512 dims, fp8 bytes, 256 threads. Layouts (byte offsets, TileLang's
@@ -149,22 +149,18 @@ def build_sparse_mla_fwd_fp8(
     threads = 256  # the transpose helper assumes 256 threads and a 64 x 512 tile
     assert BI == 64 and D == 512
     n_hblk = (heads + BH - 1) // BH
-    heads_exact = heads % BH == 0
 
     fp8, bf16, f32, i32 = "float8_e4m3", "bfloat16", "float32", "int32"
-    n_tok = T.dynamic("n_tok")
-    n_kv = T.dynamic("n_kv")
-    n_tl = T.dynamic("n_tl")
-    n_sink = T.dynamic("n_sink")
-    topk_dim = T.dynamic("topk")
+    n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     NI = (int(topk) + BI - 1) // BI
     assert sm_scale is not None and sm_scale > 0
     c_log2 = float(sm_scale) * LOG2E
-    neg_big = -1.0e30
+    neg_big = tc.NEG_BIG
     sig_min = 1.0e-30  # below this a block's P * kv_scale row max is treated as 0 (keeps 1/u finite)
-
-    def _row(Indices, t, lim, j):
-        return T.if_then_else(j < lim, Indices[t, T.min(j, topk_dim - 1)], -1)
+    _row = tc.make_slot_row(topk_dim)
+    load_q, _, store_out, store_lse = tc.padded_head_macros(
+        BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=fp8
+    )
 
     @T.prim_func
     def sparse_mla_fwd_fp8(
@@ -191,6 +187,8 @@ def build_sparse_mla_fwd_fp8(
             if D_tail > 0:
                 Qt_s = T.alloc_shared([BH, D_tail], fp8)
                 Kt_s = T.alloc_shared([BI, D_tail], fp8)
+            else:
+                Qt_s = None
 
             acc_o = T.alloc_fragment([BH, D], f32)
             acc_s = T.alloc_fragment([BH, BI], f32)
@@ -214,18 +212,7 @@ def build_sparse_mla_fwd_fp8(
                 lim[0] = topk_dim
 
             # ---- Q tile and per-head scales (padded heads -> 0) ----
-            if heads_exact:
-                T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s)
-                if D_tail > 0:
-                    T.copy(Q[bx, h0 : h0 + BH, D:dqk], Qt_s)
-            else:
-                for h, d in T.Parallel(BH, D):
-                    Q_s[h, d] = T.if_then_else(h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), d], T.cast(0, fp8))
-                if D_tail > 0:
-                    for h, d in T.Parallel(BH, D_tail):
-                        Qt_s[h, d] = T.if_then_else(
-                            h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), D + d], T.cast(0, fp8)
-                        )
+            load_q(Q, Q_s, Qt_s, bx, h0)
             for h in T.Parallel(BH):
                 qs[h] = T.if_then_else(h0 + h < heads, QScale[bx, T.min(h0 + h, heads - 1)], T.float32(0))
 
@@ -315,32 +302,14 @@ def build_sparse_mla_fwd_fp8(
                     )
                 else:
                     inv[h] = T.if_then_else(l_i[h] > 0, u_i[h] / l_i[h], T.float32(0))
-            for h, d in T.Parallel(BH, D):
-                acc_o[h, d] = acc_o[h, d] * inv[h]
-            T.copy(acc_o, O_s)
-            if heads_exact:
-                T.copy(O_s, Out[bx, h0 : h0 + BH, :])
-            else:
-                for h, d in T.Parallel(BH, D):
-                    if h0 + h < heads:
-                        Out[bx, h0 + h, d] = O_s[h, d]
-            for h in T.Parallel(BH):
-                if h0 + h < heads:
-                    Lse[bx, h0 + h] = T.if_then_else(
-                        l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * c_log2) * T.float32(LN2), T.infinity(f32)
-                    )
-                    MaxLogits[bx, h0 + h] = T.if_then_else(
-                        l_i[h] > 0, m_i[h] * c_log2 * T.float32(LN2), -T.infinity(f32)
-                    )
+            store_out(acc_o, inv, O_s, Out, bx, h0)
+            store_lse(l_i, m_i, Lse, MaxLogits, bx, h0)
 
     return sparse_mla_fwd_fp8
 
 
 def _pass_configs():
-    return {
-        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
-        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-    }
+    return tc.plain_pass_configs()
 
 
 @functools.lru_cache(maxsize=64)
@@ -367,30 +336,10 @@ def kernel_unsupported(q, kv, indices, *, q_scale, kv_scale, d_v, topk_length=No
         return "indices must be int32"
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
         return "expected q [T,H,Dqk], kv [Tkv,Dqk], indices [T,topk]"
-    n_tok, heads, dqk = q.shape
+    n_tok, heads, _ = q.shape
     if q_scale.shape != (n_tok, heads) or kv_scale.shape != (kv.shape[0],):
         return "expected q_scale [T,H] and kv_scale [Tkv]"
-    if dqk not in _SUPPORTED_DQK:
-        return f"Dqk={dqk} not in {_SUPPORTED_DQK}"
-    if d_v != D_V:
-        return f"d_v={d_v} != {D_V}"
-    if kv.shape[1] != dqk:
-        return "kv last dim != q last dim"
-    if not 1 <= heads <= 2 * BLOCK_H:
-        return f"H={heads} not in 1..{2 * BLOCK_H}"
-    if indices.shape[0] != n_tok or indices.shape[1] < 1:
-        return "indices must be [T, topk] with topk >= 1"
-    if n_tok >= 2**31 or kv.shape[0] >= 2**31 or indices.shape[1] >= 2**30:
-        return "sizes exceed int32 indexing"
-    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
-        return "last dim must be contiguous"
-    if topk_length is not None:
-        if topk_length.dtype != torch.int32 or topk_length.shape != (n_tok,) or not topk_length.is_cuda:
-            return "topk_length must be int32 [T] on CUDA"
-    if attn_sink is not None:
-        if attn_sink.dtype != torch.float32 or attn_sink.shape != (heads,) or not attn_sink.is_cuda:
-            return "attn_sink must be float32 [H] on CUDA"
-    return None
+    return tc.check_fwd_shapes(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
 
 
 def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float, d_v: int, topk_length=None,
@@ -401,25 +350,11 @@ def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float
                                 topk_length=topk_length, attn_sink=attn_sink)
     if reason is not None:
         raise ValueError(f"sparse_mla fp8 fwd kernel: {reason}")
-    if not (sm_scale > 0 and math.isfinite(sm_scale)):
-        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale}")
-    n_tok, heads, dqk = q.shape
-    dev = q.device
-    out = torch.empty((n_tok, heads, d_v), dtype=torch.bfloat16, device=dev)
-    lse = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
-    max_logits = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
-    if n_tok == 0:
+    (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
+    if done:
         return out, lse, max_logits
-    if kv.shape[0] == 0:  # every index is invalid
-        out.zero_()
-        lse.fill_(math.inf)
-        max_logits.fill_(-math.inf)
-        return out, lse, max_logits
-    has_sink = attn_sink is not None
-    has_tl = topk_length is not None
-    tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
-    sink_arg = attn_sink.contiguous() if has_sink else torch.empty((1,), dtype=torch.float32, device=dev)
-    n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
+    _, heads, dqk = q.shape
+    has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl, bool(p_split))
     kernel(q.contiguous(), q_scale.contiguous(), kv.contiguous(), kv_scale.contiguous(), indices.contiguous(),
            tl_arg, sink_arg, out, lse, max_logits)

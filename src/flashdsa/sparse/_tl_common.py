@@ -1,0 +1,235 @@
+"""Pieces shared by the sparse MLA kernel modules (kernel_fwd*, kernel_bwd): constants, the top-k slot -> KV row
+expression, TileLang macro factories for the online softmax and the forward epilogue, and host-side checks and
+launch helpers.
+
+The macros are built by factories (closures over the per-kernel constants, like the macros each build function
+defines); TileLang inlines them at trace time, so a kernel that uses them lowers to the same CUDA as one that
+writes the statements out (checked byte for byte when they were factored out).  TileLang 0.1.15 details that
+matter for that: a macro binds each scalar argument to its parameter name (a Var passed in is RENAMED to the
+parameter, an expression becomes a let-bound var), buffers pass through unchanged, and ``x = buf`` inside a
+prim_func renames ``buf``; so the macros take the names the kernels already use (``bx``, ``h0``, ``tok``) and a
+missing optional tile is passed as ``None`` rather than as a placeholder alias.
+"""
+
+# no `from __future__ import annotations`: TileLang reads annotations at definition time
+
+import math
+
+import tilelang
+import tilelang.language as T
+import torch
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+BLOCK_H = 64  # heads per block (wgmma M)
+BLOCK_I = 64  # top-k slots per iteration
+D_V = 512
+SUPPORTED_DQK = (512, 576)
+NEG_BIG = -1.0e30  # initial running max (raw score units): all-invalid blocks give exp2(-inf) = 0, never inf - inf
+
+
+# ---------------------------------------------------------------------------------------------- kernel side
+def dynamic_dims(*names):
+    """One TileLang dynamic symbol per name (T, Tkv, the indices width, ...)."""
+    return tuple(T.dynamic(n) for n in names)
+
+
+def make_slot_row(topk_dim):
+    """``row(Indices, tok, lim, slot)``: KV row of top-k slot ``slot`` of token ``tok``, or -1 when
+    ``slot >= lim`` (topk_eff); the Indices read stays in bounds.  Loads through row -1 / rows >= Tkv are
+    predicated off by TileLang's safe-access legalisation (zero fill, nothing read)."""
+
+    def row(Indices, tok, lim, slot):
+        return T.if_then_else(slot < lim, Indices[tok, T.min(slot, topk_dim - 1)], -1)
+
+    return row
+
+
+def make_row_ok(n_rows):
+    """``ok(row)``: 0 <= row < n_rows."""
+
+    def ok(row):
+        return (row >= 0) & (row < n_rows)
+
+    return ok
+
+
+def online_softmax_macro(*, BH, BI, D, c_log2):
+    """Macro ``online_softmax(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)``: one block of the exp2 online
+    softmax on raw scores acc_s [BH, BI] (c_log2 = sm_scale * log2(e) folded): m_i = max(m_i, rowmax S),
+    alpha = 2^((m_prev - m_i) c), acc_s = 2^(S c - m_i c) (P, in place), l_i = l_i alpha + rowsum(P),
+    acc_o [BH, D] *= alpha."""
+
+    @T.macro
+    def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk):
+        T.copy(m_i, m_prev)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        for h in T.Parallel(BH):
+            alpha[h] = T.exp2((m_prev[h] - m_i[h]) * c_log2)
+        for h, r in T.Parallel(BH, BI):
+            acc_s[h, r] = T.exp2(acc_s[h, r] * c_log2 - m_i[h] * c_log2)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for h in T.Parallel(BH):
+            l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+        for h, d in T.Parallel(BH, D):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+
+    return online_softmax
+
+
+def padded_head_macros(*, BH, D, D_tail, dqk, heads, c_log2, has_sink, dtype, sync_before_stage=False):
+    """Macros of the pipelined forwards (grid (T, ceil(H / 64)), heads padded to 64 rows):
+
+    * ``load_q(Q, Q_s, Qt_s, bx, h0)``: Q[bx, h0:h0+64, :D] -> Q_s and the rope dims -> Qt_s (``dtype``);
+      padded heads read as 0.
+    * ``normaliser(inv, l_i, m_i, Sink, h0)``: inv = 1 / (l + 2^(sink log2e - m c)) (sink folded, exact:
+      l 2^-lse2 = 2^-m c) or 1 / l; 0 for empty rows (l = 0).
+    * ``store_out(acc_o, inv, Stage, Out, bx, h0)``: acc_o *= inv, staged through the bf16 tile Stage, written
+      to the real heads of Out (``sync_before_stage``: a __syncthreads before the staging copy, for a Stage
+      that other warps may still read).
+    * ``store_lse(l_i, m_i, Lse, MaxLogits, bx, h0)``: natural-log lse and max_logits of the real heads
+      (+inf / -inf for empty rows).
+    """
+    heads_exact = heads % BH == 0
+    f32 = "float32"
+
+    @T.macro
+    def load_q(Q, Q_s, Qt_s, bx, h0):
+        if heads_exact:
+            T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s)
+            if D_tail > 0:
+                T.copy(Q[bx, h0 : h0 + BH, D:dqk], Qt_s)
+        else:
+            for h, d in T.Parallel(BH, D):
+                Q_s[h, d] = T.if_then_else(h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), d], T.cast(0, dtype))
+            if D_tail > 0:
+                for h, d in T.Parallel(BH, D_tail):
+                    Qt_s[h, d] = T.if_then_else(
+                        h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), D + d], T.cast(0, dtype)
+                    )
+
+    @T.macro
+    def normaliser(inv, l_i, m_i, Sink, h0):
+        for h in T.Parallel(BH):
+            if has_sink:
+                inv[h] = T.if_then_else(
+                    l_i[h] > 0,
+                    1.0
+                    / (
+                        l_i[h]
+                        + T.exp2(Sink[T.min(h0 + h, heads - 1)] * T.float32(LOG2E) - m_i[h] * c_log2)
+                    ),
+                    T.float32(0),
+                )
+            else:
+                inv[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], T.float32(0))
+
+    @T.macro
+    def store_out(acc_o, inv, Stage, Out, bx, h0):
+        for h, d in T.Parallel(BH, D):
+            acc_o[h, d] = acc_o[h, d] * inv[h]
+        if sync_before_stage:
+            T.sync_threads()
+        T.copy(acc_o, Stage)
+        if heads_exact:
+            T.copy(Stage, Out[bx, h0 : h0 + BH, :])
+        else:
+            for h, d in T.Parallel(BH, D):
+                if h0 + h < heads:
+                    Out[bx, h0 + h, d] = Stage[h, d]
+
+    @T.macro
+    def store_lse(l_i, m_i, Lse, MaxLogits, bx, h0):
+        for h in T.Parallel(BH):
+            if h0 + h < heads:
+                Lse[bx, h0 + h] = T.if_then_else(
+                    l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * c_log2) * T.float32(LN2), T.infinity(f32)
+                )
+                MaxLogits[bx, h0 + h] = T.if_then_else(
+                    l_i[h] > 0, m_i[h] * c_log2 * T.float32(LN2), -T.infinity(f32)
+                )
+
+    return load_q, normaliser, store_out, store_lse
+
+
+def plain_pass_configs(extra=None):
+    """Pass configs of the hand-scheduled kernels: no TMA lowering, no automatic warp specialisation
+    (+ ``extra``)."""
+    cfg = {
+        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    }
+    cfg.update(extra or {})
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- host side
+def check_heads_indices(n_tok, heads, indices) -> str | None:
+    if not 1 <= heads <= 2 * BLOCK_H:
+        return f"H={heads} not in 1..{2 * BLOCK_H}"
+    if indices.shape[0] != n_tok or indices.shape[1] < 1:
+        return "indices must be [T, topk] with topk >= 1"
+    return None
+
+
+def check_optional(n_tok, heads, topk_length, attn_sink) -> str | None:
+    """topk_length int32 [T] and attn_sink float32 [H], both on CUDA, when given."""
+    if topk_length is not None:
+        if topk_length.dtype != torch.int32 or topk_length.shape != (n_tok,) or not topk_length.is_cuda:
+            return "topk_length must be int32 [T] on CUDA"
+    if attn_sink is not None:
+        if attn_sink.dtype != torch.float32 or attn_sink.shape != (heads,) or not attn_sink.is_cuda:
+            return "attn_sink must be float32 [H] on CUDA"
+    return None
+
+
+def check_fwd_shapes(q, kv, indices, *, d_v, topk_length, attn_sink) -> str | None:
+    """The shape/layout checks of the bf16 and FP8 forwards after their dtype checks (q [T,H,Dqk],
+    kv [Tkv,Dqk], indices [T,topk], optional topk_length / attn_sink)."""
+    n_tok, heads, dqk = q.shape
+    if dqk not in SUPPORTED_DQK:
+        return f"Dqk={dqk} not in {SUPPORTED_DQK}"
+    if d_v != D_V:
+        return f"d_v={d_v} != {D_V}"
+    if kv.shape[1] != dqk:
+        return "kv last dim != q last dim"
+    reason = check_heads_indices(n_tok, heads, indices)
+    if reason is not None:
+        return reason
+    if n_tok >= 2**31 or kv.shape[0] >= 2**31 or indices.shape[1] >= 2**30:
+        return "sizes exceed int32 indexing"
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
+        return "last dim must be contiguous"
+    return check_optional(n_tok, heads, topk_length, attn_sink)
+
+
+def fwd_outputs(q, kv, *, sm_scale: float, d_v: int):
+    """Forward outputs (out [T,H,d_v] bf16, lse [T,H] f32, max_logits [T,H] f32) and whether they are already
+    final (T = 0, or Tkv = 0: every index invalid -> out 0, lse +inf, max_logits -inf)."""
+    if not (sm_scale > 0 and math.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale}")
+    n_tok, heads, _ = q.shape
+    dev = q.device
+    out = torch.empty((n_tok, heads, d_v), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
+    max_logits = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)
+    if n_tok == 0:
+        return (out, lse, max_logits), True
+    if kv.shape[0] == 0:  # every index is invalid
+        out.zero_()
+        lse.fill_(math.inf)
+        max_logits.fill_(-math.inf)
+        return (out, lse, max_logits), True
+    return (out, lse, max_logits), False
+
+
+def optional_args(indices, topk_length, attn_sink, dev):
+    """(has_sink, has_topk_length, topk_length arg, attn_sink arg, n_blocks): 1-element dummies for the optional
+    inputs the kernel does not read; n_blocks = ceil(topk / BLOCK_I), the kernels' static trip count."""
+    has_sink = attn_sink is not None
+    has_tl = topk_length is not None
+    tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
+    sink_arg = attn_sink.contiguous() if has_sink else torch.empty((1,), dtype=torch.float32, device=dev)
+    n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
+    return has_sink, has_tl, tl_arg, sink_arg, n_blocks
