@@ -14,18 +14,25 @@ For each shape: random fp8 inputs built like the bench suite's ``_indexer_paged`
 Shapes: ``nn1`` / ``nn2`` = the suite's cases (B 128, ctx 32768, H 64, D 128, block 64, next_n 1 / 2); ``ragged``
 (optional) = B 64, random contexts in [1, 32768], block 16, next_n 2, some invalid block ids.
 
-``--sweep 3x1024,4x2048,...`` additionally times "pipelined" builds with other (stages x chunk) settings (one
-compile each, ~10-20 s) and checks them bitwise against the default build's output.
+``--sweep 3x1024,4x2048,a6x1024,a6x1024m3,...`` additionally times "pipelined" builds (``a`` prefix:
+"pipelined_async" builds, optional ``mN`` suffix: its ``__launch_bounds__`` minimum CTAs per SM) with other
+(stages x chunk) settings (one compile each, ~10-20 s) and checks them bitwise against the "pipelined" output
+(else that of the first of ``--variants``).
+
+Variants: ``flashdsa.indexer.kernel_paged.VARIANTS`` ("pipelined" = default, "sync", "pipelined_async" = opt-in
+overlap of the next tile's wgmma with the epilogue, next_n*H <= 128).
 
 Usage (repo root, GPU host):
-    source .gpu/env.sh && python scripts/bench_paged_indexer.py [--shapes nn1,nn2] [--variants pipelined,sync]
-        [--reps 50] [--sweep 3x1024,6x1024,4x2048] [--json out.json]
+    source .gpu/env.sh && python scripts/bench_paged_indexer.py [--shapes nn1,nn2]
+        [--variants pipelined,sync,pipelined_async] [--reps 50] [--sweep 3x1024,6x1024,4x2048,a4x1024,a8x1024]
+        [--json out.json]
 Exit status 1 when a check fails.
 """
 
 import argparse
 import json
 import math
+import re
 import sys
 import time
 
@@ -85,7 +92,8 @@ def main():
     ap.add_argument("--variants", default="pipelined,sync")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--sweep", default="", help="extra pipelined builds, STAGESxCHUNK comma list, e.g. 3x1024,4x2048")
+    ap.add_argument("--sweep", default="", help="extra builds, [a]STAGESxCHUNK[mMINCTAS] comma list "
+                    "(a: pipelined_async), e.g. 3x1024,4x2048,a4x1024,a6x1024m3")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -126,7 +134,8 @@ def main():
                 ok_all &= ok
                 outs[v] = out
             # time the compiled kernel itself (arguments prepared once, as run_indexer_logits_paged passes them)
-            kernel = kp._compiled(H, D, NN, inp["k_cache"].shape[1], kp._TL_DTYPES[inp["q"].dtype], v)
+            kernel = kp._compiled(H, D, NN, inp["k_cache"].shape[1], kp._TL_DTYPES[inp["q"].dtype],
+                                 kp.resolve_variant(v, H, NN))
             o = torch.empty((B * NN, L), dtype=torch.float32, device=dev)
             kargs = (inp["q"].view(B * NN * H, D), inp["k_cache"], inp["k_scale_cache"], inp["weights"].view(-1),
                      inp["context_lens"], inp["block_table"], o)
@@ -144,35 +153,42 @@ def main():
         for cfg in [c for c in args.sweep.split(",") if c]:
             import tilelang
 
-            st, ch = (int(x) for x in cfg.lower().split("x"))
+            m = re.fullmatch(r"(a?)(\d+)x(\d+)(?:m(\d+))?", cfg.lower())
+            assert m, f"bad --sweep entry {cfg!r} (expected [a]STAGESxCHUNK[mMINCTAS])"
+            sv = "pipelined_async" if m[1] else "pipelined"
+            st, ch = int(m[2]), int(m[3])
+            extra = dict(min_ctas=int(m[4])) if m[4] else {}
+            assert sv == "pipelined_async" or not extra, "mMINCTAS is for the a (pipelined_async) builds"
             t0 = time.time()
-            func = kp.build_indexer_paged_pipelined(heads=H, dim=D, next_n=NN, block_size=inp["k_cache"].shape[1],
-                                                    dtype=kp._TL_DTYPES[inp["q"].dtype], num_stages=st, chunk=ch)
-            kernel = tilelang.compile(func, target="cuda", pass_configs=kp._pass_configs("pipelined"))
+            func = kp.build(sv, heads=H, dim=D, next_n=NN, block_size=inp["k_cache"].shape[1],
+                            dtype=kp._TL_DTYPES[inp["q"].dtype], num_stages=st, chunk=ch, **extra)
+            kernel = tilelang.compile(func, target="cuda", pass_configs=kp._pass_configs(sv))
             compile_s = time.time() - t0
             o = torch.full((B * NN, L), math.nan, dtype=torch.float32, device=dev)
             kargs = (inp["q"].view(B * NN * H, D), inp["k_cache"], inp["k_scale_cache"], inp["weights"].view(-1),
                      inp["context_lens"], inp["block_table"], o)
             kernel(*kargs)
             torch.cuda.synchronize()
-            base = outs.get("pipelined", outs.get(variants[0])) if outs else None
+            base_v = "pipelined" if "pipelined" in outs else variants[0]
+            base = outs.get(base_v) if outs else None
             same = None if base is None else torch.equal(o.view(torch.int32), base.view(torch.int32))
             tm = time_fn(lambda a: kernel(*a), [kargs], dev, warmup=5, reps=args.reps, max_seconds=30.0)
             tbs = nbytes / (tm.ms_median * 1e-3) / 1e12
             if same is False:
                 ok_all = False
-            results.append(dict(shape=name, variant=f"pipelined_{st}x{ch}", params=p, keys=keys, bytes=nbytes,
+            results.append(dict(shape=name, variant=f"{sv}_{cfg}", params=p, keys=keys, bytes=nbytes,
                                 ms_median=tm.ms_median, ms_p10=tm.ms_p10, ms_p90=tm.ms_p90, reps=tm.reps, tb_s=tbs,
                                 bitwise_equal_default=same, compile_s=round(compile_s, 1)))
-            print(f"  pipe {st}x{ch:<5d} {tm.ms_median * 1e3:8.1f} us (p10 {tm.ms_p10 * 1e3:.1f}, p90 "
-                  f"{tm.ms_p90 * 1e3:.1f}) {tbs:5.2f} TB/s  bitwise equal to default: {same}"
+            print(f"  sweep {cfg:<10s} {tm.ms_median * 1e3:8.1f} us (p10 "
+                  f"{tm.ms_p10 * 1e3:.1f}, p90 {tm.ms_p90 * 1e3:.1f}) {tbs:5.2f} TB/s  bitwise equal to "
+                  f"{base_v}: {same}"
                   f"{'  <-- FAIL' if same is False else ''}", flush=True)
-        if len(outs) > 1:
-            a, b = (outs[v] for v in variants[:2])
+        for v in variants[1:] if len(outs) > 1 else []:
+            a, b = outs[variants[0]], outs[v]
             same = torch.equal(a.view(torch.int32), b.view(torch.int32))
             fin = torch.isfinite(a) & torch.isfinite(b)
             diff = float((a[fin] - b[fin]).abs().max()) if fin.any() else 0.0
-            print(f"  {variants[0]} vs {variants[1]}: bitwise equal {same}, max |diff| on finite {diff:.3e}", flush=True)
+            print(f"  {variants[0]} vs {v}: bitwise equal {same}, max |diff| on finite {diff:.3e}", flush=True)
         del inp, ref, outs
         torch.cuda.empty_cache()
     if args.json:

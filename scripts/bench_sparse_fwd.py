@@ -1,6 +1,9 @@
-"""Time the sparse MLA forward kernels on the GPU: kernel_fwd (pipelined) vs kernel_fwd_ws (schedules "pair", "ws1").
+"""Time the sparse MLA forward kernels on the GPU: kernel_fwd (pipelined) vs kernel_fwd_ws (schedules "pair", "ws1",
+"ws2").
 
-    python scripts/bench_sparse_fwd.py [--out FILE.json] [--reps 20] [--variants fwd,pair,ws1] [--cases ...]
+    python scripts/bench_sparse_fwd.py [--out FILE.json] [--reps 20] [--variants fwd,ws1,ws2] [--cases ...]
+
+Variants: "fwd" = kernel_fwd.py; any other name is a kernel_fwd_ws schedule (kernel_fwd_ws.SCHEDULES).
 
 Four shapes (issue targets in TFLOP/s, FLOPs = 2 S H topk (Dqk + 512)):
   V32_H128          S 4096, SKV 8192,   H 128, Dqk 576, topk 2048        -> 700
@@ -70,10 +73,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--variants", default="fwd,pair,ws1")
+    ap.add_argument("--variants", default="fwd,ws1,ws2")
     ap.add_argument("--cases", default=",".join(CASES))
     a = ap.parse_args()
     variants = a.variants.split(",")
+    for v in variants:
+        if v != "fwd" and v not in kernel_fwd_ws.SCHEDULES:
+            ap.error(f"unknown variant {v!r}: 'fwd' or one of {kernel_fwd_ws.SCHEDULES}")
     rows = []
     S = 4096
     for name in a.cases.split(","):

@@ -1,8 +1,11 @@
 """GPU: the warp-specialised TileLang sparse MLA forward kernel (kernel_fwd_ws) against the
 PyTorch reference (run with ``pytest -m gpu``).
 
-Schedule under test: ``FLASHDSA_TEST_WS_SCHEDULE`` ("ws1" or "pair"; default kernel_fwd_ws.DEFAULT_SCHEDULE).
-"pair" passed all 12 tests on the H200 on 2026-11-30 (16:43, 76 s).
+Schedule under test: ``FLASHDSA_TEST_WS_SCHEDULE`` ("ws1", "pair" or "ws2"; default kernel_fwd_ws.DEFAULT_SCHEDULE).
+"pair" passed all 12 tests on the H200 on 2026-11-30 (16:43, 76 s).  "ws2" (sub-tiled gather, cp.async completion
+on mbarriers, sparse/_fwd_ws2.py) is new and not yet run on a GPU; first run it with the hang canary alone:
+  FLASHDSA_TEST_WS=1 FLASHDSA_TEST_WS_SCHEDULE=ws2 timeout -s KILL 120 python -u -m pytest -x -q -s \
+      -p no:cacheprovider tests/sparse_mla/test_kernel_ws_gpu.py -k "kv64-"
 
 Mirrors test_kernel_gpu.py (same inputs, poisoning and tolerances; the helpers are copied so the
 two files evolve independently) for the subset kernel_fwd_ws supports (H in {64, 128}).

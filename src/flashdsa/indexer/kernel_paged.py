@@ -7,7 +7,7 @@ Math (contract of ``flashdsa.indexer_logits_paged``): row ``r = b*next_n + j`` s
 ``k(p)`` slot ``p % bs`` of block ``block_table[b, p // bs]``; -inf elsewhere and where the block id is outside
 ``[0, num_blocks)``.
 
-Two variants (``run_indexer_logits_paged(..., variant=)``, default ``VARIANT``):
+Three variants (``run_indexer_logits_paged(..., variant=)``, else ``$FLASHDSA_PAGED_VARIANT``, else ``VARIANT``):
 
 "pipelined" (``build_indexer_paged_pipelined``, the default): a streaming kernel.
   * Grid ``(ceil(max_context / CHUNK_P), B)``, CHUNK_P = 1024 positions = 16 tiles of 64 keys; CTA (c, b) writes
@@ -42,6 +42,26 @@ Two variants (``run_indexer_logits_paged(..., variant=)``, default ``VARIANT``):
   commit per tile, cp_async_wait<S-2> + one __syncthreads per tile, stage-offset wgmma descriptors,
   no other barrier in the loop). Never run on a GPU by the author.
 
+"pipelined_async" (``build_indexer_paged_async``, opt-in; next_n*H <= 128, wider shapes run "pipelined"): the
+  "pipelined" kernel with the tensor cores overlapping the epilogue inside the CTA. Two accumulators (acc_a: even
+  tiles, acc_b: odd); step ``it`` = ``cp.async.wait_group(S-3)`` (tiles it and it+1 landed) + ``__syncthreads``,
+  issue tile it+1's wgmma into the other accumulator (``T.wgmma_gemm``, no wait), refill stage ``(it-1) % S``
+  (its wgmma retired in step it-2, its k_scale was read in step it-1), commit, tile it's epilogue,
+  ``wgmma.wait_group 0``. Tile 0's wgmma runs (and is awaited) before the loop. The wait sits inside the step on
+  purpose: with wgmma(it+1) still in flight across the loop's back edge (awaited with wait_group 1 in the next
+  step), ptxas 13.0 serializes every wgmma (C7514) -- it does not track wgmma groups across loop iterations when
+  the accumulators are read. Tiles run in pairs so that the accumulator choice is static; the last pair is peeled
+  (no next wgmma in its second step) and an odd tile count is padded by tile n_t (stale stage data, masked, not
+  stored). ``ASYNC_STAGES`` = 6 (S-2 = 4 tiles = 33 KiB in flight per CTA). Registers (ptxas 13.0, 0 spills, no
+  C751x warning): 254 at next_n 2 / H 64 (``__launch_bounds__(128, 2)``; 3 CTAs would spill 96 B), 207 at bs 16,
+  150 at next_n 1 / H 64 (3 CTAs), 206 nn4 H32 D64, bf16 nn1 128. Shared memory (fp8 D 128): 58 KiB (nn1),
+  66 KiB (nn2). SASS checked: 4 QGMMA 64x128x32 of tile it+1, then the LDGSTS refill and tile it's
+  FMNMX / FFMA epilogue, one WARPGROUP.DEPBAR at the end of the step.
+  Per tile (next_n 2, one CTA alone): ~50 clk sync + max(256 clk wgmma, ~200-230 issue slots of epilogue per
+  scheduler) ~= 300-330 clk instead of ~50 + 256 + ~30 (wgmma latency) + ~200 ~= 530; an SM needs one tile per
+  ~490 clk at 4.2 TB/s (8448 B / 17.4 B/clk), so one CTA almost keeps up alone and the 2 resident CTAs share the
+  tensor pipe (53% busy at the floor). Not run on a GPU by the author.
+
 "sync" (``build_indexer_paged``, the first draft, kept for comparison): grid ``(ceil(max_context / 2048), B)``;
   per 64-key stage the pages are loaded synchronously (16-byte ld.global + st.shared after a block-table read,
   TileLang 0.1.15 did not pipeline its ``T.Pipelined`` loop), then the same wgmma / epilogue. Measured on the
@@ -50,13 +70,14 @@ Two variants (``run_indexer_logits_paged(..., variant=)``, default ``VARIANT``):
 Risks for the first GPU run of "pipelined"
   * A wrong wait count or stage index reads a tile before it landed: the GPU tests (random page order, several
     block sizes, 5 bitwise-identical runs) and scripts/bench_paged_indexer.py (compares with "sync") catch it.
-  * Performance: if the tensor pipe and the epilogue do not overlap enough at next_n=2, the next step is an
-    async wgmma of tile it+1 issued before the epilogue of tile it (two accumulators, 192 regs, 2-3 CTAs/SM).
+  * Performance: measured 3.69 TB/s (next_n 1) and 3.05 TB/s (next_n 2, 5% short of 3.2); "pipelined_async"
+    is the overlap of tile it+1's wgmma with tile it's epilogue inside the CTA (opt-in, to be measured).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations with the function's
 # closure, and the shared signature (`_paged_prim_func`) names its sizes only in the annotations
 import functools
+import os
 
 import torch
 
@@ -73,13 +94,16 @@ CHUNK = 2048  # positions per CTA
 NUM_STAGES = 3  # "sync" variant (its T.Pipelined is not actually pipelined by TileLang)
 THREADS = 128
 CHUNK_P = 1024  # "pipelined" variant: positions per CTA (16 tiles; 4096 CTAs at B=128, ctx 32768)
-VARIANTS = ("pipelined", "sync")
-VARIANT = "pipelined"
+VARIANTS = ("pipelined", "sync", "pipelined_async")
+VARIANT = "pipelined"  # default; ``$FLASHDSA_PAGED_VARIANT`` (read per call) overrides it when no variant is passed
+VARIANT_ENV = "FLASHDSA_PAGED_VARIANT"
 SUPPORTED_HEADS = (8, 16, 32, 64)
 SUPPORTED_DIMS = (64, 128)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 MAX_NEXT_N = 4
 PIPE_STAGES = 4  # "pipelined" variant: cp.async ring depth (tiles of BLOCK_N keys; S-1 tiles in flight per CTA)
+ASYNC_STAGES = 6  # "pipelined_async": ring depth (S-2 tiles in flight per CTA: one landed tile is ahead for the MMA)
+ASYNC_MAX_COLS = 128  # "pipelined_async" needs next_n*H <= 128 (two accumulators); wider shapes run "pipelined"
 _TL_DTYPES = {torch.float8_e4m3fn: "float8_e4m3", torch.bfloat16: "bfloat16"}
 
 
@@ -187,6 +211,49 @@ def min_ctas_per_sm(heads: int, next_n: int) -> int:
     return 4 if heads * next_n <= 128 else 2
 
 
+def min_ctas_per_sm_async(heads: int, next_n: int) -> int:
+    """"pipelined_async": two accumulators of next_n*H/2 regs/thread each. 3 CTAs (<= 168 registers) while both
+    fit in 64 (next_n*H <= 64), else 2 (<= 255; next_n*H = 128: 128 accumulator + 32 weight registers)."""
+    return 3 if heads * next_n <= 64 else 2
+
+
+def _tile_macros(*, heads: int, next_n: int, block_size: int):
+    """(issue, epilogue) macros shared by the two cp.async-ring variants (see the module notes)."""
+    H, NN, BS, BN = heads, next_n, block_size, BLOCK_N
+    BC = NN * H
+    PPS = max(1, BN // BS)  # page segments per tile
+    KPP = min(BS, BN)  # keys per segment (contiguous in one page)
+    f32 = "float32"
+    no_commit = {"no_implicit_async_commit_wait": True}
+
+    @T.macro
+    def issue(KCache, KScale, K_s, ks_s, bt_s, t, st):
+        # cp.async (no commit) of tile t (keys c0 + t*BN ...) into ring stage st: PPS page segments of KPP keys
+        for sg in T.unroll(PPS):
+            blk = bt_s[(t * BN + sg * KPP) // BS]
+            if blk >= 0:
+                off = (t * BN + sg * KPP) % BS
+                T.async_copy(KCache[blk, off:off + KPP, :], K_s[st, sg * KPP:(sg + 1) * KPP, :], annotations=no_commit)
+                T.async_copy(KScale[blk, off:off + KPP], ks_s[st, sg * KPP:(sg + 1) * KPP], annotations=no_commit)
+
+    @T.macro
+    def epilogue(acc, acc3, logit, w_f, ks_s, bt_s, Out, it, st, p0, ctx_m, b, L):
+        # logits of tile it (ring stage st, first position p0) from its accumulator S[key, j*H + h]; columns
+        # >= L are not stored (the parameter keeps the name L: a macro argument's variable takes the parameter's
+        # name in the generated code)
+        for n, c in T.Parallel(BN, BC):
+            acc[n, c] = T.max(acc[n, c], 0) * w_f[c]
+        T.reduce_sum(acc3, logit, dim=2)
+        for n, j in T.Parallel(BN, NN):
+            logit[n, j] = T.if_then_else((p0 + n < ctx_m - NN + 1 + j) & (bt_s[(it * BN + n) // BS] >= 0),
+                                         logit[n, j] * ks_s[st, n], -T.infinity(f32))
+        for n, j in T.Parallel(BN, NN):
+            if p0 + n < L:
+                Out[b * NN + j, p0 + n] = logit[n, j]
+
+    return issue, epilogue
+
+
 def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
                                   chunk: int = CHUNK_P, num_stages: int = PIPE_STAGES, threads: int = THREADS):
     """"pipelined" variant (see the module notes); same prim_func signature as ``build_indexer_paged``:
@@ -198,25 +265,13 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
     assert S >= 2 and chunk % BN == 0 and chunk % BS == 0 and threads == 128
     BC = NN * H
     min_ctas = min_ctas_per_sm(H, NN)
-    PPS = max(1, BN // BS)  # page segments per tile
-    KPP = min(BS, BN)  # keys per segment (contiguous in one page)
     NPG = chunk // BS  # block-table entries of one chunk
     assert NPG <= threads
     n_tile_chunk = chunk // BN
     f32, i32 = "float32", "int32"
-    no_commit = {"no_implicit_async_commit_wait": True}
+    issue, epilogue = _tile_macros(heads=H, next_n=NN, block_size=BS)
     sizes = _paged_sizes()
     B, NB, MB, L = sizes
-
-    @T.macro
-    def issue(KCache, KScale, K_s, ks_s, bt_s, t, st):
-        # cp.async (no commit) of tile t (keys c0 + t*BN ...) into ring stage st: PPS page segments of KPP keys
-        for sg in T.unroll(PPS):
-            blk = bt_s[(t * BN + sg * KPP) // BS]
-            if blk >= 0:
-                off = (t * BN + sg * KPP) % BS
-                T.async_copy(KCache[blk, off:off + KPP, :], K_s[st, sg * KPP:(sg + 1) * KPP, :], annotations=no_commit)
-                T.async_copy(KScale[blk, off:off + KPP], ks_s[st, sg * KPP:(sg + 1) * KPP], annotations=no_commit)
 
     @T.macro
     def body(Q, KCache, KScale, W, ContextLens, BlockTable, Out):
@@ -264,19 +319,117 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
                     issue(KCache, KScale, K_s, ks_s, bt_s, it + S - 1, (it + S - 1) % S)
                 T.ptx_commit_group()
                 st = it % S
-                p0 = c0 + it * BN
                 T.gemm(K_s[st, :, :], Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for n, c in T.Parallel(BN, BC):
-                    acc[n, c] = T.max(acc[n, c], 0) * w_f[c]
-                T.reduce_sum(acc3, logit, dim=2)
-                for n, j in T.Parallel(BN, NN):
-                    logit[n, j] = T.if_then_else((p0 + n < ctx_m - NN + 1 + j) & (bt_s[(it * BN + n) // BS] >= 0),
-                                                 logit[n, j] * ks_s[st, n], -T.infinity(f32))
-                for n, j in T.Parallel(BN, NN):
-                    if p0 + n < L:
-                        Out[b * NN + j, p0 + n] = logit[n, j]
+                epilogue(acc, acc3, logit, w_f, ks_s, bt_s, Out, it, st, c0 + it * BN, ctx_m, b, L)
 
     return _paged_prim_func("indexer_paged_pipelined", body, heads=H, dim=D, next_n=NN, block_size=BS, dtype=dtype,
+                            sizes=sizes)
+
+
+def build_indexer_paged_async(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
+                              chunk: int = CHUNK_P, num_stages: int = ASYNC_STAGES, threads: int = THREADS,
+                              min_ctas: int | None = None):
+    """"pipelined_async" variant (see the module notes): the "pipelined" kernel with tile it+1's wgmma issued
+    asynchronously into a second accumulator before tile it's epilogue. Same signature as ``build_indexer_paged``;
+    compile with ``_pass_configs("pipelined_async")``. ``min_ctas``: ``__launch_bounds__`` minimum CTAs per SM
+    (None: ``min_ctas_per_sm_async``)."""
+    H, D, NN, BS, BN, S = heads, dim, next_n, block_size, BLOCK_N, num_stages
+    assert H in SUPPORTED_HEADS and D in SUPPORTED_DIMS and BS in SUPPORTED_BLOCK_SIZES and 1 <= NN <= MAX_NEXT_N
+    # S >= 3: the stage refilled in step it, (it-1) % S, is neither tile it+1's (wgmma) nor tile it's (k_scale)
+    assert S >= 3 and chunk % BN == 0 and chunk % BS == 0 and threads == 128
+    BC = NN * H
+    assert BC <= ASYNC_MAX_COLS, "two m64 x next_n*H fp32 accumulators would spill"
+    min_ctas = min_ctas_per_sm_async(H, NN) if min_ctas is None else min_ctas
+    NPG = chunk // BS
+    assert NPG <= threads
+    n_tile_chunk = chunk // BN
+    n_acc = BN * BC // threads  # accumulator registers per thread
+    f32, i32 = "float32", "int32"
+    issue, epilogue = _tile_macros(heads=H, next_n=NN, block_size=BS)
+    sizes = _paged_sizes()
+    B, NB, MB, L = sizes
+
+    @T.macro
+    def step(KCache, KScale, Q_s, K_s, ks_s, bt_s, w_f, acc_c, acc3_c, acc_n, logit, Out, it, n_t, c0, ctx_m, b, nxt):
+        # tile it, whose wgmma (into acc_c) retired in the previous step (or the prologue); nxt (Python bool): run
+        # tile it+1's wgmma (into acc_n) during this epilogue. Tile n_t (the pad of an odd n_t) runs on stale stage
+        # data, is masked to -inf and not stored.
+        T.ptx_wait_group(S - 3)  # S-1+it groups committed: tiles it and it+1 complete (this thread's copies)
+        T.sync_threads()  # tile it+1 visible to all; all threads are past step it-1 (its epilogue, its wgmma wait)
+        if nxt:
+            T.wgmma_gemm(K_s[(it + 1) % S, :, :], Q_s, acc_n, transpose_B=True, clear_accum=True,
+                         policy=T.GemmWarpPolicy.FullRow)
+        if it + S - 1 < n_t:  # stage (it-1) % S: its wgmma retired in step it-2, its k_scale read in step it-1
+            issue(KCache, KScale, K_s, ks_s, bt_s, it + S - 1, (it + S - 1) % S)
+        T.ptx_commit_group()
+        epilogue(acc_c, acc3_c, logit, w_f, ks_s, bt_s, Out, it, it % S, c0 + it * BN, ctx_m, b,
+                 T.min(L, c0 + n_t * BN))
+        if nxt:
+            # retired within the step: ptxas keeps wgmma asynchronous only when no wgmma is in flight across the
+            # loop's back edge (else C7514: every wgmma serialized)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(acc_n, 0, n_acc)  # no read of acc_n hoisted above the wait
+
+    @T.macro
+    def body(Q, KCache, KScale, W, ContextLens, BlockTable, Out):
+        with T.Kernel(T.ceildiv(L, chunk), B, threads=threads) as (bc, b):
+            Q_s = T.alloc_shared([BC, D], dtype)
+            K_s = T.alloc_shared([S, BN, D], dtype)
+            ks_s = T.alloc_shared([S, BN], f32)
+            bt_s = T.alloc_shared([NPG], i32)
+            w_f = T.alloc_fragment([BC], f32)
+            acc_a = T.alloc_fragment([BN, BC], f32)  # even tiles
+            acc_b = T.alloc_fragment([BN, BC], f32)  # odd tiles
+            acc3_a = T.reshape(acc_a, [BN, NN, H])
+            acc3_b = T.reshape(acc_b, [BN, NN, H])
+            logit = T.alloc_fragment([BN, NN], f32)
+            annotate_min_blocks_per_sm(min_ctas)
+
+            tx = T.get_thread_binding()
+            c0 = bc * chunk
+            ctx_m = T.clamp(ContextLens[b], 0, 1 << 30)
+            ctx = T.min(ctx_m, L)
+            n_t = T.clamp(T.ceildiv(ctx - c0, BN), 0, n_tile_chunk)
+            if tx < NPG:
+                lp = c0 // BS + tx
+                raw = BlockTable[b, T.min(lp, MB - 1)]
+                bt_s[tx] = T.if_then_else((lp < MB) & (lp * BS < ctx) & (raw >= 0) & (raw < NB), raw, -1)
+            T.sync_threads()
+            for t in T.unroll(S - 1):
+                if t < n_t:
+                    issue(KCache, KScale, K_s, ks_s, bt_s, t, t)
+                T.ptx_commit_group()
+            T.copy(Q[b * BC:b * BC + BC, :], Q_s)
+            T.copy(W[b * BC:b * BC + BC], w_f)
+            fill_b = c0 + n_t * BN
+            fill_e = T.min(c0 + chunk, L)
+            for j in T.serial(NN):
+                for c in T.serial(T.ceildiv(fill_e - fill_b, threads)):
+                    col = fill_b + c * threads + tx
+                    if col < fill_e:
+                        Out[b * NN + j, col] = -T.infinity(f32)
+            if n_t > 0:
+                T.ptx_wait_group(S - 2)  # tile 0 complete
+                T.sync_threads()  # tile 0 and Q_s visible to all
+                T.wgmma_gemm(K_s[0, :, :], Q_s, acc_a, transpose_B=True, clear_accum=True,
+                             policy=T.GemmWarpPolicy.FullRow)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(acc_a, 0, n_acc)
+                # tiles in pairs (acc_a: even tiles, acc_b: odd) so that the accumulators alternate at compile time
+                # (a fragment indexed by a runtime parity would go to local memory); the last pair is peeled (its
+                # second step has no next wgmma); an odd n_t is padded by the masked tile n_t
+                n_p = T.ceildiv(n_t, 2)
+                for it2 in T.serial(n_p - 1):
+                    step(KCache, KScale, Q_s, K_s, ks_s, bt_s, w_f, acc_a, acc3_a, acc_b, logit, Out, it2 * 2, n_t,
+                         c0, ctx_m, b, True)
+                    step(KCache, KScale, Q_s, K_s, ks_s, bt_s, w_f, acc_b, acc3_b, acc_a, logit, Out, it2 * 2 + 1,
+                         n_t, c0, ctx_m, b, True)
+                step(KCache, KScale, Q_s, K_s, ks_s, bt_s, w_f, acc_a, acc3_a, acc_b, logit, Out, n_p * 2 - 2, n_t,
+                     c0, ctx_m, b, True)
+                step(KCache, KScale, Q_s, K_s, ks_s, bt_s, w_f, acc_b, acc3_b, acc_a, logit, Out, n_p * 2 - 1, n_t,
+                     c0, ctx_m, b, False)
+
+    return _paged_prim_func("indexer_paged_async", body, heads=H, dim=D, next_n=NN, block_size=BS, dtype=dtype,
                             sizes=sizes)
 
 
@@ -290,9 +443,13 @@ def _pass_configs(variant: str = VARIANT) -> dict:
     }
 
 
+_BUILDERS = {"pipelined": build_indexer_paged_pipelined, "sync": build_indexer_paged,
+             "pipelined_async": build_indexer_paged_async}
+
+
 def build(variant: str = VARIANT, **kw):
     assert variant in VARIANTS, variant
-    return (build_indexer_paged_pipelined if variant == "pipelined" else build_indexer_paged)(**kw)
+    return _BUILDERS[variant](**kw)
 
 
 @functools.lru_cache(maxsize=64)
@@ -335,17 +492,25 @@ def _aligned(x):
     return x.clone() if x.data_ptr() % 16 else x
 
 
+def resolve_variant(variant: str | None, heads: int, next_n: int) -> str:
+    """The variant that runs: ``variant``, else ``$FLASHDSA_PAGED_VARIANT`` (read per call), else ``VARIANT``;
+    "pipelined_async" becomes "pipelined" when next_n*H > ``ASYNC_MAX_COLS``."""
+    v = variant if variant is not None else (os.environ.get(VARIANT_ENV, "").strip().lower() or VARIANT)
+    if v not in VARIANTS:
+        raise ValueError(f"indexer paged kernel: variant {v!r} not in {VARIANTS} (argument or ${VARIANT_ENV})")
+    return "pipelined" if v == "pipelined_async" and heads * next_n > ASYNC_MAX_COLS else v
+
+
 def run_indexer_logits_paged(q, k_cache, weights, context_lens, block_table, k_scale_cache, max_context: int,
                              variant: str | None = None):
     """``[B*next_n, max_context]`` float32; no host sync (max_context is a host int). ``variant``: one of
-    ``VARIANTS`` (None -> ``VARIANT``); both give the same result."""
-    variant = variant or VARIANT
-    if variant not in VARIANTS:
-        raise ValueError(f"indexer paged kernel: variant {variant!r} not in {VARIANTS}")
+    ``VARIANTS`` (None -> ``$FLASHDSA_PAGED_VARIANT`` or ``VARIANT``, see ``resolve_variant``); all give the same
+    result ("pipelined_async" does the arithmetic of "pipelined" instruction for instruction: expected bitwise)."""
     reason = kernel_unsupported(q, k_cache, weights, context_lens, block_table, k_scale_cache)
     if reason is not None:
         raise ValueError(f"indexer paged kernel: {reason}")
     B, NN, H, D = q.shape
+    variant = resolve_variant(variant, H, NN)
     nb, bs = k_cache.shape[:2]
     dev = q.device
     L = int(max_context)
@@ -364,9 +529,11 @@ def run_indexer_logits_paged(q, k_cache, weights, context_lens, block_table, k_s
 
 def lowering_cases():
     """The "pipelined" variant (lowered with ``_pass_configs()``): several pages per tile (bs 16, next_n 2) and
-    half a page per tile (bs 128) with the small-H / D=64 / next_n=4 shapes."""
+    half a page per tile (bs 128) with the small-H / D=64 / next_n=4 shapes; "pipelined_async" (same pass
+    configs) at the next_n=2 budget shape."""
     cases = []
     for dtype, H, D, nn, bs in [("float8_e4m3", 64, 128, 2, 16), ("float8_e4m3", 32, 64, 4, 128)]:
         name = f"{'fp8' if dtype.startswith('float8') else 'bf16'}_h{H}_d{D}_nn{nn}_bs{bs}"
         cases.append((name, build_indexer_paged_pipelined(heads=H, dim=D, next_n=nn, block_size=bs, dtype=dtype)))
+    cases.append(("async_fp8_h64_d128_nn2_bs64", build_indexer_paged_async(heads=64, dim=128, next_n=2, block_size=64)))
     return cases

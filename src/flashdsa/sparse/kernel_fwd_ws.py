@@ -6,8 +6,10 @@ Same contract, host interface and numerics as ``kernel_fwd.py`` (the pipelined k
 Dqk in {512, 576}, d_v = 512.  One CTA per (token, 64-head group) on a 1-D grid (head group fastest, so the
 two CTAs of one token at H = 128 gather the same rows back to back: the second gather hits L2); 384 threads =
 two consumer warpgroups (WG0 threads 0-127, WG1 128-255) + one producer warpgroup (256-383), ``setmaxnreg``.
-Two schedules (``schedule=``; env ``FLASHDSA_SPARSE_WS_SCHEDULE`` sets the default, "ws1"): "ws1" (this file)
-and "pair" (``_fwd_ws_pair.py``, which has its protocol notes).
+Three schedules (``schedule=``; env ``FLASHDSA_SPARSE_WS_SCHEDULE`` sets the default, "ws1"): "ws1" (this file),
+"pair" (``_fwd_ws_pair.py``) and "ws2" (``_fwd_ws2.py``: ws1's roles with a sub-tiled gather whose cp.async
+completion arrives on per-64-dim mbarriers, two blocks in flight; not yet run on a GPU), each module with its
+protocol notes.
 
 Measured (H200, 2026-11-30, scripts/bench_sparse_fwd.py, random per-token indices, median of 10; ms / TFLOP/s):
   | case                       | kernel_fwd   | ws1          | pair         |
@@ -59,7 +61,7 @@ from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 _SUPPORTED_H = (64, 128)
 THREADS = 384
-SCHEDULES = ("pair", "ws1")
+SCHEDULES = ("pair", "ws1", "ws2")
 DEFAULT_SCHEDULE = os.environ.get("FLASHDSA_SPARSE_WS_SCHEDULE", "ws1")  # the faster one measured (below)
 assert DEFAULT_SCHEDULE in SCHEDULES, DEFAULT_SCHEDULE
 # setmaxnreg budgets (WG0, WG1, producer).  The CTA's pool is what the launch allocated: a
@@ -89,12 +91,15 @@ def build_sparse_mla_fwd(
     """Return the warp-specialised TileLang prim_func (same signature as kernel_fwd).
 
     Signature: (Q[T,H,Dqk] bf16, KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32,
-    Out[T,H,d_v] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``schedule``: "ws1" or "pair" (default DEFAULT_SCHEDULE).
+    Out[T,H,d_v] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``schedule``: "ws1", "pair" or "ws2" (default
+    DEFAULT_SCHEDULE).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule == "pair":
         from ._fwd_ws_pair import build_pair as build  # imports this module's constants
+    elif schedule == "ws2":
+        from ._fwd_ws2 import build_ws2 as build  # imports this module's constants
     else:
         build = _build_ws1
     return build(heads=heads, dqk=dqk, d_v=d_v, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
@@ -442,7 +447,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
                        schedule: str | None = None):
     """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
 
-    ``schedule``: "pair" or "ws1" (None: DEFAULT_SCHEDULE)."""
+    ``schedule``: "pair", "ws1" or "ws2" (None: DEFAULT_SCHEDULE)."""
     reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
     if reason is not None:
         raise ValueError(f"sparse_mla fwd ws kernel: {reason}")
@@ -460,6 +465,7 @@ def lowering_cases():
     for sched, heads, dqk, topk, sink, tl in [
         ("ws1", 64, 512, 640, True, True),  # V4 shape: Dqk 512, sink, topk_length
         ("pair", 128, 576, 2048, False, False),  # headline shape
+        ("ws2", 128, 576, 2048, False, False),  # headline shape, sub-tiled non-blocking gather
     ]:
         name = f"{sched}_h{heads}_d{dqk}_topk{topk}" + ("_sink" if sink else "") + ("_tl" if tl else "")
         fn = build_sparse_mla_fwd(heads=heads, dqk=dqk, d_v=D_V, topk=topk, sm_scale=dqk**-0.5, has_sink=sink,
