@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--shapes", default=None, help="e.g. 64x32768,1x1048576")
     ap.add_argument("--threads-sweep", action="store_true", help="also time the one-CTA kernel at 256/512/1024 threads")
+    ap.add_argument("--paths", default=None, help="only these forced paths, e.g. single,untuned,lean8m5")
     args = ap.parse_args()
 
     import flashdsa
@@ -92,6 +93,14 @@ def main():
 
         if kp.pick_groups(M, N, sms) >= 2:
             paths["persist"] = dict(impl="persist")
+        # one-CTA kernel tunings (u0, min_ctas, lean): untuned = the schedule before kernel_radix.TUNED
+        paths["untuned"] = dict(impl="single", tune=(kr.pick_u0(*kr.pick_config(N)), 0, False))
+        if N <= 8192:
+            paths["lean8m5"] = dict(impl="single", tune=(8, 5, True))
+            paths["m5"] = dict(impl="single", tune=(16, 5, False))
+        if args.paths:
+            keep = set(args.paths.split(","))
+            paths = {nm: kw for nm, kw in paths.items() if nm in keep}
         if args.threads_sweep and N <= 32768:
             for t in (256, 512, 1024):
                 paths[f"single_t{t}"] = dict(impl="single", threads=t)
@@ -120,7 +129,7 @@ def main():
         # ---- timing ----
         for name, kw in paths.items():
             row[f"{name}_us"] = timed(lambda kw=kw: kr.run_topk_indices(x, k, **kw))
-        row["old_us"] = row["multi4_us"] if old_impl == "multi4" else row["orig_us"]
+        row["old_us"] = row.get("multi4_us") if old_impl == "multi4" else row.get("orig_us")
         row["new_us"] = timed(lambda: kr.run_topk_indices(x, k))
         row["api_us"] = timed(lambda: flashdsa.topk_indices(x, k, backend="kernel"))
         row["api_host_us"] = host_us(lambda: flashdsa.topk_indices(x, k, backend="kernel"))

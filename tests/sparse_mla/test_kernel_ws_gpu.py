@@ -3,7 +3,7 @@ PyTorch reference (run with ``pytest -m gpu``).
 
 Schedule under test: ``FLASHDSA_TEST_WS_SCHEDULE`` ("ws1", "pair" or "ws2"; default kernel_fwd_ws.DEFAULT_SCHEDULE).
 "pair" passed all 12 tests on the H200 on 2026-11-30 (16:43, 76 s).  "ws2" (sub-tiled gather, cp.async completion
-on mbarriers, sparse/_fwd_ws2.py) is new and not yet run on a GPU; first run it with the hang canary alone:
+on mbarriers, sparse/_fwd_ws2.py) passed all 12 on the H200 (session 3); a hang canary for a new schedule:
   FLASHDSA_TEST_WS=1 FLASHDSA_TEST_WS_SCHEDULE=ws2 timeout -s KILL 120 python -u -m pytest -x -q -s \
       -p no:cacheprovider tests/sparse_mla/test_kernel_ws_gpu.py -k "kv64-"
 

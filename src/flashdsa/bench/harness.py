@@ -71,12 +71,14 @@ def rotation_count(set_bytes: int, device: torch.device) -> int:
 
 
 def time_fn(fn: Callable[[Any], Any], arg_sets: Sequence[Any], device: torch.device, *, warmup: int = 3,
-            reps: int = 20, min_reps: int = 3, max_seconds: float = 10.0, flush_l2: bool = True) -> Timing:
+            reps: int = 20, min_reps: int = 3, max_seconds: float = 10.0, flush_l2: bool = True,
+            warm_seconds: float = 0.1) -> Timing:
     """Median/p10/p90 milliseconds of ``fn(arg_sets[i % len(arg_sets)])``.
 
     Two warm-up calls always run (the first may compile); the second, timed with a host clock, estimates the cost:
     when ``reps`` runs would exceed ``max_seconds`` the count shrinks (never below ``min_reps``) and further
-    warm-up is skipped. CUDA: events around each call, a 256 MB
+    warm-up is skipped; otherwise the calls repeat for ``warm_seconds`` more (GPU clocks ramp up from idle). CUDA:
+    events around each call, a 256 MB
     buffer written before each (outside the events) to flush L2. CPU: ``time.perf_counter``.
     """
     n = len(arg_sets)
@@ -92,6 +94,17 @@ def time_fn(fn: Callable[[Any], Any], arg_sets: Sequence[Any], device: torch.dev
     for i in range(2, warmup):
         fn(arg_sets[i % n])
     _sync(device)
+    if device.type == "cuda" and warmup > 0 and warm_seconds > 0:
+        # keep the GPU busy for warm_seconds before timing: an idle H200 sits at a few hundred MHz and takes tens of
+        # ms to reach its boost clock, which otherwise inflates the first timed runs of short kernels
+        t_end = time.perf_counter() + warm_seconds
+        batch = max(1, min(64, int(0.005 / max(est, 1e-6))))
+        i = 0
+        while time.perf_counter() < t_end:
+            for _ in range(batch):
+                fn(arg_sets[i % n])
+                i += 1
+            _sync(device)
     times: list[float] = []
     if device.type == "cuda":
         buf = _flush_buffer(str(device)) if flush_l2 else None

@@ -54,7 +54,7 @@ Verified (CPU only, TileLang 0.1.15, sm_90a): lowering_cases() lowers in ~10 s o
   AtomicAddx2 on valid rows only, fence.proxy.async before the wgmmas that read stmatrix-written P/dS; the
   generated CUDA of three configs compiled with nvcc (numbers above).  The host logic (preprocess, sink gate,
   dlse, deterministic sort / segment bounds / chunking) was checked on CPU against sparse_mla_bwd_reference by
-  substituting torch emulations of the two kernels.  Never run on a GPU.
+  substituting torch emulations of the two kernels.  GPU (H200): dispatched; its GPU tests pass (docs/PERFORMANCE.md).
 Risks:
   * Register pressure: 254/255 registers with no spills under this toolchain; a different nvcc/TileLang
     codegen may spill.  Fix: split dq over d (two 256-column passes) or give dq its own warpgroup.

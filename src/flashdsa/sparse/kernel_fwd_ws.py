@@ -8,7 +8,7 @@ two CTAs of one token at H = 128 gather the same rows back to back: the second g
 two consumer warpgroups (WG0 threads 0-127, WG1 128-255) + one producer warpgroup (256-383), ``setmaxnreg``.
 Three schedules (``schedule=``; env ``FLASHDSA_SPARSE_WS_SCHEDULE`` sets the default, "ws1"): "ws1" (this file),
 "pair" (``_fwd_ws_pair.py``) and "ws2" (``_fwd_ws2.py``: ws1's roles with a sub-tiled gather whose cp.async
-completion arrives on per-64-dim mbarriers, two blocks in flight; not yet run on a GPU), each module with its
+completion arrives on per-64-dim mbarriers, two blocks in flight; GPU tests pass, no faster than ws1), each module with its
 protocol notes.
 
 Measured (H200, 2026-11-30, scripts/bench_sparse_fwd.py, random per-token indices, median of 10; ms / TFLOP/s):

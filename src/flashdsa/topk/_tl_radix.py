@@ -91,7 +91,7 @@ class Ix:
         self.__dict__.update(kw)
 
 
-def radix_macros(threads: int):
+def radix_macros(threads: int, lean_ranks: bool = False):
     """The shared macros for CTAs of ``threads`` threads (thread ``tx`` owns histogram bins
     ``[tx*BPT, tx*BPT + BPT)``, ``BPT = 2048 / threads``; ``W = threads / 32`` warps).  Returns a namespace:
 
@@ -260,9 +260,15 @@ def radix_macros(threads: int):
             pos = warp * seg + j * 32 + lane
             if pos < n:
                 load_key(kk, f1, pos, skeys, Scores, ix)
-            bg = T.ballot_sync((kk & mask) > prefix)
-            be = T.ballot_sync(kk != T.uint32(0) and (kk & mask) == prefix)
-            lt = (T.uint64(1) << T.Cast(u64, lane)) - T.uint64(1)
+            if lean_ranks:
+                # 32-bit ballots and lane mask (the 64-bit forms cost extra integer instructions per element)
+                bg = T.Cast(u32, T.ballot_sync((kk & mask) > prefix))
+                be = T.Cast(u32, T.ballot_sync(kk != T.uint32(0) and (kk & mask) == prefix))
+                lt = (T.uint32(1) << T.Cast(u32, lane)) - T.uint32(1)
+            else:
+                bg = T.ballot_sync((kk & mask) > prefix)
+                be = T.ballot_sync(kk != T.uint32(0) and (kk & mask) == prefix)
+                lt = (T.uint64(1) << T.Cast(u64, lane)) - T.uint64(1)
             x = cgt + T.Cast(i32, T.popcount(bg & lt))
             s = ceq + T.Cast(i32, T.popcount(be & lt))
             if (kk & mask) > prefix or (kk != T.uint32(0) and (kk & mask) == prefix and s < need):

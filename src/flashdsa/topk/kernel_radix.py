@@ -114,7 +114,8 @@ def pick_config(n: int) -> tuple[int, int]:
     return 1024, 0
 
 
-def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0, cand_cap: int = 0, u0: int = 0):
+def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0, cand_cap: int = 0, u0: int = 0,
+                      min_ctas: int = 0, lean: bool = False):
     """TileLang prim_func: Scores [M, N] f32 (row stride SM), Starts [NS] i32, Ends [NE] i32, Out [M, K] i32, Flags.
 
     ``Flags`` bit 0: Starts is given, bit 1: Ends is given (else the dummy tensor is never read).
@@ -122,6 +123,8 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
     ``cand_cap`` > 0 (needs ``cache``): candidate compaction after pass 0 when the threshold bucket holds at most
     ``cand_cap`` keys (see the module notes); 0 is the original schedule.
     ``u0``: loads in flight per thread in pass 0 (the only global read with a cache); 0 = ``_UNROLL``.
+    ``min_ctas`` > 0: ``__launch_bounds__`` minimum CTAs per SM (caps the registers).  ``lean``: histogram zeroing
+    in a bank-conflict-free order and 32-bit ballot ranks in the write sweep (fewer instructions per element).
     """
     import tilelang.language as T
 
@@ -142,7 +145,8 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
     u32, i32, u64 = "uint32", "int32", "uint64"
 
     to_key = to_key_expr
-    R = radix_macros(NT)
+    R = radix_macros(NT, lean_ranks=lean)
+    from tilelang.language.annotations import annotate_min_blocks_per_sm
 
     @T.prim_func
     def topk_radix(
@@ -154,6 +158,8 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
     ):
         with T.Kernel(M, threads=NT) as bx:
             tx = T.get_thread_binding()
+            if min_ctas > 0:
+                annotate_min_blocks_per_sm(min_ctas)
             hist = T.alloc_shared((HBINS,), i32)
             wred = T.alloc_shared((2, W), i32)
             sel = T.alloc_shared((4,), i32)
@@ -205,7 +211,7 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
 
             # ---- pass 0: histogram of the top 11 bits (and the shared-memory key cache) ----
             for b in T.serial(BPT):
-                hist[tx * BPT + b] = 0
+                hist[b * NT + tx if lean else tx * BPT + b] = 0
             if cand_cap > 0:
                 if tx == 0:
                     sel[3] = 0  # candidate counter
@@ -224,7 +230,7 @@ def _build_topk_radix(*, threads: int = 1024, cache: int = 0, sort_cap: int = 0,
                     if p > 0:
                         # histogram of the next digit among keys matching the decided prefix
                         for b in T.serial(BPT):
-                            hist[tx * BPT + b] = 0
+                            hist[b * NT + tx if lean else tx * BPT + b] = 0
                         T.sync_threads()
                         if usecand == 1:
                             # only the candidates can match the prefix (they all have key != 0)
@@ -339,16 +345,29 @@ def pick_u0(threads: int, cache: int) -> int:
     return _UNROLL
 
 
+# (threads, cache) -> (u0, min_ctas, lean); see pick_tune.  (256, 8192): __launch_bounds__(256, 5) takes ptxas from 57
+# to 38 registers (no spills), so 5 CTAs fit an SM instead of 4 (ncu at 57 registers: limited by registers and by
+# the shared-memory carveout the driver picked for 4)
+TUNED = {(256, 8192): (16, 5, True), (1024, 32768): (8, 0, True)}
+
+
+def pick_tune(threads: int, cache: int) -> tuple[int, int, bool]:
+    """(u0, min_ctas, lean) of the one-CTA kernel: ``TUNED`` entries, else (``pick_u0``, 0, False)."""
+    return TUNED.get((threads, cache), (pick_u0(threads, cache), 0, False))
+
+
 def cand_cap_for(cache: int) -> int:
     """Candidate slots of the compaction schedule (0 = off): 2048 for the 8192-key cache, 4096 for 32768."""
     return 0 if cache == 0 else max(2048, cache // 8)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(threads: int, cache: int, sort_cap: int, cand_cap: int = 0, u0: int = 0):
+def _compiled(threads: int, cache: int, sort_cap: int, cand_cap: int = 0, u0: int = 0, min_ctas: int = 0,
+              lean: bool = False):
     import tilelang
 
-    func = _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap, cand_cap=cand_cap, u0=u0)
+    func = _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap, cand_cap=cand_cap, u0=u0,
+                             min_ctas=min_ctas, lean=lean)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -400,7 +419,7 @@ def pick_impl(M: int, N: int, order: str, sms: int) -> str:
 
 
 def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=None, impl=None,
-                     cand=False, u0=None, threads=None) -> torch.Tensor:
+                     cand=False, u0=None, threads=None, tune=None) -> torch.Tensor:
     """Exact top-k positions per row; `[M, k]` int32 in ``order`` ("any" = "index").  No host synchronisation.
 
     ``impl``: None routes by ``pick_impl`` (shapes only); "single" (one CTA per row, this module), "multi4"
@@ -409,6 +428,7 @@ def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=
     False = "single".  ``cand``: the one-CTA kernel uses the candidate compaction schedule (measured slower on
     4096 x 8192: 202 vs 189.5 us; kept for experiments).  ``u0``: pass-0 loads in flight per thread (None:
     ``pick_u0``; 4 is the original).  ``threads``: CTA size of the one-CTA kernel (None: ``pick_config``).
+    ``tune``: (u0, min_ctas, lean) of the one-CTA kernel, overriding ``pick_tune`` (and ``u0``).
     """
     reason = kernel_unsupported(scores, k, starts, ends, order)
     if reason is not None:
@@ -442,8 +462,10 @@ def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=
     threads = threads0 if threads is None else int(threads)
     sort_cap = _sort_cap(k) if order == "score" else 0
     st, en, flags = range_args(starts, ends, dev)
-    kernel = _compiled(threads, cache, sort_cap, cand_cap_for(cache) if cand else 0,
-                       pick_u0(threads, cache) if u0 is None else int(u0))
+    tu0, min_ctas, lean = pick_tune(threads, cache) if tune is None else tune
+    if u0 is not None and tune is None:
+        tu0 = int(u0)
+    kernel = _compiled(threads, cache, sort_cap, cand_cap_for(cache) if cand else 0, tu0, min_ctas, lean)
     kernel(scores, st, en, out, flags)
     return out
 
@@ -457,7 +479,9 @@ def lowering_cases():
     # lowering is slow on CPU: the smem-cached index path and the L2 re-read score path
     # (the first with candidate compaction, which also holds the original schedule as its fallback branch)
     for threads, cache, sort_cap in [(256, 8192, 0), (1024, 0, 4096)]:
-        cc, u0 = cand_cap_for(cache), pick_u0(threads, cache)
-        name = f"t{threads}_cache{cache}_cand{cc}_u{u0}_" + (f"score{sort_cap}" if sort_cap else "index")
-        cases.append((name, _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap, cand_cap=cc, u0=u0)))
+        cc, (u0, min_ctas, lean) = cand_cap_for(cache), pick_tune(threads, cache)
+        name = f"t{threads}_cache{cache}_cand{cc}_u{u0}_m{min_ctas}_l{int(lean)}_" + (
+            f"score{sort_cap}" if sort_cap else "index")
+        cases.append((name, _build_topk_radix(threads=threads, cache=cache, sort_cap=sort_cap, cand_cap=cc, u0=u0,
+                                              min_ctas=min_ctas, lean=lean)))
     return cases

@@ -1,0 +1,40 @@
+"""One launch target per name, for ``ncu`` (run on the GPU host): a warm-up call, then ``--reps`` calls.
+
+    ncu -k regex:NAME --launch-skip 1 --launch-count 1 python scripts/ncu_targets.py TARGET
+
+Targets: topk_4096x8192 / topk_4096x8192_wagg / topk_64x32768 / topk_64x32768_wagg (one-CTA radix kernel),
+paged_nn2 / paged_nn1 (pipelined paged indexer, B 128, ctx 32768, H 64, D 128, block 64).
+"""
+
+import sys
+
+import torch
+
+
+def main():
+    name = sys.argv[1]
+    reps = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    dev = torch.device("cuda")
+    if name.startswith("topk"):
+        from flashdsa.topk import kernel_radix as kr
+
+        M, N = (int(v) for v in name.split("_")[1].split("x"))
+        x = torch.randn(M, N, device=dev)
+        fn = lambda: kr.run_topk_indices(x, 2048, impl="single", wagg=name.endswith("wagg"))  # noqa: E731
+    else:
+        sys.path.insert(0, "scripts")
+        from bench_paged_indexer import SHAPES, build_inputs
+
+        from flashdsa.indexer import kernel_paged as kp
+
+        inp = build_inputs(**SHAPES[name.split("_")[1]])
+        fn = lambda: kp.run_indexer_logits_paged(inp["q"], inp["k_cache"], inp["weights"], inp["context_lens"],  # noqa
+                                                 inp["block_table"], inp["k_scale_cache"], inp["max_context"])
+    for _ in range(1 + reps):
+        fn()
+    torch.cuda.synchronize()
+    print("done", name)
+
+
+if __name__ == "__main__":
+    main()
