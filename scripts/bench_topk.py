@@ -98,6 +98,10 @@ def main():
         if N <= 8192:
             paths["lean8m5"] = dict(impl="single", tune=(8, 5, True))
             paths["m5"] = dict(impl="single", tune=(16, 5, False))
+            # keys in registers (kernel_radix_regs): threads x keys per thread, __launch_bounds__ minimum CTAs
+            for t, kpt, mc in ((256, 32, 4), (256, 32, 3), (512, 16, 2), (1024, 8, 1)):
+                paths[f"regs{t}m{mc}"] = dict(impl="regs", regs=(t, kpt, mc))
+            paths["regs_safe"] = dict(impl="regs", regs=(256, 32, 4, False))  # TileLang's load bounds checks kept
         if args.paths:
             keep = set(args.paths.split(","))
             paths = {nm: kw for nm, kw in paths.items() if nm in keep}

@@ -2,7 +2,8 @@
 
     ncu -k regex:NAME --launch-skip 1 --launch-count 1 python scripts/ncu_targets.py TARGET
 
-Targets: topk_4096x8192 / topk_4096x8192_wagg / topk_64x32768 / topk_64x32768_wagg (one-CTA radix kernel),
+Targets: topk_4096x8192 / topk_64x32768 (one-CTA radix kernel, smem key cache), topk_4096x8192_regs (keys in
+registers, ``kernel_radix_regs``),
 paged_nn2 / paged_nn1 (pipelined paged indexer, B 128, ctx 32768, H 64, D 128, block 64).
 """
 
@@ -20,7 +21,8 @@ def main():
 
         M, N = (int(v) for v in name.split("_")[1].split("x"))
         x = torch.randn(M, N, device=dev)
-        fn = lambda: kr.run_topk_indices(x, 2048, impl="single", wagg=name.endswith("wagg"))  # noqa: E731
+        impl = "regs" if name.endswith("regs") else "single"
+        fn = lambda: kr.run_topk_indices(x, 2048, impl=impl)  # noqa: E731
     else:
         sys.path.insert(0, "scripts")
         from bench_paged_indexer import SHAPES, build_inputs

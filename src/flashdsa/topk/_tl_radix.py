@@ -46,8 +46,13 @@ def to_key_expr(x):
     """TileLang expression: float32 ``x`` -> order-preserving uint32 key (0 for NaN, -inf; +-0 tie)."""
     import tilelang.language as T
 
-    u32 = "uint32"
-    b = T.reinterpret(x, u32)
+    return key_from_bits(T.reinterpret(x, "uint32"))
+
+
+def key_from_bits(b):
+    """TileLang expression: the key of ``to_key_expr`` from the float32 bit pattern ``b`` (uint32)."""
+    import tilelang.language as T
+
     a = b & T.uint32(0x7FFFFFFF)
     k = T.if_then_else(
         a == T.uint32(0), T.uint32(0x80000000),

@@ -402,24 +402,28 @@ def kernel_unsupported(scores, k, starts=None, ends=None, order="index") -> str 
     return None
 
 
-IMPLS = ("single", "multi4", "persist")
+IMPLS = ("single", "multi4", "persist", "regs")
 
 
 def pick_impl(M: int, N: int, order: str, sms: int) -> str:
     """Routing rule (shapes only): "persist" (G CTAs per row, one launch, ``kernel_radix_persist.use_persist``),
-    else "multi4" (G CTAs per row, 4 launches, ``kernel_radix_multi.use_multi``), else "single" (this kernel)."""
+    else "multi4" (G CTAs per row, 4 launches, ``kernel_radix_multi.use_multi``), else "regs" (keys in registers,
+    ``kernel_radix_regs``) when the row fits and the order needs no sort, else "single" (this kernel)."""
     from . import kernel_radix_multi as _multi
     from . import kernel_radix_persist as _persist
+    from . import kernel_radix_regs as _regs
 
     if _persist.use_persist(M, N, order, sms):
         return "persist"
     if _multi.use_multi(M, N, order, sms):
         return "multi4"
+    if _regs.supports(N, order):
+        return "regs"
     return "single"
 
 
 def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=None, impl=None,
-                     cand=False, u0=None, threads=None, tune=None) -> torch.Tensor:
+                     cand=False, u0=None, threads=None, tune=None, regs=None) -> torch.Tensor:
     """Exact top-k positions per row; `[M, k]` int32 in ``order`` ("any" = "index").  No host synchronisation.
 
     ``impl``: None routes by ``pick_impl`` (shapes only); "single" (one CTA per row, this module), "multi4"
@@ -429,6 +433,8 @@ def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=
     4096 x 8192: 202 vs 189.5 us; kept for experiments).  ``u0``: pass-0 loads in flight per thread (None:
     ``pick_u0``; 4 is the original).  ``threads``: CTA size of the one-CTA kernel (None: ``pick_config``).
     ``tune``: (u0, min_ctas, lean) of the one-CTA kernel, overriding ``pick_tune`` (and ``u0``).
+    ``regs``: (threads, keys per thread, min_ctas[, unsafe_loads]) of the "regs" path (None: its defaults,
+    ``kernel_radix_regs.TUNED``).
     """
     reason = kernel_unsupported(scores, k, starts, ends, order)
     if reason is not None:
@@ -439,8 +445,8 @@ def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=
         impl = "multi4" if multi else "single"
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"topk radix kernel: impl {impl!r} not in {IMPLS}")
-    if impl in ("multi4", "persist") and order == "score":
-        raise ValueError("topk radix kernel: the multi-CTA paths have no order='score'")
+    if impl in ("multi4", "persist", "regs") and order == "score":
+        raise ValueError(f"topk radix kernel: the {impl!r} path has no order='score'")
     if impl is None:
         from . import kernel_radix_multi as _multi
 
@@ -450,6 +456,12 @@ def run_topk_indices(scores, k, starts=None, ends=None, order="index", *, multi=
 
         # rows that leave SMs idle: several CTAs per row, one launch with row barriers
         return _persist.run_topk_indices_persist(scores, k, starts, ends)
+    if impl == "regs":
+        from . import kernel_radix_regs as _regs
+
+        t, kpt, mc, *unsafe = regs if regs is not None else (_regs.THREADS, 0, -1)
+        return _regs.run_topk_indices_regs(scores, k, starts, ends, threads=t, kpt=kpt, min_ctas=mc,
+                                           unsafe_loads=unsafe[0] if unsafe else True)
     if impl == "multi4":
         from . import kernel_radix_multi as _multi
 
