@@ -1,10 +1,10 @@
 """Small launches of chosen kernels for ``compute-sanitizer --tool memcheck`` (run on the GPU host):
 
-    compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/memcheck_small.py topk_regs paged_split
+    compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/memcheck_small.py topk_regs paged_pipelined
 
 Each target runs its kernel on a small input with edge cases (ranges, short rows, NaN/-inf, invalid block ids)
 and compares with the reference, so a wrong result also fails (exit 1).  Targets: topk_regs, topk_single,
-paged_split, paged_pipelined.
+paged_pipelined.
 """
 
 import sys
@@ -54,7 +54,7 @@ def paged(variant):
 
 
 TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("single"),
-           "paged_split": lambda: paged("pipelined_split"), "paged_pipelined": lambda: paged("pipelined")}
+           "paged_pipelined": lambda: paged("pipelined")}
 
 
 def main():

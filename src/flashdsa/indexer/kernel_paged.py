@@ -95,9 +95,8 @@ CHUNK = 2048  # positions per CTA
 NUM_STAGES = 3  # "sync" variant (its T.Pipelined is not actually pipelined by TileLang)
 THREADS = 128
 CHUNK_P = 1024  # "pipelined" variant: positions per CTA (16 tiles; 4096 CTAs at B=128, ctx 32768)
-VARIANTS = ("pipelined", "sync", "pipelined_async", "pipelined_split")
+VARIANTS = ("pipelined", "sync", "pipelined_async")
 VARIANT = "pipelined"  # default; ``$FLASHDSA_PAGED_VARIANT`` (read per call) overrides it when no variant is passed
-SPLIT_MIN_NEXT_N = 2  # the default "pipelined" runs as "pipelined_split" (one CTA per row) from this next_n on
 VARIANT_ENV = "FLASHDSA_PAGED_VARIANT"
 SUPPORTED_HEADS = (8, 16, 32, 64)
 SUPPORTED_DIMS = (64, 128)
@@ -257,49 +256,40 @@ def _tile_macros(*, heads: int, next_n: int, block_size: int):
 
 
 def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
-                                  chunk: int = CHUNK_P, num_stages: int = PIPE_STAGES, threads: int = THREADS,
-                                  split: bool = False):
+                                  chunk: int = CHUNK_P, num_stages: int = PIPE_STAGES, threads: int = THREADS):
     """"pipelined" variant (see the module notes); same prim_func signature as ``build_indexer_paged``:
     ``(Q[B*next_n*H, D], KCache[num_blocks, bs, D], KScale[num_blocks, bs] f32, W[B*next_n*H] f32,
     ContextLens[B] i32, BlockTable[B, max_blocks] i32, Out[B*next_n, L] f32)``; B, num_blocks, max_blocks, L dynamic.
-    ``split`` (next_n > 1): one CTA per (chunk, row j) instead of per chunk -- the next_n CTAs of a chunk are
-    adjacent in launch order and read the same pages (the second read mostly from L2); each is the next_n = 1
-    kernel (accumulator H columns, fewer registers, more CTAs per SM) over its own row's length.
     Compile with ``_pass_configs("pipelined")``."""
     H, D, NN, BS, BN, S = heads, dim, next_n, block_size, BLOCK_N, num_stages
     assert H in SUPPORTED_HEADS and D in SUPPORTED_DIMS and BS in SUPPORTED_BLOCK_SIZES and 1 <= NN <= MAX_NEXT_N
     assert S >= 2 and chunk % BN == 0 and chunk % BS == 0 and threads == 128
-    RPC = 1 if split else NN  # rows per CTA
-    BC = RPC * H
-    min_ctas = min_ctas_per_sm(H, RPC)
+    BC = NN * H
+    min_ctas = min_ctas_per_sm(H, NN)
     NPG = chunk // BS  # block-table entries of one chunk
     assert NPG <= threads
     n_tile_chunk = chunk // BN
     f32, i32 = "float32", "int32"
-    issue, epilogue = _tile_macros(heads=H, next_n=RPC, block_size=BS)
+    issue, epilogue = _tile_macros(heads=H, next_n=NN, block_size=BS)
     sizes = _paged_sizes()
     B, NB, MB, L = sizes
-    GX = NN if split else 1  # CTAs per chunk along grid x (row j = bx % GX)
 
     @T.macro
     def body(Q, KCache, KScale, W, ContextLens, BlockTable, Out):
-        with T.Kernel(T.ceildiv(L, chunk) * GX, B, threads=threads) as (bx, b):
+        with T.Kernel(T.ceildiv(L, chunk), B, threads=threads) as (bc, b):
             Q_s = T.alloc_shared([BC, D], dtype)
             K_s = T.alloc_shared([S, BN, D], dtype)
             ks_s = T.alloc_shared([S, BN], f32)
             bt_s = T.alloc_shared([NPG], i32)
             w_f = T.alloc_fragment([BC], f32)
             acc = T.alloc_fragment([BN, BC], f32)
-            acc3 = T.reshape(acc, [BN, RPC, H])
-            logit = T.alloc_fragment([BN, RPC], f32)
+            acc3 = T.reshape(acc, [BN, NN, H])
+            logit = T.alloc_fragment([BN, NN], f32)
             annotate_min_blocks_per_sm(min_ctas)
 
             tx = T.get_thread_binding()
-            bc = bx // GX
             c0 = bc * chunk
-            # r0: first output row; ctx_m: the mask length of this CTA's rows (split: row j's own, p < ctx - NN + 1 + j)
-            r0 = b * NN + bx % GX
-            ctx_m = T.max(T.clamp(ContextLens[b], 0, 1 << 30) - (GX - 1) + bx % GX, 0)
+            ctx_m = T.clamp(ContextLens[b], 0, 1 << 30)
             ctx = T.min(ctx_m, L)
             n_t = T.clamp(T.ceildiv(ctx - c0, BN), 0, n_tile_chunk)  # computed tiles (0: only the -inf fill)
             # validated physical block of every page of the chunk (-1: never read, keys masked)
@@ -314,15 +304,15 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
                     issue(KCache, KScale, K_s, ks_s, bt_s, t, t)
                 T.ptx_commit_group()
             # Q / weights / -inf tail while the first tiles are in flight (Q_s is read after the loop barrier)
-            T.copy(Q[r0 * H:r0 * H + BC, :], Q_s)
-            T.copy(W[r0 * H:r0 * H + BC], w_f)
+            T.copy(Q[b * BC:b * BC + BC, :], Q_s)
+            T.copy(W[b * BC:b * BC + BC], w_f)
             fill_b = c0 + n_t * BN
             fill_e = T.min(c0 + chunk, L)
-            for j in T.serial(RPC):
+            for j in T.serial(NN):
                 for c in T.serial(T.ceildiv(fill_e - fill_b, threads)):
                     col = fill_b + c * threads + tx
                     if col < fill_e:
-                        Out[r0 + j, col] = -T.infinity(f32)
+                        Out[b * NN + j, col] = -T.infinity(f32)
             for it in T.serial(n_t):
                 T.ptx_wait_group(S - 2)  # S-1+it groups committed: group it (tile it) is complete
                 T.sync_threads()  # tile it visible to all; all wgmma reads of stage (it-1) % S retired
@@ -331,7 +321,7 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
                 T.ptx_commit_group()
                 st = it % S
                 T.gemm(K_s[st, :, :], Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                epilogue(acc, acc3, logit, w_f, ks_s, bt_s, Out, it, st, c0 + it * BN, ctx_m, r0 // RPC, L)
+                epilogue(acc, acc3, logit, w_f, ks_s, bt_s, Out, it, st, c0 + it * BN, ctx_m, b, L)
 
     return _paged_prim_func("indexer_paged_pipelined", body, heads=H, dim=D, next_n=NN, block_size=BS, dtype=dtype,
                             sizes=sizes)
@@ -455,8 +445,7 @@ def _pass_configs(variant: str = VARIANT) -> dict:
 
 
 _BUILDERS = {"pipelined": build_indexer_paged_pipelined, "sync": build_indexer_paged,
-             "pipelined_async": build_indexer_paged_async,
-             "pipelined_split": functools.partial(build_indexer_paged_pipelined, split=True)}
+             "pipelined_async": build_indexer_paged_async}
 
 
 def build(variant: str = VARIANT, **kw):
@@ -507,13 +496,9 @@ def _aligned(x):
 def resolve_variant(variant: str | None, heads: int, next_n: int) -> str:
     """The variant that runs: ``variant``, else ``$FLASHDSA_PAGED_VARIANT`` (read per call), else ``VARIANT``;
     "pipelined_async" becomes "pipelined" when next_n*H > ``ASYNC_MAX_COLS``."""
-    v = variant if variant is not None else (os.environ.get(VARIANT_ENV, "").strip().lower() or None)
-    if v is None:
-        v = "pipelined_split" if VARIANT == "pipelined" and next_n >= SPLIT_MIN_NEXT_N else VARIANT
+    v = variant if variant is not None else (os.environ.get(VARIANT_ENV, "").strip().lower() or VARIANT)
     if v not in VARIANTS:
         raise ValueError(f"indexer paged kernel: variant {v!r} not in {VARIANTS} (argument or ${VARIANT_ENV})")
-    if v == "pipelined_split" and next_n == 1:
-        return "pipelined"  # the same kernel
     return "pipelined" if v == "pipelined_async" and heads * next_n > ASYNC_MAX_COLS else v
 
 
@@ -552,6 +537,4 @@ def lowering_cases():
         name = f"{'fp8' if dtype.startswith('float8') else 'bf16'}_h{H}_d{D}_nn{nn}_bs{bs}"
         cases.append((name, build_indexer_paged_pipelined(heads=H, dim=D, next_n=nn, block_size=bs, dtype=dtype)))
     cases.append(("async_fp8_h64_d128_nn2_bs64", build_indexer_paged_async(heads=64, dim=128, next_n=2, block_size=64)))
-    cases.append(("split_fp8_h64_d128_nn2_bs16",
-                  build_indexer_paged_pipelined(heads=64, dim=128, next_n=2, block_size=16, split=True)))
     return cases

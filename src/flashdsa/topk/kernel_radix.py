@@ -47,7 +47,9 @@ Expected time on H200 (estimates, not measured): 64 x 32768 ~ 15-25 us (64 CTAs,
 Routing (``pick_impl``, shapes only; order="score" always stays here): "persist" (``kernel_radix_persist``: G CTAs
   per row in ONE launch with row barriers and the slice cached in shared memory) when its G >= 4 (16 x 131072,
   1 x 1048576); else "multi4" (``kernel_radix_multi``, 4 launches; rows too long for the persistent cache);
-  else this kernel (64 x 32768, 4096 x 8192).  ``run_topk_indices(impl=...)`` forces a path.
+  else "regs" (``kernel_radix_regs``, the row's keys in registers) for rows <= 8192 with order "index"/"any"
+  (4096 x 8192: 145.7 us in the suite at 9714aac); else this kernel (64 x 32768; order="score").
+  ``run_topk_indices(impl=...)`` forces a path.
 Pass-0 loads in flight (``pick_u0``): 16 per thread for 512 threads / 8192 keys (the whole row in one round),
   8 for 1024 threads / 32768 keys; ``u0=4`` is the original schedule.
 Candidate compaction (``cand=True``, off by default): after pass 0 the threshold bucket's positions (at most
