@@ -4,25 +4,29 @@
 
 Each target runs its kernel on a small input with edge cases (ranges, short rows, NaN/-inf, invalid block ids)
 and compares with the reference, so a wrong result also fails (exit 1).  Targets: topk_regs, topk_single,
-paged_pipelined.
+paged_pipelined, sparse_bf16 / sparse_cache656 / sparse_fp8 (the dispatched sparse MLA forwards, with invalid
+indices of every kind, an all-invalid row and NaN in unselected KV rows), decode (dense paged decode).
 """
 
+import os
 import sys
 
 import torch
+
+DEV = os.environ.get("MEMCHECK_DEVICE", "cuda")  # "cpu": a dry run of the script itself (reference vs reference)
 
 
 def topk(impl):
     from flashdsa.topk import kernel_radix as kr
     from flashdsa.topk.reference import topk_indices_reference
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(37, 8191, device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = torch.randn(37, 8191, device=DEV, generator=g)
     x[3, :] = float("-inf")
     x[4, ::3] = float("nan")
     x[5] = torch.round(x[5])
-    st = torch.randint(0, 4000, (37,), device="cuda", generator=g, dtype=torch.int32)
-    en = torch.clamp(st + torch.randint(0, 8192, (37,), device="cuda", generator=g, dtype=torch.int32), max=8191)
+    st = torch.randint(0, 4000, (37,), device=DEV, generator=g, dtype=torch.int32)
+    en = torch.clamp(st + torch.randint(0, 8192, (37,), device=DEV, generator=g, dtype=torch.int32), max=8191)
     en[6] = st[6]  # empty row
     ok = True
     for k in (1, 100, 2048, 9000):
@@ -53,15 +57,83 @@ def paged(variant):
     return ok
 
 
+def _close(got, ref, atol, rtol):
+    got, ref = got.float().cpu(), ref.float().cpu()
+    return bool(torch.isfinite(got).all()) and bool(((got - ref).abs() <= atol + rtol * ref.abs()).all())
+
+
+def _sparse_inputs(T_, H, Tkv, topk, dqk=576, seed=2):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = (torch.randn(T_, H, dqk, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
+    kv = (torch.randn(Tkv, dqk, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
+    idx = torch.randint(0, Tkv // 2, (T_, topk), device=DEV, generator=g, dtype=torch.int32)
+    bad = torch.tensor([-2**31, -123456, -1, Tkv, 114514, 2**31 - 1], device=DEV, dtype=torch.int32)
+    pos = torch.rand(T_, topk, device=DEV, generator=g) < 0.1
+    idx[pos] = bad[torch.randint(0, 6, (int(pos.sum()),), device=DEV, generator=g)]
+    idx[1] = -1  # an all-invalid row
+    kv[Tkv // 2:] = float("nan")  # rows no index selects
+    return q, kv, idx
+
+
+def sparse(form):
+    """The dispatched sparse MLA forward on bf16 (H 16 / 128), the 656-byte FP8 cache, and FP8 compute."""
+    import flashdsa
+    from flashdsa.quant import quantize_fp8, quantize_kv_fp8
+
+    ok = True
+    for H, topk in ((16, 100), (128, 256)):
+        q, kv, idx = _sparse_inputs(37, H, 600, topk)
+        if form == "bf16":
+            args, kw, tol = (q, kv, idx), {}, (8e-4, 3 / 128)
+        elif form == "cache656":
+            kvc = quantize_kv_fp8(kv)
+            args, kw, tol = (q, kvc, idx), {}, (8e-4, 3 / 128)
+        else:  # FP8 compute: e4m3 q / kv with per-(token, head) / per-token scales
+            q8, qs = quantize_fp8(q, block=576)
+            kv8, ks = quantize_fp8(kv.nan_to_num(), block=576)
+            kv8.view(torch.uint8)[300:] = 0x7F  # unselected rows NaN again (e4m3fn NaN, after quantization)
+            args, kw, tol = (q8, kv8, idx), dict(q_scale=qs[..., 0], kv_scale=ks[..., 0]), (2e-3, 4 / 128)
+        out, lse = flashdsa.sparse_mla_fwd(*args, backend="kernel" if DEV == "cuda" else "reference", **kw)
+        ro, rl = flashdsa.sparse_mla_fwd(*[a.cpu() for a in args], backend="reference",
+                                         **{k: v.cpu() for k, v in kw.items()})
+        good = _close(out, ro, *tol) and bool(torch.equal(torch.isinf(lse.cpu()), torch.isinf(rl)))
+        print(f"  sparse {form} H {H} topk {topk}: {'ok' if good else 'MISMATCH'}")
+        ok &= good
+    return ok
+
+
+def decode():
+    """Dense paged decode (bf16 cache, NaN in unused slots, shuffled pages, s_q 2, a zero-length sequence)."""
+    import flashdsa
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    B, s_q, H, bs = 5, 2, 16, 64
+    lens = torch.tensor([0, 1, 70, 300, 129], dtype=torch.int32, device=DEV)
+    mb = 6
+    table = torch.randperm(B * mb, generator=g, device=DEV).int().view(B, mb)
+    cache = (torch.randn(B * mb, bs, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
+    for b in range(B):  # unused slots of every sequence's pages: NaN
+        for p in range(int(lens[b]), mb * bs):
+            cache[table[b, p // bs], p % bs] = float("nan")
+    q = (torch.randn(B, s_q, H, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
+    out, lse = flashdsa.mla_decode(q, cache, table, lens, backend="kernel" if DEV == "cuda" else "reference")
+    ro, rl = flashdsa.mla_decode(q.cpu(), cache.cpu(), table.cpu(), lens.cpu(), backend="reference")
+    good = _close(out, ro, 1e-3, 2 / 128)
+    print(f"  decode dense B {B} s_q {s_q} H {H}: {'ok' if good else 'MISMATCH'}")
+    return good
+
+
 TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("single"),
-           "paged_pipelined": lambda: paged("pipelined")}
+           "paged_pipelined": lambda: paged("pipelined"), "sparse_bf16": lambda: sparse("bf16"),
+           "sparse_cache656": lambda: sparse("cache656"), "sparse_fp8": lambda: sparse("fp8"), "decode": decode}
 
 
 def main():
     ok = True
     for name in sys.argv[1:]:
         good = TARGETS[name]()
-        torch.cuda.synchronize()
+        if DEV == "cuda":
+            torch.cuda.synchronize()
         print(name, "OK" if good else "MISMATCH", flush=True)
         ok &= good
     return 0 if ok else 1

@@ -4,7 +4,8 @@
 
 Targets: topk_4096x8192 / topk_64x32768 (one-CTA radix kernel, smem key cache), topk_4096x8192_regs (keys in
 registers, ``kernel_radix_regs``),
-paged_nn2 / paged_nn1 (pipelined paged indexer, B 128, ctx 32768, H 64, D 128, block 64).
+paged_nn2 / paged_nn1 (pipelined paged indexer, B 128, ctx 32768, H 64, D 128, block 64), decode_mem (dense bf16
+decode B 64, H 16, s_q 1, cache 8192: the issue's memory-bound case).
 """
 
 import sys
@@ -23,6 +24,14 @@ def main():
         x = torch.randn(M, N, device=dev)
         impl = "regs" if name.endswith("regs") else "single"
         fn = lambda: kr.run_topk_indices(x, 2048, impl=impl)  # noqa: E731
+    elif name == "decode_mem":
+        sys.path.insert(0, "scripts")
+        from bench_decode import make_inputs
+
+        from flashdsa.decode import kernel_dense as kd
+
+        q, kv, table, lens = make_inputs(64, 16, 1, 8192)
+        fn = lambda: kd.run_mla_decode_dense(q, kv, table, lens, sm_scale=576**-0.5, d_v=512, causal=True)  # noqa
     else:
         sys.path.insert(0, "scripts")
         from bench_paged_indexer import SHAPES, build_inputs

@@ -186,3 +186,22 @@ def test_dense_decode_cuda_graph_replay():
         torch.cuda.synchronize()
         ref_out, ref_lse = _reference(q, kv, table, seqlens, sm_scale=scale, causal=True, sink=None)
         _check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("B,n_mt,max_blocks,bs", [(1, 1, 4, 64), (6, 2, 600, 64), (64, 1, 128, 64), (300, 1, 2048, 16),
+                                                  (1000, 2, 40, 128)])
+def test_device_plan_equals_torch_plan(B, n_mt, max_blocks, bs):
+    """The one-launch split plan (``_plan_kernel``) is bit-identical to the torch-ops plan it replaced, over
+    random lengths incl. 0, lengths past the table, negative lengths and B > the kernel's 256 threads."""
+    K = _kernel()
+    g = torch.Generator(device="cpu").manual_seed(B * 7 + n_mt)
+    cap = max_blocks * bs
+    lens = torch.randint(-5, cap + 100, (B,), generator=g, dtype=torch.int32)
+    lens[0] = 0
+    for sms in (132, 7):
+        for tile, ovh, mc in ((64, 3, 2), (32, 5, 2)):
+            kw = dict(max_blocks=max_blocks, block_size=bs, n_mt=n_mt, num_sms=sms, tile=tile, overhead=ovh,
+                      min_chunk=mc)
+            want = K._plan(lens.cuda(), **kw)
+            got = K._plan_device(lens.cuda(), **kw)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (sms, tile)
