@@ -15,7 +15,8 @@ Design
     each cache byte once per sequence, which is what the memory-bound case needs.
   * Split-KV (flash-decoding) with a plan computed on the GPU (``_plan``: torch ops on device tensors, no
     ``.item()``, no host sync, CUDA-graph capturable).  Work is counted in 64-token tiles plus a fixed per-split
-    overhead (``_OVERHEAD_TILES``); one chunk length ``C`` (tiles) is chosen so that the full chunks of all
+    overhead (``_OVERHEAD_TILES``; computed by one launch of ``_plan_kernel``, bit-identical to ``_plan``'s torch
+    ops, which stay as its specification); one chunk length ``C`` (tiles) is chosen so that the full chunks of all
     sequences fit in one wave over the SMs: ``C = max(ceil(n_mt * (sum tiles_b + B * ovh) / num_sms), MIN)``.
     Sequence b is cut into ``nsplit_b = max(1, ceil(tiles_b / C))`` chunks (all full except the last, which
     fills in the gaps of the first wave).  ``sum_b nsplit_b <= B + num_sms / n_mt``, so the work-item buffer and
