@@ -7,7 +7,9 @@ Math (contract of ``flashdsa.indexer_logits_paged``): row ``r = b*next_n + j`` s
 ``k(p)`` slot ``p % bs`` of block ``block_table[b, p // bs]``; -inf elsewhere and where the block id is outside
 ``[0, num_blocks)``.
 
-Three variants (``run_indexer_logits_paged(..., variant=)``, else ``$FLASHDSA_PAGED_VARIANT``, else ``VARIANT``):
+Variants (``run_indexer_logits_paged(..., variant=)``, else ``$FLASHDSA_PAGED_VARIANT``, else ``VARIANT``): the three
+below and "pipelined_ws" (``_paged_ws.py``: a producer warp + mbarrier ring, no CTA-wide barrier per tile; opt-in,
+NOT yet run on a GPU):
 
 "pipelined" (``build_indexer_paged_pipelined``, the default): a streaming kernel.
   * Grid ``(ceil(max_context / CHUNK_P), B)``, CHUNK_P = 1024 positions = 16 tiles of 64 keys; CTA (c, b) writes
@@ -95,7 +97,7 @@ CHUNK = 2048  # positions per CTA
 NUM_STAGES = 3  # "sync" variant (its T.Pipelined is not actually pipelined by TileLang)
 THREADS = 128
 CHUNK_P = 1024  # "pipelined" variant: positions per CTA (16 tiles; 4096 CTAs at B=128, ctx 32768)
-VARIANTS = ("pipelined", "sync", "pipelined_async")
+VARIANTS = ("pipelined", "sync", "pipelined_async", "pipelined_ws")
 VARIANT = "pipelined"  # default; ``$FLASHDSA_PAGED_VARIANT`` (read per call) overrides it when no variant is passed
 VARIANT_ENV = "FLASHDSA_PAGED_VARIANT"
 SUPPORTED_HEADS = (8, 16, 32, 64)
@@ -218,8 +220,9 @@ def min_ctas_per_sm_async(heads: int, next_n: int) -> int:
     return 3 if heads * next_n <= 64 else 2
 
 
-def _tile_macros(*, heads: int, next_n: int, block_size: int):
-    """(issue, epilogue) macros shared by the two cp.async-ring variants (see the module notes)."""
+def _tile_macros(*, heads: int, next_n: int, block_size: int, chunk: int = CHUNK_P):
+    """Macros shared by the cp.async-ring variants (module notes): issue, epilogue, validate_pages, fill_tail,
+    start_ring."""
     H, NN, BS, BN = heads, next_n, block_size, BLOCK_N
     BC = NN * H
     PPS = max(1, BN // BS)  # page segments per tile
@@ -252,25 +255,77 @@ def _tile_macros(*, heads: int, next_n: int, block_size: int):
             if p0 + n < L:
                 Out[b * NN + j, p0 + n] = logit[n, j]
 
-    return issue, epilogue
+    NPG = chunk // BS  # block-table entries of one chunk
+
+    @T.macro
+    def validate_pages(BlockTable, bt_s, tx, b, c0, ctx, max_blocks, num_blocks):
+        # validated physical block of every page of the chunk (-1: never read, keys masked); the parameters keep
+        # the dynamic symbols' names (max_blocks / num_blocks), which the generated code uses
+        if tx < NPG:
+            lp = c0 // BS + tx
+            raw = BlockTable[b, T.min(lp, max_blocks - 1)]
+            bt_s[tx] = T.if_then_else((lp < max_blocks) & (lp * BS < ctx) & (raw >= 0) & (raw < num_blocks), raw, -1)
+
+    @T.macro
+    def fill_tail(Out, tx, b, c0, n_t, L, nthreads):
+        # -inf in the chunk's columns past its computed tiles (uncomputed positions of the row)
+        fill_b = c0 + n_t * BN
+        fill_e = T.min(c0 + chunk, L)
+        for j in T.serial(NN):
+            for c in T.serial(T.ceildiv(fill_e - fill_b, nthreads)):
+                col = fill_b + c * nthreads + tx
+                if col < fill_e:
+                    Out[b * NN + j, col] = -T.infinity(f32)
+
+    @T.macro
+    def start_ring(Q, W, KCache, KScale, Out, Q_s, K_s, ks_s, bt_s, w_f, tx, b, c0, n_t, L, stages, nthreads):
+        # prologue: tiles 0..stages-2, one commit group each (empty when the tile does not exist); then Q / weights
+        # / -inf tail while they are in flight (Q_s is read after the next barrier)
+        for t in T.unroll(stages - 1):
+            if t < n_t:
+                issue(KCache, KScale, K_s, ks_s, bt_s, t, t)
+            T.ptx_commit_group()
+        T.copy(Q[b * BC:b * BC + BC, :], Q_s)
+        T.copy(W[b * BC:b * BC + BC], w_f)
+        fill_tail(Out, tx, b, c0, n_t, L, nthreads)
+
+    return Ix(issue=issue, epilogue=epilogue, validate_pages=validate_pages, fill_tail=fill_tail,
+              start_ring=start_ring)
+
+
+class Ix:
+    """A namespace of macros (read as attributes)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
 
 
 def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
-                                  chunk: int = CHUNK_P, num_stages: int = PIPE_STAGES, threads: int = THREADS):
+                                  chunk: int = CHUNK_P, num_stages: int = PIPE_STAGES, threads: int = THREADS,
+                                  ws: bool = False, min_ctas: int | None = None):
     """"pipelined" variant (see the module notes); same prim_func signature as ``build_indexer_paged``:
     ``(Q[B*next_n*H, D], KCache[num_blocks, bs, D], KScale[num_blocks, bs] f32, W[B*next_n*H] f32,
     ContextLens[B] i32, BlockTable[B, max_blocks] i32, Out[B*next_n, L] f32)``; B, num_blocks, max_blocks, L dynamic.
+    ``ws``: the "pipelined_ws" roles (``_paged_ws.py``: 128 consumer + 32 producer threads, mbarrier ring).
     Compile with ``_pass_configs("pipelined")``."""
     H, D, NN, BS, BN, S = heads, dim, next_n, block_size, BLOCK_N, num_stages
     assert H in SUPPORTED_HEADS and D in SUPPORTED_DIMS and BS in SUPPORTED_BLOCK_SIZES and 1 <= NN <= MAX_NEXT_N
-    assert S >= 2 and chunk % BN == 0 and chunk % BS == 0 and threads == 128
+    assert S >= 2 and chunk % BN == 0 and chunk % BS == 0 and threads == (160 if ws else 128)
     BC = NN * H
-    min_ctas = min_ctas_per_sm(H, NN)
+    min_ctas = min_ctas_per_sm(H, NN) if min_ctas is None else min_ctas
     NPG = chunk // BS  # block-table entries of one chunk
     assert NPG <= threads
     n_tile_chunk = chunk // BN
     f32, i32 = "float32", "int32"
-    issue, epilogue = _tile_macros(heads=H, next_n=NN, block_size=BS)
+    M = _tile_macros(heads=H, next_n=NN, block_size=BS, chunk=chunk)
+    validate_pages = M.validate_pages
+    kw = dict(heads=H, dim=D, next_n=NN, block_size=BS, num_stages=S, threads=threads, macros=M)
+    if ws:
+        from . import _paged_ws as ws_mod
+
+        ws_roles = ws_mod.ws_roles_macro(**kw)
+    else:
+        pipelined_loop = _pipelined_loop_macro(**kw)
     sizes = _paged_sizes()
     B, NB, MB, L = sizes
 
@@ -285,6 +340,9 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
             acc = T.alloc_fragment([BN, BC], f32)
             acc3 = T.reshape(acc, [BN, NN, H])
             logit = T.alloc_fragment([BN, NN], f32)
+            if ws:
+                full = T.alloc_barrier([ws_mod.PRODUCERS] * S)  # stage landed (cp.async noinc arrivals)
+                empty = T.alloc_barrier([ws_mod.CONSUMERS] * S)  # stage released by the consumers
             annotate_min_blocks_per_sm(min_ctas)
 
             tx = T.get_thread_binding()
@@ -292,39 +350,39 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
             ctx_m = T.clamp(ContextLens[b], 0, 1 << 30)
             ctx = T.min(ctx_m, L)
             n_t = T.clamp(T.ceildiv(ctx - c0, BN), 0, n_tile_chunk)  # computed tiles (0: only the -inf fill)
-            # validated physical block of every page of the chunk (-1: never read, keys masked)
-            if tx < NPG:
-                lp = c0 // BS + tx
-                raw = BlockTable[b, T.min(lp, MB - 1)]
-                bt_s[tx] = T.if_then_else((lp < MB) & (lp * BS < ctx) & (raw >= 0) & (raw < NB), raw, -1)
+            validate_pages(BlockTable, bt_s, tx, b, c0, ctx, MB, NB)
             T.sync_threads()
-            # prologue: tiles 0..S-2, one commit group each (empty when the tile does not exist)
-            for t in T.unroll(S - 1):
-                if t < n_t:
-                    issue(KCache, KScale, K_s, ks_s, bt_s, t, t)
-                T.ptx_commit_group()
-            # Q / weights / -inf tail while the first tiles are in flight (Q_s is read after the loop barrier)
-            T.copy(Q[b * BC:b * BC + BC, :], Q_s)
-            T.copy(W[b * BC:b * BC + BC], w_f)
-            fill_b = c0 + n_t * BN
-            fill_e = T.min(c0 + chunk, L)
-            for j in T.serial(NN):
-                for c in T.serial(T.ceildiv(fill_e - fill_b, threads)):
-                    col = fill_b + c * threads + tx
-                    if col < fill_e:
-                        Out[b * NN + j, col] = -T.infinity(f32)
-            for it in T.serial(n_t):
-                T.ptx_wait_group(S - 2)  # S-1+it groups committed: group it (tile it) is complete
-                T.sync_threads()  # tile it visible to all; all wgmma reads of stage (it-1) % S retired
-                if it + S - 1 < n_t:
-                    issue(KCache, KScale, K_s, ks_s, bt_s, it + S - 1, (it + S - 1) % S)
-                T.ptx_commit_group()
-                st = it % S
-                T.gemm(K_s[st, :, :], Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                epilogue(acc, acc3, logit, w_f, ks_s, bt_s, Out, it, st, c0 + it * BN, ctx_m, b, L)
+            if ws:
+                ws_roles(Q, KCache, KScale, W, Out, Q_s, K_s, ks_s, bt_s, w_f, acc, acc3, logit, full, empty, tx, b,
+                         c0, ctx_m, n_t, L)
+            else:
+                pipelined_loop(Q, KCache, KScale, W, Out, Q_s, K_s, ks_s, bt_s, w_f, acc, acc3, logit, tx, b, c0,
+                               ctx_m, n_t, L)
 
-    return _paged_prim_func("indexer_paged_pipelined", body, heads=H, dim=D, next_n=NN, block_size=BS, dtype=dtype,
-                            sizes=sizes)
+    return _paged_prim_func("indexer_paged_ws" if ws else "indexer_paged_pipelined", body, heads=H, dim=D,
+                            next_n=NN, block_size=BS, dtype=dtype, sizes=sizes)
+
+
+def _pipelined_loop_macro(*, heads, dim, next_n, block_size, num_stages, threads, macros):
+    """The "pipelined" main loop (module notes): cp.async ring with one wait_group + __syncthreads per tile."""
+    BN, S = BLOCK_N, num_stages
+    issue, epilogue, start_ring = macros.issue, macros.epilogue, macros.start_ring
+
+    @T.macro
+    def pipelined_loop(Q, KCache, KScale, W, Out, Q_s, K_s, ks_s, bt_s, w_f, acc, acc3, logit, tx, b, c0, ctx_m, n_t,
+                       L):
+        start_ring(Q, W, KCache, KScale, Out, Q_s, K_s, ks_s, bt_s, w_f, tx, b, c0, n_t, L, S, threads)
+        for it in T.serial(n_t):
+            T.ptx_wait_group(S - 2)  # S-1+it groups committed: group it (tile it) is complete
+            T.sync_threads()  # tile it visible to all; all wgmma reads of stage (it-1) % S retired
+            if it + S - 1 < n_t:
+                issue(KCache, KScale, K_s, ks_s, bt_s, it + S - 1, (it + S - 1) % S)
+            T.ptx_commit_group()
+            st = it % S
+            T.gemm(K_s[st, :, :], Q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+            epilogue(acc, acc3, logit, w_f, ks_s, bt_s, Out, it, st, c0 + it * BN, ctx_m, b, L)
+
+    return pipelined_loop
 
 
 def build_indexer_paged_async(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
@@ -346,7 +404,8 @@ def build_indexer_paged_async(*, heads: int, dim: int, next_n: int, block_size: 
     n_tile_chunk = chunk // BN
     n_acc = BN * BC // threads  # accumulator registers per thread
     f32, i32 = "float32", "int32"
-    issue, epilogue = _tile_macros(heads=H, next_n=NN, block_size=BS)
+    M = _tile_macros(heads=H, next_n=NN, block_size=BS, chunk=chunk)
+    issue, epilogue, validate_pages = M.issue, M.epilogue, M.validate_pages
     sizes = _paged_sizes()
     B, NB, MB, L = sizes
 
@@ -391,24 +450,9 @@ def build_indexer_paged_async(*, heads: int, dim: int, next_n: int, block_size: 
             ctx_m = T.clamp(ContextLens[b], 0, 1 << 30)
             ctx = T.min(ctx_m, L)
             n_t = T.clamp(T.ceildiv(ctx - c0, BN), 0, n_tile_chunk)
-            if tx < NPG:
-                lp = c0 // BS + tx
-                raw = BlockTable[b, T.min(lp, MB - 1)]
-                bt_s[tx] = T.if_then_else((lp < MB) & (lp * BS < ctx) & (raw >= 0) & (raw < NB), raw, -1)
+            validate_pages(BlockTable, bt_s, tx, b, c0, ctx, MB, NB)
             T.sync_threads()
-            for t in T.unroll(S - 1):
-                if t < n_t:
-                    issue(KCache, KScale, K_s, ks_s, bt_s, t, t)
-                T.ptx_commit_group()
-            T.copy(Q[b * BC:b * BC + BC, :], Q_s)
-            T.copy(W[b * BC:b * BC + BC], w_f)
-            fill_b = c0 + n_t * BN
-            fill_e = T.min(c0 + chunk, L)
-            for j in T.serial(NN):
-                for c in T.serial(T.ceildiv(fill_e - fill_b, threads)):
-                    col = fill_b + c * threads + tx
-                    if col < fill_e:
-                        Out[b * NN + j, col] = -T.infinity(f32)
+            M.start_ring(Q, W, KCache, KScale, Out, Q_s, K_s, ks_s, bt_s, w_f, tx, b, c0, n_t, L, S, threads)
             if n_t > 0:
                 T.ptx_wait_group(S - 2)  # tile 0 complete
                 T.sync_threads()  # tile 0 and Q_s visible to all
@@ -444,8 +488,15 @@ def _pass_configs(variant: str = VARIANT) -> dict:
     }
 
 
+def _build_ws(**kw):
+    from ._paged_ws import WS_MIN_CTAS, WS_STAGES  # opt-in, not yet GPU-run (see its notes)
+
+    kw = {"num_stages": WS_STAGES, "min_ctas": WS_MIN_CTAS, **kw, "threads": 160, "ws": True}
+    return build_indexer_paged_pipelined(**kw)
+
+
 _BUILDERS = {"pipelined": build_indexer_paged_pipelined, "sync": build_indexer_paged,
-             "pipelined_async": build_indexer_paged_async}
+             "pipelined_async": build_indexer_paged_async, "pipelined_ws": _build_ws}
 
 
 def build(variant: str = VARIANT, **kw):
@@ -537,4 +588,5 @@ def lowering_cases():
         name = f"{'fp8' if dtype.startswith('float8') else 'bf16'}_h{H}_d{D}_nn{nn}_bs{bs}"
         cases.append((name, build_indexer_paged_pipelined(heads=H, dim=D, next_n=nn, block_size=bs, dtype=dtype)))
     cases.append(("async_fp8_h64_d128_nn2_bs64", build_indexer_paged_async(heads=64, dim=128, next_n=2, block_size=64)))
+    cases.append(("ws_fp8_h64_d128_nn2_bs16", _build_ws(heads=64, dim=128, next_n=2, block_size=16)))
     return cases
