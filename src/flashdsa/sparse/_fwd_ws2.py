@@ -82,7 +82,7 @@ import tilelang.language as T
 
 from . import _tl_common as tc
 from .kernel_fwd_ws import (
-    BAR_WG0, BAR_WG1, BLOCK_H, BLOCK_I, D_V, LOG2E, THREADS, WS1_REGS, _SUPPORTED_DQK, _SUPPORTED_H, _ws_macros,
+    BAR_WG0, BLOCK_H, BLOCK_I, D_V, LOG2E, THREADS, WS1_REGS, _SUPPORTED_DQK, _SUPPORTED_H, _finish_macros, _ws_macros,
 )
 
 BAR_PROD = 11  # named barrier of the producer warpgroup (128 threads)
@@ -235,16 +235,8 @@ def build_ws2(
 
         return wg0_step
 
-    @T.macro
-    def wg1_step(phase, s_rdy, Alpha_s, P, KVr, kv_fr, acc_o):
-        T.barrier_wait(s_rdy, phase)
-        if proxy_fence:
-            T.fence_proxy_async()  # KVr came from cp.async (seen through WG0's ready -> s_ready chain)
-        for h, d in T.Parallel(BH, DH):
-            acc_o[h, d] = acc_o[h, d] * Alpha_s[h]
-        T.wgmma_gemm(P, KVr, acc_o)
-        T.wait_wgmma(0)
-        T.barrier_arrive(kv_fr)
+    wg0_finish, wg1_role = _finish_macros(BH=BH, DH=DH, D=D, normaliser=normaliser, store_lse=store_lse,
+                                          proxy_fence=proxy_fence)
 
     produce0, produce1 = make_produce(0), make_produce(1)
     qk_first_block = make_qk(0, False)
@@ -336,32 +328,11 @@ def build_ws2(
                             Q_l, Q_r, Q_t, acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk,
                         )
 
-                # ---- epilogue (as ws1): final scale (sink folded), lse, max_logits ----
-                normaliser(inv, l_i, m_i, Sink, h0)
-                T.copy(inv, Fin_s)
-                T.barrier_arrive(fin)
-                store_lse(l_i, m_i, Lse, MaxLogits, tok, h0)
-                for h, d in T.Parallel(BH, DH):
-                    acc_o[h, d] = acc_o[h, d] * inv[h]
-                T.sync_threads(BAR_WG0, 128)  # all WG0 warps past their last QK (reads Q_l)
-                T.copy(acc_o, Q_l)  # Q_l is dead: stage the output through it
-                T.sync_threads(BAR_WG0, 128)
-                T.copy(Q_l, Out[tok, h0 : h0 + BH, 0:DH])
+                wg0_finish(inv, l_i, m_i, acc_o, Sink, Fin_s, fin, Lse, MaxLogits, Q_l, Out, tok, h0)  # as ws1
             elif tx < 256:
-                # ---------------------------------------------------------- WG1
-                T.set_max_nreg(WS2_REGS[1], 1)
-                T.fill(acc_o1, 0)
-                for j in T.serial(NP):
-                    if j * 2 < nblk[0]:
-                        wg1_step(j & 1, s_ready0, Alpha0, P0, KV0_r, kv_free0, acc_o1)
-                    if j * 2 + 1 < nblk[0]:
-                        wg1_step(j & 1, s_ready1, Alpha1, P1, KV1_r, kv_free1, acc_o1)
-                T.barrier_wait(fin, 0)
-                for h, d in T.Parallel(BH, DH):
-                    acc_o1[h, d] = acc_o1[h, d] * Fin_s[h]
-                T.copy(acc_o1, Q_r)  # WG0 is past its last QK (fin), Q_r is dead
-                T.sync_threads(BAR_WG1, 128)
-                T.copy(Q_r, Out[tok, h0 : h0 + BH, DH:D])
+                # ---------------------------------------------------------- WG1 (as ws1)
+                wg1_role(WS2_REGS[1], NP, nblk, s_ready0, s_ready1, Alpha0, Alpha1, P0, P1, KV0_r, KV1_r, kv_free0,
+                         kv_free1, acc_o1, fin, Fin_s, Q_r, Out, tok, h0)
             else:
                 # ---------------------------------------------------------- producer
                 T.set_max_nreg(WS2_REGS[2], 0)

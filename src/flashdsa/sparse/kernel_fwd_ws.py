@@ -170,6 +170,55 @@ def _ws_macros(*, BH, BI, DH, D, D_tail, dqk, c_log2, has_sink, has_topk_length,
     return set_lim, load_q, qk_first, qk_second, normaliser, store_lse
 
 
+def _finish_macros(*, BH, DH, D, normaliser, store_lse, proxy_fence: bool = False):
+    """(wg0_finish, wg1_role): the parts "ws1" and "ws2" share -- WG0's epilogue and the whole WG1 role (``proxy_fence``: fence.proxy.async after WG1's s_ready wait, for tiles that came from cp.async
+    without a producer-side fence)."""
+
+    @T.macro
+    def wg1_step(phase, s_rdy, Alpha_s, P, KVr, kv_fr, acc_o):
+        T.barrier_wait(s_rdy, phase)
+        if proxy_fence:
+            T.fence_proxy_async()  # KVr came from cp.async (seen through WG0's ready -> s_ready chain)
+        for h, d in T.Parallel(BH, DH):
+            acc_o[h, d] = acc_o[h, d] * Alpha_s[h]
+        T.wgmma_gemm(P, KVr, acc_o)
+        T.wait_wgmma(0)
+        T.barrier_arrive(kv_fr)
+
+    @T.macro
+    def wg0_finish(inv, l_i, m_i, acc_o, Sink, Fin_s, fin, Lse, MaxLogits, Q_l, Out, tok, h0):
+        # final scale (sink folded), lse, max_logits; O[:, 0:DH] staged through the dead Q_l
+        normaliser(inv, l_i, m_i, Sink, h0)
+        T.copy(inv, Fin_s)
+        T.barrier_arrive(fin)
+        store_lse(l_i, m_i, Lse, MaxLogits, tok, h0)
+        for h, d in T.Parallel(BH, DH):
+            acc_o[h, d] = acc_o[h, d] * inv[h]
+        T.sync_threads(BAR_WG0, 128)  # all WG0 warps past their last QK (reads Q_l)
+        T.copy(acc_o, Q_l)  # Q_l is dead: stage the output through it
+        T.sync_threads(BAR_WG0, 128)
+        T.copy(Q_l, Out[tok, h0 : h0 + BH, 0:DH])
+
+    @T.macro
+    def wg1_role(regs, n_pairs, nblk, s_ready0, s_ready1, Alpha0, Alpha1, P0, P1, KV0_r, KV1_r, kv_free0, kv_free1,
+                 acc_o1, fin, Fin_s, Q_r, Out, tok, h0):
+        T.set_max_nreg(regs, 1)
+        T.fill(acc_o1, 0)
+        for j in T.serial(n_pairs):
+            if j * 2 < nblk[0]:
+                wg1_step(j & 1, s_ready0, Alpha0, P0, KV0_r, kv_free0, acc_o1)
+            if j * 2 + 1 < nblk[0]:
+                wg1_step(j & 1, s_ready1, Alpha1, P1, KV1_r, kv_free1, acc_o1)
+        T.barrier_wait(fin, 0)
+        for h, d in T.Parallel(BH, DH):
+            acc_o1[h, d] = acc_o1[h, d] * Fin_s[h]
+        T.copy(acc_o1, Q_r)  # WG0 is past its last QK (fin), Q_r is dead
+        T.sync_threads(BAR_WG1, 128)
+        T.copy(Q_r, Out[tok, h0 : h0 + BH, DH:D])
+
+    return wg0_finish, wg1_role
+
+
 def _build_ws1(
     *,
     heads: int,
@@ -271,14 +320,7 @@ def _build_ws1(
             T.wait_wgmma(0)
             T.barrier_arrive(kv_fr)
 
-    @T.macro
-    def wg1_step(phase, s_rdy, Alpha_s, P, KVr, kv_fr, acc_o):
-        T.barrier_wait(s_rdy, phase)
-        for h, d in T.Parallel(BH, DH):
-            acc_o[h, d] = acc_o[h, d] * Alpha_s[h]
-        T.wgmma_gemm(P, KVr, acc_o)
-        T.wait_wgmma(0)
-        T.barrier_arrive(kv_fr)
+    wg0_finish, wg1_role = _finish_macros(BH=BH, DH=DH, D=D, normaliser=normaliser, store_lse=store_lse)
 
     @T.prim_func
     def sparse_mla_fwd_ws(
@@ -369,32 +411,11 @@ def _build_ws1(
                             Q_l, Q_r, Q_t, acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk,
                         )
 
-                # ---- epilogue: final scale (sink folded), lse, max_logits ----
-                normaliser(inv, l_i, m_i, Sink, h0)
-                T.copy(inv, Fin_s)
-                T.barrier_arrive(fin)
-                store_lse(l_i, m_i, Lse, MaxLogits, tok, h0)
-                for h, d in T.Parallel(BH, DH):
-                    acc_o[h, d] = acc_o[h, d] * inv[h]
-                T.sync_threads(BAR_WG0, 128)  # all WG0 warps past their last QK (reads Q_l)
-                T.copy(acc_o, Q_l)  # Q_l is dead: stage the output through it
-                T.sync_threads(BAR_WG0, 128)
-                T.copy(Q_l, Out[tok, h0 : h0 + BH, 0:DH])
+                wg0_finish(inv, l_i, m_i, acc_o, Sink, Fin_s, fin, Lse, MaxLogits, Q_l, Out, tok, h0)
             elif tx < 256:
                 # ---------------------------------------------------------- WG1
-                T.set_max_nreg(WS1_REGS[1], 1)
-                T.fill(acc_o1, 0)
-                for j in T.serial(NP):
-                    if j * 2 < nblk[0]:
-                        wg1_step(j & 1, s_ready0, Alpha0, P0, KV0_r, kv_free0, acc_o1)
-                    if j * 2 + 1 < nblk[0]:
-                        wg1_step(j & 1, s_ready1, Alpha1, P1, KV1_r, kv_free1, acc_o1)
-                T.barrier_wait(fin, 0)
-                for h, d in T.Parallel(BH, DH):
-                    acc_o1[h, d] = acc_o1[h, d] * Fin_s[h]
-                T.copy(acc_o1, Q_r)  # WG0 is past its last QK (fin), Q_r is dead
-                T.sync_threads(BAR_WG1, 128)
-                T.copy(Q_r, Out[tok, h0 : h0 + BH, DH:D])
+                wg1_role(WS1_REGS[1], NP, nblk, s_ready0, s_ready1, Alpha0, Alpha1, P0, P1, KV0_r, KV1_r, kv_free0,
+                         kv_free1, acc_o1, fin, Fin_s, Q_r, Out, tok, h0)
             else:
                 # ---------------------------------------------------------- producer
                 T.set_max_nreg(WS1_REGS[2], 0)
