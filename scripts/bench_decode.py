@@ -1,8 +1,13 @@
-"""Time the dense bf16 paged MLA decode kernel variants ("ws", "pipelined") at the target shapes on one GPU.
+"""Time the dense bf16 paged MLA decode kernel variants ("ws", "pipelined", "ws_deep") at the target shapes on
+one GPU.
 
 Usage (repo root, GPU machine):
-    python scripts/bench_decode.py [--variants ws,pipelined] [--cases all|mem,compute,causal2] [--reps 20]
+    python scripts/bench_decode.py [--variants ws,pipelined,ws_deep] [--cases all|mem,compute,causal2] [--reps 20]
                                    [--json out.json]
+
+"ws_deep" runs its own partial kernel only where it applies (s_q * H <= 64, or ``FLASHDSA_WS_DEEP_ANY_M=1``) and
+"ws" elsewhere, as ``run_mla_decode_dense`` does; the ``partial`` field of each row names the kernel module that
+ran.  ``FLASHDSA_WS_DEEP_RELEASE=late`` selects its "ws"-order stage release (A/B knob).
 
 Per case and variant: a correctness check against ``mla_decode_reference`` on the first ``--check-b`` sequences
 (inputs N(0, 0.01): q, kv = 0.1 * randn; tolerance of tests/decode: abs 1e-3 or rel 2/128), then CUDA-event
@@ -105,14 +110,16 @@ def bench_variant(kd, variant, q, kv, table, lens, causal, reps, flush):
     M = s_q * H
     n_mt = (M + 63) // 64
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    if variant == "ws":
-        from flashdsa.decode import kernel_dense_ws as ws
-
+    if variant != "pipelined":
+        ws = kd._ws_module(variant, M)  # "ws_deep" -> "ws" where it does not apply, as run_mla_decode_dense
+        late = hasattr(ws, "early_release") and not ws.early_release()  # ws_deep's FLASHDSA_WS_DEEP_RELEASE
+        res["partial"] = ws.__name__.rsplit(".", 1)[-1] + (":late" if late else "")
         plan, seq_plan = kd._plan(lens, max_blocks=table.shape[1], block_size=BLOCK_SIZE, n_mt=n_mt,
                                   num_sms=num_sms, tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
                                   min_chunk=ws._MIN_CHUNK_TILES)
         part = ws.compiled_partial(H, s_q, BLOCK_SIZE, causal, float(scale), False)
     else:
+        res["partial"] = "kernel_dense"
         plan, seq_plan = kd._plan(lens, max_blocks=table.shape[1], block_size=BLOCK_SIZE, n_mt=n_mt,
                                   num_sms=num_sms)
         part = kd._compiled_partial(H, s_q, BLOCK_SIZE, causal, float(scale), False)
@@ -172,7 +179,7 @@ def main(argv=None):
                 row["error"] = f"{type(e).__name__}: {e}"
             results.append(row)
             msg = {k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()
-                   if k in ("case", "variant", "check", "error", "ctas", "splits_per_seq") or k.endswith(
+                   if k in ("case", "variant", "partial", "check", "error", "ctas", "splits_per_seq") or k.endswith(
                        ("_ms", "_tflops", "_tbps"))}
             print(json.dumps(msg), flush=True)
         del q, kv, table, lens

@@ -57,3 +57,85 @@ def partial_prim_func(name: str, body, *, M: int, block_size: int, sizes):
         body(Q, KV, BlockTable, SeqLens, Plan, Sink, Out, Lse, OPart, LsePart)
 
     return mla_decode_dense_partial.with_attr("global_symbol", name)
+
+
+def item_macros(*, M: int, s_q: int, causal: bool, BH: int, BI: int, heads: int = 0, has_sink: bool = False,
+                c_log2: float = 0.0, bar_wg0: int = 8):
+    """(load_item, start_item, wg0_finish): the work-item header and WG0's epilogue both warp-specialised partial
+    kernels ("ws", "ws_deep") run.
+
+    * ``load_item(Plan, info, item)``: ``info[0:4]`` = (b or -1, start, end, nsplit) of work item ``item``.
+    * ``start_item(Q, SeqLens, Q_l, Q_r, Q_t, info, b, m0, tx)`` (inside ``info[0] >= 0``): ``info[4]`` = the causal
+      offset (row m sees p < seqlen - s_q + 1 + m // heads; 0 without causal), ``info[5]`` = tiles of ``BI`` keys
+      in the split; the 256 consumer threads load rows ``m0 .. m0 + BH`` of Q (zeros past M; 16-byte vectors, 384
+      threads would give scalar copies), fence for the async proxy, then one ``__syncthreads``.
+    * ``wg0_finish(...)``: WG0's epilogue -- the normaliser (sink folded only for a sequence written directly,
+      ``info[3] == 1``) to ``Fin_s`` + arrive ``fin``, then either the bf16 output (staged through the dead Q_l) and
+      the natural-log lse, or the fp32 partial output and its base-2 lse for the combine kernel.
+    """
+    import tilelang.language as T
+
+    DH, D, DT = D_V // 2, D_V, D_ROPE
+    bf16, f32 = "bfloat16", "float32"
+
+    @T.macro
+    def load_item(Plan, info, item):
+        info[0] = Plan[0, item]  # b (-1: idle item)
+        info[1] = Plan[1, item]  # start (multiple of the tile)
+        info[2] = Plan[2, item]  # end
+        info[3] = Plan[3, item]  # nsplit of this sequence
+
+    @T.macro
+    def start_item(Q, SeqLens, Q_l, Q_r, Q_t, info, b, m0, tx):
+        # causal: row m (query i = m // heads) sees p < seqlen - s_q + 1 + i
+        info[4] = SeqLens[b] - s_q + 1 if causal else 0
+        info[5] = T.ceildiv(info[2] - info[1], BI)  # tiles of this split
+        if tx < 256:
+            for h, d in T.Parallel(BH, DH):
+                Q_l[h, d] = T.if_then_else(m0 + h < M, Q[b, T.min(m0 + h, M - 1), d], T.cast(0, bf16))
+            for h, d in T.Parallel(BH, DH):
+                Q_r[h, d] = T.if_then_else(m0 + h < M, Q[b, T.min(m0 + h, M - 1), DH + d], T.cast(0, bf16))
+            for h, d in T.Parallel(BH, DT):
+                Q_t[h, d] = T.if_then_else(m0 + h < M, Q[b, T.min(m0 + h, M - 1), D + d], T.cast(0, bf16))
+            T.fence_proxy_async()
+        T.sync_threads()
+
+    @T.macro
+    def wg0_finish(inv, l_i, m_i, acc_o, Sink, Fin_s, fin, Lse, Out, LsePart, OPart, Q_l, info, b, item, m0):
+        for h in T.Parallel(BH):
+            if has_sink:
+                inv[h] = T.if_then_else(
+                    l_i[h] > 0,
+                    T.if_then_else(
+                        info[3] == 1,
+                        1.0 / (l_i[h] + T.exp2(Sink[(m0 + h) % heads] * T.float32(LOG2E)
+                                               - m_i[h] * c_log2)),
+                        1.0 / l_i[h]),
+                    T.float32(0))
+            else:
+                inv[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], T.float32(0))
+        T.copy(inv, Fin_s)
+        T.barrier_arrive(fin)
+        for h, d in T.Parallel(BH, DH):
+            acc_o[h, d] = acc_o[h, d] * inv[h]
+        if info[3] == 1:
+            for h in T.Parallel(BH):
+                if m0 + h < M:
+                    Lse[b, m0 + h] = T.if_then_else(
+                        l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * c_log2) * T.float32(LN2), T.infinity(f32))
+            T.sync_threads(bar_wg0, 128)  # all WG0 warps past their last QK (reads Q_l)
+            T.copy(acc_o, Q_l)  # Q_l is dead: stage the bf16 output through it
+            T.sync_threads(bar_wg0, 128)
+            for h, d in T.Parallel(BH, DH):
+                if m0 + h < M:
+                    Out[b, m0 + h, d] = Q_l[h, d]
+        else:
+            for h in T.Parallel(BH):
+                if m0 + h < M:
+                    LsePart[item, m0 + h] = T.if_then_else(
+                        l_i[h] > 0, T.log2(l_i[h]) + m_i[h] * c_log2, -T.infinity(f32))
+            for h, d in T.Parallel(BH, DH):
+                if m0 + h < M:
+                    OPart[item, m0 + h, d] = acc_o[h, d]
+
+    return load_item, start_item, wg0_finish

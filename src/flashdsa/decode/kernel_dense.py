@@ -6,7 +6,10 @@ Variants (``run_mla_decode_dense(..., variant=)``, else ``$FLASHDSA_DECODE_VARIA
   * "ws" (default): the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
     consumer warpgroups, 64-key tiles, the n_mt row tiles of a split in adjacent CTAs); see its notes.
   * "pipelined": this module's partial kernel, described below (the one measured on the H200 first).
-  Both use this module's split plan (``_plan``, tile size per variant), partial buffers and combine kernel.
+  * "ws_deep" (opt-in, not yet run on a GPU): ``_dense_ws_deep.py``, "ws" with 32-key tiles in a 4-stage ring and
+    a producer that never waits for its copies (more bytes in flight per SM for the memory-bound case); only for
+    ``s_q * H <= 64``, other shapes fall back to "ws" (``_ws_module``).  See its notes.
+  All use this module's split plan (``_plan``, tile size per variant), partial buffers and combine kernel.
 
 Design
   * Query rows: the ``s_q * H`` query rows of one sequence (row ``m = i * H + h``) form the M side of the wgmma
@@ -93,7 +96,7 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 _OVERHEAD_TILES = 5  # fixed cost of one split (Q load, epilogue, combine) in units of 64-token tiles
 _MIN_CHUNK_TILES = 2  # never split below 128 tokens
 _COMBINE_THREADS = 128
-VARIANTS = ("ws", "pipelined")
+VARIANTS = ("ws", "pipelined", "ws_deep")
 DEFAULT_VARIANT = "ws"  # "pipelined": the two-stage cp.async kernel of this module (measured on the H200)
 VARIANT_ENV = "FLASHDSA_DECODE_VARIANT"
 
@@ -472,13 +475,29 @@ def _variant(variant):
     return v
 
 
+def _ws_module(variant: str, rows: int):
+    """The partial-kernel module a warp-specialised variant runs for ``s_q * H = rows``: "ws" ->
+    ``kernel_dense_ws``; "ws_deep" -> ``_dense_ws_deep`` where it applies (``rows <= 64`` unless
+    ``$FLASHDSA_WS_DEEP_ANY_M=1``), else ``kernel_dense_ws``.  Both modules have ``BLOCK_N``,
+    ``_OVERHEAD_TILES``, ``_MIN_CHUNK_TILES`` (the split plan's tile) and ``compiled_partial``."""
+    if variant == "ws_deep":
+        from . import _dense_ws_deep as deep
+
+        if deep.applies(rows):
+            return deep
+    from . import kernel_dense_ws as ws
+
+    return ws
+
+
 def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d_v, causal, attn_sink=None,
                          variant=None):
     """Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] f32 natural log, +inf / 0 for empty rows).
 
-    ``variant``: "ws" (warp-specialised partial kernel, ``kernel_dense_ws``) or "pipelined" (this module's
-    two-stage cp.async kernel); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.  Both share the
-    split plan, the partial buffers and the combine kernel.
+    ``variant``: "ws" (warp-specialised partial kernel, ``kernel_dense_ws``), "pipelined" (this module's
+    two-stage cp.async kernel) or "ws_deep" (``_dense_ws_deep``, opt-in; "ws" where it does not apply); None
+    takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.  All share the split plan, the partial buffers and
+    the combine kernel.
     """
     reason = kernel_unsupported(q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal,
                                 attn_sink=attn_sink)
@@ -503,9 +522,8 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
         return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
     n_mt = (M + BLOCK_M - 1) // BLOCK_M
     num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-    if variant == "ws":
-        from . import kernel_dense_ws as ws
-
+    if variant != "pipelined":
+        ws = _ws_module(variant, M)
         plan, seq_plan = _plan_device(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
                                       num_sms=num_sms, tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
                                       min_chunk=ws._MIN_CHUNK_TILES)
@@ -521,7 +539,7 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
     sink = attn_sink.contiguous() if has_sink else torch.zeros(1, dtype=torch.float32, device=dev)
     o_part = torch.empty((n_items, M, D_V), dtype=torch.float32, device=dev)
     lse_part = torch.empty((n_items, M), dtype=torch.float32, device=dev)
-    if variant == "ws":
+    if variant != "pipelined":
         part = ws.compiled_partial(H, s_q, bs, bool(causal), float(sm_scale), has_sink)
     else:
         part = _compiled_partial(H, s_q, bs, bool(causal), float(sm_scale), has_sink)
@@ -540,6 +558,11 @@ def lowering_cases():
         name = f"partial_h{heads}_sq{s_q}_bs{bs}" + ("_causal" if causal else "") + ("_sink" if sink else "")
         cases.append((name, build_partial_kernel(heads=heads, s_q=s_q, block_size=bs, causal=causal,
                                                  sm_scale=DQK ** -0.5, has_sink=sink)))
+    # the opt-in "ws_deep" partial kernel (its module is not a kernel*.py one; lowered here with this module's
+    # pass configs, i.e. with the automatic thread-storage-sync pass that its real compile turns off)
+    from . import _dense_ws_deep
+
+    cases += _dense_ws_deep.lowering_cases()
     return cases
 
 

@@ -58,7 +58,7 @@ import tilelang
 import tilelang.language as T
 
 from . import kernel_dense as _kd
-from ._tl_common import partial_prim_func, partial_sizes
+from ._tl_common import item_macros, partial_prim_func, partial_sizes
 
 LOG2E = _kd.LOG2E
 LN2 = _kd.LN2
@@ -94,6 +94,8 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     sizes = partial_sizes()
     _, nblk, maxb, nitem, _ = sizes  # (batch, num_blocks, max_blocks, max_items, n_sink)
+    load_item, start_item, wg0_finish = item_macros(M=M, s_q=s_q, causal=causal, BH=BH, BI=BI, heads=heads,
+                                                    has_sink=has_sink, c_log2=c_log2, bar_wg0=BAR_WG0)
 
     def _page(BlockTable, b, p):
         # page id of position p (the table read stays in bounds; p may run past the table on the last tile)
@@ -224,26 +226,11 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
             item = bx // n_mt
             m0 = (bx % n_mt) * BH
             tx = T.get_thread_binding()
-            info[0] = Plan[0, item]  # b (-1: idle item)
-            info[1] = Plan[1, item]  # start (multiple of BLOCK_N)
-            info[2] = Plan[2, item]  # end
-            info[3] = Plan[3, item]  # nsplit of this sequence
+            load_item(Plan, info, item)
 
             if info[0] >= 0:
                 b = info[0]
-                # causal: row m (query i = m // heads) sees p < seqlen - s_q + 1 + i
-                info[4] = SeqLens[b] - s_q + 1 if causal else 0
-                info[5] = T.ceildiv(info[2] - info[1], BI)  # tiles of this split
-                if tx < 256:
-                    # the consumers load Q (256 threads: 16-byte vectors; 384 would give scalar copies)
-                    for h, d in T.Parallel(BH, DH):
-                        Q_l[h, d] = T.if_then_else(m0 + h < M, Q[b, T.min(m0 + h, M - 1), d], T.cast(0, bf16))
-                    for h, d in T.Parallel(BH, DH):
-                        Q_r[h, d] = T.if_then_else(m0 + h < M, Q[b, T.min(m0 + h, M - 1), DH + d], T.cast(0, bf16))
-                    for h, d in T.Parallel(BH, DT):
-                        Q_t[h, d] = T.if_then_else(m0 + h < M, Q[b, T.min(m0 + h, M - 1), D + d], T.cast(0, bf16))
-                    T.fence_proxy_async()
-                T.sync_threads()
+                start_item(Q, SeqLens, Q_l, Q_r, Q_t, info, b, m0, tx)
 
                 if tx < 128:
                     # ------------------------------------------------------ WG0
@@ -267,41 +254,7 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
                                      info[1] + (j * 2 + 2) * BI, info[4], m0)
 
                     # ---- epilogue ----
-                    for h in T.Parallel(BH):
-                        if has_sink:
-                            inv[h] = T.if_then_else(
-                                l_i[h] > 0,
-                                T.if_then_else(
-                                    info[3] == 1,
-                                    1.0 / (l_i[h] + T.exp2(Sink[(m0 + h) % heads] * T.float32(LOG2E)
-                                                           - m_i[h] * c_log2)),
-                                    1.0 / l_i[h]),
-                                T.float32(0))
-                        else:
-                            inv[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], T.float32(0))
-                    T.copy(inv, Fin_s)
-                    T.barrier_arrive(fin)
-                    for h, d in T.Parallel(BH, DH):
-                        acc_o[h, d] = acc_o[h, d] * inv[h]
-                    if info[3] == 1:
-                        for h in T.Parallel(BH):
-                            if m0 + h < M:
-                                Lse[b, m0 + h] = T.if_then_else(
-                                    l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * c_log2) * T.float32(LN2), T.infinity(f32))
-                        T.sync_threads(BAR_WG0, 128)  # all WG0 warps past their last QK (reads Q_l)
-                        T.copy(acc_o, Q_l)  # Q_l is dead: stage the bf16 output through it
-                        T.sync_threads(BAR_WG0, 128)
-                        for h, d in T.Parallel(BH, DH):
-                            if m0 + h < M:
-                                Out[b, m0 + h, d] = Q_l[h, d]
-                    else:
-                        for h in T.Parallel(BH):
-                            if m0 + h < M:
-                                LsePart[item, m0 + h] = T.if_then_else(
-                                    l_i[h] > 0, T.log2(l_i[h]) + m_i[h] * c_log2, -T.infinity(f32))
-                        for h, d in T.Parallel(BH, DH):
-                            if m0 + h < M:
-                                OPart[item, m0 + h, d] = acc_o[h, d]
+                    wg0_finish(inv, l_i, m_i, acc_o, Sink, Fin_s, fin, Lse, Out, LsePart, OPart, Q_l, info, b, item, m0)
                 elif tx < 256:
                     # ------------------------------------------------------ WG1
                     T.set_max_nreg(REG_WG1, 1)
