@@ -57,6 +57,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from ..sparse._tl_common import wg1_pv_step_macro
 from . import kernel_dense as _kd
 from ._tl_common import item_macros, partial_prim_func, partial_sizes
 
@@ -175,14 +176,7 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
             T.wait_wgmma(0)
             T.barrier_arrive(kv_fr)
 
-    @T.macro
-    def wg1_step(phase, s_rdy, Alpha_s, P, KVr, kv_fr, acc_o):
-        T.barrier_wait(s_rdy, phase)
-        for h, d in T.Parallel(BH, DH):
-            acc_o[h, d] = acc_o[h, d] * Alpha_s[h]
-        T.wgmma_gemm(P, KVr, acc_o)
-        T.wait_wgmma(0)
-        T.barrier_arrive(kv_fr)
+    wg1_step = wg1_pv_step_macro(BH=BH, DH=DH)
 
     @T.macro
     def body(Q, KV, BlockTable, SeqLens, Plan, Sink, Out, Lse, OPart, LsePart):

@@ -53,7 +53,7 @@ def ws_roles_macro(*, heads, dim, next_n, block_size, num_stages, threads, macro
     H, NN, S = heads, next_n, num_stages
     issue, epilogue, fill_tail = macros.issue, macros.epilogue, macros.fill_tail
     BC = NN * H
-    BN = 64  # kernel_paged.BLOCK_N (keys per tile)
+    from .kernel_paged import BLOCK_N as BN  # keys per tile (imported here: kernel_paged imports this module lazily)
     assert threads == CONSUMERS + PRODUCERS
 
     @T.macro

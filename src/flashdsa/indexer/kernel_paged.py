@@ -81,6 +81,7 @@ Risks for the first GPU run of "pipelined"
 # closure, and the shared signature (`_paged_prim_func`) names its sizes only in the annotations
 import functools
 import os
+import types
 
 import torch
 
@@ -289,15 +290,8 @@ def _tile_macros(*, heads: int, next_n: int, block_size: int, chunk: int = CHUNK
         T.copy(W[b * BC:b * BC + BC], w_f)
         fill_tail(Out, tx, b, c0, n_t, L, nthreads)
 
-    return Ix(issue=issue, epilogue=epilogue, validate_pages=validate_pages, fill_tail=fill_tail,
-              start_ring=start_ring)
-
-
-class Ix:
-    """A namespace of macros (read as attributes)."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
+    return types.SimpleNamespace(issue=issue, epilogue=epilogue, validate_pages=validate_pages, fill_tail=fill_tail,
+                                 start_ring=start_ring)
 
 
 def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",

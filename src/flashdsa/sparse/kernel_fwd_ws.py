@@ -174,16 +174,7 @@ def _finish_macros(*, BH, DH, D, normaliser, store_lse, proxy_fence: bool = Fals
     """(wg0_finish, wg1_role): the parts "ws1" and "ws2" share -- WG0's epilogue and the whole WG1 role (``proxy_fence``: fence.proxy.async after WG1's s_ready wait, for tiles that came from cp.async
     without a producer-side fence)."""
 
-    @T.macro
-    def wg1_step(phase, s_rdy, Alpha_s, P, KVr, kv_fr, acc_o):
-        T.barrier_wait(s_rdy, phase)
-        if proxy_fence:
-            T.fence_proxy_async()  # KVr came from cp.async (seen through WG0's ready -> s_ready chain)
-        for h, d in T.Parallel(BH, DH):
-            acc_o[h, d] = acc_o[h, d] * Alpha_s[h]
-        T.wgmma_gemm(P, KVr, acc_o)
-        T.wait_wgmma(0)
-        T.barrier_arrive(kv_fr)
+    wg1_step = tc.wg1_pv_step_macro(BH=BH, DH=DH, proxy_fence=proxy_fence)
 
     @T.macro
     def wg0_finish(inv, l_i, m_i, acc_o, Sink, Fin_s, fin, Lse, MaxLogits, Q_l, Out, tok, h0):

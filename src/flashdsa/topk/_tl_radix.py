@@ -22,6 +22,7 @@ allocation, empty shapes, canonical strides) and the starts/ends/flags arguments
 """
 
 import functools
+import types
 
 import torch
 
@@ -89,11 +90,8 @@ def alloc_vars(dtype, count: int):
     return tuple(T.alloc_var(dtype) for _ in range(count))
 
 
-class Ix:
-    """Expressions handed to a ``T.macro`` verbatim (read as attributes), see the module notes."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
+# expressions handed to a ``T.macro`` verbatim (read as attributes), see the module notes
+Ix = types.SimpleNamespace
 
 
 def radix_macros(threads: int, lean_ranks: bool = False):
