@@ -89,6 +89,21 @@ DC = 64  # dKV column chunk
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 _PARTIAL_ELEMS = 1 << 28  # deterministic mode: partial buffer <= 1 GiB fp32
 
+# Staged dKV stores (dkv_store "red4" / "bulk"): shared memory addressed from a raw base pointer
+_PRELUDE = r"""
+__device__ __forceinline__ void fdsa_st_shared_f32(void* base, int off, float v) { ((float*)base)[off] = v; }
+// dst[0:4] += smem[off:off+4] (red.global.add.v4.f32, sm_90)
+__device__ __forceinline__ void fdsa_red_add_f32x4(void* base, int off, float* dst) {
+  atomicAdd(reinterpret_cast<float4*>(dst), *reinterpret_cast<const float4*>((float*)base + off));
+}
+// dst[0:bytes/4] += smem[off:...] by the TMA unit (cp.reduce.async.bulk .add.f32; caller commits / waits)
+__device__ __forceinline__ void fdsa_bulk_add_f32(void* base, int off, float* dst, int bytes) {
+  unsigned int src = static_cast<unsigned int>(__cvta_generic_to_shared((float*)base + off));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+"""
+
 
 def build_sparse_mla_bwd(
     *,
@@ -102,11 +117,18 @@ def build_sparse_mla_bwd(
     block_i: int = BLOCK_I,
     threads: int = 256,
     ablate: str = "",
+    dkv_store: str = "red2",
 ):
     """Return the main backward prim_func.
 
     ``ablate`` (timing only, wrong results): ``"no_atomics"`` drops the dKV stores/atomics (the dKV wgmmas
     stay), ``"no_dkv"`` drops the dKV wgmmas and stores.  Differences of the times locate the bottleneck.
+
+    ``dkv_store`` (fast path only): ``"red2"`` = fp32 ``atomicAdd`` of float2 straight from the wgmma
+    accumulator (2 consecutive columns per thread); ``"red4"`` = the chunk staged in shared memory (in the
+    KV tile, dead after ``dq += dS K``), then float4 reductions (``red.global.add.v4.f32``), a warp covering two
+    full 256-byte row segments; ``"bulk"`` = staged likewise, then one ``cp.reduce.async.bulk .add.f32`` of
+    256 bytes per valid row issued by 64 threads (the TMA unit does the reduction, the SM goes on).
 
     Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], Indices[T,topk], TopkLen[n_tl], Lse2[T,H] f32,
     Delta[T,H] f32, dQ[T,H,Dqk] bf16, dKV[n_out,Dqk] f32).  ``partials=False``: dKV is the [Tkv, Dqk]
@@ -124,6 +146,11 @@ def build_sparse_mla_bwd(
     NI = (int(topk) + BI - 1) // BI
     assert sm_scale is not None and sm_scale > 0
     assert ablate in ("", "no_atomics", "no_dkv"), ablate
+    assert dkv_store in ("red2", "red4", "bulk"), dkv_store
+    staged = dkv_store != "red2" and not partials
+    SP = DC + 8  # staged row pitch in floats: 288 B (16-B aligned for bulk copies, 2-way banks on the float2 writes)
+    NSTG = (BI * D // 2) // (BI * SP)  # staging buffers that fit in the dead KV tile (3 for D 512)
+    assert not staged or NSTG >= 2, NSTG
     c_log2 = float(sm_scale) * LOG2E
 
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -131,17 +158,57 @@ def build_sparse_mla_bwd(
     _row = tc.make_slot_row(topk_dim)  # as in kernel_fwd: -1 past topk_eff, the Indices read kept in bounds
 
     @T.macro
-    def store_dkv(dKV, acc_kv, rows_s, bx, by, it, col0):
+    def stage_dkv(dKV, acc_kv, rows_s, KV_s, col0):
+        # chunk k = col0 / DC goes to staging buffer k % NSTG in the (dead) KV tile, addressed through its raw
+        # base pointer (a T.view would inherit the tile's wgmma swizzle: rows must be contiguous for the bulk copy)
+        base = ((col0 // DC) % NSTG) * (BI * SP)
+        tx = T.get_thread_binding()
+        if dkv_store == "bulk":
+            if tx < BI:  # the issuing threads own their bulk groups: buffer k % NSTG read by chunk k - NSTG is done
+                T.tma_store_wait(NSTG - 1)
+        T.sync_threads()  # also: every warp is past the wgmma that read the KV tile
+        for r, d in T.Parallel(BI, DC):
+            T.call_extern("handle", "fdsa_st_shared_f32", KV_s.data, base + r * SP + d, acc_kv[r, d])
+        if dkv_store == "bulk":
+            T.fence_proxy_async()
+        T.sync_threads()
+        if dkv_store == "bulk":
+            if tx < BI:
+                if rows_s[tx] >= 0:
+                    T.call_extern("handle", "fdsa_bulk_add_f32", KV_s.data, base + tx * SP,
+                                  T.address_of(dKV[rows_s[tx], col0]), DC * 4)
+                T.tma_store_arrive()
+        else:  # float4 reductions: thread -> (row, 4-column group), 16 groups per row
+            for k in T.serial(BI * DC // 4 // threads):
+                r = (k * threads + tx) // (DC // 4)
+                g = (k * threads + tx) % (DC // 4)
+                if rows_s[r] >= 0:
+                    T.call_extern("handle", "fdsa_red_add_f32x4", KV_s.data, base + r * SP + g * 4,
+                                  T.address_of(dKV[rows_s[r], col0 + g * 4]))
+
+    @T.macro
+    def store_dkv(dKV, acc_kv, rows_s, KV_s, bx, by, it, col0):
         if ablate == "no_atomics":
             pass
         elif partials:  # row (head group, token, slot) of the partial buffer; valid slots only
             for r, d in T.Parallel(BI, DC):
                 if rows_s[r] >= 0:
                     dKV[(by * n_tok + bx) * topk_dim + it * BI + r, col0 + d] = acc_kv[r, d]
-        else:  # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped
+        elif not staged:  # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped
             for r, d in T.Parallel(BI, DC):
                 if rows_s[r] >= 0:
                     T.atomic_add(dKV[rows_s[r], col0 + d], acc_kv[r, d])
+        else:
+            stage_dkv(dKV, acc_kv, rows_s, KV_s, col0)
+
+    @T.macro
+    def drain_staged():
+        # the KV tile is gathered into next (or the CTA exits): the staged chunks must all have been read
+        if staged:
+            if dkv_store == "bulk":
+                if T.get_thread_binding() < BI:
+                    T.tma_store_wait(0)
+            T.sync_threads()
 
     @T.prim_func
     def sparse_mla_bwd(
@@ -155,7 +222,7 @@ def build_sparse_mla_bwd(
         dQ: T.Tensor([n_tok, heads, dqk], bf16),
         dKV: T.Tensor([n_out, dqk], f32),
     ):
-        with T.Kernel(n_tok, n_hblk, threads=threads) as (bx, by):
+        with T.Kernel(n_tok, n_hblk, threads=threads, prelude=_PRELUDE) as (bx, by):
             Q_s = T.alloc_shared([BH, D], bf16)
             dO_s = T.alloc_shared([BH, D], bf16)
             KV_s = T.alloc_shared([BI, D], bf16)
@@ -194,6 +261,7 @@ def build_sparse_mla_bwd(
                 T.fill(acc_dqt, 0)
 
             for it in T.serial(NI):
+                drain_staged()
                 # ---- slot rows (-1 = invalid) and the predicated gather ----
                 for r in T.Parallel(BI):
                     rr = _row(Indices, bx, lim[0], it * BI + r)
@@ -232,11 +300,12 @@ def build_sparse_mla_bwd(
                                policy=T.GemmWarpPolicy.FullRow)
                         T.gemm(P_s, dO_s[:, c * DC : c * DC + DC], acc_kv, transpose_A=True,
                                policy=T.GemmWarpPolicy.FullRow)
-                        store_dkv(dKV, acc_kv, rows_s, bx, by, it, c * DC)
+                        store_dkv(dKV, acc_kv, rows_s, KV_s, bx, by, it, c * DC)
                     if D_tail > 0:
                         T.gemm(dS_s, Qt_s, acc_kv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        store_dkv(dKV, acc_kv, rows_s, bx, by, it, D)
+                        store_dkv(dKV, acc_kv, rows_s, KV_s, bx, by, it, D)
 
+            drain_staged()
             # ---- epilogue: dq (already scaled) through the Q tile ----
             T.copy(acc_dq, Q_s)
             T.copy(Q_s, dQ[bx, h0 : h0 + BH, 0:D])
@@ -290,11 +359,25 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
+DKV_STORE = "red2"  # fast-path dKV reduction (see build_sparse_mla_bwd); ``$FLASHDSA_BWD_DKV_STORE`` overrides
+DKV_STORE_ENV = "FLASHDSA_BWD_DKV_STORE"
+
+
+def _dkv_store() -> str:
+    import os
+
+    v = os.environ.get(DKV_STORE_ENV, DKV_STORE)
+    if v not in ("red2", "red4", "bulk"):
+        raise ValueError(f"${DKV_STORE_ENV}: expected red2, red4 or bulk, got {v!r}")
+    return v
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_topk_length: bool,
-              partials: bool, ablate: str = ""):
+              partials: bool, ablate: str = "", dkv_store: str = "red2"):
     func = build_sparse_mla_bwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                has_topk_length=has_topk_length, partials=partials, ablate=ablate)
+                                has_topk_length=has_topk_length, partials=partials, ablate=ablate,
+                                dkv_store=dkv_store)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -381,7 +464,7 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     topk = indices.shape[1]
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     if not deterministic:
-        kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, False)
+        kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, False, "", _dkv_store())
         kernel(q, kv, dout, indices, tl_arg, lse2, delta, dq, acc)
         return dq, acc.to(kv.dtype), d_sink
 
@@ -436,7 +519,8 @@ def _time_ms(fn, reps):
 
 
 def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
-    """Main-kernel-only times of the fast path and of the ``ablate`` variants (wrong results, timing only)."""
+    """Main-kernel-only times of the fast path per ``dkv_store`` and of the ``ablate`` variants (wrong results,
+    timing only); returns {store: ms}."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
     kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
@@ -450,11 +534,26 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
     tl_arg = idx.new_empty((1,))
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
-    for ablate in ("", "no_atomics", "no_dkv"):
-        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate)
+    ref = None
+    times = {}
+    for ablate, store in (("", "red2"), ("", "red4"), ("", "bulk"), ("no_atomics", "red2"), ("no_dkv", "red2")):
+        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate, store)
+        acc.zero_()
+        kernel(q, kv, dout, idx, tl_arg, lse2, delta, dq, acc)
+        check = ""
+        if not ablate:  # the reductions differ only in order: compare with the first (red2)
+            if ref is None:
+                ref = (dq.clone(), acc.clone())
+            else:
+                e_dq = (dq.float() - ref[0].float()).abs().max().item()
+                e_kv = ((acc - ref[1]).abs().max() / ref[1].abs().max()).item()
+                check = f"  vs red2: dq max|diff| {e_dq:.2e}, dkv max rel {e_kv:.2e}"
         ms = _time_ms(lambda: kernel(q, kv, dout, idx, tl_arg, lse2, delta, dq, acc), 10)
-        print(f"ablate={ablate or 'none'} S={S} H={H} Dqk={dqk} topk={topk}: main kernel {ms:.3f} ms, "
-              f"{flops / ms / 1e9:.1f} TFLOP/s (full-work FLOPs)", flush=True)
+        if not ablate:
+            times[store] = ms
+        print(f"ablate={ablate or 'none'} dkv_store={store} S={S} H={H} Dqk={dqk} topk={topk}: main kernel "
+              f"{ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s (full-work FLOPs){check}", flush=True)
+    return times
 
 
 def _bench(argv=None):
@@ -462,8 +561,10 @@ def _bench(argv=None):
     import sys
 
     argv = argv if argv is not None else sys.argv[1:]
-    if "--ablate" in argv:
-        _bench_ablate()
+    if "--ablate" in argv:  # V3.2 H 64, then the V4 shape; last line: the fastest store of the first
+        times = _bench_ablate()
+        _bench_ablate(dqk=512, topk=640)
+        print("best_dkv_store=" + min(times, key=times.get), flush=True)
         return
     quick = "--quick" in argv
     shapes = [  # (S, SKV, H, Dqk, topk, sink)
