@@ -102,6 +102,27 @@ def sparse(form):
     return ok
 
 
+def sparse_bwd(deterministic):
+    """The dispatched sparse MLA backward (fast atomics path / deterministic path), H 64, invalid indices of every
+    kind, an all-invalid row, NaN in unselected KV rows (their gradient must be exactly 0)."""
+    import flashdsa
+
+    q, kv, idx = _sparse_inputs(37, 64, 600, 200)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    dout = (torch.randn(37, 64, 512, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
+    grads = []
+    for dev, backend in ((DEV, "kernel" if DEV == "cuda" else "reference"), ("cpu", "reference")):
+        qq = q.to(dev).requires_grad_()
+        kk = kv.to(dev).requires_grad_()
+        out = flashdsa.sparse_mla(qq, kk, idx.to(dev), deterministic=deterministic, backend=backend)
+        grads.append(torch.autograd.grad(out, [qq, kk], dout.to(dev)))
+    (dq, dkv), (rq, rkv) = grads
+    good = _close(dq, rq, 1e-3, 8 / 128) and _close(dkv[:300], rkv[:300], 1e-3, 8 / 128)
+    good &= bool((dkv[300:].float() == 0).all())
+    print(f"  sparse bwd deterministic={deterministic}: {'ok' if good else 'MISMATCH'}")
+    return good
+
+
 def decode():
     """Dense paged decode (bf16 cache, NaN in unused slots, shuffled pages, s_q 2, a zero-length sequence)."""
     import flashdsa
@@ -125,7 +146,8 @@ def decode():
 
 TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("single"),
            "paged_pipelined": lambda: paged("pipelined"), "paged_ws": lambda: paged("pipelined_ws"), "sparse_bf16": lambda: sparse("bf16"),
-           "sparse_cache656": lambda: sparse("cache656"), "sparse_fp8": lambda: sparse("fp8"), "decode": decode}
+           "sparse_cache656": lambda: sparse("cache656"), "sparse_fp8": lambda: sparse("fp8"), "decode": decode,
+           "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True)}
 
 
 def main():

@@ -88,8 +88,7 @@ from .kernel_fwd_ws import (
 BAR_PROD = 11  # named barrier of the producer warpgroup (128 threads)
 WS2_REGS = WS1_REGS  # (240, 176, 88): sum 504 = the __launch_bounds__(384, 1) pool (checked in kernel_fwd_ws)
 CH = 64  # dims per sub-tile (one 128-byte swizzle atom wide)
-# cp.async without TileLang's implicit commit + wait_group 0 (completion goes to an mbarrier instead)
-_ASYNC = {"parallel_prefer_async": True, "parallel_async_without_async_commit_wait": True}
+_ASYNC = tc.ASYNC_GATHER
 
 
 def build_ws2(

@@ -30,6 +30,10 @@ NEG_BIG = -1.0e30  # initial running max (raw score units): all-invalid blocks g
 
 
 # ---------------------------------------------------------------------------------------------- kernel side
+# T.Parallel annotations of a gather nest: cp.async without the implicit commit/wait (the caller commits once)
+ASYNC_GATHER = {"parallel_prefer_async": True, "parallel_async_without_async_commit_wait": True}
+
+
 def dynamic_dims(*names):
     """One TileLang dynamic symbol per name (T, Tkv, the indices width, ...)."""
     return tuple(T.dynamic(n) for n in names)

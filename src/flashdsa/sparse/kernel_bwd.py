@@ -118,6 +118,7 @@ def build_sparse_mla_bwd(
     threads: int = 256,
     ablate: str = "",
     dkv_store: str = "red2",
+    prefetch: bool = False,
 ):
     """Return the main backward prim_func.
 
@@ -129,6 +130,11 @@ def build_sparse_mla_bwd(
     KV tile, dead after ``dq += dS K``), then float4 reductions (``red.global.add.v4.f32``), a warp covering two
     full 256-byte row segments; ``"bulk"`` = staged likewise, then one ``cp.reduce.async.bulk .add.f32`` of
     256 bytes per valid row issued by 64 threads (the TMA unit does the reduction, the SM goes on).
+
+    ``prefetch`` (with ``dkv_store="red2"`` or ``partials``: the KV tile must stay free during the dKV stage):
+    the gather is predicated zero-filling cp.async, and block i+1's is issued right after ``dq += dS K`` of
+    block i so that it lands during block i's dK/dV products and stores (else a synchronous gather at the top
+    of each block).
 
     Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], Indices[T,topk], TopkLen[n_tl], Lse2[T,H] f32,
     Delta[T,H] f32, dQ[T,H,Dqk] bf16, dKV[n_out,Dqk] f32).  ``partials=False``: dKV is the [Tkv, Dqk]
@@ -151,6 +157,7 @@ def build_sparse_mla_bwd(
     SP = DC + 8  # staged row pitch in floats: 288 B (16-B aligned for bulk copies, 2-way banks on the float2 writes)
     NSTG = (BI * D // 2) // (BI * SP)  # staging buffers that fit in the dead KV tile (3 for D 512)
     assert not staged or NSTG >= 2, NSTG
+    assert not (prefetch and staged), "prefetch needs the KV tile free during the dKV stage (red2 or partials)"
     c_log2 = float(sm_scale) * LOG2E
 
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -158,7 +165,7 @@ def build_sparse_mla_bwd(
     _row = tc.make_slot_row(topk_dim)  # as in kernel_fwd: -1 past topk_eff, the Indices read kept in bounds
 
     @T.macro
-    def stage_dkv(dKV, acc_kv, rows_s, KV_s, col0):
+    def stage_dkv(dKV, acc_kv, rows_s, rb, KV_s, col0):
         # chunk k = col0 / DC goes to staging buffer k % NSTG in the (dead) KV tile, addressed through its raw
         # base pointer (a T.view would inherit the tile's wgmma swizzle: rows must be contiguous for the bulk copy)
         base = ((col0 // DC) % NSTG) * (BI * SP)
@@ -174,32 +181,32 @@ def build_sparse_mla_bwd(
         T.sync_threads()
         if dkv_store == "bulk":
             if tx < BI:
-                if rows_s[tx] >= 0:
+                if rows_s[rb, tx] >= 0:
                     T.call_extern("handle", "fdsa_bulk_add_f32", KV_s.data, base + tx * SP,
-                                  T.address_of(dKV[rows_s[tx], col0]), DC * 4)
+                                  T.address_of(dKV[rows_s[rb, tx], col0]), DC * 4)
                 T.tma_store_arrive()
         else:  # float4 reductions: thread -> (row, 4-column group), 16 groups per row
             for k in T.serial(BI * DC // 4 // threads):
                 r = (k * threads + tx) // (DC // 4)
                 g = (k * threads + tx) % (DC // 4)
-                if rows_s[r] >= 0:
+                if rows_s[rb, r] >= 0:
                     T.call_extern("handle", "fdsa_red_add_f32x4", KV_s.data, base + r * SP + g * 4,
-                                  T.address_of(dKV[rows_s[r], col0 + g * 4]))
+                                  T.address_of(dKV[rows_s[rb, r], col0 + g * 4]))
 
     @T.macro
-    def store_dkv(dKV, acc_kv, rows_s, KV_s, bx, by, it, col0):
+    def store_dkv(dKV, acc_kv, rows_s, rb, KV_s, bx, by, it, col0):
         if ablate == "no_atomics":
             pass
         elif partials:  # row (head group, token, slot) of the partial buffer; valid slots only
             for r, d in T.Parallel(BI, DC):
-                if rows_s[r] >= 0:
+                if rows_s[rb, r] >= 0:
                     dKV[(by * n_tok + bx) * topk_dim + it * BI + r, col0 + d] = acc_kv[r, d]
         elif not staged:  # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped
             for r, d in T.Parallel(BI, DC):
-                if rows_s[r] >= 0:
-                    T.atomic_add(dKV[rows_s[r], col0 + d], acc_kv[r, d])
+                if rows_s[rb, r] >= 0:
+                    T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc_kv[r, d])
         else:
-            stage_dkv(dKV, acc_kv, rows_s, KV_s, col0)
+            stage_dkv(dKV, acc_kv, rows_s, rb, KV_s, col0)
 
     @T.macro
     def drain_staged():
@@ -209,6 +216,31 @@ def build_sparse_mla_bwd(
                 if T.get_thread_binding() < BI:
                     T.tma_store_wait(0)
             T.sync_threads()
+
+    @T.macro
+    def gather(Indices, KV, KV_s, Kt_s, rows_s, rb, tok, lim, blk):
+        # slot rows (-1 = invalid) of block blk into rows_s[rb], and the predicated gather of its KV rows
+        for r in T.Parallel(BI):
+            rr = _row(Indices, tok, lim, blk * BI + r)
+            rows_s[rb, r] = T.if_then_else((rr >= 0) & (rr < n_kv), rr, -1)
+        if prefetch:  # cp.async, src-size 0 for invalid slots (zero fill, nothing read); one commit per block
+            for r, d in T.Parallel(BI, D, annotations=tc.ASYNC_GATHER):
+                rr = _row(Indices, tok, lim, blk * BI + r)
+                ok = (rr >= 0) & (rr < n_kv)
+                KV_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), d], T.cast(0, bf16))
+            if D_tail > 0:
+                for r, d in T.Parallel(BI, D_tail, annotations=tc.ASYNC_GATHER):
+                    rr = _row(Indices, tok, lim, blk * BI + r)
+                    ok = (rr >= 0) & (rr < n_kv)
+                    Kt_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), D + d], T.cast(0, bf16))
+            T.ptx_commit_group()
+        else:
+            for r, d in T.Parallel(BI, D):
+                KV_s[r, d] = KV[_row(Indices, tok, lim, blk * BI + r), d]
+            if D_tail > 0:
+                for r, d in T.Parallel(BI, D_tail):
+                    Kt_s[r, d] = KV[_row(Indices, tok, lim, blk * BI + r), D + d]
+            T.fence_proxy_async()  # generic-proxy shared stores -> the wgmmas (async proxy) that read them
 
     @T.prim_func
     def sparse_mla_bwd(
@@ -231,7 +263,7 @@ def build_sparse_mla_bwd(
             if D_tail > 0:
                 Qt_s = T.alloc_shared([BH, D_tail], bf16)
                 Kt_s = T.alloc_shared([BI, D_tail], bf16)
-            rows_s = T.alloc_shared([BI], i32)
+            rows_s = T.alloc_shared([2, BI], i32)  # [block parity] with prefetch, else [0]
             lse_s = T.alloc_shared([BH], f32)
             delta_s = T.alloc_shared([BH], f32)
 
@@ -260,21 +292,27 @@ def build_sparse_mla_bwd(
             if D_tail > 0:
                 T.fill(acc_dqt, 0)
 
-            for it in T.serial(NI):
-                drain_staged()
-                # ---- slot rows (-1 = invalid) and the predicated gather ----
-                for r in T.Parallel(BI):
-                    rr = _row(Indices, bx, lim[0], it * BI + r)
-                    rows_s[r] = T.if_then_else((rr >= 0) & (rr < n_kv), rr, -1)
-                for r, d in T.Parallel(BI, D):
-                    KV_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), d]
+            if prefetch:
                 if D_tail > 0:
-                    for r, d in T.Parallel(BI, D_tail):
-                        Kt_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), D + d]
+                    gather(Indices, KV, KV_s, Kt_s, rows_s, 0, bx, lim[0], 0)
+                else:
+                    gather(Indices, KV, KV_s, KV_s, rows_s, 0, bx, lim[0], 0)
+
+            for it in T.serial(NI):
+                rb = it % 2 if prefetch else 0
+                if prefetch:
+                    T.ptx_wait_group(0)  # block it landed (this thread's copies; the barrier: everyone's)
+                    T.sync_threads()
+                else:
+                    drain_staged()
+                    if D_tail > 0:
+                        gather(Indices, KV, KV_s, Kt_s, rows_s, rb, bx, lim[0], it)
+                    else:
+                        gather(Indices, KV, KV_s, KV_s, rows_s, rb, bx, lim[0], it)
 
                 # ---- P = exp2(S c - lse2) (invalid columns -inf -> 0) ----
                 for h, r in T.Parallel(BH, BI):
-                    acc_s[h, r] = T.if_then_else(rows_s[r] >= 0, T.float32(0), -T.infinity(f32))
+                    acc_s[h, r] = T.if_then_else(rows_s[rb, r] >= 0, T.float32(0), -T.infinity(f32))
                 T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 if D_tail > 0:
                     T.gemm(Qt_s, Kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -293,6 +331,14 @@ def build_sparse_mla_bwd(
                 if D_tail > 0:
                     T.gemm(dS_s, Kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullRow)
 
+                if prefetch:  # every warp is past the wgmmas reading KV_s / Kt_s: gather block it+1 into them
+                    T.sync_threads()
+                    if it + 1 < NI:
+                        if D_tail > 0:
+                            gather(Indices, KV, KV_s, Kt_s, rows_s, 1 - rb, bx, lim[0], it + 1)
+                        else:
+                            gather(Indices, KV, KV_s, KV_s, rows_s, 1 - rb, bx, lim[0], it + 1)
+
                 # ---- dKV rows of this block, 64 columns at a time ----
                 if ablate != "no_dkv":
                     for c in T.unroll(D // DC):
@@ -300,10 +346,10 @@ def build_sparse_mla_bwd(
                                policy=T.GemmWarpPolicy.FullRow)
                         T.gemm(P_s, dO_s[:, c * DC : c * DC + DC], acc_kv, transpose_A=True,
                                policy=T.GemmWarpPolicy.FullRow)
-                        store_dkv(dKV, acc_kv, rows_s, KV_s, bx, by, it, c * DC)
+                        store_dkv(dKV, acc_kv, rows_s, rb, KV_s, bx, by, it, c * DC)
                     if D_tail > 0:
                         T.gemm(dS_s, Qt_s, acc_kv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        store_dkv(dKV, acc_kv, rows_s, KV_s, bx, by, it, D)
+                        store_dkv(dKV, acc_kv, rows_s, rb, KV_s, bx, by, it, D)
 
             drain_staged()
             # ---- epilogue: dq (already scaled) through the Q tile ----
@@ -359,25 +405,28 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
-DKV_STORE = "red2"  # fast-path dKV reduction (see build_sparse_mla_bwd); ``$FLASHDSA_BWD_DKV_STORE`` overrides
-DKV_STORE_ENV = "FLASHDSA_BWD_DKV_STORE"
+# Fast-path variant: dKV reduction + gather schedule (see build_sparse_mla_bwd); ``$FLASHDSA_BWD_VARIANT`` overrides.
+# The deterministic path (partials) takes the variant's gather schedule.
+VARIANTS = {"red2": ("red2", False), "red4": ("red4", False), "bulk": ("bulk", False), "red2_prefetch": ("red2", True)}
+VARIANT = "red4"
+VARIANT_ENV = "FLASHDSA_BWD_VARIANT"
 
 
-def _dkv_store() -> str:
+def _variant() -> tuple:
     import os
 
-    v = os.environ.get(DKV_STORE_ENV, DKV_STORE)
-    if v not in ("red2", "red4", "bulk"):
-        raise ValueError(f"${DKV_STORE_ENV}: expected red2, red4 or bulk, got {v!r}")
-    return v
+    v = os.environ.get(VARIANT_ENV, VARIANT)
+    if v not in VARIANTS:
+        raise ValueError(f"${VARIANT_ENV}: expected one of {sorted(VARIANTS)}, got {v!r}")
+    return VARIANTS[v]
 
 
 @functools.lru_cache(maxsize=32)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_topk_length: bool,
-              partials: bool, ablate: str = "", dkv_store: str = "red2"):
+              partials: bool, ablate: str = "", dkv_store: str = "red2", prefetch: bool = False):
     func = build_sparse_mla_bwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                 has_topk_length=has_topk_length, partials=partials, ablate=ablate,
-                                dkv_store=dkv_store)
+                                dkv_store=dkv_store, prefetch=prefetch)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -464,11 +513,12 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     topk = indices.shape[1]
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     if not deterministic:
-        kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, False, "", _dkv_store())
+        store, prefetch = _variant()
+        kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, False, "", store, prefetch)
         kernel(q, kv, dout, indices, tl_arg, lse2, delta, dq, acc)
         return dq, acc.to(kv.dtype), d_sink
 
-    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, True)
+    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, True, "", "red2", _variant()[1])
     reduce = _compiled_reduce(dqk)
     n_hblk = heads // BLOCK_H
     chunk = max(1, min(n_tok, _PARTIAL_ELEMS // (n_hblk * topk * dqk)))
@@ -536,8 +586,9 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
     flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
     ref = None
     times = {}
-    for ablate, store in (("", "red2"), ("", "red4"), ("", "bulk"), ("no_atomics", "red2"), ("no_dkv", "red2")):
-        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate, store)
+    for ablate, store in (("", "red2"), ("", "red4"), ("", "red2_prefetch"), ("no_atomics", "red2"),
+                          ("no_atomics", "red2_prefetch")):
+        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate, *VARIANTS[store])
         acc.zero_()
         kernel(q, kv, dout, idx, tl_arg, lse2, delta, dq, acc)
         check = ""
@@ -564,7 +615,7 @@ def _bench(argv=None):
     if "--ablate" in argv:  # V3.2 H 64, then the V4 shape; last line: the fastest store of the first
         times = _bench_ablate()
         _bench_ablate(dqk=512, topk=640)
-        print("best_dkv_store=" + min(times, key=times.get), flush=True)
+        print("best_variant=" + min(times, key=times.get), flush=True)
         return
     quick = "--quick" in argv
     shapes = [  # (S, SKV, H, Dqk, topk, sink)

@@ -335,7 +335,7 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
-ASYNC_QK = False  # ``$FLASHDSA_FP8_ASYNC_QK=1`` overrides (A/B knob)
+ASYNC_QK = True  # ``$FLASHDSA_FP8_ASYNC_QK=0`` selects the synchronous QK (A/B knob)
 
 
 def _async_qk() -> bool:

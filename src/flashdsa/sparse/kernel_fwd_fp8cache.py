@@ -75,8 +75,7 @@ ROPE_CHUNK0 = 33  # 8 chunks of 8 bf16
 TILE = 128  # dims per scale
 FP8 = "float8_e4m3fn"
 
-# async gather nests: cp.async without the implicit commit/wait (one explicit commit per block)
-_ASYNC = {"parallel_prefer_async": True, "parallel_async_without_async_commit_wait": True}
+_ASYNC = tc.ASYNC_GATHER
 
 
 def build_sparse_mla_fwd_fp8cache(
@@ -87,13 +86,8 @@ def build_sparse_mla_fwd_fp8cache(
     has_sink: bool = False,
     has_topk_length: bool = False,
     threads: int = 256,
-    split_dequant: bool = False,
 ):
     """Return the TileLang prim_func.
-
-    ``split_dequant``: dequantize the latent in two 256-dim halves and start the QK wgmma on the first half
-    (and the rope) asynchronously while the second half is converted; the next block's gather is issued once
-    both halves have consumed the raw stage.
 
     Specialised on ceil(topk / 64) (static trip count); T, the number of cache chunks and the indices width are
     dynamic.  Signature: (Q[T,H,576] bf16, KV8[n_ch,16] e4m3, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (three views of
@@ -154,40 +148,6 @@ def build_sparse_mla_fwd_fp8cache(
         T.copy(acc_s, S_s)
         T.gemm(S_s, KV_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
-    H2 = D // 2
-
-    @T.macro
-    def dequant(Raw_s, Scl_s, KV_s, d0, nd):
-        for r, d in T.Parallel(BI, nd):
-            KV_s[r, d0 + d] = T.cast(T.cast(Raw_s[r, d0 + d], f32) * Scl_s[r, (d0 + d) // TILE], bf16)
-
-    @T.macro
-    def step_split(Indices, KV8, KVf, KVb, rs16, n_rows, tok, lim, nblk, it, Q_s, Qt_s, KV_s, Kt_cur, Kt_nxt,
-                   Raw_s, Scl_s, S_s, acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk):
-        # raw(it) and rope(it) landed; every thread is past PV(it-1): KV_s and S_s are free
-        T.ptx_wait_group(0)
-        T.fence_proxy_async()
-        T.sync_threads()
-        dequant(Raw_s, Scl_s, KV_s, 0, H2)
-        T.fence_proxy_async()
-        T.sync_threads()
-        for h, r in T.Parallel(BH, BI):
-            row = _row(Indices, tok, lim, it * BI + r)
-            acc_s[h, r] = T.if_then_else((row >= 0) & (row < n_rows), T.float32(0), -T.infinity(f32))
-        T.wgmma_gemm(Q_s[:, 0:H2], KV_s[:, 0:H2], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.wgmma_gemm(Qt_s, Kt_cur, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        dequant(Raw_s, Scl_s, KV_s, H2, H2)  # on the CUDA cores while the tensor cores run the first half
-        T.fence_proxy_async()
-        T.sync_threads()  # KV_s complete; Raw_s / Scl_s consumed
-        if it + 1 < nblk:
-            issue(Indices, KV8, KVf, KVb, rs16, n_rows, tok, lim, it + 1, Raw_s, Scl_s, Kt_nxt)
-            T.ptx_commit_group()
-        T.wgmma_gemm(Q_s[:, H2:D], KV_s[:, H2:D], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.wait_wgmma(0)
-        online_softmax(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)
-        T.copy(acc_s, S_s)
-        T.gemm(S_s, KV_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
-
     @T.prim_func
     def sparse_mla_fwd_fp8cache(
         Q: T.Tensor([n_tok, heads, DQK], bf16),
@@ -242,15 +202,7 @@ def build_sparse_mla_fwd_fp8cache(
                 T.ptx_commit_group()
 
             for it in T.serial(NI):
-                if split_dequant:
-                    if it < nblk[0]:
-                        if it % 2 == 0:
-                            step_split(Indices, KV8, KVf, KVb, rs16, n_rows, bx, lim[0], nblk[0], it, Q_s, Qt_s, KV_s,
-                                       Kt0, Kt1, Raw_s, Scl_s, S_s, acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)
-                        else:
-                            step_split(Indices, KV8, KVf, KVb, rs16, n_rows, bx, lim[0], nblk[0], it, Q_s, Qt_s, KV_s,
-                                       Kt1, Kt0, Raw_s, Scl_s, S_s, acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)
-                elif it < nblk[0]:
+                if it < nblk[0]:
                     # raw(it) and rope(it) landed (each thread its own copies, then the barrier for all);
                     # every thread is past PV(it-1), so KV_s and S_s are free
                     T.ptx_wait_group(0)
@@ -285,21 +237,10 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
-SPLIT_DEQUANT = False  # ``$FLASHDSA_FP8CACHE_SPLIT=1`` overrides (A/B knob)
-
-
-def _split_dequant() -> bool:
-    import os
-
-    return os.environ.get("FLASHDSA_FP8CACHE_SPLIT", "1" if SPLIT_DEQUANT else "0") == "1"
-
-
 @functools.lru_cache(maxsize=64)
-def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              split_dequant: bool = False):
+def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
     func = build_sparse_mla_fwd_fp8cache(
-        heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale, has_sink=has_sink, has_topk_length=has_topk_length,
-        split_dequant=split_dequant,
+        heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale, has_sink=has_sink, has_topk_length=has_topk_length
     )
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
@@ -363,7 +304,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     kvf = chunks.view(torch.float32)
     kvb = chunks.view(torch.bfloat16)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl, _split_dequant())
+    kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
     kernel(q, kv8, kvf, kvb, _rs16(kv), kv.shape[0], indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 
