@@ -1,13 +1,10 @@
-"""Time the dense bf16 paged MLA decode kernel variants ("ws", "pipelined", "ws_deep") at the target shapes on
-one GPU.
+"""Time the dense bf16 paged MLA decode kernel variants ("ws", "pipelined") at the target shapes on one GPU.
 
 Usage (repo root, GPU machine):
-    python scripts/bench_decode.py [--variants ws,pipelined,ws_deep] [--cases all|mem,compute,causal2] [--reps 20]
+    python scripts/bench_decode.py [--variants ws,pipelined] [--cases all|mem,compute,causal2] [--reps 20]
                                    [--json out.json]
 
-"ws_deep" runs its own partial kernel only where it applies (s_q * H <= 64, or ``FLASHDSA_WS_DEEP_ANY_M=1``) and
-"ws" elsewhere, as ``run_mla_decode_dense`` does; the ``partial`` field of each row names the kernel module that
-ran.  ``FLASHDSA_WS_DEEP_RELEASE=late`` selects its "ws"-order stage release (A/B knob).
+The ``partial`` field of each row names the kernel module that ran.
 
 Per case and variant: a correctness check against ``mla_decode_reference`` on the first ``--check-b`` sequences
 (inputs N(0, 0.01): q, kv = 0.1 * randn; tolerance of tests/decode: abs 1e-3 or rel 2/128), then CUDA-event
@@ -111,9 +108,8 @@ def bench_variant(kd, variant, q, kv, table, lens, causal, reps, flush):
     n_mt = (M + 63) // 64
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if variant != "pipelined":
-        ws = kd._ws_module(variant, M)  # "ws_deep" -> "ws" where it does not apply, as run_mla_decode_dense
-        late = hasattr(ws, "early_release") and not ws.early_release()  # ws_deep's FLASHDSA_WS_DEEP_RELEASE
-        res["partial"] = ws.__name__.rsplit(".", 1)[-1] + (":late" if late else "")
+        ws = kd._ws_module(variant, M)  # the module run_mla_decode_dense runs
+        res["partial"] = ws.__name__.rsplit(".", 1)[-1]
         plan, seq_plan = kd._plan(lens, max_blocks=table.shape[1], block_size=BLOCK_SIZE, n_mt=n_mt,
                                   num_sms=num_sms, tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
                                   min_chunk=ws._MIN_CHUNK_TILES)

@@ -15,8 +15,7 @@ Shapes: ``nn1`` / ``nn2`` = the suite's cases (B 128, ctx 32768, H 64, D 128, bl
 (optional) = B 64, random contexts in [1, 32768], block 16, next_n 2, some invalid block ids.
 
 ``--sweep 3x1024,4x2048,a6x1024,a6x1024m3,...`` additionally times "pipelined" builds (``a`` prefix:
-"pipelined_async" builds, ``w`` prefix: "pipelined_ws" builds, optional ``mN`` suffix: their ``__launch_bounds__``
-minimum CTAs per SM) with other
+"pipelined_async" builds, optional ``mN`` suffix: their ``__launch_bounds__`` minimum CTAs per SM) with other
 (stages x chunk) settings (one compile each, ~10-20 s) and checks them bitwise against the "pipelined" output
 (else that of the first of ``--variants``).
 
@@ -154,12 +153,12 @@ def main():
         for cfg in [c for c in args.sweep.split(",") if c]:
             import tilelang
 
-            m = re.fullmatch(r"([aw]?)(\d+)x(\d+)(?:m(\d+))?", cfg.lower())
-            assert m, f"bad --sweep entry {cfg!r} (expected [a|w]STAGESxCHUNK[mMINCTAS])"
-            sv = {"a": "pipelined_async", "w": "pipelined_ws"}.get(m[1], "pipelined")
+            m = re.fullmatch(r"(a?)(\d+)x(\d+)(?:m(\d+))?", cfg.lower())
+            assert m, f"bad --sweep entry {cfg!r} (expected [a]STAGESxCHUNK[mMINCTAS])"
+            sv = "pipelined_async" if m[1] else "pipelined"
             st, ch = int(m[2]), int(m[3])
             extra = dict(min_ctas=int(m[4])) if m[4] else {}
-            assert sv != "pipelined" or not extra, "mMINCTAS is for the a / w builds"
+            assert sv != "pipelined" or not extra, "mMINCTAS is for the a builds"
             t0 = time.time()
             func = kp.build(sv, heads=H, dim=D, next_n=NN, block_size=inp["k_cache"].shape[1],
                             dtype=kp._TL_DTYPES[inp["q"].dtype], num_stages=st, chunk=ch, **extra)

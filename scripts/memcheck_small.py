@@ -4,7 +4,7 @@
 
 Each target runs its kernel on a small input with edge cases (ranges, short rows, NaN/-inf, invalid block ids)
 and compares with the reference, so a wrong result also fails (exit 1).  Targets: topk_regs, topk_single,
-paged_pipelined, paged_ws, sparse_bf16 / sparse_cache656 / sparse_fp8 (the dispatched sparse MLA forwards, with invalid
+paged_pipelined, sparse_bf16 / sparse_cache656 / sparse_fp8 (the dispatched sparse MLA forwards, with invalid
 indices of every kind, an all-invalid row and NaN in unselected KV rows), decode (dense paged decode).
 """
 
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-DEV = os.environ.get("MEMCHECK_DEVICE", "cuda")  # "cpu": a dry run of the script itself (reference vs reference)
+DEV = os.environ.get("MEMCHECK_DEVICE", "cuda")  # "cpu": dry run (reference vs reference) of sparse*/decode targets
 
 
 def topk(impl):
@@ -145,7 +145,7 @@ def decode():
 
 
 TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("single"),
-           "paged_pipelined": lambda: paged("pipelined"), "paged_ws": lambda: paged("pipelined_ws"), "sparse_bf16": lambda: sparse("bf16"),
+           "paged_pipelined": lambda: paged("pipelined"), "sparse_bf16": lambda: sparse("bf16"),
            "sparse_cache656": lambda: sparse("cache656"), "sparse_fp8": lambda: sparse("fp8"), "decode": decode,
            "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True)}
 

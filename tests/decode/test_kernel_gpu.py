@@ -5,12 +5,10 @@ each sequence's pages set to out-of-range ids, mixed cache lengths within a batc
 Tolerances: out elementwise within abs 1e-3 or rel 2/128, cosine distance <= 5e-6, lse rel 8/65536 (finite rows;
 empty rows must give lse = +inf and out = 0 on both sides).
 The tests call ``run_mla_decode_dense`` without ``variant=``, so ``$FLASHDSA_DECODE_VARIANT`` picks the partial
-kernel (default "ws"): ``FLASHDSA_DECODE_VARIANT=ws_deep`` runs them on "ws_deep" where it applies (s_q * H <= 64;
-add ``FLASHDSA_WS_DEEP_ANY_M=1`` for every case, ``FLASHDSA_WS_DEEP_RELEASE=late`` for its other stage order).
+kernel (default "ws"; ``FLASHDSA_DECODE_VARIANT=pipelined`` for the other one).
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -203,10 +201,6 @@ def test_device_plan_equals_torch_plan(B, n_mt, max_blocks, bs):
     lens = torch.randint(-5, cap + 100, (B,), generator=g, dtype=torch.int32)
     lens[0] = 0
     configs = [(64, 3, 2), (32, 5, 2)]
-    if os.environ.get(K.VARIANT_ENV, "").strip().lower() == "ws_deep":  # the plan configuration ws_deep uses
-        from flashdsa.decode import _dense_ws_deep as deep
-
-        configs.append((deep.BLOCK_N, deep._OVERHEAD_TILES, deep._MIN_CHUNK_TILES))
     for sms in (132, 7):
         for tile, ovh, mc in configs:
             kw = dict(max_blocks=max_blocks, block_size=bs, n_mt=n_mt, num_sms=sms, tile=tile, overhead=ovh,

@@ -61,8 +61,8 @@ def partial_prim_func(name: str, body, *, M: int, block_size: int, sizes):
 
 def item_macros(*, M: int, s_q: int, causal: bool, BH: int, BI: int, heads: int = 0, has_sink: bool = False,
                 c_log2: float = 0.0, bar_wg0: int = 8):
-    """(load_item, start_item, wg0_finish): the work-item header and WG0's epilogue both warp-specialised partial
-    kernels ("ws", "ws_deep") run.
+    """(load_item, start_item, wg0_finish): the work-item header and WG0's epilogue of the warp-specialised partial
+    kernel ("ws", ``kernel_dense_ws``).
 
     * ``load_item(Plan, info, item)``: ``info[0:4]`` = (b or -1, start, end, nsplit) of work item ``item``.
     * ``start_item(Q, SeqLens, Q_l, Q_r, Q_t, info, b, m0, tx)`` (inside ``info[0] >= 0``): ``info[4]`` = the causal

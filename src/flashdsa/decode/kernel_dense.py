@@ -6,10 +6,7 @@ Variants (``run_mla_decode_dense(..., variant=)``, else ``$FLASHDSA_DECODE_VARIA
   * "ws" (default): the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
     consumer warpgroups, 64-key tiles, the n_mt row tiles of a split in adjacent CTAs); see its notes.
   * "pipelined": this module's partial kernel, described below (the one measured on the H200 first).
-  * "ws_deep" (opt-in, not yet run on a GPU): ``_dense_ws_deep.py``, "ws" with 32-key tiles in a 4-stage ring and
-    a producer that never waits for its copies (more bytes in flight per SM for the memory-bound case); only for
-    ``s_q * H <= 64``, other shapes fall back to "ws" (``_ws_module``).  See its notes.
-  All use this module's split plan (``_plan``, tile size per variant), partial buffers and combine kernel.
+  Both use this module's split plan (``_plan``, tile size per variant), partial buffers and combine kernel.
 
 Design
   * Query rows: the ``s_q * H`` query rows of one sequence (row ``m = i * H + h``) form the M side of the wgmma
@@ -96,7 +93,7 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 _OVERHEAD_TILES = 5  # fixed cost of one split (Q load, epilogue, combine) in units of 64-token tiles
 _MIN_CHUNK_TILES = 2  # never split below 128 tokens
 _COMBINE_THREADS = 128
-VARIANTS = ("ws", "pipelined", "ws_deep")
+VARIANTS = ("ws", "pipelined")
 DEFAULT_VARIANT = "ws"  # "pipelined": the two-stage cp.async kernel of this module (measured on the H200)
 VARIANT_ENV = "FLASHDSA_DECODE_VARIANT"
 
@@ -477,14 +474,8 @@ def _variant(variant):
 
 def _ws_module(variant: str, rows: int):
     """The partial-kernel module a warp-specialised variant runs for ``s_q * H = rows``: "ws" ->
-    ``kernel_dense_ws``; "ws_deep" -> ``_dense_ws_deep`` where it applies (``rows <= 64`` unless
-    ``$FLASHDSA_WS_DEEP_ANY_M=1``), else ``kernel_dense_ws``.  Both modules have ``BLOCK_N``,
-    ``_OVERHEAD_TILES``, ``_MIN_CHUNK_TILES`` (the split plan's tile) and ``compiled_partial``."""
-    if variant == "ws_deep":
-        from . import _dense_ws_deep as deep
-
-        if deep.applies(rows):
-            return deep
+    ``kernel_dense_ws`` (for every ``rows``).  It has ``BLOCK_N``, ``_OVERHEAD_TILES``, ``_MIN_CHUNK_TILES`` (the
+    split plan's tile) and ``compiled_partial``."""
     from . import kernel_dense_ws as ws
 
     return ws
@@ -494,10 +485,9 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
                          variant=None):
     """Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] f32 natural log, +inf / 0 for empty rows).
 
-    ``variant``: "ws" (warp-specialised partial kernel, ``kernel_dense_ws``), "pipelined" (this module's
-    two-stage cp.async kernel) or "ws_deep" (``_dense_ws_deep``, opt-in; "ws" where it does not apply); None
-    takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.  All share the split plan, the partial buffers and
-    the combine kernel.
+    ``variant``: "ws" (warp-specialised partial kernel, ``kernel_dense_ws``) or "pipelined" (this module's
+    two-stage cp.async kernel); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.  Both share the
+    split plan, the partial buffers and the combine kernel.
     """
     reason = kernel_unsupported(q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal,
                                 attn_sink=attn_sink)
@@ -558,11 +548,6 @@ def lowering_cases():
         name = f"partial_h{heads}_sq{s_q}_bs{bs}" + ("_causal" if causal else "") + ("_sink" if sink else "")
         cases.append((name, build_partial_kernel(heads=heads, s_q=s_q, block_size=bs, causal=causal,
                                                  sm_scale=DQK ** -0.5, has_sink=sink)))
-    # the opt-in "ws_deep" partial kernel (its module is not a kernel*.py one; lowered here with this module's
-    # pass configs, i.e. with the automatic thread-storage-sync pass that its real compile turns off)
-    from . import _dense_ws_deep
-
-    cases += _dense_ws_deep.lowering_cases()
     return cases
 
 

@@ -7,9 +7,7 @@ Math (contract of ``flashdsa.indexer_logits_paged``): row ``r = b*next_n + j`` s
 ``k(p)`` slot ``p % bs`` of block ``block_table[b, p // bs]``; -inf elsewhere and where the block id is outside
 ``[0, num_blocks)``.
 
-Variants (``run_indexer_logits_paged(..., variant=)``, else ``$FLASHDSA_PAGED_VARIANT``, else ``VARIANT``): the three
-below and "pipelined_ws" (``_paged_ws.py``: a producer warp + mbarrier ring, no CTA-wide barrier per tile; opt-in,
-NOT yet run on a GPU):
+Variants (``run_indexer_logits_paged(..., variant=)``, else ``$FLASHDSA_PAGED_VARIANT``, else ``VARIANT``):
 
 "pipelined" (``build_indexer_paged_pipelined``, the default): a streaming kernel.
   * Grid ``(ceil(max_context / CHUNK_P), B)``, CHUNK_P = 1024 positions = 16 tiles of 64 keys; CTA (c, b) writes
@@ -98,7 +96,7 @@ CHUNK = 2048  # positions per CTA
 NUM_STAGES = 3  # "sync" variant (its T.Pipelined is not actually pipelined by TileLang)
 THREADS = 128
 CHUNK_P = 1024  # "pipelined" variant: positions per CTA (16 tiles; 4096 CTAs at B=128, ctx 32768)
-VARIANTS = ("pipelined", "sync", "pipelined_async", "pipelined_ws")
+VARIANTS = ("pipelined", "sync", "pipelined_async")
 VARIANT = "pipelined"  # default; ``$FLASHDSA_PAGED_VARIANT`` (read per call) overrides it when no variant is passed
 VARIANT_ENV = "FLASHDSA_PAGED_VARIANT"
 SUPPORTED_HEADS = (8, 16, 32, 64)
@@ -296,15 +294,14 @@ def _tile_macros(*, heads: int, next_n: int, block_size: int, chunk: int = CHUNK
 
 def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
                                   chunk: int = CHUNK_P, num_stages: int = PIPE_STAGES, threads: int = THREADS,
-                                  ws: bool = False, min_ctas: int | None = None):
+                                  min_ctas: int | None = None):
     """"pipelined" variant (see the module notes); same prim_func signature as ``build_indexer_paged``:
     ``(Q[B*next_n*H, D], KCache[num_blocks, bs, D], KScale[num_blocks, bs] f32, W[B*next_n*H] f32,
     ContextLens[B] i32, BlockTable[B, max_blocks] i32, Out[B*next_n, L] f32)``; B, num_blocks, max_blocks, L dynamic.
-    ``ws``: the "pipelined_ws" roles (``_paged_ws.py``: 128 consumer + 32 producer threads, mbarrier ring).
     Compile with ``_pass_configs("pipelined")``."""
     H, D, NN, BS, BN, S = heads, dim, next_n, block_size, BLOCK_N, num_stages
     assert H in SUPPORTED_HEADS and D in SUPPORTED_DIMS and BS in SUPPORTED_BLOCK_SIZES and 1 <= NN <= MAX_NEXT_N
-    assert S >= 2 and chunk % BN == 0 and chunk % BS == 0 and threads == (160 if ws else 128)
+    assert S >= 2 and chunk % BN == 0 and chunk % BS == 0 and threads == 128
     BC = NN * H
     min_ctas = min_ctas_per_sm(H, NN) if min_ctas is None else min_ctas
     NPG = chunk // BS  # block-table entries of one chunk
@@ -314,12 +311,7 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
     M = _tile_macros(heads=H, next_n=NN, block_size=BS, chunk=chunk)
     validate_pages = M.validate_pages
     kw = dict(heads=H, dim=D, next_n=NN, block_size=BS, num_stages=S, threads=threads, macros=M)
-    if ws:
-        from . import _paged_ws as ws_mod
-
-        ws_roles = ws_mod.ws_roles_macro(**kw)
-    else:
-        pipelined_loop = _pipelined_loop_macro(**kw)
+    pipelined_loop = _pipelined_loop_macro(**kw)
     sizes = _paged_sizes()
     B, NB, MB, L = sizes
 
@@ -334,9 +326,6 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
             acc = T.alloc_fragment([BN, BC], f32)
             acc3 = T.reshape(acc, [BN, NN, H])
             logit = T.alloc_fragment([BN, NN], f32)
-            if ws:
-                full = T.alloc_barrier([ws_mod.PRODUCERS] * S)  # stage landed (cp.async noinc arrivals)
-                empty = T.alloc_barrier([ws_mod.CONSUMERS] * S)  # stage released by the consumers
             annotate_min_blocks_per_sm(min_ctas)
 
             tx = T.get_thread_binding()
@@ -346,15 +335,11 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
             n_t = T.clamp(T.ceildiv(ctx - c0, BN), 0, n_tile_chunk)  # computed tiles (0: only the -inf fill)
             validate_pages(BlockTable, bt_s, tx, b, c0, ctx, MB, NB)
             T.sync_threads()
-            if ws:
-                ws_roles(Q, KCache, KScale, W, Out, Q_s, K_s, ks_s, bt_s, w_f, acc, acc3, logit, full, empty, tx, b,
-                         c0, ctx_m, n_t, L)
-            else:
-                pipelined_loop(Q, KCache, KScale, W, Out, Q_s, K_s, ks_s, bt_s, w_f, acc, acc3, logit, tx, b, c0,
-                               ctx_m, n_t, L)
+            pipelined_loop(Q, KCache, KScale, W, Out, Q_s, K_s, ks_s, bt_s, w_f, acc, acc3, logit, tx, b, c0, ctx_m,
+                           n_t, L)
 
-    return _paged_prim_func("indexer_paged_ws" if ws else "indexer_paged_pipelined", body, heads=H, dim=D,
-                            next_n=NN, block_size=BS, dtype=dtype, sizes=sizes)
+    return _paged_prim_func("indexer_paged_pipelined", body, heads=H, dim=D, next_n=NN, block_size=BS, dtype=dtype,
+                            sizes=sizes)
 
 
 def _pipelined_loop_macro(*, heads, dim, next_n, block_size, num_stages, threads, macros):
@@ -482,15 +467,8 @@ def _pass_configs(variant: str = VARIANT) -> dict:
     }
 
 
-def _build_ws(**kw):
-    from ._paged_ws import WS_MIN_CTAS, WS_STAGES  # opt-in, not yet GPU-run (see its notes)
-
-    kw = {"num_stages": WS_STAGES, "min_ctas": WS_MIN_CTAS, **kw, "threads": 160, "ws": True}
-    return build_indexer_paged_pipelined(**kw)
-
-
 _BUILDERS = {"pipelined": build_indexer_paged_pipelined, "sync": build_indexer_paged,
-             "pipelined_async": build_indexer_paged_async, "pipelined_ws": _build_ws}
+             "pipelined_async": build_indexer_paged_async}
 
 
 def build(variant: str = VARIANT, **kw):
@@ -582,5 +560,4 @@ def lowering_cases():
         name = f"{'fp8' if dtype.startswith('float8') else 'bf16'}_h{H}_d{D}_nn{nn}_bs{bs}"
         cases.append((name, build_indexer_paged_pipelined(heads=H, dim=D, next_n=nn, block_size=bs, dtype=dtype)))
     cases.append(("async_fp8_h64_d128_nn2_bs64", build_indexer_paged_async(heads=64, dim=128, next_n=2, block_size=64)))
-    cases.append(("ws_fp8_h64_d128_nn2_bs16", _build_ws(heads=64, dim=128, next_n=2, block_size=16)))
     return cases

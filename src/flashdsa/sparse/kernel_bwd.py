@@ -1,13 +1,9 @@
-"""Sparse MLA backward (dq, dkv, d_sink) in TileLang for Hopper (sm_90a).  Not dispatched yet.
+"""Sparse MLA backward (dq, dkv, d_sink) in TileLang for Hopper (sm_90a); dispatched by ``sparse_mla``/``sparse_attn``.
 
-GPU status (2edab56, H200): 12 of 14 tests passed; the 2 dkv failures (1-9 elements ~1e-3 off where the exact
-value is ~1e-2) are NOT a race: a CPU emulation of this kernel's numerics (bf16 P and sm_scale * dS as wgmma
-operands, fp32 everywhere else, no atomics) reproduces them (same element counts and max err 7.7e-3).  They
-come from tokens with few valid keys (topk_length 2: P ~ 0.5 on every head), where the bf16 rounding of P (up
-to 2^-10) summed over 64 heads of dout reaches 1e-3 -- inherent to any bf16 tensor-core dV = P^T dO (FA2/FA3
-round P the same way).  The SASS was checked too: WARPGROUP.ARRIVE waits on the read scoreboards of the
-preceding REDG.F32x2, so the next chunk's HGMMA cannot overwrite acc_kv before the atomics read it.  The test
-now also admits 2x the error of a float64 emulation with the same roundings (a lost atomic still fails).
+Numerics note: dkv may differ from the float64 reference by ~1e-3 where the exact value is ~1e-2 on tokens with
+very few valid keys (P ~ 0.5 on every head): the bf16 rounding of P as a wgmma operand (as in FA2/FA3's dV = P^T dO)
+summed over 64 heads.  A CPU emulation with the same roundings reproduces it exactly; the GPU test admits 2x that
+emulation's error (a lost atomic still fails).
 
 Notes
 -----
@@ -22,17 +18,17 @@ Design:
     so P = 0 exactly) -- and ``delta`` (minus dlse when given; 0 on empty rows).  d_sink is a torch reduction.
   * Main kernel, grid ``(T, H / 64)``, 256 threads = 2 warpgroups, one CTA per (token, 64-head group).  Q, Q-tail
     and dO tiles stay in shared memory.  A static-trip-count loop over top-k blocks of BI = 64 slots:
-      - slot rows: ``row = valid ? indices[t, j] : -1`` (valid: j < topk_length, 0 <= idx < Tkv) into shared;
-      - gather KV rows with the forward's predicated idiom (row -1 past topk_eff, safe-access legalisation
-        predicates the load on 0 <= row < Tkv: invalid rows are zero-filled, never read; NaN cannot leak);
+      - block i+1's slot rows (``valid ? indices[t, j] : -1``, valid: j < topk_length, 0 <= idx < Tkv) into
+        ``rows_s[(i+1) % 2]`` and its KV rows by predicated zero-filling cp.async (invalid rows are never read;
+        NaN cannot leak) are issued right after block i's ``dq += dS K`` (the last reader of the KV tile), so
+        the gather lands during block i's dK/dV products and atomics; block 0 is gathered before the loop;
       - S = Q K^T (wgmma, invalid columns start at -inf), P = exp2(S c - lse2);
       - dP = dO V^T (wgmma), dS = sm_scale * P * (dP - delta); P and dS -> bf16 shared;
       - dq += dS K, dq_tail += dS K_tail (wgmma, fp32 register accumulators for the whole loop);
       - dKV in 64-column chunks (keeps registers low): acc = dS^T Q[:, chunk] (+ P^T dO[:, chunk] for chunk < d_v)
-        (wgmma with transposed A), then fp32 ``atomicAdd`` into a ``[Tkv, Dqk]`` fp32 buffer, skipping invalid
-        rows (fast path), or plain stores into a partial buffer keyed by (head group, token, slot)
-        (deterministic path).
-    The loop is a plain serial loop (no cp.async multi-buffering: shared memory is full, see below).
+        (wgmma with transposed A), then fp32 ``atomicAdd`` (float2, straight from the accumulator) into a
+        ``[Tkv, Dqk]`` fp32 buffer, skipping invalid rows (fast path), or plain stores into a partial buffer
+        keyed by (head group, token, slot) (deterministic path).
   * Deterministic mode (``deterministic=True``): tokens are processed in chunks so the partial buffer stays
     <= 1 GiB; per chunk the valid slot keys are stably sorted by kv row (torch.sort(stable=True)), segment
     starts come from searchsorted, and a small TileLang kernel (one CTA per kv row) adds each row's partials
@@ -44,31 +40,25 @@ Design:
     0.1.15 pitfalls, see kernel_fwd.py): kernels are cached per (H, Dqk, n_blocks, sm_scale, topk_length,
     partials).
 Shared memory (Dqk = 576): Q 64x512 + dO 64x512 + KV 64x512 bf16 (3 x 64 KiB) + Q/K tails 2 x 8 KiB + P, dS
-  2 x 8 KiB + rows/lse2/delta = 230,400 B as TileLang lays it out (cap 232,448 B).  Dqk = 512: 214,016 B.
+  2 x 8 KiB + rows (2 x 64) /lse2/delta = 230,656 B as TileLang lays it out (cap 232,448 B).  Dqk = 512: 214,016 B.
 Registers (per thread, 256 threads): dq 64x512 fp32 = 128, dq_tail 16, S/P 16, dP/dS 16, dKV chunk 64x64 = 16:
   ~192 live floats + addresses.  ptxas (CUDA 13.0, sm_90a, -O3): 254 registers, 0 spill stores/loads for
   H128/Dqk576/topk2048/topk_length, H64/Dqk576/partials, H128/Dqk512; segment_reduce: 32 registers.
 FLOPs: 2 * S * H * topk * (3 * Dqk + 2 * d_v) (QK^T, dS K, dS^T Q over Dqk; dO V^T, P^T dO over d_v).
-Verified (CPU only, TileLang 0.1.15, sm_90a): lowering_cases() lowers in ~10 s on the 2-core box with wgmma
-  (m64n32 for S/dP/dKV chunks, m64n256 for dq), the predicated gather (row -1 / out of range -> zero fill),
-  AtomicAddx2 on valid rows only, fence.proxy.async before the wgmmas that read stmatrix-written P/dS; the
-  generated CUDA of three configs compiled with nvcc (numbers above).  The host logic (preprocess, sink gate,
-  dlse, deterministic sort / segment bounds / chunking) was checked on CPU against sparse_mla_bwd_reference by
-  substituting torch emulations of the two kernels.  GPU (H200): dispatched; its GPU tests pass (docs/PERFORMANCE.md).
+Verified: GPU tests (tests/sparse_mla/test_kernel_bwd_gpu.py, test_autograd_gpu.py) and compute-sanitizer memcheck
+  (scripts/memcheck_small.py sparse_bwd, sparse_bwd_det) on the H200; host logic against the reference on CPU.
+Speed (H200, docs/PERFORMANCE.md): ``python -m flashdsa.sparse.kernel_bwd --ablate`` times the main kernel without
+  the atomics / without the dK/dV stage.  At H 64 the kernel takes 11.6 ms, 5.3 ms without the atomics: the fp32
+  reductions into L2 (4.8 G floats = 19 GB at H 64) bind.  Tried and slower or equal: float4 reductions staged
+  through shared memory (14.2 ms without the prefetch; staging needs the KV tile, which the prefetch fills),
+  one ``cp.reduce.async.bulk`` per row (20.7 ms), float4 reductions from the accumulator by lane-pair shuffles
+  (11.8 ms).  Next: fewer reduction bytes -- both 64-head groups of a token in a 2-CTA cluster adding their dK/dV
+  through distributed shared memory before one atomic (halves them at H 128).
 Risks:
   * Register pressure: 254/255 registers with no spills under this toolchain; a different nvcc/TileLang
     codegen may spill.  Fix: split dq over d (two 256-column passes) or give dq its own warpgroup.
   * The dKV wgmmas read Q_s / dO_s column slices as MN-major B operands; TileLang picked a 64B-swizzle layout
-    for Q_s / dO_s to allow it (descriptor offsets c * 8192 B).  Correct by construction if TileLang's layout
-    inference is, but this combination (same buffer as K-major A and sliced MN-major B) is new in this repo.
-  * Speed (measured 177 TFLOP/s at H 64 and 128; the time scales exactly with H): per 64-slot iteration a CTA
-    moves ~1 MB through shared memory (~7.8k clocks at 128 B/clk; wgmma work ~5.5k clocks) but takes ~33k
-    clocks.  Suspects: fp32 atomics (4.8 G float adds at H 64 = ~290 G/s, plausibly the L2 atomic-ALU rate),
-    and no overlap of the gather / each wgmma group's wait.  ``python -m flashdsa.sparse.kernel_bwd --ablate``
-    times the main kernel without the atomics and without the whole dKV stage to tell which.
-    If atomics dominate: F32x4 reds (stage the fp32 tile through the KV tile, dead after dq += dS K) or
-    both 64-head groups of a token in a 2-CTA cluster reducing dKV through DSMEM (halves atomics at H 128).
-    Otherwise: prefetch the next block's KV rows during the dKV stage (KV_s is free then).
+    for Q_s / dO_s to allow it (descriptor offsets c * 8192 B).
   * dlse together with attn_sink is not supported by this kernel (kernel_unsupported says so).
   * Only H % 64 == 0 (64, 128).
 """
@@ -89,46 +79,6 @@ DC = 64  # dKV column chunk
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 _PARTIAL_ELEMS = 1 << 28  # deterministic mode: partial buffer <= 1 GiB fp32
 
-# Staged dKV stores (dkv_store "red4" / "bulk"): shared memory addressed from a raw base pointer
-_PRELUDE = r"""
-__device__ __forceinline__ void fdsa_st_shared_f32(void* base, int off, float v) { ((float*)base)[off] = v; }
-// dst[0:4] += smem[off:off+4] (red.global.add.v4.f32, sm_90)
-__device__ __forceinline__ void fdsa_red_add_f32x4(void* base, int off, float* dst) {
-  atomicAdd(reinterpret_cast<float4*>(dst), *reinterpret_cast<const float4*>((float*)base + off));
-}
-// shfl4: one thread's 16 accumulator values of a 64 x 64 dKV chunk (wgmma m64n32 per warpgroup: pair p of
-// columns at row 16 * warp + 8 * (p & 1) + lane / 4, column 32 * warpgroup + 8 * (p >> 1) + 2 * (lane % 4)).
-// Lanes 2k, 2k+1 swap halves so that each holds 4 consecutive columns of one row, then one
-// red.global.add.v4.f32 each: rows r (even lane) and r + 8 (odd lane).  rows: the block's 64 kv rows, -1 = skip.
-// (dkv arrives const-qualified: TileLang sees no write to it outside this call)
-__device__ __forceinline__ void fdsa_red4_acc64(const float* acc, const int* rows, const float* dkv_, long long ld,
-                                                int col0) {
-  float* dkv = const_cast<float*>(dkv_);
-  const int tx = threadIdx.x, lane = tx & 31, q = lane & 3;
-  const bool odd = q & 1;
-  const int r0 = ((tx & 127) >> 5) * 16 + (lane >> 2);
-  const int row = odd ? r0 + 8 : r0;
-  const int kr = rows[row];
-  float* base = dkv + (long long)(kr < 0 ? 0 : kr) * ld + col0 + 32 * (tx >> 7) + 2 * (q & 2);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float s0 = odd ? acc[4 * j + 0] : acc[4 * j + 2];
-    const float s1 = odd ? acc[4 * j + 1] : acc[4 * j + 3];
-    const float g0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-    const float g1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-    const float4 v = odd ? make_float4(g0, g1, acc[4 * j + 2], acc[4 * j + 3])
-                         : make_float4(acc[4 * j + 0], acc[4 * j + 1], g0, g1);
-    if (kr >= 0) atomicAdd(reinterpret_cast<float4*>(base + 8 * j), v);
-  }
-}
-// dst[0:bytes/4] += smem[off:...] by the TMA unit (cp.reduce.async.bulk .add.f32; caller commits / waits)
-__device__ __forceinline__ void fdsa_bulk_add_f32(void* base, int off, float* dst, int bytes) {
-  unsigned int src = static_cast<unsigned int>(__cvta_generic_to_shared((float*)base + off));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-               :: "l"(dst), "r"(src), "r"(bytes) : "memory");
-}
-"""
-
 
 def build_sparse_mla_bwd(
     *,
@@ -142,24 +92,11 @@ def build_sparse_mla_bwd(
     block_i: int = BLOCK_I,
     threads: int = 256,
     ablate: str = "",
-    dkv_store: str = "red2",
-    prefetch: bool = False,
 ):
     """Return the main backward prim_func.
 
     ``ablate`` (timing only, wrong results): ``"no_atomics"`` drops the dKV stores/atomics (the dKV wgmmas
     stay), ``"no_dkv"`` drops the dKV wgmmas and stores.  Differences of the times locate the bottleneck.
-
-    ``dkv_store`` (fast path only): ``"red2"`` = fp32 ``atomicAdd`` of float2 straight from the wgmma
-    accumulator (2 consecutive columns per thread); ``"red4"`` = the chunk staged in shared memory (in the
-    KV tile, dead after ``dq += dS K``), then float4 reductions (``red.global.add.v4.f32``), a warp covering two
-    full 256-byte row segments; ``"bulk"`` = staged likewise, then one ``cp.reduce.async.bulk .add.f32`` of
-    256 bytes per valid row issued by 64 threads (the TMA unit does the reduction, the SM goes on).
-
-    ``prefetch`` (with ``dkv_store="red2"`` or ``partials``: the KV tile must stay free during the dKV stage):
-    the gather is predicated zero-filling cp.async, and block i+1's is issued right after ``dq += dS K`` of
-    block i so that it lands during block i's dK/dV products and stores (else a synchronous gather at the top
-    of each block).
 
     Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], Indices[T,topk], TopkLen[n_tl], Lse2[T,H] f32,
     Delta[T,H] f32, dQ[T,H,Dqk] bf16, dKV[n_out,Dqk] f32).  ``partials=False``: dKV is the [Tkv, Dqk]
@@ -177,13 +114,6 @@ def build_sparse_mla_bwd(
     NI = (int(topk) + BI - 1) // BI
     assert sm_scale is not None and sm_scale > 0
     assert ablate in ("", "no_atomics", "no_dkv"), ablate
-    assert dkv_store in ("red2", "red4", "bulk", "shfl4"), dkv_store
-    staged = dkv_store in ("red4", "bulk") and not partials
-    assert dkv_store != "shfl4" or (BI == 64 and DC == 64 and threads == 256)  # the helper's fragment layout
-    SP = DC + 8  # staged row pitch in floats: 288 B (16-B aligned for bulk copies, 2-way banks on the float2 writes)
-    NSTG = (BI * D // 2) // (BI * SP)  # staging buffers that fit in the dead KV tile (3 for D 512)
-    assert not staged or NSTG >= 2, NSTG
-    assert not (prefetch and staged), "prefetch needs the KV tile free during the dKV stage (red2 or partials)"
     c_log2 = float(sm_scale) * LOG2E
 
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -191,85 +121,35 @@ def build_sparse_mla_bwd(
     _row = tc.make_slot_row(topk_dim)  # as in kernel_fwd: -1 past topk_eff, the Indices read kept in bounds
 
     @T.macro
-    def stage_dkv(dKV, acc_kv, rows_s, rb, KV_s, col0):
-        # chunk k = col0 / DC goes to staging buffer k % NSTG in the (dead) KV tile, addressed through its raw
-        # base pointer (a T.view would inherit the tile's wgmma swizzle: rows must be contiguous for the bulk copy)
-        base = ((col0 // DC) % NSTG) * (BI * SP)
-        tx = T.get_thread_binding()
-        if dkv_store == "bulk":
-            if tx < BI:  # the issuing threads own their bulk groups: buffer k % NSTG read by chunk k - NSTG is done
-                T.tma_store_wait(NSTG - 1)
-        T.sync_threads()  # also: every warp is past the wgmma that read the KV tile
-        for r, d in T.Parallel(BI, DC):
-            T.call_extern("handle", "fdsa_st_shared_f32", KV_s.data, base + r * SP + d, acc_kv[r, d])
-        if dkv_store == "bulk":
-            T.fence_proxy_async()
-        T.sync_threads()
-        if dkv_store == "bulk":
-            if tx < BI:
-                if rows_s[rb, tx] >= 0:
-                    T.call_extern("handle", "fdsa_bulk_add_f32", KV_s.data, base + tx * SP,
-                                  T.address_of(dKV[rows_s[rb, tx], col0]), DC * 4)
-                T.tma_store_arrive()
-        else:  # float4 reductions: thread -> (row, 4-column group), 16 groups per row
-            for k in T.serial(BI * DC // 4 // threads):
-                r = (k * threads + tx) // (DC // 4)
-                g = (k * threads + tx) % (DC // 4)
-                if rows_s[rb, r] >= 0:
-                    T.call_extern("handle", "fdsa_red_add_f32x4", KV_s.data, base + r * SP + g * 4,
-                                  T.address_of(dKV[rows_s[rb, r], col0 + g * 4]))
-
-    @T.macro
-    def store_dkv(dKV, acc_kv, rows_s, rb, KV_s, bx, by, it, col0):
+    def store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, col0):
         if ablate == "no_atomics":
             pass
         elif partials:  # row (head group, token, slot) of the partial buffer; valid slots only
             for r, d in T.Parallel(BI, DC):
                 if rows_s[rb, r] >= 0:
                     dKV[(by * n_tok + bx) * topk_dim + it * BI + r, col0 + d] = acc_kv[r, d]
-        elif dkv_store == "shfl4":  # float4 reductions straight from the accumulator (lane-pair shuffles)
-            T.call_extern("handle", "fdsa_red4_acc64", acc_kv.data, T.address_of(rows_s[rb, 0]), dKV.data,
-                          T.int64(dqk), col0)
-        elif not staged:  # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped
+        else:  # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped
             for r, d in T.Parallel(BI, DC):
                 if rows_s[rb, r] >= 0:
                     T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc_kv[r, d])
-        else:
-            stage_dkv(dKV, acc_kv, rows_s, rb, KV_s, col0)
-
-    @T.macro
-    def drain_staged():
-        # the KV tile is gathered into next (or the CTA exits): the staged chunks must all have been read
-        if staged:
-            if dkv_store == "bulk":
-                if T.get_thread_binding() < BI:
-                    T.tma_store_wait(0)
-            T.sync_threads()
 
     @T.macro
     def gather(Indices, KV, KV_s, Kt_s, rows_s, rb, tok, lim, blk):
-        # slot rows (-1 = invalid) of block blk into rows_s[rb], and the predicated gather of its KV rows
+        # slot rows (-1 = invalid) of block blk into rows_s[rb], and the predicated cp.async gather of its KV rows
+        # (src-size 0 for invalid slots: zero fill, nothing read); one commit per block
         for r in T.Parallel(BI):
             rr = _row(Indices, tok, lim, blk * BI + r)
             rows_s[rb, r] = T.if_then_else((rr >= 0) & (rr < n_kv), rr, -1)
-        if prefetch:  # cp.async, src-size 0 for invalid slots (zero fill, nothing read); one commit per block
-            for r, d in T.Parallel(BI, D, annotations=tc.ASYNC_GATHER):
+        for r, d in T.Parallel(BI, D, annotations=tc.ASYNC_GATHER):
+            rr = _row(Indices, tok, lim, blk * BI + r)
+            ok = (rr >= 0) & (rr < n_kv)
+            KV_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), d], T.cast(0, bf16))
+        if D_tail > 0:
+            for r, d in T.Parallel(BI, D_tail, annotations=tc.ASYNC_GATHER):
                 rr = _row(Indices, tok, lim, blk * BI + r)
                 ok = (rr >= 0) & (rr < n_kv)
-                KV_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), d], T.cast(0, bf16))
-            if D_tail > 0:
-                for r, d in T.Parallel(BI, D_tail, annotations=tc.ASYNC_GATHER):
-                    rr = _row(Indices, tok, lim, blk * BI + r)
-                    ok = (rr >= 0) & (rr < n_kv)
-                    Kt_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), D + d], T.cast(0, bf16))
-            T.ptx_commit_group()
-        else:
-            for r, d in T.Parallel(BI, D):
-                KV_s[r, d] = KV[_row(Indices, tok, lim, blk * BI + r), d]
-            if D_tail > 0:
-                for r, d in T.Parallel(BI, D_tail):
-                    Kt_s[r, d] = KV[_row(Indices, tok, lim, blk * BI + r), D + d]
-            T.fence_proxy_async()  # generic-proxy shared stores -> the wgmmas (async proxy) that read them
+                Kt_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), D + d], T.cast(0, bf16))
+        T.ptx_commit_group()
 
     @T.prim_func
     def sparse_mla_bwd(
@@ -283,7 +163,7 @@ def build_sparse_mla_bwd(
         dQ: T.Tensor([n_tok, heads, dqk], bf16),
         dKV: T.Tensor([n_out, dqk], f32),
     ):
-        with T.Kernel(n_tok, n_hblk, threads=threads, prelude=_PRELUDE) as (bx, by):
+        with T.Kernel(n_tok, n_hblk, threads=threads) as (bx, by):
             Q_s = T.alloc_shared([BH, D], bf16)
             dO_s = T.alloc_shared([BH, D], bf16)
             KV_s = T.alloc_shared([BI, D], bf16)
@@ -292,7 +172,7 @@ def build_sparse_mla_bwd(
             if D_tail > 0:
                 Qt_s = T.alloc_shared([BH, D_tail], bf16)
                 Kt_s = T.alloc_shared([BI, D_tail], bf16)
-            rows_s = T.alloc_shared([2, BI], i32)  # [block parity] with prefetch, else [0]
+            rows_s = T.alloc_shared([2, BI], i32)  # [block parity]: block i+1's rows land during block i
             lse_s = T.alloc_shared([BH], f32)
             delta_s = T.alloc_shared([BH], f32)
 
@@ -321,23 +201,15 @@ def build_sparse_mla_bwd(
             if D_tail > 0:
                 T.fill(acc_dqt, 0)
 
-            if prefetch:
-                if D_tail > 0:
-                    gather(Indices, KV, KV_s, Kt_s, rows_s, 0, bx, lim[0], 0)
-                else:
-                    gather(Indices, KV, KV_s, KV_s, rows_s, 0, bx, lim[0], 0)
+            if D_tail > 0:
+                gather(Indices, KV, KV_s, Kt_s, rows_s, 0, bx, lim[0], 0)
+            else:
+                gather(Indices, KV, KV_s, KV_s, rows_s, 0, bx, lim[0], 0)
 
             for it in T.serial(NI):
-                rb = it % 2 if prefetch else 0
-                if prefetch:
-                    T.ptx_wait_group(0)  # block it landed (this thread's copies; the barrier: everyone's)
-                    T.sync_threads()
-                else:
-                    drain_staged()
-                    if D_tail > 0:
-                        gather(Indices, KV, KV_s, Kt_s, rows_s, rb, bx, lim[0], it)
-                    else:
-                        gather(Indices, KV, KV_s, KV_s, rows_s, rb, bx, lim[0], it)
+                rb = it % 2
+                T.ptx_wait_group(0)  # block it landed (this thread's copies; the barrier: everyone's)
+                T.sync_threads()
 
                 # ---- P = exp2(S c - lse2) (invalid columns -inf -> 0) ----
                 for h, r in T.Parallel(BH, BI):
@@ -360,13 +232,14 @@ def build_sparse_mla_bwd(
                 if D_tail > 0:
                     T.gemm(dS_s, Kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullRow)
 
-                if prefetch:  # every warp is past the wgmmas reading KV_s / Kt_s: gather block it+1 into them
-                    T.sync_threads()
-                    if it + 1 < NI:
-                        if D_tail > 0:
-                            gather(Indices, KV, KV_s, Kt_s, rows_s, 1 - rb, bx, lim[0], it + 1)
-                        else:
-                            gather(Indices, KV, KV_s, KV_s, rows_s, 1 - rb, bx, lim[0], it + 1)
+                # ---- every warp is past the wgmmas reading KV_s / Kt_s: gather block it+1 into them, so that
+                #      it lands during this block's dK/dV products and atomics (which read neither) ----
+                T.sync_threads()
+                if it + 1 < NI:
+                    if D_tail > 0:
+                        gather(Indices, KV, KV_s, Kt_s, rows_s, 1 - rb, bx, lim[0], it + 1)
+                    else:
+                        gather(Indices, KV, KV_s, KV_s, rows_s, 1 - rb, bx, lim[0], it + 1)
 
                 # ---- dKV rows of this block, 64 columns at a time ----
                 if ablate != "no_dkv":
@@ -375,12 +248,11 @@ def build_sparse_mla_bwd(
                                policy=T.GemmWarpPolicy.FullRow)
                         T.gemm(P_s, dO_s[:, c * DC : c * DC + DC], acc_kv, transpose_A=True,
                                policy=T.GemmWarpPolicy.FullRow)
-                        store_dkv(dKV, acc_kv, rows_s, rb, KV_s, bx, by, it, c * DC)
+                        store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, c * DC)
                     if D_tail > 0:
                         T.gemm(dS_s, Qt_s, acc_kv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        store_dkv(dKV, acc_kv, rows_s, rb, KV_s, bx, by, it, D)
+                        store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, D)
 
-            drain_staged()
             # ---- epilogue: dq (already scaled) through the Q tile ----
             T.copy(acc_dq, Q_s)
             T.copy(Q_s, dQ[bx, h0 : h0 + BH, 0:D])
@@ -434,29 +306,11 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
-# Fast-path variant: dKV reduction + gather schedule (see build_sparse_mla_bwd); ``$FLASHDSA_BWD_VARIANT`` overrides.
-# The deterministic path (partials) takes the variant's gather schedule.
-VARIANTS = {"red2": ("red2", False), "red4": ("red4", False), "bulk": ("bulk", False), "red2_prefetch": ("red2", True),
-            "shfl4_prefetch": ("shfl4", True)}
-VARIANT = "red2_prefetch"
-VARIANT_ENV = "FLASHDSA_BWD_VARIANT"
-
-
-def _variant() -> tuple:
-    import os
-
-    v = os.environ.get(VARIANT_ENV, VARIANT)
-    if v not in VARIANTS:
-        raise ValueError(f"${VARIANT_ENV}: expected one of {sorted(VARIANTS)}, got {v!r}")
-    return VARIANTS[v]
-
-
 @functools.lru_cache(maxsize=32)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_topk_length: bool,
-              partials: bool, ablate: str = "", dkv_store: str = "red2", prefetch: bool = False):
+              partials: bool, ablate: str = ""):
     func = build_sparse_mla_bwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                has_topk_length=has_topk_length, partials=partials, ablate=ablate,
-                                dkv_store=dkv_store, prefetch=prefetch)
+                                has_topk_length=has_topk_length, partials=partials, ablate=ablate)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -543,12 +397,11 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     topk = indices.shape[1]
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     if not deterministic:
-        store, prefetch = _variant()
-        kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, False, "", store, prefetch)
+        kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, False)
         kernel(q, kv, dout, indices, tl_arg, lse2, delta, dq, acc)
         return dq, acc.to(kv.dtype), d_sink
 
-    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, True, "", "red2", _variant()[1])
+    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, True)
     reduce = _compiled_reduce(dqk)
     n_hblk = heads // BLOCK_H
     chunk = max(1, min(n_tok, _PARTIAL_ELEMS // (n_hblk * topk * dqk)))
@@ -599,8 +452,7 @@ def _time_ms(fn, reps):
 
 
 def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
-    """Main-kernel-only times of the fast path per ``dkv_store`` and of the ``ablate`` variants (wrong results,
-    timing only); returns {store: ms}."""
+    """Main-kernel-only times of the fast path and of the ``ablate`` variants (wrong results, timing only)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
     kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
@@ -614,28 +466,11 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
     tl_arg = idx.new_empty((1,))
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
-    ref = None
-    times = {}
-    for ablate, store in (("", "red2_prefetch"), ("", "shfl4_prefetch"), ("no_atomics", "red2_prefetch")):
-        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate, *VARIANTS[store])
-        acc.zero_()
-        kernel(q, kv, dout, idx, tl_arg, lse2, delta, dq, acc)
-        check = ""
-        if not ablate:  # the reductions differ only in order: compare with the first
-            if ref is None:
-                ref = (dq.clone(), acc.clone())
-            else:
-                e_dq = (dq.float() - ref[0].float()).abs().max().item()
-                e_kv = ((acc - ref[1]).abs().max() / ref[1].abs().max()).item()
-                check = f"  vs first: dq max|diff| {e_dq:.2e}, dkv max rel {e_kv:.2e}"
-                if e_dq > 0 or e_kv > 1e-5:  # not a reordering of the same sums: never chosen
-                    check += "  WRONG"
+    for ablate in ("", "no_atomics", "no_dkv"):
+        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate)
         ms = _time_ms(lambda: kernel(q, kv, dout, idx, tl_arg, lse2, delta, dq, acc), 10)
-        if not ablate and "WRONG" not in check:
-            times[store] = ms
-        print(f"ablate={ablate or 'none'} dkv_store={store} S={S} H={H} Dqk={dqk} topk={topk}: main kernel "
-              f"{ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s (full-work FLOPs){check}", flush=True)
-    return times
+        print(f"ablate={ablate or 'none'} S={S} H={H} Dqk={dqk} topk={topk}: main kernel {ms:.3f} ms, "
+              f"{flops / ms / 1e9:.1f} TFLOP/s (full-work FLOPs)", flush=True)
 
 
 def _bench(argv=None):
@@ -643,11 +478,10 @@ def _bench(argv=None):
     import sys
 
     argv = argv if argv is not None else sys.argv[1:]
-    if "--ablate" in argv:  # V3.2 H 64 (add "--v4" for the V4 shape too); last line: the fastest correct variant
-        times = _bench_ablate()
+    if "--ablate" in argv:  # "--v4": the V4 shape too
+        _bench_ablate()
         if "--v4" in argv:
             _bench_ablate(dqk=512, topk=640)
-        print("best_variant=" + min(times, key=times.get), flush=True)
         return
     quick = "--quick" in argv
     shapes = [  # (S, SKV, H, Dqk, topk, sink)

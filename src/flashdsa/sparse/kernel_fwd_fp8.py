@@ -142,15 +142,13 @@ def build_sparse_mla_fwd_fp8(
     has_topk_length: bool = False,
     p_split: bool = True,
     num_stages: int = 2,
-    async_qk: bool = False,
 ):
     """Return the TileLang prim_func.
 
     Signature: (Q[T,H,Dqk] e4m3, QScale[T,H] f32, KV[Tkv,Dqk] e4m3, KVScale[Tkv] f32, Indices[T,topk] i32,
     TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32, MaxLogits[T,H] f32). Specialised
     on ceil(topk / 64) like kernel_fwd (the indices width is dynamic); TopkLen / Sink are dummies unless
-    has_topk_length / has_sink.  ``async_qk``: the QK wgmmas are issued without a wait and the V^T transpose
-    runs on the CUDA cores while they execute (wait before the score scaling).
+    has_topk_length / has_sink.
     """
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     assert 1 <= heads <= 2 * BLOCK_H
@@ -243,15 +241,10 @@ def build_sparse_mla_fwd_fp8(
                     ks_s[r] = KVScale[_row(Indices, bx, lim[0], it * BI + r)]
 
                 # ---- S = Q8 K8^T (fp8 wgmma) ----
-                if async_qk:
-                    T.wgmma_gemm(Q_s, KV_s, acc_s, transpose_B=True, clear_accum=True,
-                                 policy=T.GemmWarpPolicy.FullRow)
-                    if D_tail > 0:
-                        T.wgmma_gemm(Qt_s, Kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                else:
-                    T.gemm(Q_s, KV_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    if D_tail > 0:
-                        T.gemm(Qt_s, Kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                # issued without a wait: they run while the CUDA cores transpose V below
+                T.wgmma_gemm(Q_s, KV_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if D_tail > 0:
+                    T.wgmma_gemm(Qt_s, Kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
 
                 # ---- V^T for the K-major B operand of the PV wgmma ----
                 # After the QK gemm on purpose: TileLang's pipeline derives its cp.async wait from tile-op
@@ -262,14 +255,11 @@ def build_sparse_mla_fwd_fp8(
                 # these writes; the fence makes the generic-proxy stores visible to the wgmma (async proxy),
                 # the barrier TileLang puts before the PV gemm makes them visible to the other threads.
                 T.sync_threads()
-                if async_qk:  # the QK wgmmas run during the transpose; wait inside the call (see the prelude)
-                    T.call_extern("handle", "flashdsa_fp8_vt_transpose_wait", T.access_ptr(KV_s[0, 0], "r", BI, D),
-                                  T.access_ptr(Vt_s[0, 0], "w", D, BI), tx,
-                                  T.access_ptr(Kt_s[0, 0], "r", BI, D_tail) if D_tail > 0 else 0)
-                    T.warpgroup_fence_operand(acc_s, 0, BH * BI // threads)  # no acc_s read above the wait
-                else:
-                    T.call_extern("handle", "flashdsa_fp8_vt_transpose", T.access_ptr(KV_s[0, 0], "r", BI, D),
-                                  T.access_ptr(Vt_s[0, 0], "w", D, BI), tx)
+                # the QK wgmmas run during the transpose; the wait is inside the call (see the prelude)
+                T.call_extern("handle", "flashdsa_fp8_vt_transpose_wait", T.access_ptr(KV_s[0, 0], "r", BI, D),
+                              T.access_ptr(Vt_s[0, 0], "w", D, BI), tx,
+                              T.access_ptr(Kt_s[0, 0], "r", BI, D_tail) if D_tail > 0 else 0)
+                T.warpgroup_fence_operand(acc_s, 0, BH * BI // threads)  # no acc_s read above the wait
                 T.fence_proxy_async()
 
                 # ---- scale scores, invalid columns -> -inf ----
@@ -335,20 +325,11 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
-ASYNC_QK = True  # ``$FLASHDSA_FP8_ASYNC_QK=0`` selects the synchronous QK (A/B knob)
-
-
-def _async_qk() -> bool:
-    import os
-
-    return os.environ.get("FLASHDSA_FP8_ASYNC_QK", "1" if ASYNC_QK else "0") == "1"
-
-
 @functools.lru_cache(maxsize=64)
-def _compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length, p_split=True, async_qk=False):
+def _compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length, p_split=True):
     func = build_sparse_mla_fwd_fp8(
         heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale, has_sink=has_sink,
-        has_topk_length=has_topk_length, p_split=p_split, async_qk=async_qk,
+        has_topk_length=has_topk_length, p_split=p_split,
     )
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
@@ -387,7 +368,7 @@ def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float
         return out, lse, max_logits
     _, heads, dqk = q.shape
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl, bool(p_split), _async_qk())
+    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl, bool(p_split))
     kernel(q.contiguous(), q_scale.contiguous(), kv.contiguous(), kv_scale.contiguous(), indices.contiguous(),
            tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
