@@ -1,9 +1,8 @@
-"""Time the sparse MLA forward kernels on the GPU: kernel_fwd (pipelined) vs kernel_fwd_ws (schedules "pair", "ws1",
-"ws2").
+"""Time the sparse MLA forward kernels on the GPU: kernel_fwd (pipelined) vs kernel_fwd_ws (warp-specialised, "ws1").
 
-    python scripts/bench_sparse_fwd.py [--out FILE.json] [--reps 20] [--variants fwd,ws1,ws2] [--cases ...]
+    python scripts/bench_sparse_fwd.py [--out FILE.json] [--reps 20] [--variants fwd,ws1] [--cases ...]
 
-Variants: "fwd" = kernel_fwd.py; any other name is a kernel_fwd_ws schedule (kernel_fwd_ws.SCHEDULES).
+Variants: "fwd" = kernel_fwd.py, "ws1" = kernel_fwd_ws.py.
 
 Four shapes (issue targets in TFLOP/s, FLOPs = 2 S H topk (Dqk + 512)):
   V32_H128          S 4096, SKV 8192,   H 128, Dqk 576, topk 2048        -> 700
@@ -28,6 +27,7 @@ import torch
 from flashdsa.sparse import kernel_fwd, kernel_fwd_ws
 
 HANG_S = 30.0
+VARIANTS = ("fwd", "ws1")
 CASES = {
     "V32_H128": dict(H=128, dqk=576, topk=2048, skv=8192, sink=False, target=700),
     "V32_H64": dict(H=64, dqk=576, topk=2048, skv=8192, sink=False, target=690),
@@ -50,8 +50,7 @@ def _sync_or_die(what):
 def _runner(variant, q, kv, idx, sm_scale, sink):
     if variant == "fwd":
         return lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)
-    return lambda: kernel_fwd_ws.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink,
-                                                    schedule=variant)
+    return lambda: kernel_fwd_ws.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)
 
 
 def bench(fn, what, reps, warmup=3):
@@ -73,13 +72,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--variants", default="fwd,ws1,ws2")
+    ap.add_argument("--variants", default="fwd,ws1")
     ap.add_argument("--cases", default=",".join(CASES))
     a = ap.parse_args()
     variants = a.variants.split(",")
     for v in variants:
-        if v != "fwd" and v not in kernel_fwd_ws.SCHEDULES:
-            ap.error(f"unknown variant {v!r}: 'fwd' or one of {kernel_fwd_ws.SCHEDULES}")
+        if v not in VARIANTS:
+            ap.error(f"unknown variant {v!r}: one of {VARIANTS}")
     rows = []
     S = 4096
     for name in a.cases.split(","):

@@ -82,17 +82,14 @@ def online_softmax_macro(*, BH, BI, D, c_log2):
     return online_softmax
 
 
-def wg1_pv_step_macro(*, BH, DH, proxy_fence: bool = False):
+def wg1_pv_step_macro(*, BH, DH):
     """Macro ``wg1_step(phase, s_rdy, Alpha_s, P, KVr, kv_fr, acc_o)`` of the warp-specialised kernels' second
-    consumer warpgroup (sparse "ws1"/"ws2", dense decode "ws"): wait for P and alpha of a block (``s_rdy``), rescale
-    its O half, O += P V_half (wgmma), retire it and release the KV buffer (``kv_fr``).  ``proxy_fence``:
-    fence.proxy.async after the wait, for KV tiles that came from cp.async without a producer-side fence."""
+    consumer warpgroup (sparse "ws1", dense decode "ws"): wait for P and alpha of a block (``s_rdy``), rescale
+    its O half, O += P V_half (wgmma), retire it and release the KV buffer (``kv_fr``)."""
 
     @T.macro
     def wg1_step(phase, s_rdy, Alpha_s, P, KVr, kv_fr, acc_o):
         T.barrier_wait(s_rdy, phase)
-        if proxy_fence:
-            T.fence_proxy_async()  # KVr came from cp.async (seen through WG0's ready -> s_ready chain)
         for h, d in T.Parallel(BH, DH):
             acc_o[h, d] = acc_o[h, d] * Alpha_s[h]
         T.wgmma_gemm(P, KVr, acc_o)

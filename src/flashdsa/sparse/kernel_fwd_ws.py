@@ -1,4 +1,4 @@
-"""Sparse MLA forward, warp-specialised TileLang kernels for Hopper (sm_90a).
+"""Sparse MLA forward, warp-specialised TileLang kernel for Hopper (sm_90a).
 
 Notes
 -----
@@ -6,33 +6,26 @@ Same contract, host interface and numerics as ``kernel_fwd.py`` (the pipelined k
 Dqk in {512, 576}, d_v = 512.  One CTA per (token, 64-head group) on a 1-D grid (head group fastest, so the
 two CTAs of one token at H = 128 gather the same rows back to back: the second gather hits L2); 384 threads =
 two consumer warpgroups (WG0 threads 0-127, WG1 128-255) + one producer warpgroup (256-383), ``setmaxnreg``.
-Three schedules (``schedule=``; env ``FLASHDSA_SPARSE_WS_SCHEDULE`` sets the default, "ws1"): "ws1" (this file),
-"pair" (``_fwd_ws_pair.py``) and "ws2" (``_fwd_ws2.py``: ws1's roles with a sub-tiled gather whose cp.async
-completion arrives on per-64-dim mbarriers, two blocks in flight; GPU tests pass, no faster than ws1), each module with its
-protocol notes.
+Not dispatched (faster than kernel_fwd at the V32 SKV 8K shapes, about even at SKV 128K, slower at V4; docs/PERFORMANCE.md).
 
 Measured (H200, 2026-11-30, scripts/bench_sparse_fwd.py, random per-token indices, median of 10; ms / TFLOP/s):
-  | case                       | kernel_fwd   | ws1          | pair         |
-  | V32 H128 SKV 8K topk 2048  | 8.74 / 267   | 8.08 / 289   | 11.55 / 202  |
-  | V32 H64                    | 4.53 / 258   | 4.15 / 282   | 5.93 / 197   |
-  | V32 H128 SKV 128K          | 8.78 / 266   | 8.82 / 265   | 13.08 / 179  |
-  | V4 h64 d512 topk 640 sink  | 1.61 / 213   | 2.19 / 157   | 2.45 / 140   |
-  "pair" passes all GPU tests (12/12) but is SLOWER: the binding limit is the KV gather, not the MMA schedule.
-  All three kernels move 8192 CTAs x 2048 rows x 1152 B = 19.3 GB from L2 into shared memory at the headline
-  shape; 8.1-8.7 ms is 2.2-2.4 TB/s, ~4 us per 72 KiB block per SM, i.e. ~7,000 cycles per block against
-  ~2,200 tensor-core cycles of MMA.  Each producer keeps ONE 72 KiB cp.async nest in flight (the nest ends in
-  wait_group 0), so an SM's gather rate is 72 KiB per L2 round trip + issue time.  "pair" is worse because
-  its nest B of pair j+1 can only start after nest A of pair j+1 landed (free_b waits for the next QK issue),
-  so two round trips per pair are exposed instead of overlapping compute.  Next step (both schedules): keep
-  several nests in flight (cp.async without the per-nest wait_group 0, completion signalled by
-  cp.async.mbarrier.arrive.noinc per buffer half, as FlashMLA's producer does; TileLang has
-  T.cp_async_barrier_noinc and the loop annotation "parallel_async_without_async_commit_wait" - not yet tried)
-  and issue nest B of pair j+1 as soon as the remote PVs of pair j retire.
+  | case                       | kernel_fwd   | ws1          |
+  | V32 H128 SKV 8K topk 2048  | 8.74 / 267   | 8.08 / 289   |
+  | V32 H64                    | 4.53 / 258   | 4.15 / 282   |
+  | V32 H128 SKV 128K          | 8.78 / 266   | 8.82 / 265   |
+  | V4 h64 d512 topk 640 sink  | 1.61 / 213   | 2.19 / 157   |
+  The binding limit is the KV gather, not the MMA schedule: both kernels move 8192 CTAs x 2048 rows x 1152 B
+  = 19.3 GB from L2 into shared memory at the headline shape; 8.1-8.7 ms is 2.2-2.4 TB/s, ~4 us per 72 KiB
+  block per SM, i.e. ~7,000 cycles per block against ~2,200 tensor-core cycles of MMA.  The producer keeps ONE
+  72 KiB cp.async nest in flight (the nest ends in wait_group 0).  Two other schedules of this kernel were
+  GPU-verified, measured slower and removed (docs/PERFORMANCE.md, "Sparse MLA forward", sessions 2 and 3):
+  both consumers computing QK of alternate blocks (FlashMLA's split), and this schedule with a sub-tiled
+  gather keeping two blocks in flight (cp.async completion on mbarriers): more bytes in flight did not raise
+  the gather rate.
 
-"ws1" -- the first schedule (GPU-verified at 48a0c95, 7.78 ms = 300 TFLOP/s at the headline shape): WG0 does
+"ws1" -- the schedule (GPU-verified at 48a0c95, 7.78 ms = 300 TFLOP/s at the headline shape): WG0 does
   QK + softmax of every block and PV on O[:, :256], WG1 only PV on O[:, 256:] (P, alpha via smem); the
-  producer gathers one whole block per buffer (two buffers); setmaxnreg 240 + 176 + 88.  QK and softmax sit
-  on one warpgroup's critical path, which is what "pair" removes.
+  producer gathers one whole block per buffer (two buffers); setmaxnreg 240 + 176 + 88.
 
 TileLang 0.1.15 pitfalls met here (in addition to kernel_fwd.py's):
   * ONE fragment used in two role branches made TileLang silently drop a role's element-wise loops: every
@@ -44,12 +37,10 @@ TileLang 0.1.15 pitfalls met here (in addition to kernel_fwd.py's):
     rewrite; bind ``row = ...`` once in the body (repeating the Indices expression made lowering take
     minutes).  The nest ends in cp.async wait_group 0.
   * Barrier buffers passed into T.macro must be whole Buffers (one T.alloc_barrier per barrier).
-Verification: both schedules pass tests/sparse_mla/test_kernel_ws_gpu.py on the H200 ("ws1" at 48a0c95, "pair"
-2026-11-30); timings above.
+Verification: passes tests/sparse_mla/test_kernel_ws_gpu.py on the H200 (at 48a0c95); timings above.
 """
 
 import functools
-import os
 
 import tilelang
 import tilelang.language as T
@@ -61,53 +52,19 @@ from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 _SUPPORTED_H = (64, 128)
 THREADS = 384
-SCHEDULES = ("pair", "ws1", "ws2")
-DEFAULT_SCHEDULE = os.environ.get("FLASHDSA_SPARSE_WS_SCHEDULE", "ws1")  # the faster one measured (below)
-assert DEFAULT_SCHEDULE in SCHEDULES, DEFAULT_SCHEDULE
 # setmaxnreg budgets (WG0, WG1, producer).  The CTA's pool is what the launch allocated: a
 # __launch_bounds__(384, 1) kernel gets floor(65536 / 384) rounded down to 8 = 168 registers per thread, i.e.
 # 64,512 registers; setmaxnreg.inc blocks until the pool can supply the request, so the per-thread counts
 # must sum to <= 3 * 168 = 504 (240 + 176 + 96 = 512 hung the H200 on 2026-11-30).
 WS1_REGS = (240, 176, 88)
-PAIR_REGS = (208, 208, 88)
 _REG_LAUNCH = (65536 // THREADS) // 8 * 8  # 168
-for _regs in (WS1_REGS, PAIR_REGS):
-    assert sum(_regs) <= 3 * _REG_LAUNCH, "setmaxnreg requests exceed the CTA register pool"
-    assert _regs[0] >= _REG_LAUNCH and _regs[1] >= _REG_LAUNCH and _regs[2] <= _REG_LAUNCH
-BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128, 128, 256 threads); 0 is __syncthreads
-
-
-def build_sparse_mla_fwd(
-    *,
-    heads: int,
-    dqk: int,
-    d_v: int = D_V,
-    topk: int,
-    sm_scale: float,
-    has_sink: bool = False,
-    has_topk_length: bool = False,
-    schedule: str = DEFAULT_SCHEDULE,
-):
-    """Return the warp-specialised TileLang prim_func (same signature as kernel_fwd).
-
-    Signature: (Q[T,H,Dqk] bf16, KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32,
-    Out[T,H,d_v] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``schedule``: "ws1", "pair" or "ws2" (default
-    DEFAULT_SCHEDULE).
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if schedule == "pair":
-        from ._fwd_ws_pair import build_pair as build  # imports this module's constants
-    elif schedule == "ws2":
-        from ._fwd_ws2 import build_ws2 as build  # imports this module's constants
-    else:
-        build = _build_ws1
-    return build(heads=heads, dqk=dqk, d_v=d_v, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
-                 has_topk_length=has_topk_length)
+assert sum(WS1_REGS) <= 3 * _REG_LAUNCH, "setmaxnreg requests exceed the CTA register pool"
+assert WS1_REGS[0] >= _REG_LAUNCH and WS1_REGS[1] >= _REG_LAUNCH and WS1_REGS[2] <= _REG_LAUNCH
+BAR_WG0, BAR_WG1 = 8, 9  # named barrier ids (128 threads each); 0 is __syncthreads
 
 
 def _ws_macros(*, BH, BI, DH, D, D_tail, dqk, c_log2, has_sink, has_topk_length, topk_dim):
-    """Macros shared by both schedules (one CTA per (token ``tok``, 64-head group at ``h0``), no padded heads):
+    """Per-CTA macros of the kernel (one CTA per (token ``tok``, 64-head group at ``h0``), no padded heads):
 
     * ``set_lim(lim, TopkLen, tok)``: lim[0] = topk_eff = clamp(topk_length[tok], 0, topk) (or topk).
     * ``load_q(Q, Q_l, Q_r, Q_t, tok, h0)``: the Q tile as two d_v halves + rope (all 384 threads), made
@@ -170,11 +127,10 @@ def _ws_macros(*, BH, BI, DH, D, D_tail, dqk, c_log2, has_sink, has_topk_length,
     return set_lim, load_q, qk_first, qk_second, normaliser, store_lse
 
 
-def _finish_macros(*, BH, DH, D, normaliser, store_lse, proxy_fence: bool = False):
-    """(wg0_finish, wg1_role): the parts "ws1" and "ws2" share -- WG0's epilogue and the whole WG1 role (``proxy_fence``: fence.proxy.async after WG1's s_ready wait, for tiles that came from cp.async
-    without a producer-side fence)."""
+def _finish_macros(*, BH, DH, D, normaliser, store_lse):
+    """(wg0_finish, wg1_role): WG0's epilogue and the whole WG1 role."""
 
-    wg1_step = tc.wg1_pv_step_macro(BH=BH, DH=DH, proxy_fence=proxy_fence)
+    wg1_step = tc.wg1_pv_step_macro(BH=BH, DH=DH)
 
     @T.macro
     def wg0_finish(inv, l_i, m_i, acc_o, Sink, Fin_s, fin, Lse, MaxLogits, Q_l, Out, tok, h0):
@@ -210,7 +166,7 @@ def _finish_macros(*, BH, DH, D, normaliser, store_lse, proxy_fence: bool = Fals
     return wg0_finish, wg1_role
 
 
-def _build_ws1(
+def build_sparse_mla_fwd(
     *,
     heads: int,
     dqk: int,
@@ -220,8 +176,13 @@ def _build_ws1(
     has_sink: bool = False,
     has_topk_length: bool = False,
 ):
-    """The first warp-specialised schedule ("ws1", GPU-verified at 48a0c95: 300 TFLOP/s): WG0 does QK + softmax
-    of every block and PV on O[:, :256], WG1 only PV on O[:, 256:]; see the module notes."""
+    """Return the warp-specialised TileLang prim_func (same signature as kernel_fwd).
+
+    Signature: (Q[T,H,Dqk] bf16, KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32,
+    Out[T,H,d_v] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  The "ws1" schedule (GPU-verified at 48a0c95:
+    300 TFLOP/s): WG0 does QK + softmax of every block and PV on O[:, :256], WG1 only PV on O[:, 256:]; see
+    the module notes.
+    """
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     assert heads in _SUPPORTED_H, heads
     assert sm_scale is not None and sm_scale > 0
@@ -431,8 +392,7 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              schedule: str = DEFAULT_SCHEDULE):
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
     func = build_sparse_mla_fwd(
         heads=heads,
         dqk=dqk,
@@ -441,7 +401,6 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
         sm_scale=sm_scale,
         has_sink=has_sink,
         has_topk_length=has_topk_length,
-        schedule=schedule,
     )
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
@@ -455,32 +414,23 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
     return reason
 
 
-def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       schedule: str | None = None):
-    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
-
-    ``schedule``: "pair", "ws1" or "ws2" (None: DEFAULT_SCHEDULE)."""
+def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
+    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
     reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
     if reason is not None:
         raise ValueError(f"sparse_mla fwd ws kernel: {reason}")
-    schedule = DEFAULT_SCHEDULE if schedule is None else schedule
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    compiled = functools.partial(_compiled, schedule=schedule)
-    return kernel_fwd.launch(compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+    return kernel_fwd.launch(_compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
                              attn_sink=attn_sink)
 
 
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test (lowering is slow)."""
     cases = []
-    for sched, heads, dqk, topk, sink, tl in [
-        ("ws1", 64, 512, 640, True, True),  # V4 shape: Dqk 512, sink, topk_length
-        ("pair", 128, 576, 2048, False, False),  # headline shape
-        ("ws2", 128, 576, 2048, False, False),  # headline shape, sub-tiled non-blocking gather
+    for heads, dqk, topk, sink, tl in [
+        (64, 512, 640, True, True),  # V4 shape: Dqk 512, sink, topk_length
     ]:
-        name = f"{sched}_h{heads}_d{dqk}_topk{topk}" + ("_sink" if sink else "") + ("_tl" if tl else "")
+        name = f"ws1_h{heads}_d{dqk}_topk{topk}" + ("_sink" if sink else "") + ("_tl" if tl else "")
         fn = build_sparse_mla_fwd(heads=heads, dqk=dqk, d_v=D_V, topk=topk, sm_scale=dqk**-0.5, has_sink=sink,
-                                  has_topk_length=tl, schedule=sched)
+                                  has_topk_length=tl)
         cases.append((name, fn))
     return cases
