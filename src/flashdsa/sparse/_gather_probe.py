@@ -49,65 +49,61 @@ def build_gather_qk(*, dqk: int, n_blocks: int, mode: str):
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv = tc.dynamic_dims("n_tok", "n_kv")
 
+    @T.macro
+    def gather_tma(KV, Idx, Q_s, KV_s, acc, bx):
+        bar = T.alloc_barrier([1, 1])
+        # global shape (dqk, Tkv), strides (2 B, 2 dqk B), box (64, 1), unit element strides, no interleave,
+        # 128-byte swizzle, 256-byte L2 promotion, zero fill out of bounds
+        desc = T.create_tma_descriptor(_DT_BF16, 2, KV.data, dqk, n_kv, 2, dqk * 2, TILE, 1, 1, 1, 0,
+                                       _SWIZZLE_128B, 2, 0)
+        tx = T.get_thread_binding()
+        for it in T.serial(n_blocks + 1):
+            # issue block it into buffer it % 2 (read by block it-2's wgmma, which every thread has finished:
+            # the barrier at the end of the previous iteration)
+            if it < n_blocks:
+                if tx == 0:
+                    T.mbarrier_expect_tx(bar[it % 2], tile_bytes)
+                    T.barrier_arrive(bar[it % 2])
+                if tx < BI:
+                    for j in T.unroll(NT):
+                        T.tma_load(desc, bar[it % 2],
+                                   T.call_extern("handle", "fdsa_byte_ptr", T.access_ptr(KV_s[0, 0, 0], "w"),
+                                                 (it % 2) * tile_bytes + j * (BI * 128) + tx * 128),
+                                   j * TILE, Idx[bx, it * BI + tx], 0)
+            # consume block it-1
+            if it > 0:
+                T.mbarrier_wait_parity(bar[(it - 1) % 2], ((it - 1) // 2) % 2)
+                T.gemm(Q_s, KV_s[(it - 1) % 2, :, :], acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.sync_threads()
+
+    @T.macro
+    def gather_cpasync(KV, Idx, Q_s, KV_s, acc, bx):
+        for it in T.Pipelined(n_blocks, num_stages=2):
+            for r, d in T.Parallel(BI, dqk):
+                KV_s[r, d] = KV[Idx[bx, it * BI + r], d]  # safe-access predicate: zero fill out of range
+            T.gemm(Q_s, KV_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+
     @T.prim_func
-    def gather_qk_tma(
+    def gather_qk(
         Q: T.Tensor([n_tok, BH, dqk], bf16),
         KV: T.Tensor([n_kv, dqk], bf16),
         Idx: T.Tensor([n_tok, BI * n_blocks], i32),
         O: T.Tensor([n_tok, BH, BI], f32),
     ):
-        with T.Kernel(n_tok, threads=256, prelude=_PRELUDE) as bx:
+        with T.Kernel(n_tok, threads=256, prelude=_PRELUDE if mode == "tma" else "") as bx:
             Q_s = T.alloc_shared([BH, dqk], bf16)
-            KV_s = T.alloc_shared([2, BI, dqk], bf16)
-            acc = T.alloc_fragment([BH, BI], f32)
-            bar = T.alloc_barrier([1, 1])
-            # global shape (dqk, Tkv), strides (2 B, 2 dqk B), box (64, 1), unit element strides, no interleave,
-            # 128-byte swizzle, 256-byte L2 promotion, zero fill out of bounds
-            desc = T.create_tma_descriptor(_DT_BF16, 2, KV.data, dqk, n_kv, 2, dqk * 2, TILE, 1, 1, 1, 0,
-                                           _SWIZZLE_128B, 2, 0)
-            tx = T.get_thread_binding()
-            T.copy(Q[bx, :, :], Q_s)
-            T.clear(acc)
-            for it in T.serial(n_blocks + 1):
-                # issue block it into buffer it % 2 (read by block it-2's wgmma, which every thread has finished:
-                # the barrier at the end of the previous iteration)
-                if it < n_blocks:
-                    if tx == 0:
-                        T.mbarrier_expect_tx(bar[it % 2], tile_bytes)
-                        T.barrier_arrive(bar[it % 2])
-                    if tx < BI:
-                        for j in T.unroll(NT):
-                            T.tma_load(desc, bar[it % 2],
-                                       T.call_extern("handle", "fdsa_byte_ptr", T.access_ptr(KV_s[0, 0, 0], "w"),
-                                                     (it % 2) * tile_bytes + j * (BI * 128) + tx * 128),
-                                       j * TILE, Idx[bx, it * BI + tx], 0)
-                # consume block it-1
-                if it > 0:
-                    T.mbarrier_wait_parity(bar[(it - 1) % 2], ((it - 1) // 2) % 2)
-                    T.gemm(Q_s, KV_s[(it - 1) % 2, :, :], acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.sync_threads()
-            T.copy(acc, O[bx, :, :])
-
-    @T.prim_func
-    def gather_qk_cpasync(
-        Q: T.Tensor([n_tok, BH, dqk], bf16),
-        KV: T.Tensor([n_kv, dqk], bf16),
-        Idx: T.Tensor([n_tok, BI * n_blocks], i32),
-        O: T.Tensor([n_tok, BH, BI], f32),
-    ):
-        with T.Kernel(n_tok, threads=256) as bx:
-            Q_s = T.alloc_shared([BH, dqk], bf16)
-            KV_s = T.alloc_shared([BI, dqk], bf16)
+            # "tma": two explicit buffers; "cpasync": T.Pipelined multi-buffers the one tile itself
+            KV_s = T.alloc_shared([2, BI, dqk] if mode == "tma" else [BI, dqk], bf16)
             acc = T.alloc_fragment([BH, BI], f32)
             T.copy(Q[bx, :, :], Q_s)
             T.clear(acc)
-            for it in T.Pipelined(n_blocks, num_stages=2):
-                for r, d in T.Parallel(BI, dqk):
-                    KV_s[r, d] = KV[Idx[bx, it * BI + r], d]  # safe-access predicate: zero fill out of range
-                T.gemm(Q_s, KV_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            if mode == "tma":
+                gather_tma(KV, Idx, Q_s, KV_s, acc, bx)
+            else:
+                gather_cpasync(KV, Idx, Q_s, KV_s, acc, bx)
             T.copy(acc, O[bx, :, :])
 
-    return gather_qk_tma if mode == "tma" else gather_qk_cpasync
+    return gather_qk
 
 
 def pass_configs(mode: str):

@@ -119,6 +119,7 @@ def build_sparse_mla_bwd(
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_out, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_out", "topk")
     _row = tc.make_slot_row(topk_dim)  # as in kernel_fwd: -1 past topk_eff, the Indices read kept in bounds
+    _row_ok = tc.make_row_ok(n_kv)
 
     @T.macro
     def store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, col0):
@@ -139,15 +140,15 @@ def build_sparse_mla_bwd(
         # (src-size 0 for invalid slots: zero fill, nothing read); one commit per block
         for r in T.Parallel(BI):
             rr = _row(Indices, tok, lim, blk * BI + r)
-            rows_s[rb, r] = T.if_then_else((rr >= 0) & (rr < n_kv), rr, -1)
+            rows_s[rb, r] = T.if_then_else(_row_ok(rr), rr, -1)
         for r, d in T.Parallel(BI, D, annotations=tc.ASYNC_GATHER):
             rr = _row(Indices, tok, lim, blk * BI + r)
-            ok = (rr >= 0) & (rr < n_kv)
+            ok = _row_ok(rr)
             KV_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), d], T.cast(0, bf16))
         if D_tail > 0:
             for r, d in T.Parallel(BI, D_tail, annotations=tc.ASYNC_GATHER):
                 rr = _row(Indices, tok, lim, blk * BI + r)
-                ok = (rr >= 0) & (rr < n_kv)
+                ok = _row_ok(rr)
                 Kt_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), D + d], T.cast(0, bf16))
         T.ptx_commit_group()
 

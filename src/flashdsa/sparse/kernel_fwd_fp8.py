@@ -120,7 +120,7 @@ __device__ __forceinline__ void flashdsa_fp8_vt_transpose(const void *kv_, void 
   }
 }
 
-// async_qk: the transpose, then wgmma.wait_group 0 (the QK wgmmas issued before it have retired).  One call so
+// The transpose, then wgmma.wait_group 0 (the QK wgmmas issued before it have retired).  One call so
 // that TileLang's pipeline, which puts the next loads into this stage after the stage's last reader, cannot place
 // them between the transpose and the wait; kt_ is that reader's handle on the rope tile (not accessed here).
 __device__ __forceinline__ void flashdsa_fp8_vt_transpose_wait(const void *kv_, void *vt_, int tid, const void *kt_) {

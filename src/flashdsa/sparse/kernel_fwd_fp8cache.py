@@ -75,7 +75,6 @@ ROPE_CHUNK0 = 33  # 8 chunks of 8 bf16
 TILE = 128  # dims per scale
 FP8 = "float8_e4m3fn"
 
-_ASYNC = tc.ASYNC_GATHER
 
 
 def build_sparse_mla_fwd_fp8cache(
@@ -118,17 +117,17 @@ def build_sparse_mla_fwd_fp8cache(
     def issue(Indices, KV8, KVf, KVb, rs16, n_rows, tok, lim, blk, Raw_s, Scl_s, Kt_b):
         # cp.async (no commit, no wait) of block blk: e4m3 latent -> Raw_s, scales -> Scl_s, rope -> Kt_b.
         # Invalid slots: src-size 0 (zero fill, nothing read); their address is clamped to row 0.
-        for r, c, v in T.Parallel(BI, LAT_CHUNKS, CHUNK, annotations=_ASYNC):
+        for r, c, v in T.Parallel(BI, LAT_CHUNKS, CHUNK, annotations=tc.ASYNC_GATHER):
             row = _row(Indices, tok, lim, blk * BI + r)
             ok = (row >= 0) & (row < n_rows)
             base = T.if_then_else(ok, row, 0) * rs16
             Raw_s[r, c * CHUNK + v] = T.if_then_else(ok, KV8[base + c, v], T.cast(0, FP8))
-        for r, v in T.Parallel(BI, 4, annotations=_ASYNC):
+        for r, v in T.Parallel(BI, 4, annotations=tc.ASYNC_GATHER):
             row = _row(Indices, tok, lim, blk * BI + r)
             ok = (row >= 0) & (row < n_rows)
             base = T.if_then_else(ok, row, 0) * rs16
             Scl_s[r, v] = T.if_then_else(ok, KVf[base + SCALE_CHUNK, v], T.float32(0))
-        for r, c, v in T.Parallel(BI, DT // 8, 8, annotations=_ASYNC):
+        for r, c, v in T.Parallel(BI, DT // 8, 8, annotations=tc.ASYNC_GATHER):
             row = _row(Indices, tok, lim, blk * BI + r)
             ok = (row >= 0) & (row < n_rows)
             base = T.if_then_else(ok, row, 0) * rs16
