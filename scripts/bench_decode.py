@@ -1,7 +1,8 @@
-"""Time the dense bf16 paged MLA decode kernel variants ("ws", "pipelined") at the target shapes on one GPU.
+"""Time the dense bf16 paged MLA decode kernel variants ("auto", "ws", "narrow", "pipelined") on one GPU.
 
 Usage (repo root, GPU machine):
-    python scripts/bench_decode.py [--variants ws,pipelined] [--cases all|mem,compute,causal2] [--reps 20]
+    python scripts/bench_decode.py [--variants ws,narrow,narrow@128x1xcpasync,pipelined] [--cases all|mem,h32]
+                                   [--reps 20]
                                    [--json out.json]
 
 The ``partial`` field of each row names the kernel module that ran.
@@ -34,6 +35,8 @@ except ImportError:  # run from a checkout without an install: use its src/
 CASES = {
     # name: (B, H, s_q, cache, causal, target)
     "mem": (64, 16, 1, 8192, True, ">= 3.8 TB/s"),
+    "h32": (64, 32, 1, 8192, True, "-"),  # the narrow kernel's widest row tile
+    "h64": (64, 64, 1, 8192, True, "-"),
     "compute": (128, 128, 1, 8192, True, ">= 690 TFLOP/s"),
     "causal2": (128, 128, 2, 32768, True, ">= 780 TFLOP/s"),
 }
@@ -110,8 +113,9 @@ def bench_variant(kd, variant, q, kv, table, lens, causal, reps, flush):
     if variant != "pipelined":
         ws = kd._ws_module(variant, M)  # the module run_mla_decode_dense runs
         res["partial"] = ws.__name__.rsplit(".", 1)[-1]
+        per_sm = ws.ctas_per_sm(M) if hasattr(ws, "ctas_per_sm") else 1
         plan, seq_plan = kd._plan(lens, max_blocks=table.shape[1], block_size=BLOCK_SIZE, n_mt=n_mt,
-                                  num_sms=num_sms, tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
+                                  num_sms=num_sms * per_sm, tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
                                   min_chunk=ws._MIN_CHUNK_TILES)
         part = ws.compiled_partial(H, s_q, BLOCK_SIZE, causal, float(scale), False)
     else:
@@ -161,9 +165,18 @@ def main(argv=None):
         attended = F.causal_decode_keys(lens, s_q, causal)
         flop = F.decode_flops(H, attended)
         nbytes = F.decode_bytes(int(lens.long().sum()), F.KV_BF16_ROW_BYTES, B, s_q, H)
-        for v in variants:
-            row = dict(case=name, B=B, H=H, s_q=s_q, cache=cache, causal=causal, block_size=BLOCK_SIZE, variant=v,
-                       target=target, flops=flop, bytes=nbytes)
+        for v_full in variants:
+            # "narrow@128x1xtma": the narrow kernel built with 128 threads, 1 KV buffer, the TMA loader (module
+            # defaults restored after)
+            v, _, cfg = v_full.partition("@")
+            row = dict(case=name, B=B, H=H, s_q=s_q, cache=cache, causal=causal, block_size=BLOCK_SIZE,
+                       variant=v_full, target=target, flops=flop, bytes=nbytes)
+            from flashdsa.decode import kernel_dense_narrow as kn
+
+            saved = (kn.THREADS, kn.STAGES, kn.LOADER)
+            if cfg:
+                t, st, ld = (cfg.split("x") + ["tma"])[:3]
+                kn.THREADS, kn.STAGES, kn.LOADER = int(t), int(st), ld
             try:
                 row["check"] = check(kd, v, q, kv, table, lens, causal, min(args.check_b, B))
                 row.update(bench_variant(kd, v, q, kv, table, lens, causal, args.reps, flush))
@@ -173,6 +186,8 @@ def main(argv=None):
                     row[f"{k}_tbps"] = nbytes / ms / 1e9
             except Exception as e:  # keep timing the other variants / cases
                 row["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                kn.THREADS, kn.STAGES, kn.LOADER = saved
             results.append(row)
             msg = {k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()
                    if k in ("case", "variant", "partial", "check", "error", "ctas", "splits_per_seq") or k.endswith(

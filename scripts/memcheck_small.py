@@ -6,7 +6,8 @@ Each target runs its kernel on a small input with edge cases (ranges, short rows
 and compares with the reference, so a wrong result also fails (exit 1).  Targets: topk_regs, topk_single,
 paged_pipelined, sparse_bf16 / sparse_cache656 / sparse_fp8 (the dispatched sparse MLA forwards, with invalid
 indices of every kind, an all-invalid row and NaN in unselected KV rows), sparse_bwd / sparse_bwd_det (the dispatched
-backward, fast and deterministic), decode (dense paged decode).
+backward, fast and deterministic), decode / decode_bs16 (narrow dense decode, TMA / cp.async loads), decode_ws
+(the warp-specialised dense decode).
 """
 
 import os
@@ -124,14 +125,15 @@ def sparse_bwd(deterministic):
     return good
 
 
-def decode():
-    """Dense paged decode (bf16 cache, NaN in unused slots, shuffled pages, s_q 2, a zero-length sequence)."""
+def decode(H=16, s_q=2, bs=64):
+    """Dense paged decode (bf16 cache, NaN in unused slots, shuffled pages, a zero-length sequence); s_q * H <= 32
+    runs the narrow kernel (TMA loads for bs >= 64, cp.async below), larger the warp-specialised one."""
     import flashdsa
 
     g = torch.Generator(device=DEV).manual_seed(3)
-    B, s_q, H, bs = 5, 2, 16, 64
+    B = 5
     lens = torch.tensor([0, 1, 70, 300, 129], dtype=torch.int32, device=DEV)
-    mb = 6
+    mb = 6 * 64 // bs
     table = torch.randperm(B * mb, generator=g, device=DEV).int().view(B, mb)
     cache = (torch.randn(B * mb, bs, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
     for b in range(B):  # unused slots of every sequence's pages: NaN
@@ -141,13 +143,14 @@ def decode():
     out, lse = flashdsa.mla_decode(q, cache, table, lens, backend="kernel" if DEV == "cuda" else "reference")
     ro, rl = flashdsa.mla_decode(q.cpu(), cache.cpu(), table.cpu(), lens.cpu(), backend="reference")
     good = _close(out, ro, 1e-3, 2 / 128)
-    print(f"  decode dense B {B} s_q {s_q} H {H}: {'ok' if good else 'MISMATCH'}")
+    print(f"  decode dense B {B} s_q {s_q} H {H} block {bs}: {'ok' if good else 'MISMATCH'}")
     return good
 
 
 TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("single"),
            "paged_pipelined": lambda: paged("pipelined"), "sparse_bf16": lambda: sparse("bf16"),
            "sparse_cache656": lambda: sparse("cache656"), "sparse_fp8": lambda: sparse("fp8"), "decode": decode,
+           "decode_bs16": lambda: decode(16, 1, 16), "decode_ws": lambda: decode(64, 1, 64),
            "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True)}
 
 

@@ -3,10 +3,13 @@
 Notes
 -----
 Variants (``run_mla_decode_dense(..., variant=)``, else ``$FLASHDSA_DECODE_VARIANT``, else ``DEFAULT_VARIANT``):
-  * "ws" (default): the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
+  * "auto" (default): "narrow" for ``s_q * H <= AUTO_NARROW_ROWS``, else "ws".
+  * "narrow": ``kernel_dense_narrow.py`` (cache positions on the wgmma M side, the few query rows as N) where
+    ``s_q * H <= 32``, else "ws"; see its notes.
+  * "ws": the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
     consumer warpgroups, 64-key tiles, the n_mt row tiles of a split in adjacent CTAs); see its notes.
   * "pipelined": this module's partial kernel, described below (the one measured on the H200 first).
-  Both use this module's split plan (``_plan``, tile size per variant), partial buffers and combine kernel.
+  All use this module's split plan (``_plan``, tile size per variant), partial buffers and combine kernel.
 
 Design
   * Query rows: the ``s_q * H`` query rows of one sequence (row ``m = i * H + h``) form the M side of the wgmma
@@ -93,8 +96,9 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 _OVERHEAD_TILES = 5  # fixed cost of one split (Q load, epilogue, combine) in units of 64-token tiles
 _MIN_CHUNK_TILES = 2  # never split below 128 tokens
 _COMBINE_THREADS = 128
-VARIANTS = ("ws", "pipelined")
-DEFAULT_VARIANT = "ws"  # "pipelined": the two-stage cp.async kernel of this module (measured on the H200)
+VARIANTS = ("auto", "ws", "narrow", "pipelined")
+DEFAULT_VARIANT = "auto"  # "pipelined": the two-stage cp.async kernel of this module (measured on the H200)
+AUTO_NARROW_ROWS = 32  # "auto" runs the narrow kernel for s_q * H <= this, else "ws"
 VARIANT_ENV = "FLASHDSA_DECODE_VARIANT"
 
 
@@ -473,21 +477,26 @@ def _variant(variant):
 
 
 def _ws_module(variant: str, rows: int):
-    """The partial-kernel module a warp-specialised variant runs for ``s_q * H = rows``: "ws" ->
-    ``kernel_dense_ws`` (for every ``rows``).  It has ``BLOCK_N``, ``_OVERHEAD_TILES``, ``_MIN_CHUNK_TILES`` (the
-    split plan's tile) and ``compiled_partial``."""
+    """The partial-kernel module a variant other than "pipelined" runs for ``s_q * H = rows``: "ws" ->
+    ``kernel_dense_ws`` (every ``rows``); "narrow" -> ``kernel_dense_narrow`` where ``rows`` fits it
+    (``MAX_ROWS``), else ``kernel_dense_ws``; "auto" -> the narrow kernel for ``rows <= AUTO_NARROW_ROWS``.  The
+    module has ``BLOCK_N``, ``_OVERHEAD_TILES``, ``_MIN_CHUNK_TILES`` (the split plan's tile) and
+    ``compiled_partial``."""
+    from . import kernel_dense_narrow as narrow
     from . import kernel_dense_ws as ws
 
-    return ws
+    limit = {"narrow": narrow.MAX_ROWS, "auto": min(AUTO_NARROW_ROWS, narrow.MAX_ROWS)}.get(variant, 0)
+    return narrow if rows <= limit else ws
 
 
 def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d_v, causal, attn_sink=None,
                          variant=None):
     """Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] f32 natural log, +inf / 0 for empty rows).
 
-    ``variant``: "ws" (warp-specialised partial kernel, ``kernel_dense_ws``) or "pipelined" (this module's
-    two-stage cp.async kernel); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.  Both share the
-    split plan, the partial buffers and the combine kernel.
+    ``variant``: "auto" (default: ``kernel_dense_narrow`` for few query rows, else ``kernel_dense_ws``), "ws"
+    (warp-specialised partial kernel), "narrow" (keys-as-M kernel where s_q * H <= 32, else "ws") or "pipelined"
+    (this module's two-stage cp.async kernel); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.
+    All share the split plan, the partial buffers and the combine kernel.
     """
     reason = kernel_unsupported(q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal,
                                 attn_sink=attn_sink)
@@ -514,8 +523,9 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
     num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
     if variant != "pipelined":
         ws = _ws_module(variant, M)
+        per_sm = ws.ctas_per_sm(M) if hasattr(ws, "ctas_per_sm") else 1  # resident CTAs per SM: work items
         plan, seq_plan = _plan_device(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
-                                      num_sms=num_sms, tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
+                                      num_sms=num_sms * per_sm, tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
                                       min_chunk=ws._MIN_CHUNK_TILES)
     else:
         plan, seq_plan = _plan_device(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
