@@ -2,7 +2,8 @@
 
     python scripts/bench_sparse_fwd.py [--out FILE.json] [--reps 20] [--variants fwd,ws1] [--cases ...]
 
-Variants: "fwd" = kernel_fwd.py, "ws1" = kernel_fwd_ws.py.
+Variants: "fwd" = kernel_fwd.run_sparse_mla_fwd as dispatched, "padded" / "narrow" = its 64-head-tile kernel /
+kernel_fwd_narrow.py forced, "ws1" = kernel_fwd_ws.py.
 
 Four shapes (issue targets in TFLOP/s, FLOPs = 2 S H topk (Dqk + 512)):
   V32_H128          S 4096, SKV 8192,   H 128, Dqk 576, topk 2048        -> 700
@@ -27,12 +28,14 @@ import torch
 from flashdsa.sparse import kernel_fwd, kernel_fwd_ws
 
 HANG_S = 30.0
-VARIANTS = ("fwd", "ws1")
+VARIANTS = ("fwd", "ws1", "padded", "narrow")
 CASES = {
     "V32_H128": dict(H=128, dqk=576, topk=2048, skv=8192, sink=False, target=700),
     "V32_H64": dict(H=64, dqk=576, topk=2048, skv=8192, sink=False, target=690),
     "V32_H128_SKV128K": dict(H=128, dqk=576, topk=2048, skv=131072, sink=False, target=620),
     "V4_h64_k640_sink": dict(H=64, dqk=512, topk=640, skv=8192, sink=True, target=600),
+    "V32_H16": dict(H=16, dqk=576, topk=2048, skv=8192, sink=False, target=250),
+    "V32_H32": dict(H=32, dqk=576, topk=2048, skv=8192, sink=False, target=0),
 }
 
 
@@ -48,8 +51,10 @@ def _sync_or_die(what):
 
 
 def _runner(variant, q, kv, idx, sm_scale, sink):
-    if variant == "fwd":
-        return lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)
+    if variant in ("fwd", "padded", "narrow"):
+        narrow = {"fwd": None, "padded": False, "narrow": True}[variant]
+        return lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink,
+                                                     narrow=narrow)
     return lambda: kernel_fwd_ws.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)
 
 

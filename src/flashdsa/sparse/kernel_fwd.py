@@ -216,12 +216,21 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
     return tc.check_fwd_shapes(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
 
 
-def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
-    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
+def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
+                       narrow: bool | None = None):
+    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
+
+    ``narrow``: run ``kernel_fwd_narrow`` (rows on the wgmma M side, H <= its MAX_HEADS) instead of this module's
+    64-head tile; None picks it for every H it takes."""
+    from . import kernel_fwd_narrow
+
     reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
     if reason is not None:
         raise ValueError(f"sparse_mla fwd kernel: {reason}")
-    return launch(_compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+    if narrow is None:
+        narrow = q.shape[1] <= kernel_fwd_narrow.MAX_HEADS
+    compiled = kernel_fwd_narrow._compiled if narrow else _compiled
+    return launch(compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
                   attn_sink=attn_sink)
 
 

@@ -1,0 +1,214 @@
+"""Sparse MLA forward for few heads (H <= 32): the gathered KV rows on the wgmma M side, the heads on N.
+
+Notes
+-----
+Same contract, host interface (``kernel_fwd.launch``) and numerics as ``kernel_fwd.py``, which dispatches here for
+``H <= MAX_HEADS``.  Why: ``kernel_fwd`` pads the heads of a token to a 64-row wgmma tile, so H = 16 (DeepSeek's 128
+heads sharded over 8 GPUs) pays 4x the tensor work and the full per-block chain of H = 64 (measured 72 TFLOP/s at
+S 4096, topk 2048 against 270 for H = 64 in the same time).  Here, per token (one CTA), each block of 64 top-k rows
+is the M side and the zero-padded heads are N (``BR`` = 16 or 32), as in ``decode/kernel_dense_narrow.py``:
+
+  * ``S^T [64, BR] = K Q^T`` (A = the gathered tile, K-major; B = the Q tile), staged in shared memory as fp32 and
+    read back transposed as ``S [BR, 64]`` for the online softmax's row max / sum;
+  * ``O^T [512, BR] += V^T P^T`` (A = the latent columns of the same tile read MN-major; B = P bf16 ``[BR, 64]``),
+    fp32 accumulators, rescaled by ``alpha`` broadcast through shared memory.
+
+Schedule: 128 threads (one warpgroup), grid ``(T,)``, blocks ``ceil(topk_eff / 64)`` (topk_length honoured, a
+dynamic trip count: the pipeline is written by hand).  Two tile buffers: at the top of iteration ``it`` block
+``it + 1`` is gathered into the buffer block ``it - 1`` released (predicated zero-filling cp.async of the 16-byte
+chunks of each selected row, one commit group per block), then ``wait_group 1`` leaves only that block in flight.
+Invalid slots (``-1``, out of range, past ``topk_eff``) are never read: the cp.async reads nothing and the rows are
+zeros, and their scores are -inf.  Running max from the finite -1e30, exp2 with ``sm_scale * log2(e)`` folded, sink
+``1 / (l + 2^(sink log2e - m c))``, empty rows -> out 0, lse +inf, max_logits -inf (``_tl_common`` macros).
+
+Shared memory (Dqk 576, BR 16): 2 x 72 KB tiles + Q 18 KB + S^T 4 KB + P 2 KB = 171 KB (BR 32: 198 KB).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from . import _tl_common as tc
+from ._tl_common import BLOCK_I, D_V, LOG2E
+
+MAX_HEADS = 32
+THREADS = 128
+
+
+def rows_tile(heads: int) -> int:
+    """The wgmma N (heads per CTA, zero-padded)."""
+    if not 1 <= heads <= MAX_HEADS:
+        raise ValueError(f"narrow sparse forward: H={heads} not in 1..{MAX_HEADS}")
+    return 16 if heads <= 16 else 32
+
+
+def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scale: float, has_sink: bool = False,
+                                has_topk_length: bool = False):
+    """prim_func with ``kernel_fwd.build_sparse_mla_fwd``'s signature (Q[T,H,Dqk], KV[Tkv,Dqk], Indices[T,topk],
+    TopkLen[n_tl], Sink[n_sink], Out[T,H,d_v], Lse[T,H], MaxLogits[T,H]); any topk (dynamic trip count)."""
+    assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
+    BR = rows_tile(heads)
+    BI, D, DT = BLOCK_I, d_v, dqk - d_v
+    assert sm_scale > 0
+    c_log2 = float(sm_scale) * LOG2E
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
+    _row = tc.make_slot_row(topk_dim)
+    _ok = tc.make_row_ok(n_kv)
+    load_q, normaliser, _, store_lse = tc.padded_head_macros(
+        BH=BR, D=D, D_tail=DT, dqk=dqk, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
+
+    @T.macro
+    def gather(KV, Indices, tok, lim, blk, KV_b, Kt_b):
+        # cp.async (no commit, no wait) of block blk's rows; invalid slots: src-size 0 (zero fill, nothing read)
+        # (row / ok / src bound once per element: repeating the Indices expression makes lowering take minutes)
+        for r, d in T.Parallel(BI, D, annotations=tc.ASYNC_GATHER):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            ok = _ok(row)
+            src = T.if_then_else(ok, row, 0)
+            KV_b[r, d] = T.if_then_else(ok, KV[src, d], T.cast(0, bf16))
+        if DT > 0:
+            for r, d in T.Parallel(BI, DT, annotations=tc.ASYNC_GATHER):
+                row = _row(Indices, tok, lim, blk * BI + r)
+                ok = _ok(row)
+                src = T.if_then_else(ok, row, 0)
+                Kt_b[r, d] = T.if_then_else(ok, KV[src, D + d], T.cast(0, bf16))
+
+    @T.macro
+    def attend(Indices, tok, lim, blk, KV_b, Kt_b, Q_s, Qt_s, ST_s, P_s, Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev,
+               alpha, l_i, l_blk):
+        T.clear(acc_t)
+        T.gemm(KV_b, Q_s, acc_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        if DT > 0:
+            T.gemm(Kt_b, Qt_s, acc_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.copy(acc_t, ST_s)
+        for n, r in T.Parallel(BR, BI):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            s_f[n, r] = T.if_then_else(_ok(row), ST_s[r, n], -T.infinity(f32))
+        T.copy(m_i, m_prev)
+        T.reduce_max(s_f, m_i, dim=1, clear=False)
+        for n in T.Parallel(BR):
+            alpha[n] = T.exp2((m_prev[n] - m_i[n]) * c_log2)
+        for n, r in T.Parallel(BR, BI):
+            s_f[n, r] = T.exp2(s_f[n, r] * c_log2 - m_i[n] * c_log2)
+        T.reduce_sum(s_f, l_blk, dim=1)
+        for n in T.Parallel(BR):
+            l_i[n] = l_i[n] * alpha[n] + l_blk[n]
+        T.copy(alpha, Alpha_s)
+        T.copy(s_f, P_s)
+        for d, n in T.Parallel(D, BR):
+            acc_ot[d, n] = acc_ot[d, n] * Alpha_s[n]
+        T.gemm(KV_b, P_s, acc_ot, transpose_A=True, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.prim_func
+    def sparse_mla_fwd_narrow(
+        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        KV: T.Tensor([n_kv, dqk], bf16),
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok, threads=THREADS) as bx:
+            Q_s = T.alloc_shared([BR, D], bf16)
+            KV_0 = T.alloc_shared([BI, D], bf16)
+            KV_1 = T.alloc_shared([BI, D], bf16)
+            if DT > 0:
+                Qt_s = T.alloc_shared([BR, DT], bf16)
+                Kt_0 = T.alloc_shared([BI, DT], bf16)
+                Kt_1 = T.alloc_shared([BI, DT], bf16)
+            else:
+                Qt_s = Kt_0 = Kt_1 = None
+            ST_s = T.alloc_shared([BI, BR], f32)
+            P_s = T.alloc_shared([BR, BI], bf16)
+            Alpha_s = T.alloc_shared([BR], f32)
+
+            acc_t = T.alloc_fragment([BI, BR], f32)
+            acc_ot = T.alloc_fragment([D, BR], f32)
+            s_f = T.alloc_fragment([BR, BI], f32)
+            m_i = T.alloc_fragment([BR], f32)
+            m_prev = T.alloc_fragment([BR], f32)
+            alpha = T.alloc_fragment([BR], f32)
+            l_i = T.alloc_fragment([BR], f32)
+            l_blk = T.alloc_fragment([BR], f32)
+            inv = T.alloc_fragment([BR], f32)
+            lim = T.alloc_local([1], i32)
+            nblk = T.alloc_local([1], i32)
+
+            if has_topk_length:
+                lim[0] = T.max(T.min(TopkLen[bx], topk_dim), 0)
+            else:
+                lim[0] = topk_dim
+            nblk[0] = T.ceildiv(lim[0], BI)
+            load_q(Q, Q_s, Qt_s, bx, 0)  # heads past H -> 0
+            T.fill(acc_ot, 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, tc.NEG_BIG)
+            if nblk[0] > 0:
+                gather(KV, Indices, bx, lim[0], 0, KV_0, Kt_0)
+                T.ptx_commit_group()
+            for it in T.serial(nblk[0]):
+                # gather block it + 1 into the buffer block it - 1 released, then wait for block it only
+                if it + 1 < nblk[0]:
+                    if it % 2 == 0:
+                        gather(KV, Indices, bx, lim[0], it + 1, KV_1, Kt_1)
+                    else:
+                        gather(KV, Indices, bx, lim[0], it + 1, KV_0, Kt_0)
+                    T.ptx_commit_group()
+                    T.ptx_wait_group(1)
+                else:
+                    T.ptx_wait_group(0)
+                T.sync_threads()
+                if it % 2 == 0:
+                    attend(Indices, bx, lim[0], it, KV_0, Kt_0, Q_s, Qt_s, ST_s, P_s, Alpha_s, acc_t, acc_ot, s_f,
+                           m_i, m_prev, alpha, l_i, l_blk)
+                else:
+                    attend(Indices, bx, lim[0], it, KV_1, Kt_1, Q_s, Qt_s, ST_s, P_s, Alpha_s, acc_t, acc_ot, s_f,
+                           m_i, m_prev, alpha, l_i, l_blk)
+                T.sync_threads()  # the buffer just read is refilled in the next iteration
+
+            # ---- epilogue: inv broadcast through Alpha_s (acc_ot's layout differs from the rows'), the output
+            # staged transposed through the dead Q tile ----
+            normaliser(inv, l_i, m_i, Sink, 0)
+            T.copy(inv, Alpha_s)
+            T.sync_threads()
+            for d, n in T.Parallel(D, BR):
+                Q_s[n, d] = T.cast(acc_ot[d, n] * Alpha_s[n], bf16)
+            T.sync_threads()
+            for n, d in T.Parallel(BR, D):
+                if n < heads:
+                    Out[bx, n, d] = Q_s[n, d]
+            store_lse(l_i, m_i, Lse, MaxLogits, bx, 0)
+
+    return sparse_mla_fwd_narrow
+
+
+def _pass_configs():
+    return tc.plain_pass_configs()
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+    # n_blocks is not a build parameter (the trip count is dynamic): one kernel per (H, Dqk, sink, topk_length)
+    return _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length)
+
+
+@functools.lru_cache(maxsize=64)
+def _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length):
+    func = build_sparse_mla_fwd_narrow(heads=heads, dqk=dqk, d_v=d_v, sm_scale=sm_scale, has_sink=has_sink,
+                                       has_topk_length=has_topk_length)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    return [
+        ("h16_d576_sink_tl", build_sparse_mla_fwd_narrow(heads=16, dqk=576, sm_scale=576 ** -0.5, has_sink=True,
+                                                         has_topk_length=True)),
+        ("h9_d512", build_sparse_mla_fwd_narrow(heads=9, dqk=512, sm_scale=512 ** -0.5)),
+    ]
