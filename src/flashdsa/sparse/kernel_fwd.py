@@ -49,7 +49,8 @@ Known risks for the GPU run:
     producer/consumer warp-specialised variant is not written yet.
   * Shared memory is within 1 KiB of the cap for Dqk = 576; if the launch fails
     with "too many resources"/smem, use num_stages=1 (build arg) for Dqk = 576.
-  * H < 64 pads to 64 rows (up to 64x wasted MMA for H = 1; correct, not fast).
+  * H < 64 pads to 64 rows (up to 64x wasted MMA for H = 1); since session 6 ``run_sparse_mla_fwd`` sends
+    H <= 32 to ``kernel_fwd_narrow`` (rows on the wgmma M side) instead.
   * q is made contiguous on the host (a strided q costs one extra copy).
   * Compile time on the GPU host: one nvcc compile per cached config (the CPU
     lowering alone takes 6-16 s per config).

@@ -22,6 +22,11 @@ zeros, and their scores are -inf.  Running max from the finite -1e30, exp2 with 
 ``1 / (l + 2^(sink log2e - m c))``, empty rows -> out 0, lse +inf, max_logits -inf (``_tl_common`` macros).
 
 Shared memory (Dqk 576, BR 16): 2 x 72 KB tiles + Q 18 KB + S^T 4 KB + P 2 KB = 171 KB (BR 32: 198 KB).
+
+Measured (H200, session 6, S 4096, SKV 8192, topk 2048, Dqk 576; docs/PERFORMANCE.md): H 16 4.18 ms (64-head tile)
+-> 3.27 ms (89 TFLOP/s; suite 3.15 ms, 92.8), H 32 131.9 -> 143.8 TFLOP/s.  Gather-bound: 9.7 GB through the
+gather at ~3.1 TB/s.  GPU tests: tests/sparse_mla/test_kernel_gpu.py (H 16 / 1 cases, peaky H 16),
+test_autograd_gpu.py (H 16 / 3), memcheck ``sparse_bf16``.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
