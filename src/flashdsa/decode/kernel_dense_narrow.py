@@ -44,6 +44,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from ..sparse._tl_common import narrow_macros
 from . import kernel_dense as _kd
 from ._tl_common import D_ROPE, D_V, DQK, LN2, LOG2E, item_macros, partial_prim_func, partial_sizes
 
@@ -105,6 +106,7 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
     sizes = partial_sizes()
     _, nblk, maxb, nitem, _ = sizes
     load_item = item_macros(M=M, s_q=s_q, causal=causal, BH=BR, BI=BN)[0]
+    qk_t, softmax_pv = narrow_macros(BR=BR, BI=BN, D=D, has_tail=True, c_log2=c_log2)
 
     @T.macro
     def issue_tile(KV, BlockTable, b, p0, end, KV_b, Kt_b, bar, seg_ok, st, tx):
@@ -161,29 +163,13 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
                 if p0 + r >= end:
                     Kt_b[r, d] = T.cast(0, bf16)
             T.sync_threads()
-        T.clear(acc_t)
-        T.gemm(KV_b, Q_s, acc_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.gemm(Kt_b, Qt_s, acc_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.copy(acc_t, ST_s)
+        qk_t(KV_b, Kt_b, Q_s, Qt_s, acc_t, ST_s)
         for n, r in T.Parallel(BR, BN):
             ok = (p0 + r < end) & (((seg_ok[st] >> (r // SEG)) & 1) != 0)
             if causal:
                 ok = ok & (p0 + r < lim0 + n // heads)
             s_f[n, r] = T.if_then_else(ok, ST_s[r, n], -T.infinity(f32))
-        T.copy(m_i, m_prev)
-        T.reduce_max(s_f, m_i, dim=1, clear=False)
-        for n in T.Parallel(BR):
-            alpha[n] = T.exp2((m_prev[n] - m_i[n]) * c_log2)
-        for n, r in T.Parallel(BR, BN):
-            s_f[n, r] = T.exp2(s_f[n, r] * c_log2 - m_i[n] * c_log2)
-        T.reduce_sum(s_f, l_blk, dim=1)
-        for n in T.Parallel(BR):
-            l_i[n] = l_i[n] * alpha[n] + l_blk[n]
-        T.copy(alpha, Alpha_s)
-        T.copy(s_f, P_s)
-        for d, n in T.Parallel(D, BR):
-            acc_ot[d, n] = acc_ot[d, n] * Alpha_s[n]
-        T.gemm(KV_b, P_s, acc_ot, transpose_A=True, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        softmax_pv(KV_b, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk)
 
     @T.macro
     def body(Q, KV, BlockTable, SeqLens, Plan, Sink, Out, Lse, OPart, LsePart):

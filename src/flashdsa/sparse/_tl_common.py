@@ -99,6 +99,46 @@ def wg1_pv_step_macro(*, BH, DH):
     return wg1_step
 
 
+def narrow_macros(*, BR, BI, D, has_tail, c_log2):
+    """Macros of the narrow kernels (``kernel_fwd_narrow``, ``decode/kernel_dense_narrow``): the ``BI`` keys of a
+    tile on the wgmma M side, ``BR`` zero-padded query rows on N.
+
+    * ``qk_t(KV_b, Kt_b, Q_s, Qt_s, acc_t, ST_s)``: ``S^T [BI, BR] = K Q^T`` (+ the rope tail when ``has_tail``) into
+      the fragment ``acc_t``, then staged as fp32 in ``ST_s`` (the caller reads it back transposed and masked).
+    * ``softmax_pv(KV_b, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk)``: one online-softmax step on
+      the masked raw scores ``s_f [BR, BI]`` (-inf where invalid; exp2 with ``c_log2`` folded), P (bf16) and alpha
+      to shared memory, ``acc_ot [D, BR]`` rescaled by alpha and ``+= V^T P^T`` (V = the first ``D`` columns of
+      ``KV_b``, read MN-major).
+    """
+
+    @T.macro
+    def qk_t(KV_b, Kt_b, Q_s, Qt_s, acc_t, ST_s):
+        T.clear(acc_t)
+        T.gemm(KV_b, Q_s, acc_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        if has_tail:
+            T.gemm(Kt_b, Qt_s, acc_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.copy(acc_t, ST_s)
+
+    @T.macro
+    def softmax_pv(KV_b, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk):
+        T.copy(m_i, m_prev)
+        T.reduce_max(s_f, m_i, dim=1, clear=False)
+        for n in T.Parallel(BR):
+            alpha[n] = T.exp2((m_prev[n] - m_i[n]) * c_log2)
+        for n, r in T.Parallel(BR, BI):
+            s_f[n, r] = T.exp2(s_f[n, r] * c_log2 - m_i[n] * c_log2)
+        T.reduce_sum(s_f, l_blk, dim=1)
+        for n in T.Parallel(BR):
+            l_i[n] = l_i[n] * alpha[n] + l_blk[n]
+        T.copy(alpha, Alpha_s)
+        T.copy(s_f, P_s)
+        for d, n in T.Parallel(D, BR):
+            acc_ot[d, n] = acc_ot[d, n] * Alpha_s[n]
+        T.gemm(KV_b, P_s, acc_ot, transpose_A=True, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+
+    return qk_t, softmax_pv
+
+
 def padded_head_macros(*, BH, D, D_tail, dqk, heads, c_log2, has_sink, dtype, sync_before_stage=False):
     """Macros of the pipelined forwards (grid (T, ceil(H / 64)), heads padded to 64 rows):
 

@@ -65,6 +65,7 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
     _ok = tc.make_row_ok(n_kv)
     load_q, normaliser, _, store_lse = tc.padded_head_macros(
         BH=BR, D=D, D_tail=DT, dqk=dqk, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
+    qk_t, softmax_pv = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=DT > 0, c_log2=c_log2)
 
     @T.macro
     def gather(KV, Indices, tok, lim, blk, KV_b, Kt_b):
@@ -85,28 +86,11 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
     @T.macro
     def attend(Indices, tok, lim, blk, KV_b, Kt_b, Q_s, Qt_s, ST_s, P_s, Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev,
                alpha, l_i, l_blk):
-        T.clear(acc_t)
-        T.gemm(KV_b, Q_s, acc_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        if DT > 0:
-            T.gemm(Kt_b, Qt_s, acc_t, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.copy(acc_t, ST_s)
+        qk_t(KV_b, Kt_b, Q_s, Qt_s, acc_t, ST_s)
         for n, r in T.Parallel(BR, BI):
             row = _row(Indices, tok, lim, blk * BI + r)
             s_f[n, r] = T.if_then_else(_ok(row), ST_s[r, n], -T.infinity(f32))
-        T.copy(m_i, m_prev)
-        T.reduce_max(s_f, m_i, dim=1, clear=False)
-        for n in T.Parallel(BR):
-            alpha[n] = T.exp2((m_prev[n] - m_i[n]) * c_log2)
-        for n, r in T.Parallel(BR, BI):
-            s_f[n, r] = T.exp2(s_f[n, r] * c_log2 - m_i[n] * c_log2)
-        T.reduce_sum(s_f, l_blk, dim=1)
-        for n in T.Parallel(BR):
-            l_i[n] = l_i[n] * alpha[n] + l_blk[n]
-        T.copy(alpha, Alpha_s)
-        T.copy(s_f, P_s)
-        for d, n in T.Parallel(D, BR):
-            acc_ot[d, n] = acc_ot[d, n] * Alpha_s[n]
-        T.gemm(KV_b, P_s, acc_ot, transpose_A=True, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        softmax_pv(KV_b, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk)
 
     @T.prim_func
     def sparse_mla_fwd_narrow(
