@@ -55,6 +55,7 @@ Risks
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
 
 import functools
+import os
 
 import torch
 
@@ -286,8 +287,17 @@ def _n_chunks(kv) -> int:
     return (kv.shape[0] - 1) * _rs16(kv) + N_CHUNKS_ROW if kv.shape[0] > 0 else 0
 
 
-def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
-    """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
+NARROW_ENV = "FLASHDSA_NARROW_CACHE656"  # "1": H <= 32 runs kernel_fwd_narrow's cache656 kernel (not GPU-verified yet)
+
+
+def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
+                       narrow: bool | None = None):
+    """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
+
+    ``narrow``: run ``kernel_fwd_narrow``'s cache656 kernel (keys on the wgmma M side, H <= 32); None: only when
+    ``$FLASHDSA_NARROW_CACHE656`` is "1" (opt-in until it has run on a GPU)."""
+    from . import kernel_fwd_narrow
+
     reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
     if reason is not None:
         raise ValueError(f"sparse_mla fwd fp8-cache kernel: {reason}")
@@ -303,7 +313,12 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     kvf = chunks.view(torch.float32)
     kvb = chunks.view(torch.bfloat16)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
+    if narrow is None:
+        narrow = os.environ.get(NARROW_ENV, "") == "1" and heads <= kernel_fwd_narrow.MAX_HEADS
+    if narrow:
+        kernel = kernel_fwd_narrow.compiled_cache656(heads, float(sm_scale), has_sink, has_tl)
+    else:
+        kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
     kernel(q, kv8, kvf, kvb, _rs16(kv), kv.shape[0], indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 
