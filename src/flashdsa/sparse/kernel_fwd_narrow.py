@@ -54,6 +54,25 @@ def rows_tile(heads: int) -> int:
     return 16 if heads <= 16 else 32
 
 
+def _prologue_macro(*, BI, topk_dim, has_topk_length, load_q):
+    """``start(TopkLen, Q, Q_s, Qt_s, lim, nblk, acc_ot, l_i, m_i, tok)``: topk_eff (``lim``) and its block count,
+    the Q tile (heads past H -> 0), the accumulator and softmax state."""
+
+    @T.macro
+    def start(TopkLen, Q, Q_s, Qt_s, lim, nblk, acc_ot, l_i, m_i, tok):
+        if has_topk_length:
+            lim[0] = T.max(T.min(TopkLen[tok], topk_dim), 0)
+        else:
+            lim[0] = topk_dim
+        nblk[0] = T.ceildiv(lim[0], BI)
+        load_q(Q, Q_s, Qt_s, tok, 0)
+        T.fill(acc_ot, 0)
+        T.fill(l_i, 0)
+        T.fill(m_i, tc.NEG_BIG)
+
+    return start
+
+
 def _epilogue_macro(*, BR, D, heads, normaliser, store_lse):
     """``epilogue(acc_ot, inv, l_i, m_i, Sink, Alpha_s, Q_s, Out, Lse, MaxLogits, tok)``: the normaliser (sink
     folded) broadcast through ``Alpha_s`` (``acc_ot``'s layout differs from the rows'), the output staged transposed
@@ -92,6 +111,7 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
         BH=BR, D=D, D_tail=DT, dqk=dqk, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
     qk_t, softmax_pv = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=DT > 0, c_log2=c_log2)
     epilogue = _epilogue_macro(BR=BR, D=D, heads=heads, normaliser=normaliser, store_lse=store_lse)
+    start = _prologue_macro(BI=BI, topk_dim=topk_dim, has_topk_length=has_topk_length, load_q=load_q)
 
     @T.macro
     def gather(KV, Indices, tok, lim, blk, KV_b, Kt_b):
@@ -155,15 +175,7 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
             lim = T.alloc_local([1], i32)
             nblk = T.alloc_local([1], i32)
 
-            if has_topk_length:
-                lim[0] = T.max(T.min(TopkLen[bx], topk_dim), 0)
-            else:
-                lim[0] = topk_dim
-            nblk[0] = T.ceildiv(lim[0], BI)
-            load_q(Q, Q_s, Qt_s, bx, 0)  # heads past H -> 0
-            T.fill(acc_ot, 0)
-            T.fill(l_i, 0)
-            T.fill(m_i, tc.NEG_BIG)
+            start(TopkLen, Q, Q_s, Qt_s, lim, nblk, acc_ot, l_i, m_i, bx)
             if nblk[0] > 0:
                 gather(KV, Indices, bx, lim[0], 0, KV_0, Kt_0)
                 T.ptx_commit_group()
@@ -213,6 +225,7 @@ def build_sparse_mla_fwd_narrow_cache656(*, heads: int, sm_scale: float, has_sin
         BH=BR, D=D, D_tail=DT, dqk=fc.DQK, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
     qk_t, softmax_pv = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=True, c_log2=c_log2)
     epilogue = _epilogue_macro(BR=BR, D=D, heads=heads, normaliser=normaliser, store_lse=store_lse)
+    start = _prologue_macro(BI=BI, topk_dim=topk_dim, has_topk_length=has_topk_length, load_q=load_q)
 
     @T.macro
     def issue(Indices, KV8, KVf, KVb, rs16, n_rows, tok, lim, blk, Raw_b, Scl_b, Kt_b):
@@ -287,15 +300,7 @@ def build_sparse_mla_fwd_narrow_cache656(*, heads: int, sm_scale: float, has_sin
             lim = T.alloc_local([1], i32)
             nblk = T.alloc_local([1], i32)
 
-            if has_topk_length:
-                lim[0] = T.max(T.min(TopkLen[bx], topk_dim), 0)
-            else:
-                lim[0] = topk_dim
-            nblk[0] = T.ceildiv(lim[0], BI)
-            load_q(Q, Q_s, Qt_s, bx, 0)
-            T.fill(acc_ot, 0)
-            T.fill(l_i, 0)
-            T.fill(m_i, tc.NEG_BIG)
+            start(TopkLen, Q, Q_s, Qt_s, lim, nblk, acc_ot, l_i, m_i, bx)
             if nblk[0] > 0:
                 issue(Indices, KV8, KVf, KVb, rs16, n_rows, bx, lim[0], 0, Raw_0, Scl_0, Kt_0)
                 T.ptx_commit_group()
