@@ -83,8 +83,13 @@ def build_sparse_mla_fwd(
     block_i: int = BLOCK_I,
     num_stages: int = 2,
     threads: int = 256,
+    ablate: str = "",
 ):
     """Return the TileLang prim_func.
+
+    ``ablate`` (timing only, wrong results; ``python -m flashdsa.sparse.kernel_fwd --ablate``): "no_gather" drops
+    the KV gather (the tiles keep whatever shared memory holds), "no_softmax" replaces the online softmax by a cast
+    of S, "no_pv" drops the PV product.
 
     The kernel is specialised on ceil(topk / block_i) (the loop trip count); the
     indices width itself is dynamic, so any topk with the same block count works.
@@ -93,6 +98,7 @@ def build_sparse_mla_fwd(
     has_topk_length / has_sink (pass 1-element dummies otherwise).
     """
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
+    assert ablate in ("", "no_gather", "no_softmax", "no_pv"), ablate
     assert 1 <= heads <= 2 * BLOCK_H
     D = d_v
     D_tail = dqk - d_v
@@ -158,16 +164,21 @@ def build_sparse_mla_fwd(
             T.fill(l_i, 0)
             T.fill(m_i, neg_big)
 
+            if ablate == "no_gather":  # timing only: the tiles stay zero
+                T.clear(KV_s)
+                if D_tail > 0:
+                    T.clear(Kt_s)
             for it in T.Pipelined(NI, num_stages=num_stages):
                 # ---- gather KV rows ----
                 # The row index is forced to -1 past topk_eff; TileLang's safe-access
                 # legalisation predicates the (cp.async, zero-fill) load on
                 # 0 <= row < Tkv, so invalid rows are never read and land as zeros.
-                for r, d in T.Parallel(BI, D):
-                    KV_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), d]
-                if D_tail > 0:
-                    for r, d in T.Parallel(BI, D_tail):
-                        Kt_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), D + d]
+                if ablate != "no_gather":
+                    for r, d in T.Parallel(BI, D):
+                        KV_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), d]
+                    if D_tail > 0:
+                        for r, d in T.Parallel(BI, D_tail):
+                            Kt_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), D + d]
 
                 # ---- S = Q K^T, invalid columns start at -inf ----
                 for h, r in T.Parallel(BH, BI):
@@ -178,9 +189,11 @@ def build_sparse_mla_fwd(
                     T.gemm(Qt_s, Kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
 
                 # ---- online softmax (raw-score max, exp2 with folded scale) ----
-                online_softmax(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)
+                if ablate != "no_softmax":
+                    online_softmax(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)
                 T.copy(acc_s, S_s)
-                T.gemm(S_s, KV_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                if ablate != "no_pv":
+                    T.gemm(S_s, KV_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             # ---- epilogue (the Q tile is the output staging buffer) ----
             normaliser(inv, l_i, m_i, Sink, h0)
@@ -197,9 +210,11 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
+              ablate: str = ""):
     func = build_sparse_mla_fwd(
-        heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale, has_sink=has_sink, has_topk_length=has_topk_length
+        heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale, has_sink=has_sink,
+        has_topk_length=has_topk_length, ablate=ablate
     )
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
@@ -265,3 +280,31 @@ def lowering_cases():
         )
         cases.append((name, fn))
     return cases
+
+
+def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
+    """Kernel times of the forward and its ``ablate`` variants at one shape (wrong results, timing only)."""
+    from ..bench.harness import time_fn
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+    kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+    idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
+    scale = dqk ** -0.5
+    n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks_per_sm = S * ((H + BLOCK_H - 1) // BLOCK_H) * n_blocks / n_sm
+    for ablate in ("", "no_gather", "no_softmax", "no_pv"):
+        run = lambda _, a=ablate: launch(lambda *k: _compiled(*k, ablate=a), q, kv, idx, sm_scale=scale,  # noqa: E731
+                                         d_v=D_V)
+        ms = time_fn(run, [None], q.device, reps=10).ms_median
+        print(f"ablate={ablate or 'none'} S={S} H={H} Dqk={dqk} topk={topk}: {ms:.3f} ms, "
+              f"{ms * 1e3 / blocks_per_sm:.2f} us per 64-row block and SM", flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--ablate" in sys.argv[1:]:  # H 64 and H 128 at the headline shape
+        _bench_ablate(H=64)
+        _bench_ablate(H=128)
