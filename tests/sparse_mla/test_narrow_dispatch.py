@@ -1,0 +1,53 @@
+"""CPU: which forward kernel the launchers pick for a head count (kernels replaced by recorders; nothing runs)."""
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from flashdsa.sparse import kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow  # noqa: E402
+
+
+def _fake_kernel(record, name):
+    def build(*key, **kw):
+        record.append((name, key))
+        return lambda *args: None
+    return build
+
+
+@pytest.fixture
+def record(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernel_fwd, "kernel_unsupported", lambda *a, **k: None)
+    monkeypatch.setattr(kernel_fwd, "_compiled", _fake_kernel(calls, "padded"))
+    monkeypatch.setattr(kernel_fwd_narrow, "_compiled", _fake_kernel(calls, "narrow"))
+    monkeypatch.setattr(kernel_fwd_fp8cache, "kernel_unsupported", lambda *a, **k: None)
+    monkeypatch.setattr(kernel_fwd_fp8cache, "_compiled", _fake_kernel(calls, "padded656"))
+    monkeypatch.setattr(kernel_fwd_narrow, "compiled_cache656", _fake_kernel(calls, "narrow656"))
+    return calls
+
+
+@pytest.mark.parametrize("heads,narrow,expect", [(1, None, "narrow"), (16, None, "narrow"), (32, None, "narrow"),
+                                                 (33, None, "padded"), (128, None, "padded"),
+                                                 (16, False, "padded"), (64, True, "narrow")])
+def test_bf16_forward_picks_kernel(record, heads, narrow, expect):
+    q = torch.zeros(3, heads, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(3, 100, dtype=torch.int32)
+    kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=narrow)
+    assert [name for name, _ in record] == [expect]
+
+
+@pytest.mark.parametrize("env,heads,expect", [("", 16, "padded656"), ("1", 16, "narrow656"), ("1", 64, "padded656")])
+def test_cache656_narrow_is_opt_in(record, monkeypatch, env, heads, expect):
+    monkeypatch.setenv(kernel_fwd_fp8cache.NARROW_ENV, env)
+    q = torch.zeros(3, heads, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 656, dtype=torch.uint8)
+    idx = torch.zeros(3, 100, dtype=torch.int32)
+    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512)
+    assert [name for name, _ in record] == [expect]
+
+
+def test_narrow_rejects_wide_heads():
+    with pytest.raises(ValueError, match="H=33"):
+        kernel_fwd_narrow.rows_tile(33)
