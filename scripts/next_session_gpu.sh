@@ -1,8 +1,9 @@
 #!/bin/bash
 # The first device call planned for session 7 (docs/ROADMAP.md, "First commands"): opt-in narrow FP8-cache kernel
-# tests + memcheck, the forward ablations, the gather probe, host-overhead profile, decode suite with and without the
-# opt-in.  Run from the repo root on the GPU host: FLASHDSA_COMMIT=<sha> bash scripts/next_session_gpu.sh
-# Everything goes to $OUT (logs, JSON); each step has its own time limit (~9 min in all on a cold host).
+# tests + memcheck, the forward ablations (H 64), the gather probe, the host-overhead profile.  If the opt-in passes,
+# a second call: FLASHDSA_NARROW_CACHE656=1 python -m flashdsa bench --op decode --results-dir "$OUT/optin" (commit
+# that JSON as a _variants_ document, not as the suite's).  Run from the repo root on the GPU host: FLASHDSA_COMMIT=<sha> bash scripts/next_session_gpu.sh
+# Everything goes to $OUT (logs, JSON); each step has its own time limit (~8 min in all on a cold host).
 set -u
 source .gpu/env.sh
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlc}
@@ -30,11 +31,4 @@ timeout -s KILL 60 python -m cProfile -s cumtime scripts/bench_overhead.py --jso
   > "$OUT/overhead_profile.txt" 2>&1
 grep -E "^\{" "$OUT/overhead_profile.txt"
 
-step "decode suite with the opt-in (sparse FP8 H 16 case)"
-# JSON under $OUT/optin/: a run with a non-default kernel must not become the README's source as is (commit it as a
-# _variants_ document)
-mkdir -p "$OUT/optin"
-FLASHDSA_NARROW_CACHE656=1 timeout -s KILL 150 python -m flashdsa bench --op decode --results-dir "$OUT/optin" \
-  > "$OUT/bench_decode_c656.log" 2>&1
-echo "rc=$?"; grep -E "sparse_fp8|dense_bf16_B64" "$OUT/bench_decode_c656.log"
 step "done"
