@@ -2,7 +2,8 @@
 # The first device call planned for session 7 (docs/ROADMAP.md, "First commands"): opt-in narrow FP8-cache kernel
 # tests + memcheck, the forward ablations (H 64), the gather probe, the host-overhead profile.  If the opt-in passes,
 # a second call: FLASHDSA_NARROW_CACHE656=1 python -m flashdsa bench --op decode --results-dir "$OUT/optin" (commit
-# that JSON as a _variants_ document, not as the suite's).  Run from the repo root on the GPU host: FLASHDSA_COMMIT=<sha> bash scripts/next_session_gpu.sh
+# that JSON as a _variants_ document, not as the suite's).
+# Run from the repo root on the GPU host: FLASHDSA_COMMIT=<sha> bash scripts/next_session_gpu.sh
 # Everything goes to $OUT (logs, JSON); each step has its own time limit (~8 min in all on a cold host).
 set -u
 source .gpu/env.sh
