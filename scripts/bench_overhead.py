@@ -3,7 +3,8 @@
     python scripts/bench_overhead.py [--json out.json]
 
 Cases: the V4 ``sparse_attn`` decode-shaped call of issue #8 (b 128, m 1, n 8192, h 64, d 512, topk 640, sink) and
-the memory-bound dense decode of issue #6 (B 64, H 16, s_q 1, cache 8192, block 64).  Per case, medians of:
+the memory-bound dense decode of issue #6 (B 64, H 16, s_q 1, cache 8192, block 64), each also on the ``flashdsa
+bench`` case's own inputs (``--suite-cases``).  Per case, medians of:
   * ``eager``: CUDA events around one eager call, L2 flushed before it (what ``flashdsa bench`` reports),
   * ``host``: wall time to submit one call without synchronising (mean over 50 back-to-back calls),
   * ``graph``: the call captured in a CUDA graph and replayed (events around the replay, L2 flushed),
@@ -92,16 +93,34 @@ def dense_mem(gen):
     return lambda: flashdsa.mla_decode(q, kv, table, lens, causal=True)
 
 
+def suite_case(suite, name):
+    """The timed call of one ``flashdsa bench`` case, on that case's own inputs."""
+    from flashdsa.bench.suites import get_cases
+
+    def make(gen):
+        case = {c.name: c for c in get_cases(suite, torch.device("cuda"))[0]}[name]
+        inputs = case.build(torch.device("cuda"), gen)
+        return lambda: case.run(inputs, "auto")
+
+    return make
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--suite-cases", default="decode:dense_bf16_B64_H16_sq1_cache8192,"
+                    "sparse_mla_fwd:V4_sparse_attn_decode_b128_m1_n8192_h64_d512_topk640_sink",
+                    help="SUITE:CASE,... also measured on the suite's own inputs ('' for none)")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
     rows = []
-    for name, make in (("v4_sparse_attn_decode_b128_h64_topk640", v4_decode), ("dense_decode_B64_H16_cache8192",
-                                                                               dense_mem)):
+    cases = [("v4_sparse_attn_decode_b128_h64_topk640", v4_decode), ("dense_decode_B64_H16_cache8192", dense_mem)]
+    for item in filter(None, args.suite_cases.split(",")):
+        suite, name = item.split(":")
+        cases.append((f"suite:{name}", suite_case(suite, name)))
+    for name, make in cases:
         row = {"case": name, **_measure(make(gen), args.reps, flush)}
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
         rows.append(row)
