@@ -113,10 +113,9 @@ def bench_variant(kd, variant, q, kv, table, lens, causal, reps, flush):
     if variant != "pipelined":
         ws = kd._ws_module(variant, M)  # the module run_mla_decode_dense runs
         res["partial"] = ws.__name__.rsplit(".", 1)[-1]
-        per_sm = ws.ctas_per_sm(M) if hasattr(ws, "ctas_per_sm") else 1
         plan, seq_plan = kd._plan(lens, max_blocks=table.shape[1], block_size=BLOCK_SIZE, n_mt=n_mt,
-                                  num_sms=num_sms * per_sm, tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
-                                  min_chunk=ws._MIN_CHUNK_TILES)
+                                  num_sms=num_sms * ws.ctas_per_sm(M), tile=ws.BLOCK_N,
+                                  overhead=ws._OVERHEAD_TILES, min_chunk=ws._MIN_CHUNK_TILES)
         part = ws.compiled_partial(H, s_q, BLOCK_SIZE, causal, float(scale), False)
     else:
         res["partial"] = "kernel_dense"

@@ -480,8 +480,8 @@ def _ws_module(variant: str, rows: int):
     """The partial-kernel module a variant other than "pipelined" runs for ``s_q * H = rows``: "ws" ->
     ``kernel_dense_ws`` (every ``rows``); "narrow" -> ``kernel_dense_narrow`` where ``rows`` fits it
     (``MAX_ROWS``), else ``kernel_dense_ws``; "auto" -> the narrow kernel for ``rows <= AUTO_NARROW_ROWS``.  The
-    module has ``BLOCK_N``, ``_OVERHEAD_TILES``, ``_MIN_CHUNK_TILES`` (the split plan's tile) and
-    ``compiled_partial``."""
+    module has ``BLOCK_N``, ``_OVERHEAD_TILES``, ``_MIN_CHUNK_TILES`` (the split plan's tile), ``ctas_per_sm`` (the
+    plan's work items per SM) and ``compiled_partial``."""
     from . import kernel_dense_narrow as narrow
     from . import kernel_dense_ws as ws
 
@@ -523,10 +523,9 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
     num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
     if variant != "pipelined":
         ws = _ws_module(variant, M)
-        per_sm = ws.ctas_per_sm(M) if hasattr(ws, "ctas_per_sm") else 1  # resident CTAs per SM: work items
         plan, seq_plan = _plan_device(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
-                                      num_sms=num_sms * per_sm, tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
-                                      min_chunk=ws._MIN_CHUNK_TILES)
+                                      num_sms=num_sms * ws.ctas_per_sm(M), tile=ws.BLOCK_N,
+                                      overhead=ws._OVERHEAD_TILES, min_chunk=ws._MIN_CHUNK_TILES)
     else:
         plan, seq_plan = _plan_device(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
                                       num_sms=num_sms)

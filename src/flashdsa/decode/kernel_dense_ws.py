@@ -77,6 +77,11 @@ assert REG_WG0 + REG_WG1 + REG_PRODUCER <= 3 * _REG_LAUNCH
 BAR_WG0, BAR_WG1 = 8, 9  # named barriers of 128 threads (0 is __syncthreads)
 
 
+def ctas_per_sm(rows: int) -> int:
+    """Resident CTAs per SM (the split plan sizes its work items with it): ~222 KB of shared memory, one."""
+    return 1
+
+
 def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale: float,
                          has_sink: bool):
     """Warp-specialised split-KV attention kernel; same signature as ``kernel_dense.build_partial_kernel``.

@@ -78,6 +78,43 @@ FP8 = "float8_e4m3fn"
 
 
 
+def cache_macros(*, BI: int, topk_dim):
+    """(issue, dequant) over the 656-byte cache (``topk_dim``: the indices width symbol):
+
+    * ``issue(Indices, KV8, KVf, KVb, rs16, n_rows, tok, lim, blk, Raw_s, Scl_s, Kt_b)``: cp.async (no commit, no
+      wait) of top-k block ``blk`` of token ``tok``: e4m3 latent -> ``Raw_s [BI, 512]``, scales -> ``Scl_s [BI, 4]``,
+      rope -> ``Kt_b [BI, 64]`` bf16.  Invalid slots: src-size 0 (zero fill, nothing read), address clamped to row 0.
+    * ``dequant(Raw_s, Scl_s, KV_s)``: ``KV_s = bf16(float(e4m3) * scale)`` (exact for the format's scales).
+    """
+    _row = tc.make_slot_row(topk_dim)
+    bf16, f32 = "bfloat16", "float32"
+
+    @T.macro
+    def issue(Indices, KV8, KVf, KVb, rs16, n_rows, tok, lim, blk, Raw_s, Scl_s, Kt_b):
+        for r, c, v in T.Parallel(BI, LAT_CHUNKS, CHUNK, annotations=tc.ASYNC_GATHER):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            ok = (row >= 0) & (row < n_rows)
+            base = T.if_then_else(ok, row, 0) * rs16
+            Raw_s[r, c * CHUNK + v] = T.if_then_else(ok, KV8[base + c, v], T.cast(0, FP8))
+        for r, v in T.Parallel(BI, 4, annotations=tc.ASYNC_GATHER):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            ok = (row >= 0) & (row < n_rows)
+            base = T.if_then_else(ok, row, 0) * rs16
+            Scl_s[r, v] = T.if_then_else(ok, KVf[base + SCALE_CHUNK, v], T.float32(0))
+        for r, c, v in T.Parallel(BI, D_TAIL // 8, 8, annotations=tc.ASYNC_GATHER):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            ok = (row >= 0) & (row < n_rows)
+            base = T.if_then_else(ok, row, 0) * rs16
+            Kt_b[r, c * 8 + v] = T.if_then_else(ok, KVb[base + ROPE_CHUNK0 + c, v], T.cast(0, bf16))
+
+    @T.macro
+    def dequant(Raw_s, Scl_s, KV_s):
+        for r, d in T.Parallel(BI, D_V):
+            KV_s[r, d] = T.cast(T.cast(Raw_s[r, d], f32) * Scl_s[r, d // TILE], bf16)
+
+    return issue, dequant
+
+
 def build_sparse_mla_fwd_fp8cache(
     *,
     heads: int,
@@ -113,26 +150,7 @@ def build_sparse_mla_fwd_fp8cache(
         BH=BH, D=D, D_tail=DT, dqk=DQK, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16,
         sync_before_stage=True,  # every warpgroup must be past its last QK (reads Q_s) before Q_s is overwritten
     )
-
-    @T.macro
-    def issue(Indices, KV8, KVf, KVb, rs16, n_rows, tok, lim, blk, Raw_s, Scl_s, Kt_b):
-        # cp.async (no commit, no wait) of block blk: e4m3 latent -> Raw_s, scales -> Scl_s, rope -> Kt_b.
-        # Invalid slots: src-size 0 (zero fill, nothing read); their address is clamped to row 0.
-        for r, c, v in T.Parallel(BI, LAT_CHUNKS, CHUNK, annotations=tc.ASYNC_GATHER):
-            row = _row(Indices, tok, lim, blk * BI + r)
-            ok = (row >= 0) & (row < n_rows)
-            base = T.if_then_else(ok, row, 0) * rs16
-            Raw_s[r, c * CHUNK + v] = T.if_then_else(ok, KV8[base + c, v], T.cast(0, FP8))
-        for r, v in T.Parallel(BI, 4, annotations=tc.ASYNC_GATHER):
-            row = _row(Indices, tok, lim, blk * BI + r)
-            ok = (row >= 0) & (row < n_rows)
-            base = T.if_then_else(ok, row, 0) * rs16
-            Scl_s[r, v] = T.if_then_else(ok, KVf[base + SCALE_CHUNK, v], T.float32(0))
-        for r, c, v in T.Parallel(BI, DT // 8, 8, annotations=tc.ASYNC_GATHER):
-            row = _row(Indices, tok, lim, blk * BI + r)
-            ok = (row >= 0) & (row < n_rows)
-            base = T.if_then_else(ok, row, 0) * rs16
-            Kt_b[r, c * 8 + v] = T.if_then_else(ok, KVb[base + ROPE_CHUNK0 + c, v], T.cast(0, bf16))
+    issue, dequant = cache_macros(BI=BI, topk_dim=topk_dim)
 
     @T.macro
     def attend(Indices, n_rows, tok, lim, blk, Q_s, Qt_s, KV_s, Kt_b, S_s, acc_s, acc_o, m_i, m_prev, alpha, l_i,
@@ -208,8 +226,7 @@ def build_sparse_mla_fwd_fp8cache(
                     T.ptx_wait_group(0)
                     T.fence_proxy_async()
                     T.sync_threads()
-                    for r, d in T.Parallel(BI, D):
-                        KV_s[r, d] = T.cast(T.cast(Raw_s[r, d], f32) * Scl_s[r, d // TILE], bf16)
+                    dequant(Raw_s, Scl_s, KV_s)
                     T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
                     T.sync_threads()  # KV_s complete; Raw_s / Scl_s consumed
                     if it % 2 == 0:

@@ -226,31 +226,12 @@ def build_sparse_mla_fwd_narrow_cache656(*, heads: int, sm_scale: float, has_sin
     qk_t, softmax_pv = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=True, c_log2=c_log2)
     epilogue = _epilogue_macro(BR=BR, D=D, heads=heads, normaliser=normaliser, store_lse=store_lse)
     start = _prologue_macro(BI=BI, topk_dim=topk_dim, has_topk_length=has_topk_length, load_q=load_q)
-
-    @T.macro
-    def issue(Indices, KV8, KVf, KVb, rs16, n_rows, tok, lim, blk, Raw_b, Scl_b, Kt_b):
-        # cp.async (no commit, no wait); invalid slots: src-size 0 (zero fill, nothing read), address clamped
-        for r, c, v in T.Parallel(BI, fc.LAT_CHUNKS, CH, annotations=tc.ASYNC_GATHER):
-            row = _row(Indices, tok, lim, blk * BI + r)
-            ok = (row >= 0) & (row < n_rows)
-            base = T.if_then_else(ok, row, 0) * rs16
-            Raw_b[r, c * CH + v] = T.if_then_else(ok, KV8[base + c, v], T.cast(0, fc.FP8))
-        for r, v in T.Parallel(BI, 4, annotations=tc.ASYNC_GATHER):
-            row = _row(Indices, tok, lim, blk * BI + r)
-            ok = (row >= 0) & (row < n_rows)
-            base = T.if_then_else(ok, row, 0) * rs16
-            Scl_b[r, v] = T.if_then_else(ok, KVf[base + fc.SCALE_CHUNK, v], T.float32(0))
-        for r, c, v in T.Parallel(BI, DT // 8, 8, annotations=tc.ASYNC_GATHER):
-            row = _row(Indices, tok, lim, blk * BI + r)
-            ok = (row >= 0) & (row < n_rows)
-            base = T.if_then_else(ok, row, 0) * rs16
-            Kt_b[r, c * 8 + v] = T.if_then_else(ok, KVb[base + fc.ROPE_CHUNK0 + c, v], T.cast(0, bf16))
+    issue, dequant = fc.cache_macros(BI=BI, topk_dim=topk_dim)
 
     @T.macro
     def dequant_attend(Indices, n_rows, tok, lim, blk, Raw_b, Scl_b, Kt_b, KV_s, Q_s, Qt_s, ST_s, P_s, Alpha_s,
                        acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk):
-        for r, d in T.Parallel(BI, D):
-            KV_s[r, d] = T.cast(T.cast(Raw_b[r, d], f32) * Scl_b[r, d // fc.TILE], bf16)
+        dequant(Raw_b, Scl_b, KV_s)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
         T.sync_threads()
         qk_t(KV_s, Kt_b, Q_s, Qt_s, acc_t, ST_s)
@@ -334,7 +315,6 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
-@functools.lru_cache(maxsize=64)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
     # n_blocks is not a build parameter (the trip count is dynamic): one kernel per (H, Dqk, sink, topk_length)
     return _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length)
