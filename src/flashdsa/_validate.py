@@ -46,23 +46,32 @@ def check_tensor(
         raise TypeError(f"{name}: expected a torch.Tensor, got None")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    # plain loops and early exits: every public call runs several of these (host time of decode-sized calls)
     if dtypes is not None:
-        dtypes = tuple(dtypes)
+        if not isinstance(dtypes, tuple):
+            dtypes = tuple(dtypes)
         if x.dtype not in dtypes:
             want = " or ".join(dtype_name(d) for d in dtypes)
             raise TypeError(f"{name}: expected dtype {want}, got {dtype_name(x.dtype)}")
     if shape is not None:
-        ok = x.dim() == len(shape) and all(w is None or int(w) == int(g) for w, g in zip(shape, x.shape))
+        got = x.shape
+        ok = len(got) == len(shape)
+        if ok:
+            for w, g in zip(shape, got):
+                if w is not None and w != g:
+                    ok = False
+                    break
         if not ok:
             raise ValueError(f"{name}: expected shape {_fmt_shape(shape)}, got {_fmt_shape(tuple(x.shape))}")
     elif ndim is not None:
-        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if x.dim() not in allowed:
+        nd = x.dim()
+        if nd != ndim if isinstance(ndim, int) else nd not in tuple(ndim):
+            allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
             want = " or ".join(str(a) for a in allowed)
-            raise ValueError(f"{name}: expected a {want}-D tensor, got {x.dim()}-D with shape {_fmt_shape(tuple(x.shape))}")
+            raise ValueError(f"{name}: expected a {want}-D tensor, got {nd}-D with shape {_fmt_shape(tuple(x.shape))}")
     if device is not None and x.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (like the other inputs), got one on {x.device}")
-    if last_dim_contiguous and x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
+    if last_dim_contiguous and x.dim() > 0 and x.stride(-1) != 1 and x.shape[-1] > 1:
         raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(x.stride())}")
     return x
 

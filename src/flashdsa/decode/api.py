@@ -64,7 +64,8 @@ def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[to
 
     if _dispatch.resolve_backend("mla_decode", backend, q.device, check) == "kernel":
         return _dispatch.kernel_module("mla_decode").run_mla_decode_dense(
-            q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale, d_v=d_v, causal=causal, attn_sink=attn_sink)
+            q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale, d_v=d_v, causal=causal, attn_sink=attn_sink,
+            checked=True)
     out, lse = reference.mla_decode_reference(q, kv_cache, block_table, cache_seqlens, sm_scale=sm_scale, d_v=d_v,
                                               causal=causal, indices=indices, topk_length=topk_length,
                                               attn_sink=attn_sink)

@@ -88,6 +88,7 @@ import os
 import torch
 
 from ._tl_common import D_ROPE, D_V, DQK, LN2, LOG2E, partial_prim_func, partial_sizes
+from .._tilelang import direct_launcher, dummy
 
 BLOCK_M = 64  # query rows (s_q * H) per tile: the wgmma M
 BLOCK_N = 32  # cache positions per tile (64 needs 233472 B of smem, over the 232448 B cap)
@@ -417,17 +418,34 @@ def _plan(cache_seqlens, *, max_blocks: int, block_size: int, n_mt: int, num_sms
 
 
 def _plan_device(cache_seqlens, *, max_blocks: int, block_size: int, n_mt: int, num_sms: int, tile: int = BLOCK_N,
-                 overhead: int = _OVERHEAD_TILES, min_chunk: int = _MIN_CHUNK_TILES):
-    """``_plan`` as one kernel launch (``_plan_kernel``; bit-identical results, ~20 fewer launches per call)."""
+                 overhead: int = _OVERHEAD_TILES, min_chunk: int = _MIN_CHUNK_TILES, out=None):
+    """``_plan`` as one kernel launch (``_plan_kernel``; bit-identical results, ~20 fewer launches per call).
+
+    ``out``: optional preallocated ``(plan [4, max_items] int32, seq_plan [2, B] int32)``."""
     from ._plan_kernel import compiled_plan
 
     B = cache_seqlens.shape[0]
     dev = cache_seqlens.device
-    plan = torch.empty((4, max_items(B, n_mt, num_sms)), dtype=torch.int32, device=dev)
-    seq_plan = torch.empty((2, B), dtype=torch.int32, device=dev)
-    compiled_plan(tile, n_mt, num_sms, overhead, min_chunk)(cache_seqlens.contiguous(), plan, seq_plan,
-                                                           max_blocks * block_size)
+    if out is None:
+        out = (torch.empty((4, max_items(B, n_mt, num_sms)), dtype=torch.int32, device=dev),
+               torch.empty((2, B), dtype=torch.int32, device=dev))
+    plan, seq_plan = out
+    direct_launcher(compiled_plan(tile, n_mt, num_sms, overhead, min_chunk))(cache_seqlens.contiguous(), plan,
+                                                                             seq_plan, max_blocks * block_size)
     return plan, seq_plan
+
+
+def _workspace(B: int, M: int, n_items: int, dev):
+    """One allocation for a call's split plan and partial results (each ``torch.empty`` costs microseconds of host
+    time, as much as a decode kernel's share): plan [4, n_items] i32, seq_plan [2, B] i32, o_part [n_items, M, 512]
+    f32, lse_part [n_items, M] f32; every piece starts on a 256-byte boundary."""
+    def pad(n):
+        return -(-n // 64) * 64
+
+    sizes = [pad(4 * n_items), pad(2 * B), pad(n_items * M * D_V), n_items * M]
+    plan, seq_plan, o_part, lse_part = torch.empty(sum(sizes), dtype=torch.float32, device=dev).split(sizes)
+    return (plan[:4 * n_items].view(torch.int32).view(4, n_items), seq_plan[:2 * B].view(torch.int32).view(2, B),
+            o_part[:n_items * M * D_V].view(n_items, M, D_V), lse_part.view(n_items, M))
 
 
 def kernel_unsupported(q, kv_cache, block_table, cache_seqlens, *, d_v, causal, indices=None,
@@ -490,18 +508,20 @@ def _ws_module(variant: str, rows: int):
 
 
 def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d_v, causal, attn_sink=None,
-                         variant=None):
+                         variant=None, checked=False):
     """Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] f32 natural log, +inf / 0 for empty rows).
 
     ``variant``: "auto" (default: ``kernel_dense_narrow`` for few query rows, else ``kernel_dense_ws``), "ws"
     (warp-specialised partial kernel), "narrow" (keys-as-M kernel where s_q * H <= 32, else "ws") or "pipelined"
     (this module's two-stage cp.async kernel); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.
-    All share the split plan, the partial buffers and the combine kernel.
+    All share the split plan, the partial buffers and the combine kernel.  ``checked``: the caller has already had
+    ``kernel_unsupported`` accept these arguments (the dispatcher does), so it is not run twice.
     """
-    reason = kernel_unsupported(q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal,
-                                attn_sink=attn_sink)
-    if reason is not None:
-        raise ValueError(f"mla_decode dense kernel: {reason}")
+    if not checked:
+        reason = kernel_unsupported(q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal,
+                                    attn_sink=attn_sink)
+        if reason is not None:
+            raise ValueError(f"mla_decode dense kernel: {reason}")
     if not (sm_scale > 0 and math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale}")
     variant = _variant(variant)
@@ -523,28 +543,23 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
     num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
     if variant != "pipelined":
         ws = _ws_module(variant, M)
-        plan, seq_plan = _plan_device(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
-                                      num_sms=num_sms * ws.ctas_per_sm(M), tile=ws.BLOCK_N,
-                                      overhead=ws._OVERHEAD_TILES, min_chunk=ws._MIN_CHUNK_TILES)
+        plan_kw = dict(num_sms=num_sms * ws.ctas_per_sm(M), tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
+                       min_chunk=ws._MIN_CHUNK_TILES)
     else:
-        plan, seq_plan = _plan_device(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt,
-                                      num_sms=num_sms)
-    n_items = plan.shape[1]
+        plan_kw = dict(num_sms=num_sms)
+    plan, seq_plan, o_part, lse_part = _workspace(B, M, max_items(B, n_mt, plan_kw["num_sms"]), dev)
+    _plan_device(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt, out=(plan, seq_plan),
+                 **plan_kw)
     qf = q.reshape(B, M, DQK).contiguous()
-    kvf = kv_cache.contiguous()
-    bt = block_table.contiguous()
-    sl = cache_seqlens.contiguous()
     has_sink = attn_sink is not None
-    sink = attn_sink.contiguous() if has_sink else torch.zeros(1, dtype=torch.float32, device=dev)
-    o_part = torch.empty((n_items, M, D_V), dtype=torch.float32, device=dev)
-    lse_part = torch.empty((n_items, M), dtype=torch.float32, device=dev)
+    sink = attn_sink.contiguous() if has_sink else dummy(torch.float32, dev)
     if variant != "pipelined":
         part = ws.compiled_partial(H, s_q, bs, bool(causal), float(sm_scale), has_sink)
     else:
         part = _compiled_partial(H, s_q, bs, bool(causal), float(sm_scale), has_sink)
-    part(qf, kvf, bt, sl, plan, sink, out, lse, o_part, lse_part)
-    comb = _compiled_combine(H, s_q, has_sink)
-    comb(seq_plan, sink, o_part, lse_part, out, lse)
+    direct_launcher(part)(qf, kv_cache.contiguous(), block_table.contiguous(), cache_seqlens.contiguous(), plan,
+                          sink, out, lse, o_part, lse_part)
+    direct_launcher(_compiled_combine(H, s_q, has_sink))(seq_plan, sink, o_part, lse_part, out, lse)
     return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
 
 

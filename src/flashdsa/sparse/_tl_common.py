@@ -19,6 +19,8 @@ import tilelang
 import tilelang.language as T
 import torch
 
+from .._tilelang import dummy
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -290,7 +292,7 @@ def optional_args(indices, topk_length, attn_sink, dev):
     inputs the kernel does not read; n_blocks = ceil(topk / BLOCK_I), the kernels' static trip count."""
     has_sink = attn_sink is not None
     has_tl = topk_length is not None
-    tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
-    sink_arg = attn_sink.contiguous() if has_sink else torch.empty((1,), dtype=torch.float32, device=dev)
+    tl_arg = topk_length.contiguous() if has_tl else dummy(torch.int32, dev)
+    sink_arg = attn_sink.contiguous() if has_sink else dummy(torch.float32, dev)
     n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
     return has_sink, has_tl, tl_arg, sink_arg, n_blocks

@@ -10,6 +10,7 @@ import math
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _dispatch
 from .._library import custom_op
@@ -37,7 +38,7 @@ def _fwd_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: 
                                      _kernel_check(q, kv, indices, d_v, topk_length, attn_sink))
     if path == "kernel":
         return _dispatch.kernel_module("sparse_mla_fwd").run_sparse_mla_fwd(
-            q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+            q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink, checked=True)
     out, lse, mx = reference.sparse_mla_fwd_reference(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
                                                       attn_sink=attn_sink, topk_length=topk_length)
     ld = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -127,7 +128,7 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ----------------------------------------------------------------------------------------------- validation
 def _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, *, dqk_allowed, names=("q", "kv", "indices"),
-             q_dtypes=_FLOATS, kv_dtypes=None, kv_dim=None):
+             q_dtypes=_FLOATS, kv_dtypes=None, kv_dim=None, backend="auto"):
     """Validate and reduce the flat / batched forms to the flat form. Returns (q, kv, idx, tl, scale, lead).
 
     kv must have q's dtype and last dim Dqk unless ``kv_dtypes`` / ``kv_dim`` say otherwise (FP8 forms)."""
@@ -177,13 +178,28 @@ def _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, *, dqk_allow
         skv = kv.shape[1]
         if B * skv >= 2**31:
             raise ValueError(f"{kvn}: B * S_kv must be < 2**31 for int32 indices, got {B} * {skv}")
-        offset = (torch.arange(B, device=q.device, dtype=torch.int32) * skv).view(B, 1, 1)
-        ok = (indices >= 0) & (indices < skv)
-        indices = torch.where(ok, indices + offset, torch.full_like(indices, -1))
-        q, kv, indices = q.reshape(B * S, H, dqk), kv.reshape(B * skv, kd), indices.reshape(B * S, -1)
+        indices = _offset_batched_indices(indices, skv, backend)
+        q, kv = q.reshape(B * S, H, dqk), kv.reshape(B * skv, kd)
         if topk_length is not None:
             topk_length = topk_length.reshape(B * S)
     return q, kv, indices, topk_length, scale, lead
+
+
+def _offset_batched_indices(indices: torch.Tensor, skv: int, backend: str = "auto") -> torch.Tensor:
+    """``[B, S, topk]`` positions within each batch's kv -> ``[B * S, topk]`` rows of the flat kv (-1 if invalid).
+
+    One TileLang launch where kernels run (``kernel_index``; host time matters for decode-sized calls), else the
+    same map in PyTorch (CPU, ``FLASHDSA_BACKEND=reference``, and tracing under ``torch.compile``)."""
+    B, S, k = indices.shape
+    if (indices.is_cuda and not torch.compiler.is_compiling() and not isinstance(indices, FakeTensor)
+            and _dispatch.requested_backend(backend) != "reference"
+            and _dispatch.kernel_unavailable_reason("sparse_mla_fwd", indices.device) is None):
+        from . import kernel_index
+
+        return kernel_index.offset_batched_indices(indices, skv)
+    offset = (torch.arange(B, device=indices.device, dtype=torch.int32) * skv).view(B, 1, 1)
+    ok = (indices >= 0) & (indices < skv)
+    return torch.where(ok, indices + offset, torch.full_like(indices, -1)).reshape(B * S, k)
 
 
 def _unflatten(t: torch.Tensor, lead):
@@ -242,7 +258,7 @@ def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, to
                                                             topk_length=topk_length, backend=backend)
     else:
         qf, kvf, idx, tl, scale, lead = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink,
-                                                dqk_allowed=(512, 576))
+                                                dqk_allowed=(512, 576), backend=backend)
         out, lse, mx = _fwd_op(qf, kvf, idx, scale, d_v, attn_sink, tl, False, backend)
     res = (_unflatten(out, lead), _unflatten(lse, lead))
     return res + (_unflatten(mx, lead),) if return_max_logits else res
@@ -284,7 +300,7 @@ def sparse_mla(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, topk_l
         (torch.Size([2, 4, 512]), torch.Size([8, 512]))
     """
     qf, kvf, idx, tl, scale, lead = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink,
-                                            dqk_allowed=(512, 576))
+                                            dqk_allowed=(512, 576), backend=backend)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     _dispatch.requested_backend(backend)
@@ -325,7 +341,7 @@ def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale=None, *, backend="aut
     """
     check_tensor("q", q, ndim=4, dtypes=_FLOATS)
     qf, kvf, idx, tl, scale, lead = _flatten(q, kv, topk_idxs, None, softmax_scale, q.shape[-1], attn_sink,
-                                            dqk_allowed=None, names=("q", "kv", "topk_idxs"))
+                                            dqk_allowed=None, names=("q", "kv", "topk_idxs"), backend=backend)
     _dispatch.requested_backend(backend)
     out, _, _ = _fwd_op(qf, kvf, idx, scale, q.shape[-1], attn_sink, tl, False, backend)
     return _unflatten(out, lead)

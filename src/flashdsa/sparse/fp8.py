@@ -50,7 +50,8 @@ def _cache656_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_sc
 
     if _dispatch.resolve_backend(op, backend, q.device, check) == "kernel":
         return _dispatch.kernel_module(op).run_sparse_mla_fwd(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
-                                                              topk_length=topk_length, attn_sink=attn_sink)
+                                                              topk_length=topk_length, attn_sink=attn_sink,
+                                                              checked=True)
     return _reference_fwd(q, dequantize_kv_fp8(kv), indices, sm_scale, d_v, attn_sink, topk_length)
 
 
@@ -99,13 +100,13 @@ def sparse_mla_fwd_fp8_forms(q, kv, indices, *, q_scale, kv_scale, sm_scale, d_v
                                  f"got a tensor")
         qf, kvf, idx, tl, scale, lead = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink,
                                                 dqk_allowed=(576,), q_dtypes=(torch.bfloat16,),
-                                                kv_dtypes=(torch.uint8,), kv_dim=KV_FP8_BYTES)
+                                                kv_dtypes=(torch.uint8,), kv_dim=KV_FP8_BYTES, backend=backend)
         if d_v > 512:
             raise ValueError(f"d_v: expected <= 512 with the 656-byte FP8 cache (V is the FP8 latent), got {d_v}")
         return _cache656_op(qf, kvf, idx, scale, d_v, attn_sink, tl, backend), lead
 
     qf, kvf, idx, tl, scale, lead = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink,
-                                            dqk_allowed=(512, 576), q_dtypes=_FP8, kv_dtypes=_FP8)
+                                            dqk_allowed=(512, 576), q_dtypes=_FP8, kv_dtypes=_FP8, backend=backend)
     H = qf.shape[1]
     check_tensor("q_scale", q_scale, shape=(*lead, H), dtypes=(torch.float32,), last_dim_contiguous=False)
     n_kv = kv.shape[-2]

@@ -65,6 +65,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from .._tilelang import direct_launcher
 from . import _tl_common as tc
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401  (re-exported: LN2, LOG2E)
 
@@ -233,16 +234,18 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       narrow: bool | None = None):
+                       narrow: bool | None = None, checked: bool = False):
     """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
 
     ``narrow``: run ``kernel_fwd_narrow`` (rows on the wgmma M side, H <= its MAX_HEADS) instead of this module's
-    64-head tile; None picks it for every H it takes."""
+    64-head tile; None picks it for every H it takes.  ``checked``: ``kernel_unsupported`` has already accepted
+    these arguments (the dispatcher ran it), so it is not run twice."""
     from . import kernel_fwd_narrow
 
-    reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
-    if reason is not None:
-        raise ValueError(f"sparse_mla fwd kernel: {reason}")
+    if not checked:
+        reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+        if reason is not None:
+            raise ValueError(f"sparse_mla fwd kernel: {reason}")
     if narrow is None:
         narrow = q.shape[1] <= kernel_fwd_narrow.MAX_HEADS
     compiled = kernel_fwd_narrow._compiled if narrow else _compiled
@@ -262,7 +265,7 @@ def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=N
     indices = indices.contiguous()
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     kernel = compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl)
-    kernel(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
+    direct_launcher(kernel)(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 
 

@@ -62,6 +62,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from .._tilelang import direct_launcher
 from . import _tl_common as tc
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401  (re-exported: LN2)
 
@@ -308,16 +309,18 @@ NARROW_ENV = "FLASHDSA_NARROW_CACHE656"  # "1": H <= 32 runs kernel_fwd_narrow's
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       narrow: bool | None = None):
+                       narrow: bool | None = None, checked: bool = False):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
 
     ``narrow``: run ``kernel_fwd_narrow``'s cache656 kernel (keys on the wgmma M side, H <= 32); None: only when
-    ``$FLASHDSA_NARROW_CACHE656`` is "1" (opt-in until it has run on a GPU)."""
+    ``$FLASHDSA_NARROW_CACHE656`` is "1" (opt-in: GPU-verified in session 7, not faster at H 16).  ``checked``:
+    ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
     from . import kernel_fwd_narrow
 
-    reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
-    if reason is not None:
-        raise ValueError(f"sparse_mla fwd fp8-cache kernel: {reason}")
+    if not checked:
+        reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+        if reason is not None:
+            raise ValueError(f"sparse_mla fwd fp8-cache kernel: {reason}")
     (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
     if done:
         return out, lse, max_logits
@@ -336,7 +339,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         kernel = kernel_fwd_narrow.compiled_cache656(heads, float(sm_scale), has_sink, has_tl)
     else:
         kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
-    kernel(q, kv8, kvf, kvb, _rs16(kv), kv.shape[0], indices, tl_arg, sink_arg, out, lse, max_logits)
+    direct_launcher(kernel)(q, kv8, kvf, kvb, _rs16(kv), kv.shape[0], indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 
 
