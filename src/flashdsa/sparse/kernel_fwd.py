@@ -305,8 +305,51 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
               f"{ms * 1e3 / blocks_per_sm:.2f} us per 64-row block and SM", flush=True)
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled_tiles(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length, block_i, num_stages):
+    func = build_sparse_mla_fwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
+                                has_sink=has_sink, has_topk_length=has_topk_length, block_i=block_i,
+                                num_stages=num_stages)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def _bench_tiles(configs=((64, 2), (32, 4))):
+    """Kernel times of (block_i, num_stages) builds of this forward at the prefill H 64 shape and the V4
+    decode shape, each checked against the first build's output (``python -m flashdsa.sparse.kernel_fwd --tiles``).
+    Smaller tiles with more stages keep more gathered bytes in flight per SM (Q 72 KB + 4 x 36 KB fits)."""
+    from ..bench.harness import time_fn
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = []
+    S, SKV, H, dqk, topk = 4096, 8192, 64, 576, 2048
+    q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+    kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+    idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
+    shapes.append(("prefill_S4096_H64_topk2048", q, kv, idx, 2.0 * S * H * topk * (dqk + D_V)))
+    b, n, d, topk = 128, 8192, 512, 640
+    q = (torch.randn(b, H, d, generator=gen, device="cuda") * 0.1).bfloat16()
+    kv = (torch.randn(b * n, d, generator=gen, device="cuda") * 0.1).bfloat16()
+    idx = torch.argsort(torch.rand(b, n, generator=gen, device="cuda"), dim=1)[:, :topk].sort(dim=1).values
+    idx = (idx + torch.arange(b, device="cuda").view(b, 1) * n).int().contiguous()
+    shapes.append(("v4_decode_b128_H64_d512_topk640", q, kv, idx, 2.0 * b * H * topk * (d + d)))
+    for name, q, kv, idx, flops in shapes:
+        base = None
+        for bi, st in configs:
+            run = lambda _, c=(bi, st): launch(lambda *k: _compiled_tiles(*k, *c), q, kv, idx,  # noqa: E731
+                                               sm_scale=q.shape[-1] ** -0.5, d_v=D_V)
+            out = run(None)[0].float()
+            base = out if base is None else base
+            err = (out - base).abs().max().item()
+            ms = time_fn(run, [None], q.device, reps=20).ms_median
+            print(f"tiles {name} block_i={bi} num_stages={st}: {ms:.4f} ms, {flops / ms / 1e9:.1f} TFLOP/s, "
+                  f"max |diff| vs first {err:.2e}", flush=True)
+
+
 if __name__ == "__main__":
     import sys
+
+    if "--tiles" in sys.argv[1:]:
+        _bench_tiles()
 
     if "--ablate" in sys.argv[1:]:  # the headline shape at H 64 (and H 128 with --h128): 4 compiles per H
         _bench_ablate(H=64)
