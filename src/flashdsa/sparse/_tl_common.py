@@ -61,21 +61,27 @@ def make_row_ok(n_rows):
     return ok
 
 
-def online_softmax_macro(*, BH, BI, D, c_log2):
+# rows per cross-warpgroup reduction round in the 64-head-tile forwards (each thread holds 2 of the 64 rows): one
+# barrier pair for both rows' max and one for both sums, instead of one per row (session 7)
+SOFTMAX_BATCH = 2
+
+
+def online_softmax_macro(*, BH, BI, D, c_log2, batch=1):
     """Macro ``online_softmax(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)``: one block of the exp2 online
     softmax on raw scores acc_s [BH, BI] (c_log2 = sm_scale * log2(e) folded): m_i = max(m_i, rowmax S),
     alpha = 2^((m_prev - m_i) c), acc_s = 2^(S c - m_i c) (P, in place), l_i = l_i alpha + rowsum(P),
-    acc_o [BH, D] *= alpha."""
+    acc_o [BH, D] *= alpha.  ``batch``: rows per cross-thread reduction round (TileLang's ``reduce(batch=)``: one
+    pair of barriers per round instead of per row; must divide the rows each thread holds)."""
 
     @T.macro
     def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk):
         T.copy(m_i, m_prev)
-        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False, batch=batch)
         for h in T.Parallel(BH):
             alpha[h] = T.exp2((m_prev[h] - m_i[h]) * c_log2)
         for h, r in T.Parallel(BH, BI):
             acc_s[h, r] = T.exp2(acc_s[h, r] * c_log2 - m_i[h] * c_log2)
-        T.reduce_sum(acc_s, l_blk, dim=1)
+        T.reduce_sum(acc_s, l_blk, dim=1, batch=batch)
         for h in T.Parallel(BH):
             l_i[h] = l_i[h] * alpha[h] + l_blk[h]
         for h, d in T.Parallel(BH, D):

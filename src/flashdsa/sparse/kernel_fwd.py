@@ -85,6 +85,7 @@ def build_sparse_mla_fwd(
     num_stages: int = 2,
     threads: int = 256,
     ablate: str = "",
+    softmax_batch: int = tc.SOFTMAX_BATCH,
 ):
     """Return the TileLang prim_func.
 
@@ -117,7 +118,7 @@ def build_sparse_mla_fwd(
     c_log2 = float(sm_scale) * LOG2E  # raw score -> log2 units
     neg_big = tc.NEG_BIG
     _row = tc.make_slot_row(topk_dim)
-    online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2)
+    online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2, batch=softmax_batch)
     load_q, normaliser, store_out, store_lse = tc.padded_head_macros(
         BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16
     )
@@ -174,12 +175,15 @@ def build_sparse_mla_fwd(
                 # The row index is forced to -1 past topk_eff; TileLang's safe-access
                 # legalisation predicates the (cp.async, zero-fill) load on
                 # 0 <= row < Tkv, so invalid rows are never read and land as zeros.
+                # (the row is bound once per element: written inline, the Indices load is repeated per use)
                 if ablate != "no_gather":
                     for r, d in T.Parallel(BI, D):
-                        KV_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), d]
+                        row = _row(Indices, bx, lim[0], it * BI + r)
+                        KV_s[r, d] = KV[row, d]
                     if D_tail > 0:
                         for r, d in T.Parallel(BI, D_tail):
-                            Kt_s[r, d] = KV[_row(Indices, bx, lim[0], it * BI + r), D + d]
+                            row = _row(Indices, bx, lim[0], it * BI + r)
+                            Kt_s[r, d] = KV[row, D + d]
 
                 # ---- S = Q K^T, invalid columns start at -inf ----
                 for h, r in T.Parallel(BH, BI):
@@ -306,17 +310,17 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_tiles(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length, block_i, num_stages):
+def _compiled_variant(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length, build_kw):
     func = build_sparse_mla_fwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                has_sink=has_sink, has_topk_length=has_topk_length, block_i=block_i,
-                                num_stages=num_stages)
+                                has_sink=has_sink, has_topk_length=has_topk_length, **dict(build_kw))
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
-def _bench_tiles(configs=((64, 2), (32, 4))):
-    """Kernel times of (block_i, num_stages) builds of this forward at the prefill H 64 shape and the V4
-    decode shape, each checked against the first build's output (``python -m flashdsa.sparse.kernel_fwd --tiles``).
-    Smaller tiles with more stages keep more gathered bytes in flight per SM (Q 72 KB + 4 x 36 KB fits)."""
+def _bench_variants(configs=(dict(softmax_batch=1), dict(softmax_batch=2))):
+    """Kernel times of builds of this forward (``build_sparse_mla_fwd`` keyword sets) at the prefill H 64 shape
+    and the V4 decode shape, each checked against the first build's output
+    (``python -m flashdsa.sparse.kernel_fwd --variants``).  Session 7 also ran block_i 32 x 4 stages this way
+    (more, smaller tiles in flight): 5.71 vs 4.32 ms and 74.7 vs 62.2 us, slower."""
     from ..bench.harness import time_fn
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -334,22 +338,23 @@ def _bench_tiles(configs=((64, 2), (32, 4))):
     shapes.append(("v4_decode_b128_H64_d512_topk640", q, kv, idx, 2.0 * b * H * topk * (d + d)))
     for name, q, kv, idx, flops in shapes:
         base = None
-        for bi, st in configs:
-            run = lambda _, c=(bi, st): launch(lambda *k: _compiled_tiles(*k, *c), q, kv, idx,  # noqa: E731
-                                               sm_scale=q.shape[-1] ** -0.5, d_v=D_V)
+        for kw in configs:
+            key = tuple(sorted(kw.items()))
+            run = lambda _, k=key: launch(lambda *a: _compiled_variant(*a, k), q, kv, idx,  # noqa: E731
+                                          sm_scale=q.shape[-1] ** -0.5, d_v=D_V)
             out = run(None)[0].float()
             base = out if base is None else base
             err = (out - base).abs().max().item()
             ms = time_fn(run, [None], q.device, reps=20).ms_median
-            print(f"tiles {name} block_i={bi} num_stages={st}: {ms:.4f} ms, {flops / ms / 1e9:.1f} TFLOP/s, "
-                  f"max |diff| vs first {err:.2e}", flush=True)
+            print(f"variant {name} {kw}: {ms:.4f} ms, {flops / ms / 1e9:.1f} TFLOP/s, max |diff| vs first {err:.2e}",
+                  flush=True)
 
 
 if __name__ == "__main__":
     import sys
 
-    if "--tiles" in sys.argv[1:]:
-        _bench_tiles()
+    if "--variants" in sys.argv[1:]:
+        _bench_variants()
 
     if "--ablate" in sys.argv[1:]:  # the headline shape at H 64 (and H 128 with --h128): 4 compiles per H
         _bench_ablate(H=64)
