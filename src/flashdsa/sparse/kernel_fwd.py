@@ -85,7 +85,7 @@ def build_sparse_mla_fwd(
     num_stages: int = 2,
     threads: int = 256,
     ablate: str = "",
-    softmax_batch: int = tc.SOFTMAX_BATCH,
+    softmax_batch: int | None = None,
 ):
     """Return the TileLang prim_func.
 
@@ -118,7 +118,8 @@ def build_sparse_mla_fwd(
     c_log2 = float(sm_scale) * LOG2E  # raw score -> log2 units
     neg_big = tc.NEG_BIG
     _row = tc.make_slot_row(topk_dim)
-    online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2, batch=softmax_batch)
+    batch = tc.softmax_batch(dqk) if softmax_batch is None else softmax_batch
+    online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2, batch=batch)
     load_q, normaliser, store_out, store_lse = tc.padded_head_macros(
         BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16
     )
@@ -316,7 +317,7 @@ def _compiled_variant(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_le
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
-def _bench_variants(configs=(dict(softmax_batch=1), dict(softmax_batch=2))):
+def _bench_variants(configs=(dict(softmax_batch=1), dict())):
     """Kernel times of builds of this forward (``build_sparse_mla_fwd`` keyword sets) at the prefill H 64 shape
     and the V4 decode shape, each checked against the first build's output
     (``python -m flashdsa.sparse.kernel_fwd --variants``).  Session 7 also ran block_i 32 x 4 stages this way

@@ -116,9 +116,6 @@ def cache_macros(*, BI: int, topk_dim):
     return issue, dequant
 
 
-SOFTMAX_BATCH = tc.SOFTMAX_BATCH
-
-
 def build_sparse_mla_fwd_fp8cache(
     *,
     heads: int,
@@ -127,7 +124,6 @@ def build_sparse_mla_fwd_fp8cache(
     has_sink: bool = False,
     has_topk_length: bool = False,
     threads: int = 256,
-    softmax_batch: int = SOFTMAX_BATCH,
 ):
     """Return the TileLang prim_func.
 
@@ -150,7 +146,7 @@ def build_sparse_mla_fwd_fp8cache(
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     _row = tc.make_slot_row(topk_dim)  # cache row of a top-k slot, -1 past topk_eff
-    online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2, batch=softmax_batch)
+    online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2, batch=tc.softmax_batch(DQK))
     load_q, normaliser, store_out, store_lse = tc.padded_head_macros(
         BH=BH, D=D, D_tail=DT, dqk=DQK, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16,
         sync_before_stage=True,  # every warpgroup must be past its last QK (reads Q_s) before Q_s is overwritten
