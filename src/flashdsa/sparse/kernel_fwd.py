@@ -317,7 +317,7 @@ def _compiled_variant(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_le
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
-def _bench_variants(configs=(dict(softmax_batch=1), dict())):
+def _bench_variants(configs=(dict(softmax_batch=1), dict()), only: str = ""):
     """Kernel times of builds of this forward (``build_sparse_mla_fwd`` keyword sets) at the prefill H 64 shape
     and the V4 decode shape, each checked against the first build's output
     (``python -m flashdsa.sparse.kernel_fwd --variants``).  Session 7 also ran block_i 32 x 4 stages this way
@@ -338,6 +338,8 @@ def _bench_variants(configs=(dict(softmax_batch=1), dict())):
     idx = (idx + torch.arange(b, device="cuda").view(b, 1) * n).int().contiguous()
     shapes.append(("v4_decode_b128_H64_d512_topk640", q, kv, idx, 2.0 * b * H * topk * (d + d)))
     for name, q, kv, idx, flops in shapes:
+        if only not in name:
+            continue
         base = None
         for kw in configs:
             key = tuple(sorted(kw.items()))
@@ -354,8 +356,9 @@ def _bench_variants(configs=(dict(softmax_batch=1), dict())):
 if __name__ == "__main__":
     import sys
 
-    if "--variants" in sys.argv[1:]:
-        _bench_variants()
+    if "--variants" in sys.argv[1:]:  # optional shape filter after it: --variants decode
+        rest = sys.argv[sys.argv.index("--variants") + 1:]
+        _bench_variants(only=rest[0] if rest and not rest[0].startswith("-") else "")
 
     if "--ablate" in sys.argv[1:]:  # the headline shape at H 64 (and H 128 with --h128): 4 compiles per H
         _bench_ablate(H=64)
