@@ -73,23 +73,35 @@ def _measure(fn, reps, flush):
     return res
 
 
-def v4_decode(gen):
+def v4_decode_inputs(gen):
+    """q [128, 1, 64, 512], kv [128, 8192, 512], sink [64], sorted topk_idxs [128, 1, 640] (also scripts/host_stages.py)."""
     b, n, h, d, topk = 128, 8192, 64, 512, 640
     q = (torch.randn(b, 1, h, d, generator=gen, device="cuda") * 0.1).bfloat16()
     kv = (torch.randn(b, n, d, generator=gen, device="cuda") * 0.1).bfloat16()
     idx = torch.argsort(torch.rand(b, n, generator=gen, device="cuda"), dim=1)[:, :topk].sort(dim=1).values
     idx = idx.int().view(b, 1, topk).contiguous()
     sink = torch.randn(h, generator=gen, device="cuda")
-    return lambda: flashdsa.sparse_attn(q, kv, sink, idx)
+    return q, kv, sink, idx
 
 
-def dense_mem(gen):
+def dense_mem_inputs(gen):
+    """q [64, 1, 16, 576], cache [8192, 64, 576] (block 64), block table, lengths 8192 (also host_stages.py)."""
     B, H, cache, bs = 64, 16, 8192, 64
     nb = B * cache // bs
     kv = (torch.randn(nb, bs, 576, generator=gen, device="cuda") * 0.1).bfloat16()
     table = torch.randperm(nb, generator=gen, device="cuda").int().view(B, cache // bs)
     lens = torch.full((B,), cache, dtype=torch.int32, device="cuda")
     q = (torch.randn(B, 1, H, 576, generator=gen, device="cuda") * 0.1).bfloat16()
+    return q, kv, table, lens
+
+
+def v4_decode(gen):
+    q, kv, sink, idx = v4_decode_inputs(gen)
+    return lambda: flashdsa.sparse_attn(q, kv, sink, idx)
+
+
+def dense_mem(gen):
+    q, kv, table, lens = dense_mem_inputs(gen)
     return lambda: flashdsa.mla_decode(q, kv, table, lens, causal=True)
 
 

@@ -26,6 +26,9 @@ except ImportError:  # run from a checkout without an install: use its src/
     import flashdsa
 from flashdsa._tilelang import direct_launcher  # noqa: E402
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from bench_overhead import dense_mem_inputs, v4_decode_inputs  # noqa: E402
+
 
 def _us(fn, n=200, rounds=5):
     for _ in range(10):
@@ -44,12 +47,9 @@ def _us(fn, n=200, rounds=5):
 def dense_stages(gen):
     from flashdsa.decode import api as dapi, kernel_dense as kd
 
-    B, H, cache, bs = 64, 16, 8192, 64
-    nb = B * cache // bs
-    kv = (torch.randn(nb, bs, 576, generator=gen, device="cuda") * 0.1).bfloat16()
-    bt = torch.randperm(nb, generator=gen, device="cuda").int().view(B, cache // bs)
-    sl = torch.full((B,), cache, dtype=torch.int32, device="cuda")
-    q = (torch.randn(B, 1, H, 576, generator=gen, device="cuda") * 0.1).bfloat16()
+    q, kv, bt, sl = dense_mem_inputs(gen)
+    B, _, H, _ = q.shape
+    bs = kv.shape[1]
     scale = 576 ** -0.5
     ws = kd._ws_module("auto", H)
     n_sm = kd._num_sms(0) * ws.ctas_per_sm(H)
@@ -112,12 +112,8 @@ def dense_stages(gen):
 def v4_stages(gen):
     from flashdsa.sparse import _tl_common as tc, api as sapi, kernel_fwd as kf
 
-    b, n, h, d, topk = 128, 8192, 64, 512, 640
-    q = (torch.randn(b, 1, h, d, generator=gen, device="cuda") * 0.1).bfloat16()
-    kv = (torch.randn(b, n, d, generator=gen, device="cuda") * 0.1).bfloat16()
-    idx = torch.argsort(torch.rand(b, n, generator=gen, device="cuda"), dim=1)[:, :topk].sort(dim=1).values
-    idx = idx.int().view(b, 1, topk).contiguous()
-    sink = torch.randn(h, generator=gen, device="cuda")
+    q, kv, sink, idx = v4_decode_inputs(gen)
+    n, h, d = kv.shape[1], q.shape[2], q.shape[3]
     qf, kvf, idxf, tl, scale, lead = sapi._flatten(q, kv, idx, None, None, d, sink, dqk_allowed=None,
                                                    names=("q", "kv", "topk_idxs"))
     (out, lse, mx), _ = tc.fwd_outputs(qf, kvf, sm_scale=scale, d_v=d)

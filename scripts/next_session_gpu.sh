@@ -1,8 +1,7 @@
 #!/bin/bash
-# The first device call planned for session 7 (docs/ROADMAP.md, "First commands"): opt-in narrow FP8-cache kernel
-# tests + memcheck, the forward ablations (H 64), the gather probe, the host-overhead profile.  If the opt-in passes,
-# a second call: FLASHDSA_NARROW_CACHE656=1 python -m flashdsa bench --op decode --results-dir "$OUT/optin" (commit
-# that JSON as a _variants_ document, not as the suite's).
+# The first device call planned for session 8 (docs/ROADMAP.md, "First commands"): every GPU test, memcheck of the
+# forward after session 7's row binding / batched reductions, then the host stages, eager / graph / kernel times of
+# the two small calls (incl. the suite's own V4 decode and dense decode cases) on this one machine.
 # Run from the repo root on the GPU host: FLASHDSA_COMMIT=<sha> bash scripts/next_session_gpu.sh
 # Everything goes to $OUT (logs, JSON); each step has its own time limit (~8 min in all on a cold host).
 set -u
@@ -11,25 +10,20 @@ export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlc}
 t0=$(date +%s)
 step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 
-step "narrow cache656 tests (opt-in)"
-FLASHDSA_NARROW_CACHE656=1 timeout -s KILL 150 python -m pytest -m gpu -q -p no:cacheprovider -n 14 --timeout 140 \
-  tests/sparse_mla/test_kernel_fp8cache_gpu.py tests/decode/test_sparse_gpu.py > "$OUT/tests_c656.log" 2>&1
-echo "rc=$?"; grep -E "passed|failed" "$OUT/tests_c656.log" | tail -1; grep -E "^(FAILED|ERROR)" "$OUT/tests_c656.log" | head
+step "all GPU tests"
+timeout -s KILL 300 python -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 14 --timeout 280 tests \
+  > "$OUT/tests.log" 2>&1
+echo "rc=$?"; grep -E "passed|failed" "$OUT/tests.log" | tail -1; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
 
-step "memcheck sparse_cache656 (opt-in)"
-FLASHDSA_NARROW_CACHE656=1 timeout -s KILL 80 compute-sanitizer --tool memcheck --error-exitcode 3 \
-  python scripts/memcheck_small.py sparse_cache656 > "$OUT/memcheck_c656.log" 2>&1
-echo "rc=$?"; grep -E "ERROR SUMMARY|ok|MISMATCH" "$OUT/memcheck_c656.log" | head -4
+step "memcheck sparse_bf16"
+timeout -s KILL 80 compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/memcheck_small.py sparse_bf16 \
+  > "$OUT/memcheck_sparse_bf16.log" 2>&1
+echo "rc=$?"; grep -E "ERROR SUMMARY|ok|MISMATCH" "$OUT/memcheck_sparse_bf16.log" | head -4
 
-step "forward ablations"
-timeout -s KILL 120 python -m flashdsa.sparse.kernel_fwd --ablate 2>&1 | grep -E "^ablate" | tee "$OUT/fwd_ablate.txt"
+step "host stages"
+timeout -s KILL 90 python scripts/host_stages.py --json "$OUT/host_stages.json" 2>&1 | grep -E "^\{"
 
-step "gather probe (cpasync, deep)"
-timeout -s KILL 60 python -m flashdsa.sparse._gather_probe 2>&1 | grep -E "TB/s" | tee "$OUT/gather_probe.txt"
-
-step "host overhead profile"
-timeout -s KILL 60 python -m cProfile -s cumtime scripts/bench_overhead.py --json "$OUT/overhead.json" \
-  > "$OUT/overhead_profile.txt" 2>&1
-grep -E "^\{" "$OUT/overhead_profile.txt"
+step "eager / host / graph / kernels of the small calls"
+timeout -s KILL 90 python scripts/bench_overhead.py --json "$OUT/overhead.json" 2>&1 | grep -E "^\{"
 
 step "done"
