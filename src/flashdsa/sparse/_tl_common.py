@@ -74,19 +74,28 @@ def online_softmax_macro(*, BH, BI, D, c_log2, batch=1):
     softmax on raw scores acc_s [BH, BI] (c_log2 = sm_scale * log2(e) folded): m_i = max(m_i, rowmax S),
     alpha = 2^((m_prev - m_i) c), acc_s = 2^(S c - m_i c) (P, in place), l_i = l_i alpha + rowsum(P),
     acc_o [BH, D] *= alpha.  ``batch``: rows per cross-thread reduction round (TileLang's ``reduce(batch=)``: one
-    pair of barriers per round instead of per row; must divide the rows each thread holds)."""
+    pair of barriers per round instead of per row; must divide the rows each thread holds), one int for both
+    reductions or ``(max_batch, sum_batch)`` (each batched reduction needs its own, larger scratch).
+    ``sum_batch == 0``: no row sum per block; ``l_blk`` is then a [BH, BI] fragment that accumulates P
+    element-wise (``l_blk = l_blk * alpha + P``, thread-local, no barrier) and the caller reduces it into l_i once
+    after the loop (``T.reduce_sum(l_blk, l_i, dim=1)``); ``l_i`` is not touched here."""
+    max_batch, sum_batch = (batch, batch) if isinstance(batch, int) else batch
 
     @T.macro
     def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk):
         T.copy(m_i, m_prev)
-        T.reduce_max(acc_s, m_i, dim=1, clear=False, batch=batch)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False, batch=max_batch)
         for h in T.Parallel(BH):
             alpha[h] = T.exp2((m_prev[h] - m_i[h]) * c_log2)
         for h, r in T.Parallel(BH, BI):
             acc_s[h, r] = T.exp2(acc_s[h, r] * c_log2 - m_i[h] * c_log2)
-        T.reduce_sum(acc_s, l_blk, dim=1, batch=batch)
-        for h in T.Parallel(BH):
-            l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+        if sum_batch == 0:
+            for h, r in T.Parallel(BH, BI):
+                l_blk[h, r] = l_blk[h, r] * alpha[h] + acc_s[h, r]
+        else:
+            T.reduce_sum(acc_s, l_blk, dim=1, batch=sum_batch)
+            for h in T.Parallel(BH):
+                l_i[h] = l_i[h] * alpha[h] + l_blk[h]
         for h, d in T.Parallel(BH, D):
             acc_o[h, d] = acc_o[h, d] * alpha[h]
 

@@ -85,7 +85,7 @@ def build_sparse_mla_fwd(
     num_stages: int = 2,
     threads: int = 256,
     ablate: str = "",
-    softmax_batch: int | None = None,
+    softmax_batch: int | tuple | None = None,  # see _tl_common.online_softmax_macro; None: softmax_batch(dqk)
 ):
     """Return the TileLang prim_func.
 
@@ -119,6 +119,7 @@ def build_sparse_mla_fwd(
     neg_big = tc.NEG_BIG
     _row = tc.make_slot_row(topk_dim)
     batch = tc.softmax_batch(dqk) if softmax_batch is None else softmax_batch
+    lazy_sum = not isinstance(batch, int) and batch[1] == 0  # row sums accumulated per thread, reduced once
     online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2, batch=batch)
     load_q, normaliser, store_out, store_lse = tc.padded_head_macros(
         BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16
@@ -151,7 +152,7 @@ def build_sparse_mla_fwd(
             m_prev = T.alloc_fragment([BH], f32)
             alpha = T.alloc_fragment([BH], f32)
             l_i = T.alloc_fragment([BH], f32)
-            l_blk = T.alloc_fragment([BH], f32)
+            l_blk = T.alloc_fragment([BH, BI] if lazy_sum else [BH], f32)
             inv = T.alloc_fragment([BH], f32)
             lim = T.alloc_local([1], i32)
 
@@ -165,6 +166,8 @@ def build_sparse_mla_fwd(
 
             T.fill(acc_o, 0)
             T.fill(l_i, 0)
+            if lazy_sum:
+                T.fill(l_blk, 0)
             T.fill(m_i, neg_big)
 
             if ablate == "no_gather":  # timing only: the tiles stay zero
@@ -202,6 +205,8 @@ def build_sparse_mla_fwd(
                     T.gemm(S_s, KV_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             # ---- epilogue (the Q tile is the output staging buffer) ----
+            if lazy_sum:
+                T.reduce_sum(l_blk, l_i, dim=1)
             normaliser(inv, l_i, m_i, Sink, h0)
             store_out(acc_o, inv, Q_s, Out, bx, h0)
             store_lse(l_i, m_i, Lse, MaxLogits, bx, h0)
@@ -287,6 +292,9 @@ def lowering_cases():
             heads=heads, dqk=dqk, d_v=D_V, topk=topk, sm_scale=dqk**-0.5, has_sink=sink, has_topk_length=tl
         )
         cases.append((name, fn))
+    # the opt-in reduction schedules of _bench_variants (not dispatched): batched max, per-thread row sums
+    cases.append(("h64_d576_topk2048_lazy_sum", build_sparse_mla_fwd(
+        heads=64, dqk=576, d_v=D_V, topk=2048, sm_scale=576**-0.5, softmax_batch=(2, 0))))
     return cases
 
 
@@ -317,11 +325,17 @@ def _compiled_variant(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_le
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
-def _bench_variants(configs=(dict(softmax_batch=1), dict()), only: str = ""):
+_VARIANTS = (dict(softmax_batch=1), dict(), dict(softmax_batch=(2, 1)), dict(softmax_batch=(2, 0)))
+
+
+def _bench_variants(configs=_VARIANTS, only: str = ""):
     """Kernel times of builds of this forward (``build_sparse_mla_fwd`` keyword sets) at the prefill H 64 shape
     and the V4 decode shape, each checked against the first build's output
     (``python -m flashdsa.sparse.kernel_fwd --variants``).  Session 7 also ran block_i 32 x 4 stages this way
-    (more, smaller tiles in flight): 5.71 vs 4.32 ms and 74.7 vs 62.2 us, slower."""
+    (more, smaller tiles in flight): 5.71 vs 4.32 ms and 74.7 vs 62.2 us, slower.  Not yet run on a GPU:
+    ``softmax_batch=(2, 1)`` (batched max only: its scratch fits Dqk 576 exactly, 232,448 B) and ``(2, 0)`` (no
+    per-block row sum: P accumulated per thread, reduced once after the loop; 24 B of register spill at Dqk 576
+    in ptxas -v, against none for the others)."""
     from ..bench.harness import time_fn
 
     gen = torch.Generator(device="cuda").manual_seed(0)
