@@ -62,7 +62,7 @@ def make_row_ok(n_rows):
 
 
 def softmax_batch(dqk: int) -> int:
-    """Rows per cross-warpgroup reduction round in the 64-head-tile forwards (each thread holds 2 of the 64 rows):
+    """Rows per cross-warpgroup reduction round in ``kernel_fwd``'s forward (each thread holds 2 of the 64 rows):
     2 = one barrier pair for both rows' max and one for both sums instead of one per row (session 7: V4 prefill,
     Dqk 512, 1.49 -> 1.30 ms).  Its larger reduction scratch does not fit beside Dqk 576's tiles (233,472 B of
     shared memory asked for, 232,448 allowed), so Dqk 576 keeps 1."""

@@ -124,8 +124,13 @@ def build_sparse_mla_fwd_fp8cache(
     has_sink: bool = False,
     has_topk_length: bool = False,
     threads: int = 256,
+    softmax_batch: int | tuple = 1,
 ):
     """Return the TileLang prim_func.
+
+    ``softmax_batch``: see ``_tl_common.online_softmax_macro``.  2 fits here (~202 KB of shared memory + 2 KB of
+    scratch) and passed this kernel's GPU correctness tests in session 7 (`74f7a0f`), but is not timed yet: 1
+    stays the default until the decode / FP8 suites have measured it.
 
     Specialised on ceil(topk / 64) (static trip count); T, the number of cache chunks and the indices width are
     dynamic.  Signature: (Q[T,H,576] bf16, KV8[n_ch,16] e4m3, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (three views of
@@ -146,7 +151,7 @@ def build_sparse_mla_fwd_fp8cache(
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     _row = tc.make_slot_row(topk_dim)  # cache row of a top-k slot, -1 past topk_eff
-    online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2, batch=tc.softmax_batch(DQK))
+    online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2, batch=softmax_batch)
     load_q, normaliser, store_out, store_lse = tc.padded_head_macros(
         BH=BH, D=D, D_tail=DT, dqk=DQK, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16,
         sync_before_stage=True,  # every warpgroup must be past its last QK (reads Q_s) before Q_s is overwritten
