@@ -61,14 +61,6 @@ def make_row_ok(n_rows):
     return ok
 
 
-def softmax_batch(dqk: int) -> int:
-    """Rows per cross-warpgroup reduction round in ``kernel_fwd``'s forward (each thread holds 2 of the 64 rows):
-    2 = one barrier pair for both rows' max and one for both sums instead of one per row (session 7: V4 prefill,
-    Dqk 512, 1.49 -> 1.30 ms).  Its larger reduction scratch does not fit beside Dqk 576's tiles (233,472 B of
-    shared memory asked for, 232,448 allowed), so Dqk 576 keeps 1."""
-    return 2 if dqk <= 512 else 1
-
-
 def online_softmax_macro(*, BH, BI, D, c_log2, batch=1):
     """Macro ``online_softmax(acc_s, acc_o, m_i, m_prev, alpha, l_i, l_blk)``: one block of the exp2 online
     softmax on raw scores acc_s [BH, BI] (c_log2 = sm_scale * log2(e) folded): m_i = max(m_i, rowmax S),

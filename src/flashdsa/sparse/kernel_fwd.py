@@ -72,6 +72,14 @@ from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401  (re-exp
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 
 
+def default_softmax_batch(dqk: int) -> int:
+    """Rows per cross-warpgroup reduction round in this forward (each thread holds 2 of the 64 rows):
+    2 = one barrier pair for both rows' max and one for both sums instead of one per row (session 7: V4 prefill,
+    Dqk 512, 1.49 -> 1.30 ms).  Its larger reduction scratch does not fit beside Dqk 576's tiles (233,472 B of
+    shared memory asked for, 232,448 allowed), so Dqk 576 keeps 1."""
+    return 2 if dqk <= 512 else 1
+
+
 def build_sparse_mla_fwd(
     *,
     heads: int,
@@ -85,7 +93,7 @@ def build_sparse_mla_fwd(
     num_stages: int = 2,
     threads: int = 256,
     ablate: str = "",
-    softmax_batch: int | tuple | None = None,  # see _tl_common.online_softmax_macro; None: softmax_batch(dqk)
+    softmax_batch: int | tuple | None = None,  # see _tl_common.online_softmax_macro; None: default_softmax_batch(dqk)
 ):
     """Return the TileLang prim_func.
 
@@ -118,7 +126,7 @@ def build_sparse_mla_fwd(
     c_log2 = float(sm_scale) * LOG2E  # raw score -> log2 units
     neg_big = tc.NEG_BIG
     _row = tc.make_slot_row(topk_dim)
-    batch = tc.softmax_batch(dqk) if softmax_batch is None else softmax_batch
+    batch = default_softmax_batch(dqk) if softmax_batch is None else softmax_batch
     lazy_sum = not isinstance(batch, int) and batch[1] == 0  # row sums accumulated per thread, reduced once
     online_softmax = tc.online_softmax_macro(BH=BH, BI=BI, D=D, c_log2=c_log2, batch=batch)
     load_q, normaliser, store_out, store_lse = tc.padded_head_macros(
@@ -222,12 +230,20 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              ablate: str = ""):
+              build_kw: tuple = ()):
+    """The compiled forward; ``build_kw``: extra ``build_sparse_mla_fwd`` keywords as sorted (name, value) pairs
+    (the timing tools' ``ablate`` / ``softmax_batch`` builds; the dispatched kernel passes none)."""
     func = build_sparse_mla_fwd(
         heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale, has_sink=has_sink,
-        has_topk_length=has_topk_length, ablate=ablate
+        has_topk_length=has_topk_length, **dict(build_kw)
     )
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def _launch_build(q, kv, idx, **build_kw):
+    """``launch`` of the forward built with extra keywords (timing tools; the default scale, no sink)."""
+    key = tuple(sorted(build_kw.items()))
+    return launch(lambda *a: _compiled(*a, key), q, kv, idx, sm_scale=q.shape[-1] ** -0.5, d_v=D_V)
 
 
 def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
@@ -298,31 +314,26 @@ def lowering_cases():
     return cases
 
 
+def _prefill_inputs(gen, S=4096, SKV=8192, H=64, dqk=576, topk=2048):
+    """Random q [S, H, dqk], kv [SKV, dqk] and distinct in-range indices [S, topk] (the suite's prefill shape)."""
+    q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+    kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+    idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
+    return q, kv, idx
+
+
 def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
     """Kernel times of the forward and its ``ablate`` variants at one shape (wrong results, timing only)."""
     from ..bench.harness import time_fn
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-    kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-    idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
-    scale = dqk ** -0.5
+    q, kv, idx = _prefill_inputs(torch.Generator(device="cuda").manual_seed(0), S, SKV, H, dqk, topk)
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     blocks_per_sm = S * ((H + BLOCK_H - 1) // BLOCK_H) * n_blocks / n_sm
     for ablate in ("", "no_gather", "no_softmax", "no_pv"):
-        run = lambda _, a=ablate: launch(lambda *k: _compiled(*k, ablate=a), q, kv, idx, sm_scale=scale,  # noqa: E731
-                                         d_v=D_V)
-        ms = time_fn(run, [None], q.device, reps=10).ms_median
+        ms = time_fn(lambda _, a=ablate: _launch_build(q, kv, idx, ablate=a), [None], q.device, reps=10).ms_median
         print(f"ablate={ablate or 'none'} S={S} H={H} Dqk={dqk} topk={topk}: {ms:.3f} ms, "
               f"{ms * 1e3 / blocks_per_sm:.2f} us per 64-row block and SM", flush=True)
-
-
-@functools.lru_cache(maxsize=16)
-def _compiled_variant(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length, build_kw):
-    func = build_sparse_mla_fwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                has_sink=has_sink, has_topk_length=has_topk_length, **dict(build_kw))
-    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
 _VARIANTS = (dict(softmax_batch=1), dict(), dict(softmax_batch=(2, 1)), dict(softmax_batch=(2, 0)))
@@ -336,29 +347,26 @@ def _bench_variants(configs=_VARIANTS, only: str = ""):
     ``softmax_batch=(2, 1)`` (batched max only: its scratch fits Dqk 576 exactly, 232,448 B) and ``(2, 0)`` (no
     per-block row sum: P accumulated per thread, reduced once after the loop; 24 B of register spill at Dqk 576
     in ptxas -v, against none for the others)."""
+    from ..bench.flops import sparse_fwd_flops
     from ..bench.harness import time_fn
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shapes = []
-    S, SKV, H, dqk, topk = 4096, 8192, 64, 576, 2048
-    q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-    kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-    idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
-    shapes.append(("prefill_S4096_H64_topk2048", q, kv, idx, 2.0 * S * H * topk * (dqk + D_V)))
+    H = 64
+    q, kv, idx = _prefill_inputs(gen, H=H)
+    shapes = [("prefill_S4096_H64_topk2048", q, kv, idx)]
     b, n, d, topk = 128, 8192, 512, 640
     q = (torch.randn(b, H, d, generator=gen, device="cuda") * 0.1).bfloat16()
     kv = (torch.randn(b * n, d, generator=gen, device="cuda") * 0.1).bfloat16()
     idx = torch.argsort(torch.rand(b, n, generator=gen, device="cuda"), dim=1)[:, :topk].sort(dim=1).values
     idx = (idx + torch.arange(b, device="cuda").view(b, 1) * n).int().contiguous()
-    shapes.append(("v4_decode_b128_H64_d512_topk640", q, kv, idx, 2.0 * b * H * topk * (d + d)))
-    for name, q, kv, idx, flops in shapes:
+    shapes.append(("v4_decode_b128_H64_d512_topk640", q, kv, idx))
+    for name, q, kv, idx in shapes:
         if only not in name:
             continue
+        flops = sparse_fwd_flops(H, idx.numel(), q.shape[-1], D_V)  # every index is valid here
         base = None
         for kw in configs:
-            key = tuple(sorted(kw.items()))
-            run = lambda _, k=key: launch(lambda *a: _compiled_variant(*a, k), q, kv, idx,  # noqa: E731
-                                          sm_scale=q.shape[-1] ** -0.5, d_v=D_V)
+            run = lambda _, k=kw: _launch_build(q, kv, idx, **k)  # noqa: E731
             out = run(None)[0].float()
             base = out if base is None else base
             err = (out - base).abs().max().item()
