@@ -3,7 +3,7 @@
     python scripts/bench_sparse_fwd.py [--out FILE.json] [--reps 20] [--variants fwd,ws1] [--cases ...]
 
 Variants: "fwd" = kernel_fwd.run_sparse_mla_fwd as dispatched, "padded" / "narrow" = its 64-head-tile kernel /
-kernel_fwd_narrow.py forced, "ws1" = kernel_fwd_ws.py.
+kernel_fwd_narrow.py forced, "ws1" = kernel_fwd_ws.py, "pair" = kernel_fwd_pair.py.
 
 Four shapes (issue targets in TFLOP/s, FLOPs = 2 S H topk (Dqk + 512)):
   V32_H128          S 4096, SKV 8192,   H 128, Dqk 576, topk 2048        -> 700
@@ -25,10 +25,10 @@ import time
 
 import torch
 
-from flashdsa.sparse import kernel_fwd, kernel_fwd_ws
+from flashdsa.sparse import kernel_fwd, kernel_fwd_pair, kernel_fwd_ws
 
 HANG_S = 30.0
-VARIANTS = ("fwd", "ws1", "padded", "narrow")
+VARIANTS = ("fwd", "ws1", "padded", "narrow", "pair")
 CASES = {
     "V32_H128": dict(H=128, dqk=576, topk=2048, skv=8192, sink=False, target=700),
     "V32_H64": dict(H=64, dqk=576, topk=2048, skv=8192, sink=False, target=690),
@@ -36,6 +36,8 @@ CASES = {
     "V4_h64_k640_sink": dict(H=64, dqk=512, topk=640, skv=8192, sink=True, target=600),
     "V32_H16": dict(H=16, dqk=576, topk=2048, skv=8192, sink=False, target=250),
     "V32_H32": dict(H=32, dqk=576, topk=2048, skv=8192, sink=False, target=0),
+    # DeepSeek-V4 decode-shaped: 128 tokens (one per sequence), each over its own 8192-row KV slice
+    "V4_decode_b128": dict(H=64, dqk=512, topk=640, skv=128 * 8192, sink=True, target=0, S=128),
 }
 
 
@@ -55,6 +57,8 @@ def _runner(variant, q, kv, idx, sm_scale, sink):
         narrow = {"fwd": None, "padded": False, "narrow": True}[variant]
         return lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink,
                                                      narrow=narrow)
+    if variant == "pair":
+        return lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)
     return lambda: kernel_fwd_ws.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)
 
 
@@ -85,9 +89,9 @@ def main():
         if v not in VARIANTS:
             ap.error(f"unknown variant {v!r}: one of {VARIANTS}")
     rows = []
-    S = 4096
     for name in a.cases.split(","):
         c = CASES[name]
+        S = c.get("S", 4096)
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(S, c["H"], c["dqk"], generator=g, device="cuda").bfloat16()
         kv = torch.randn(c["skv"], c["dqk"], generator=g, device="cuda").bfloat16()

@@ -1,0 +1,463 @@
+"""Sparse MLA forward, "pair" warp-specialised schedule with a non-blocking half-tile gather (Hopper sm_90a).
+
+Notes
+-----
+Same contract, host interface and numerics as ``kernel_fwd.py``, for H in {64, 128}, Dqk in {512, 576},
+d_v = 512.  One CTA per (token, 64-head group), 384 threads: consumer warpgroups WG0 (threads 0-127) and WG1
+(128-255), producer warpgroup (256-383); ``setmaxnreg`` 216 / 216 / 72.
+
+Roles.  Top-k blocks of 64 slots go in pairs (block a = 2j in buffer 0, block b = 2j+1 in buffer 1).  Each
+KV buffer is two independently tracked halves: L = columns [0, 256), R = columns [256, 512) (+ the 64-dim rope
+tail for Dqk 576).  WG0 computes S_a = Q K_a^T, WG1 S_b (full 64 x 64 x Dqk each, SS wgmma); WG0 owns
+O[:, :256], WG1 O[:, 256:].  Per pair j:
+  WG0: m_a = max(m, rowmax S_a); rescale O_l, l_0; P_a = 2^(S_a c - m_a c); publish m_a (Ma, bar_ma);
+       O_l += P_a V_a[:, :256] (RS wgmma: P in registers); retire; free a.L;  wait m_b (Mb, bar_mb); move O_l,
+       l_0, P_a to m_b; P_a -> smem P0 (bar_p0);  wait P1; O_l += P_b V_b[:, :256] (SS);  QK of block 2j+2 on
+       a.L, retire the remote PV (free b.L), QK on a.R, retire.
+  WG1: wait m_a; m_b = max(m_a, rowmax S_b); rescale O_r, l_1; P_b; publish m_b; O_r += P_b V_b[:, 256:] (RS);
+       P_b -> smem P1 (bar_p1); wait P0; O_r += P_a V_a[:, 256:] (SS); retire the local PV (free b.R);  QK of
+       block 2j+3 on b.R, retire the remote PV (free a.R), QK on b.L, retire.
+  After each pair both consumers hold O and l at the same running max m_b; at the end l = l_0 + l_1.
+  The two consumers are staggered: while one runs its softmax the other keeps the tensor pipe busy.
+Producer (what makes this schedule differ from the one measured in session 2): per pair it issues the four
+half tiles a.L, b.R, a.R, b.L, each right after ITS consumer freed it, as zero-filling predicated cp.async
+(src-size 0 for invalid slots: nothing is read) whose completion arrives on the half's ``ready`` mbarrier
+(``cp.async.mbarrier.arrive.noinc``): no wait per tile, up to four half tiles (144 KiB) in flight.  Before
+a.L / b.R it writes the block's rows (``Rows0`` / ``Rows1``: KV row or -1) and publishes them with an ordinary
+arrival on the same barrier (count 256 = 128 deferred + 128 ordinary); the consumers build their -inf masks
+from them.
+Barriers (mbarriers, one phase per pair, waiters use parity j & 1; the producer waits ``free`` with parity
+(j & 1) ^ 1, so a fresh barrier passes):
+  rdy_al (256), rdy_br (256), rdy_ar (128), rdy_bl (128): half tile landed (+ rows for al / br).
+  fr_al (128, WG0 after its local PV), fr_bl (128, WG0 after its remote PV), fr_br (128, WG1 after its local
+  PV), fr_ar (128, WG1 after its remote PV; P0 lives in a.R's rope tile at Dqk 576).
+  bar_ma, bar_mb, bar_p0, bar_p1 (128): the max / P exchange.  Named barriers: 8 (WG0), 10 (WG0 + WG1).
+Why each buffer is free when rewritten: Rows0 (Rows1) is rewritten after fr_al (fr_br), which its consumer
+arrives only after waiting both halves of that block, i.e. after every producer thread issued (so read the
+rows of) both nests.  P1 (its own 8 KiB) is rewritten by WG1 after waiting rdy_bl of the next pair, which
+the producer arrives after fr_bl, i.e. after WG0's remote PV read P1.  P0 (a.R's rope tile at Dqk 576) is
+written after WG0's QK on a.R (WG0 named barrier: every WG0 warp is past it) and freed with fr_ar after WG1's
+remote PV.
+Counted blocks past ceil(topk_eff / 64) are skipped by every role (uniform trip count npair); an odd count
+makes block b of the last pair all-invalid (zero-filled, scores -inf, P = 0).  Running max starts at the
+finite -1e30, so all-invalid blocks give exp2(-inf) = 0, never inf - inf; empty rows (l = 0) write 0, lse +inf.
+Shared memory, Dqk 576: Q 72 KiB + 2 x 72 KiB KV + P1 8 KiB + rows / max / l 1.5 KiB = 230,912 B (+ barriers)
+of 232,448.  Dqk 512: Q 64 + KV 128 + P0 + P1 16 KiB.
+ptxas serialises every wgmma of the kernel (C7515) if a wgmma is in flight at the loop back edge or if its
+issue and wait_group sit in different ``if`` blocks, hence the dynamic trip count and each iteration retiring
+what it issued.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from . import _tl_common as tc
+from . import kernel_fwd
+from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401
+
+_SUPPORTED_DQK = tc.SUPPORTED_DQK
+_SUPPORTED_H = (64, 128)
+THREADS = 384
+# setmaxnreg (WG0, WG1, producer): the sum must stay within the launch pool of __launch_bounds__(384, 1),
+# 3 x 168 = 504 (setmaxnreg.inc waits forever for registers the pool cannot give)
+PAIR_REGS = (216, 216, 72)
+assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
+BAR_WG0, BAR_BOTH = 8, 10  # named barrier ids (128 / 256 threads); 0 is __syncthreads
+_ASYNC = tc.ASYNC_GATHER
+
+
+def build_sparse_mla_fwd(
+    *,
+    heads: int,
+    dqk: int,
+    d_v: int = D_V,
+    topk: int,
+    sm_scale: float,
+    has_sink: bool = False,
+    has_topk_length: bool = False,
+):
+    """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
+    KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
+    MaxLogits[T,H] f32).  See the module notes for the schedule."""
+    assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
+    assert heads in _SUPPORTED_H, heads
+    assert sm_scale is not None and sm_scale > 0
+    D = d_v
+    DH = D // 2
+    D_tail = dqk - D
+    BH, BI = BLOCK_H, BLOCK_I
+    G = heads // BH
+    NI = (int(topk) + BI - 1) // BI
+    c_log2 = float(sm_scale) * LOG2E
+    neg_big = tc.NEG_BIG
+
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
+    _row = tc.make_slot_row(topk_dim)
+    _ok = tc.make_row_ok(n_kv)
+    load_q, normaliser, store_lse = _cta_macros(BH=BH, DH=DH, D=D, D_tail=D_tail, dqk=dqk, c_log2=c_log2,
+                                                has_sink=has_sink)
+
+    # ------------------------------------------------------------------ producer
+    @T.macro
+    def publish_rows(Rows, Indices, tok, lim, blk):
+        # Rows[r] = KV row of slot blk*64 + r, or -1 (past topk_eff / out of [0, Tkv)); all producer
+        # threads see them after the named barrier, the consumers through the ready barrier's ordinary arrival
+        for r in T.Parallel(BI):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            Rows[r] = T.if_then_else(_ok(row), row, -1)
+        T.sync_threads(11, 128)
+
+    @T.macro
+    def gather_l(KVl, Rows, KV):
+        for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
+            rk = Rows[r]
+            KVl[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, c * 64 + d], T.cast(0, bf16))
+
+    @T.macro
+    def gather_r(KVr, Kt, Rows, KV):
+        for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
+            rk = Rows[r]
+            KVr[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, DH + c * 64 + d], T.cast(0, bf16))
+            if D_tail > 0:
+                if c == 0:
+                    Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
+
+    # ------------------------------------------------------------------ consumer pieces
+    @T.macro
+    def wait_tile(bar, phase):
+        T.barrier_wait(bar, phase)
+        T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+
+    @T.macro
+    def mask(Rows, acc_s):
+        for h, r in T.Parallel(BH, BI):
+            acc_s[h, r] = T.if_then_else(Rows[r] >= 0, T.float32(0), -T.infinity(f32))
+
+    @T.macro
+    def qk_tail(Qt, Kt, acc_s):
+        if D_tail > 0:
+            T.wgmma_gemm(Qt, Kt, acc_s, transpose_B=True)
+
+    @T.macro
+    def exp_and_rescale(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk):
+        # m_new = the new running max (raw score units): O and l move from m_run to m_new, P = 2^(S c - m_new c)
+        # in place (invalid -inf -> 0), l += rowsum(P)
+        for h in T.Parallel(BH):
+            alpha[h] = T.exp2((m_run[h] - m_new[h]) * c_log2)
+            m_run[h] = m_new[h]
+        for h, r in T.Parallel(BH, BI):
+            acc_s[h, r] = T.exp2(acc_s[h, r] * c_log2 - m_run[h] * c_log2)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for h in T.Parallel(BH):
+            l_acc[h] = l_acc[h] * alpha[h] + l_blk[h]
+        for h, d in T.Parallel(BH, DH):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+
+    @T.macro
+    def finish(acc_o, l_acc, m_run, inv, Ls_own, Ls0, Ls1, Sink, Stage, Out, tok, h0, c0, own_bar):
+        # total l = l_0 + l_1 (same operand order in both roles: bit-identical factors), O staged through
+        # the dead Q half, written to Out[:, c0:c0+256]
+        T.copy(l_acc, Ls_own)
+        T.sync_threads(BAR_BOTH, 256)  # both l halves written; both consumers past every wgmma (Q is dead)
+        for h in T.Parallel(BH):
+            l_acc[h] = Ls0[h] + Ls1[h]
+        normaliser(inv, l_acc, m_run, Sink, h0)
+        for h, d in T.Parallel(BH, DH):
+            acc_o[h, d] = acc_o[h, d] * inv[h]
+        T.copy(acc_o, Stage)
+        T.sync_threads(own_bar, 128)
+        T.copy(Stage, Out[tok, h0 : h0 + BH, c0 : c0 + DH])
+
+    @T.prim_func
+    def sparse_mla_fwd_pair(
+        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        KV: T.Tensor([n_kv, dqk], bf16),
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok * G, threads=THREADS) as bx:
+            Q_l = T.alloc_shared([BH, DH], bf16)
+            Q_r = T.alloc_shared([BH, DH], bf16)
+            KVa_l = T.alloc_shared([BI, DH], bf16)
+            KVa_r = T.alloc_shared([BI, DH], bf16)
+            KVb_l = T.alloc_shared([BI, DH], bf16)
+            KVb_r = T.alloc_shared([BI, DH], bf16)
+            P1 = T.alloc_shared([BH, BI], bf16)
+            if D_tail > 0:
+                Q_t = T.alloc_shared([BH, D_tail], bf16)
+                Ka_t = T.alloc_shared([BI, D_tail], bf16)
+                Kb_t = T.alloc_shared([BI, D_tail], bf16)
+                P0 = Ka_t  # P of block a lives in a.R's rope tile: dead after WG0's QK, freed with fr_ar
+            else:
+                Q_t = Q_r  # placeholders, never read
+                Ka_t = KVa_r
+                Kb_t = KVb_r
+                P0 = T.alloc_shared([BH, BI], bf16)
+            Rows0 = T.alloc_shared([BI], i32)
+            Rows1 = T.alloc_shared([BI], i32)
+            Ma = T.alloc_shared([BH], f32)
+            Mb = T.alloc_shared([BH], f32)
+            Ls0 = T.alloc_shared([BH], f32)
+            Ls1 = T.alloc_shared([BH], f32)
+
+            rdy_al = T.alloc_barrier(256)
+            rdy_br = T.alloc_barrier(256)
+            rdy_ar = T.alloc_barrier(128)
+            rdy_bl = T.alloc_barrier(128)
+            fr_al = T.alloc_barrier(128)
+            fr_bl = T.alloc_barrier(128)
+            fr_br = T.alloc_barrier(128)
+            fr_ar = T.alloc_barrier(128)
+            bar_ma = T.alloc_barrier(128)
+            bar_mb = T.alloc_barrier(128)
+            bar_p0 = T.alloc_barrier(128)
+            bar_p1 = T.alloc_barrier(128)
+
+            # per-role fragments (one fragment shared by two role branches loses code in TileLang 0.1.15)
+            acc_o0 = T.alloc_fragment([BH, DH], f32)
+            acc_s0 = T.alloc_fragment([BH, BI], f32)
+            p0 = T.alloc_fragment([BH, BI], bf16)
+            m_run0 = T.alloc_fragment([BH], f32)
+            m_new0 = T.alloc_fragment([BH], f32)
+            alpha0 = T.alloc_fragment([BH], f32)
+            l0 = T.alloc_fragment([BH], f32)
+            lb0 = T.alloc_fragment([BH], f32)
+            inv0 = T.alloc_fragment([BH], f32)
+            acc_o1 = T.alloc_fragment([BH, DH], f32)
+            acc_s1 = T.alloc_fragment([BH, BI], f32)
+            p1 = T.alloc_fragment([BH, BI], bf16)
+            m_run1 = T.alloc_fragment([BH], f32)
+            m_new1 = T.alloc_fragment([BH], f32)
+            alpha1 = T.alloc_fragment([BH], f32)
+            l1 = T.alloc_fragment([BH], f32)
+            lb1 = T.alloc_fragment([BH], f32)
+            inv1 = T.alloc_fragment([BH], f32)
+            lim = T.alloc_local([1], i32)
+            npair = T.alloc_local([1], i32)
+
+            tok = bx // G
+            h0 = (bx % G) * BH
+            tx = T.get_thread_binding()
+
+            if has_topk_length:
+                lim[0] = T.max(T.min(TopkLen[tok], topk_dim), 0)
+            else:
+                lim[0] = topk_dim
+            npair[0] = (T.min((lim[0] + BI - 1) // BI, NI) + 1) // 2
+            load_q(Q, Q_l, Q_r, Q_t, tok, h0)
+
+            if tx < 128:
+                # ---------------------------------------------- WG0: QK of blocks 2j, O[:, 0:256]
+                T.set_max_nreg(PAIR_REGS[0], 1)
+                T.fill(acc_o0, 0)
+                T.fill(l0, 0)
+                T.fill(m_run0, neg_big)
+                if npair[0] > 0:
+                    wait_tile(rdy_al, 0)
+                    mask(Rows0, acc_s0)
+                    T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
+                    wait_tile(rdy_ar, 0)
+                    T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
+                    qk_tail(Q_t, Ka_t, acc_s0)
+                    T.wait_wgmma(0)
+                for j in T.serial(npair[0]):
+                    T.copy(m_run0, m_new0)
+                    T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
+                    exp_and_rescale(acc_s0, acc_o0, m_run0, m_new0, alpha0, l0, lb0)
+                    T.copy(m_run0, Ma)
+                    T.barrier_arrive(bar_ma)
+                    # local PV: O_l += P_a V_a[:, :256], P from registers
+                    T.copy(acc_s0, p0)
+                    T.wgmma_gemm(p0, KVa_l, acc_o0)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(fr_al)
+                    # common max m_b: move O_l, l_0 and P_a to it
+                    T.barrier_wait(bar_mb, j & 1)
+                    for h in T.Parallel(BH):
+                        m_new0[h] = Mb[h]
+                    for h in T.Parallel(BH):
+                        alpha0[h] = T.exp2((m_run0[h] - m_new0[h]) * c_log2)
+                        m_run0[h] = m_new0[h]
+                        l0[h] = l0[h] * alpha0[h]
+                    for h, r in T.Parallel(BH, BI):
+                        p0[h, r] = T.cast(acc_s0[h, r] * alpha0[h], bf16)
+                    T.sync_threads(BAR_WG0, 128)  # every WG0 warp is past its QK on a.R (P0 = its rope tile)
+                    T.copy(p0, P0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_p0)
+                    for h, d in T.Parallel(BH, DH):
+                        acc_o0[h, d] = acc_o0[h, d] * alpha0[h]
+                    # remote PV: O_l += P_b V_b[:, :256], P_b from WG1 via smem
+                    T.barrier_wait(bar_p1, j & 1)
+                    T.wgmma_gemm(P1, KVb_l, acc_o0)
+                    if j + 1 < npair[0]:
+                        wait_tile(rdy_al, (j + 1) & 1)
+                        mask(Rows0, acc_s0)
+                        T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
+                        T.wait_wgmma(1)  # the remote PV retired: b.L (and P1) no longer read
+                        T.barrier_arrive(fr_bl)
+                        wait_tile(rdy_ar, (j + 1) & 1)
+                        T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
+                        qk_tail(Q_t, Ka_t, acc_s0)
+                        T.wait_wgmma(0)
+                    else:
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(fr_bl)
+                finish(acc_o0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Q_l, Out, tok, h0, 0, BAR_WG0)
+                store_lse(l0, m_run0, Lse, MaxLogits, tok, h0)
+            elif tx < 256:
+                # ---------------------------------------------- WG1: QK of blocks 2j+1, O[:, 256:512]
+                T.set_max_nreg(PAIR_REGS[1], 1)
+                T.fill(acc_o1, 0)
+                T.fill(l1, 0)
+                T.fill(m_run1, neg_big)
+                if npair[0] > 0:
+                    wait_tile(rdy_br, 0)
+                    mask(Rows1, acc_s1)
+                    T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
+                    qk_tail(Q_t, Kb_t, acc_s1)
+                    wait_tile(rdy_bl, 0)
+                    T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
+                    T.wait_wgmma(0)
+                for j in T.serial(npair[0]):
+                    # m_b = max(m_a, rowmax S_b) >= m_a >= the common max of the last pair
+                    T.barrier_wait(bar_ma, j & 1)
+                    for h in T.Parallel(BH):
+                        m_new1[h] = Ma[h]
+                    T.reduce_max(acc_s1, m_new1, dim=1, clear=False)
+                    exp_and_rescale(acc_s1, acc_o1, m_run1, m_new1, alpha1, l1, lb1)
+                    T.copy(m_run1, Mb)
+                    T.barrier_arrive(bar_mb)
+                    # local PV: O_r += P_b V_b[:, 256:], P from registers; P_b to smem for WG0 meanwhile
+                    T.copy(acc_s1, p1)
+                    T.wgmma_gemm(p1, KVb_r, acc_o1)
+                    T.copy(p1, P1)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_p1)
+                    # remote PV: O_r += P_a V_a[:, 256:], P_a already at m_b
+                    T.barrier_wait(bar_p0, j & 1)
+                    T.wgmma_gemm(P0, KVa_r, acc_o1)
+                    T.wait_wgmma(1)  # the local PV retired: b.R no longer read
+                    T.barrier_arrive(fr_br)
+                    if j + 1 < npair[0]:
+                        wait_tile(rdy_br, (j + 1) & 1)
+                        mask(Rows1, acc_s1)
+                        T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
+                        qk_tail(Q_t, Kb_t, acc_s1)
+                        T.wait_wgmma(1 + (1 if D_tail > 0 else 0))  # the remote PV retired: a.R, P0 free
+                        T.barrier_arrive(fr_ar)
+                        wait_tile(rdy_bl, (j + 1) & 1)
+                        T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
+                        T.wait_wgmma(0)
+                    else:
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(fr_ar)
+                finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, 9)
+            else:
+                # ---------------------------------------------- producer
+                T.set_max_nreg(PAIR_REGS[2], 0)
+                for j in T.serial(npair[0]):
+                    T.barrier_wait(fr_al, (j & 1) ^ 1)
+                    publish_rows(Rows0, Indices, tok, lim[0], j * 2)
+                    T.barrier_arrive(rdy_al)
+                    gather_l(KVa_l, Rows0, KV)
+                    T.cp_async_barrier_noinc(rdy_al)
+                    T.barrier_wait(fr_br, (j & 1) ^ 1)
+                    publish_rows(Rows1, Indices, tok, lim[0], j * 2 + 1)
+                    T.barrier_arrive(rdy_br)
+                    gather_r(KVb_r, Kb_t, Rows1, KV)
+                    T.cp_async_barrier_noinc(rdy_br)
+                    T.barrier_wait(fr_ar, (j & 1) ^ 1)
+                    gather_r(KVa_r, Ka_t, Rows0, KV)
+                    T.cp_async_barrier_noinc(rdy_ar)
+                    T.barrier_wait(fr_bl, (j & 1) ^ 1)
+                    gather_l(KVb_l, Rows1, KV)
+                    T.cp_async_barrier_noinc(rdy_bl)
+                T.ptx_commit_group()
+                T.ptx_wait_group(0)  # nothing in flight when the producer threads exit
+
+    return sparse_mla_fwd_pair
+
+
+def _cta_macros(*, BH, DH, D, D_tail, dqk, c_log2, has_sink):
+    """(load_q, normaliser, store_lse) of one CTA (token ``tok``, 64 heads from ``h0``, no padded heads)."""
+    f32 = "float32"
+
+    @T.macro
+    def load_q(Q, Q_l, Q_r, Q_t, tok, h0):
+        T.copy(Q[tok, h0 : h0 + BH, 0:DH], Q_l)
+        T.copy(Q[tok, h0 : h0 + BH, DH:D], Q_r)
+        if D_tail > 0:
+            T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t)
+        T.fence_proxy_async()
+        T.sync_threads()
+
+    @T.macro
+    def normaliser(inv, l_i, m_i, Sink, h0):
+        for h in T.Parallel(BH):
+            if has_sink:
+                inv[h] = T.if_then_else(
+                    l_i[h] > 0,
+                    1.0 / (l_i[h] + T.exp2(Sink[h0 + h] * T.float32(LOG2E) - m_i[h] * c_log2)),
+                    T.float32(0),
+                )
+            else:
+                inv[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], T.float32(0))
+
+    @T.macro
+    def store_lse(l_i, m_i, Lse, MaxLogits, tok, h0):
+        for h in T.Parallel(BH):
+            Lse[tok, h0 + h] = T.if_then_else(
+                l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * c_log2) * T.float32(LN2), T.infinity(f32)
+            )
+            MaxLogits[tok, h0 + h] = T.if_then_else(l_i[h] > 0, m_i[h] * c_log2 * T.float32(LN2), -T.infinity(f32))
+
+    return load_q, normaliser, store_lse
+
+
+def _pass_configs():
+    # every intra-role sync is an explicit named barrier (the automatic pass reuses ids across roles)
+    return tc.plain_pass_configs({tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+    func = build_sparse_mla_fwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
+                                has_sink=has_sink, has_topk_length=has_topk_length)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
+    """None if this kernel handles the arguments, else a short reason: the pipelined kernel's rules, and full
+    64-head tiles."""
+    reason = kernel_fwd.kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+    if reason is None and q.shape[1] not in _SUPPORTED_H:
+        reason = f"H={q.shape[1]} not in {_SUPPORTED_H} (the pair schedule needs full 64-head tiles)"
+    return reason
+
+
+def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
+                       checked: bool = False):
+    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
+    if not checked:
+        reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+        if reason is not None:
+            raise ValueError(f"sparse_mla fwd pair kernel: {reason}")
+    return kernel_fwd.launch(_compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+                             attn_sink=attn_sink)
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    return [
+        ("pair_h128_d576_topk2048", build_sparse_mla_fwd(heads=128, dqk=576, topk=2048, sm_scale=576**-0.5)),
+        ("pair_h64_d512_topk640_sink_tl", build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5,
+                                                               has_sink=True, has_topk_length=True)),
+    ]

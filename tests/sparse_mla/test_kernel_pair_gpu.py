@@ -1,0 +1,88 @@
+"""GPU: the "pair" warp-specialised sparse MLA forward (kernel_fwd_pair) against the PyTorch reference.
+
+Same inputs, poisoning and tolerances as test_kernel_gpu.py, for the shapes the kernel takes (H in {64, 128}).
+Compiles: (576, 128, 4 blocks, sink, tl), (576, 128, 32 blocks), (512, 64, 3 blocks, sink, tl), (512, 128, 2 blocks).
+Hang guard: a producer / consumer protocol bug hangs the kernel, so every launch is followed by a polling
+synchronize that hard-exits the process after HANG_S seconds (a hung kernel cannot be interrupted).
+"""
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("tilelang")
+
+from flashdsa.sparse import kernel_fwd_pair as kmod  # noqa: E402
+
+from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
+
+D_V = 512
+HANG_S = 30.0
+
+# (dqk, heads, tkv, topk, n_tok, sink, topk_length, q layout); small cases first
+CASES = [
+    (576, 128, 64, 256, 3, True, True, "contig"),  # tiny: full / clamped / empty rows
+    (576, 128, 592, 200, 62, True, True, "contig"),  # tail block masked, odd block counts
+    (576, 128, 1840, 256, 213, True, True, "sliced"),
+    (576, 128, 8192, 2048, 62, False, False, "transposed"),  # the headline config
+    (512, 64, 128, 130, 213, True, True, "contig"),  # topk > Tkv (duplicates), 3 blocks: half-used last pair
+    (512, 64, 1840, 192, 62, True, True, "transposed"),
+    (512, 128, 128, 128, 62, False, False, "transposed"),
+    (512, 128, 4096, 100, 213, False, False, "sliced"),
+]
+
+
+def _sync_or_die(what, timeout_s=HANG_S):
+    """torch.cuda.synchronize() that cannot hang: poll the stream; on timeout report and hard-exit."""
+    stream = torch.cuda.current_stream()
+    deadline = time.monotonic() + timeout_s
+    while not stream.query():
+        if time.monotonic() > deadline:
+            msg = f"\nHANG: kernel_fwd_pair did not finish within {timeout_s:.0f} s ({what}); aborting the run\n"
+            sys.stdout.write(msg)
+            sys.stderr.write(msg)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(3)
+        time.sleep(0.002)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize(
+    "dqk,heads,tkv,topk,n_tok,sink,use_tl,layout",
+    CASES,
+    ids=[f"d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}{'-tl' if c[6] else ''}-{c[7]}"
+         for c in CASES],
+)
+def test_sparse_mla_fwd_pair_kernel(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout):
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    sm_scale = dqk**-0.5
+    assert kmod.kernel_unsupported(q, kv, indices, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink) is None
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    out, lse, max_logits = kmod.run_sparse_mla_fwd(
+        q, kv, indices, sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink
+    )
+    _sync_or_die(f"dqk={dqk} H={heads} Tkv={tkv} topk={topk} T={n_tok} sink={sink} tl={use_tl} {layout}")
+    check_against_reference(out, lse, max_logits, q, kv, indices, sm_scale, topk_length, attn_sink, valid)
+    # deterministic: a second launch gives bitwise the same outputs
+    again = kmod.run_sparse_mla_fwd(q, kv, indices, sm_scale=sm_scale, d_v=D_V, topk_length=topk_length,
+                                    attn_sink=attn_sink)
+    _sync_or_die("second launch")
+    for a, b in zip((out, lse, max_logits), again):
+        assert torch.equal(a, b)
+
+
+def test_sparse_mla_fwd_pair_unsupported_heads():
+    q = torch.zeros(2, 16, 576, dtype=torch.bfloat16, device="cuda")
+    kv = torch.zeros(8, 576, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
+    assert kmod.kernel_unsupported(q, kv, idx, d_v=D_V) is not None
+    with pytest.raises(ValueError, match="H=16"):
+        kmod.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=D_V)
