@@ -77,10 +77,17 @@ def build_sparse_mla_fwd(
     sm_scale: float,
     has_sink: bool = False,
     has_topk_length: bool = False,
+    ablate: str = "",
+    proxy_fence: bool = True,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
-    MaxLogits[T,H] f32).  See the module notes for the schedule."""
+    MaxLogits[T,H] f32).  See the module notes for the schedule.
+
+    Timing-only builds (wrong results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``): ``ablate=
+    "no_gather"`` keeps the protocol but issues no cp.async (the tiles keep what shared memory holds);
+    ``proxy_fence=False`` drops the consumers' fence.proxy.async after each tile wait."""
+    assert ablate in ("", "no_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     assert heads in _SUPPORTED_H, heads
     assert sm_scale is not None and sm_scale > 0
@@ -112,24 +119,27 @@ def build_sparse_mla_fwd(
 
     @T.macro
     def gather_l(KVl, Rows, KV):
-        for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
-            rk = Rows[r]
-            KVl[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, c * 64 + d], T.cast(0, bf16))
+        if ablate != "no_gather":
+            for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
+                rk = Rows[r]
+                KVl[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, c * 64 + d], T.cast(0, bf16))
 
     @T.macro
     def gather_r(KVr, Kt, Rows, KV):
-        for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
-            rk = Rows[r]
-            KVr[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, DH + c * 64 + d], T.cast(0, bf16))
-            if D_tail > 0:
-                if c == 0:
-                    Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
+        if ablate != "no_gather":
+            for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
+                rk = Rows[r]
+                KVr[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, DH + c * 64 + d], T.cast(0, bf16))
+                if D_tail > 0:
+                    if c == 0:
+                        Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
 
     # ------------------------------------------------------------------ consumer pieces
     @T.macro
     def wait_tile(bar, phase):
         T.barrier_wait(bar, phase)
-        T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+        if proxy_fence:
+            T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
 
     @T.macro
     def mask(Rows, acc_s):
@@ -428,9 +438,11 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
+              build_kw: tuple = ()):
+    """The compiled kernel; ``build_kw``: extra build keywords as sorted (name, value) pairs (timing builds)."""
     func = build_sparse_mla_fwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                has_sink=has_sink, has_topk_length=has_topk_length)
+                                has_sink=has_sink, has_topk_length=has_topk_length, **dict(build_kw))
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -461,3 +473,34 @@ def lowering_cases():
         ("pair_h64_d512_topk640_sink_tl", build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5,
                                                                has_sink=True, has_topk_length=True)),
     ]
+
+
+def _bench_variants():
+    """Kernel times of timing builds at the prefill H 64 shape and the V4 prefill shape (``python -m
+    flashdsa.sparse.kernel_fwd_pair --variants``): the dispatched pipelined kernel, this kernel, and its
+    ``ablate`` / ``proxy_fence`` builds; us per 64-row block and SM."""
+    import torch
+
+    from ..bench.harness import time_fn
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, dqk, topk in (("prefill_S4096_H64_d576_topk2048", 576, 2048), ("v4_S4096_H64_d512_topk640", 512, 640)):
+        q, kv, idx = kernel_fwd._prefill_inputs(gen, H=64, dqk=dqk, topk=topk)
+        blocks_per_sm = q.shape[0] * (topk // BLOCK_I) / n_sm
+        runs = [("kernel_fwd", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V))]
+        for kw in (dict(), dict(proxy_fence=False), dict(ablate="no_gather")):
+            key = tuple(sorted(kw.items()))
+            runs.append((f"pair{kw}", lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
+                                                                       sm_scale=dqk**-0.5, d_v=D_V)))
+        for label, fn in runs:
+            ms = time_fn(lambda _, f=fn: f(), [None], q.device, reps=10).ms_median
+            print(f"variant {name} {label}: {ms:.3f} ms, {ms * 1e3 / blocks_per_sm:.2f} us per block and SM",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--variants" in sys.argv[1:]:
+        _bench_variants()
