@@ -1,4 +1,5 @@
-"""Time the dense bf16 paged MLA decode kernel variants ("auto", "ws", "narrow", "pipelined") on one GPU.
+"""Time the dense bf16 paged MLA decode kernel variants ("auto", "ws", "narrow", "pipelined", "narrow_fused") on one
+GPU.
 
 Usage (repo root, GPU machine):
     python scripts/bench_decode.py [--variants ws,narrow,narrow@128x1xcpasync,pipelined] [--cases all|mem,h32]
@@ -12,7 +13,7 @@ Per case and variant: a correctness check against ``mla_decode_reference`` on th
 medians (L2 flushed by writing a 256 MB buffer before each run, outside the events) of
   * ``e2e``: ``run_mla_decode_dense`` as called eagerly (GPU split plan + partial + combine + host overhead),
   * ``graph``: the same step captured in a CUDA graph and replayed (no host overhead: what a decode loop sees),
-  * ``kernels``: partial + combine launches only (plan precomputed).
+  * ``kernels``: partial + combine launches only (plan precomputed); for "narrow_fused" its one launch.
 Counts as ``flashdsa.bench``'s decode suite: bytes = cache rows x 1152 + q + out (+ lse), FLOPs =
 2 * H * (576 + 512) per attended (query row, key) pair.
 """
@@ -134,9 +135,21 @@ def bench_variant(kd, variant, q, kv, table, lens, causal, reps, flush):
     res["splits_per_seq"] = sorted(set(int(x) for x in nsplit))
     res["ctas"] = int((plan[0] >= 0).sum()) * n_mt
 
-    def kernels():
-        part(qf, kv, table, lens, plan, sink, out, lse, o_part, lse_part)
-        comb(seq_plan, sink, o_part, lse_part, out, lse)
+    if variant == "narrow_fused" and res["partial"] == "kernel_dense_narrow":
+        # the single launch replaces partial + combine (it derives the plan itself; same o_part / lse_part sizes)
+        from flashdsa.decode import kernel_dense_fused as kf
+
+        res["partial"] = "kernel_dense_fused"
+        counters = kf.seq_counters(B, q.device)
+        fused = kf._compiled(H, s_q, BLOCK_SIZE, causal, float(scale), False, num_sms * ws.ctas_per_sm(M),
+                             kf._kn.THREADS, kf._kn.STAGES, kf._kn.LOADER)
+
+        def kernels():
+            fused(qf, kv, table, lens, sink, out, lse, o_part, lse_part, counters)
+    else:
+        def kernels():
+            part(qf, kv, table, lens, plan, sink, out, lse, o_part, lse_part)
+            comb(seq_plan, sink, o_part, lse_part, out, lse)
 
     res["kernels_ms"], res["kernels_min_ms"] = time_events(kernels, reps, flush)
     return res

@@ -55,8 +55,9 @@ def _sync_or_die(what):
 def _runner(variant, q, kv, idx, sm_scale, sink):
     if variant in ("fwd", "padded", "narrow"):
         narrow = {"fwd": None, "padded": False, "narrow": True}[variant]
+        pair = False if variant == "padded" else None
         return lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink,
-                                                     narrow=narrow)
+                                                     narrow=narrow, pair=pair)
     if variant == "pair":
         return lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)
     return lambda: kernel_fwd_ws.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)

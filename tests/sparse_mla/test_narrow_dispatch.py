@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("tilelang")
 
-from flashdsa.sparse import kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow  # noqa: E402
+from flashdsa.sparse import kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_pair  # noqa: E402
 
 
 def _fake_kernel(record, name):
@@ -21,20 +21,23 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd, "_compiled", _fake_kernel(calls, "padded"))
     monkeypatch.setattr(kernel_fwd_narrow, "_compiled", _fake_kernel(calls, "narrow"))
+    monkeypatch.setattr(kernel_fwd_pair, "_compiled", _fake_kernel(calls, "pair"))
     monkeypatch.setattr(kernel_fwd_fp8cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_fp8cache, "_compiled", _fake_kernel(calls, "padded656"))
     monkeypatch.setattr(kernel_fwd_narrow, "compiled_cache656", _fake_kernel(calls, "narrow656"))
     return calls
 
 
-@pytest.mark.parametrize("heads,narrow,expect", [(1, None, "narrow"), (16, None, "narrow"), (32, None, "narrow"),
-                                                 (33, None, "padded"), (128, None, "padded"),
-                                                 (16, False, "padded"), (64, True, "narrow")])
-def test_bf16_forward_picks_kernel(record, heads, narrow, expect):
+@pytest.mark.parametrize("heads,narrow,pair,expect", [
+    (1, None, None, "narrow"), (16, None, None, "narrow"), (32, None, None, "narrow"), (33, None, None, "padded"),
+    (96, None, None, "padded"), (127, None, None, "padded"), (128, None, None, "pair"), (64, None, None, "pair"),
+    (64, False, None, "pair"), (128, None, False, "padded"), (16, False, None, "padded"), (64, True, None, "narrow"),
+])
+def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
     q = torch.zeros(3, heads, 576, dtype=torch.bfloat16)
     kv = torch.zeros(10, 576, dtype=torch.bfloat16)
     idx = torch.zeros(3, 100, dtype=torch.int32)
-    kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=narrow)
+    kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=narrow, pair=pair)
     assert [name for name, _ in record] == [expect]
 
 

@@ -139,3 +139,55 @@ def item_macros(*, M: int, s_q: int, causal: bool, BH: int, BI: int, heads: int 
                     OPart[item, m0 + h, d] = acc_o[h, d]
 
     return load_item, start_item, wg0_finish
+
+
+def combine_row_macro(*, heads: int, has_sink: bool, vpt: int, col, unroll: bool = False):
+    """``combine_row(Sink, OPart, LsePart, Out, Lse, b, m, first, nsp, lead, t, scratch)``: the split-KV merge of
+    query row ``m`` of sequence ``b`` from its ``nsp`` partials ``OPart[first + k, m]`` / ``LsePart[first + k, m]``
+    (k < nsp), used by the combine kernel (``kernel_dense.build_combine_kernel``) and the single-launch decode
+    (``kernel_dense_fused``), so both merge with the same arithmetic.
+
+    Math (base 2, ``lse2_k = -inf`` for a split that saw no key): ``mx = max_k lse2_k``; ``w_k = 2^(lse2_k - mx)``,
+    ``tot = sum_k w_k``; ``out = sum_k w_k o_k / tot`` (``/ (tot + 2^(sink log2e - mx))`` with a sink, which is
+    ``1 / (1 + exp(sink - lse))`` of the unsunk output), ``lse = (mx + log2 tot) ln 2``.  ``mx = -inf`` (no split
+    saw a key): out = 0, lse = +inf.  The calling thread handles the ``vpt`` columns ``col(t, v)``, v < vpt
+    (``col`` is a Python function of the thread's index ``t`` among the row's threads and ``v``); ``lead`` (a
+    condition) picks the one thread of the row that writes ``Lse``.  ``scratch`` = (mx, tot, w, scl [1] f32,
+    acc [vpt] f32) local buffers.  ``unroll``: unrolled column loops (keeps ``acc`` in registers for large vpt).
+    """
+    import tilelang.language as T
+
+    f32, bf16 = "float32", "bfloat16"
+    vloop = T.unroll if unroll else T.serial
+
+    @T.macro
+    def combine_row(Sink, OPart, LsePart, Out, Lse, b, m, first, nsp, lead, t, scratch):
+        mx, tot, w, scl, acc = scratch
+        mx[0] = -T.infinity(f32)
+        for k in T.serial(nsp):
+            mx[0] = T.max(mx[0], LsePart[first + k, m])
+        tot[0] = 0
+        for v in vloop(vpt):
+            acc[v] = 0
+        if mx[0] > -T.infinity(f32):
+            for k in T.serial(nsp):
+                w[0] = T.exp2(LsePart[first + k, m] - mx[0])
+                tot[0] += w[0]
+                for v in vloop(vpt):
+                    acc[v] += w[0] * OPart[first + k, m, col(t, v)]
+            # lse2 = mx + log2(tot); scale = 1 / tot (times the sink factor)
+            if has_sink:
+                scl[0] = 1.0 / (tot[0] + T.exp2(Sink[m % heads] * T.float32(LOG2E) - mx[0]))
+            else:
+                scl[0] = 1.0 / tot[0]
+            for v in vloop(vpt):
+                Out[b, m, col(t, v)] = T.cast(acc[v] * scl[0], bf16)
+            if lead:
+                Lse[b, m] = (T.log2(tot[0]) + mx[0]) * T.float32(LN2)
+        else:
+            for v in vloop(vpt):
+                Out[b, m, col(t, v)] = T.cast(0, bf16)
+            if lead:
+                Lse[b, m] = T.infinity(f32)
+
+    return combine_row

@@ -9,7 +9,9 @@ Variants (``run_mla_decode_dense(..., variant=)``, else ``$FLASHDSA_DECODE_VARIA
   * "ws": the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
     consumer warpgroups, 64-key tiles, the n_mt row tiles of a split in adjacent CTAs); see its notes.
   * "pipelined": this module's partial kernel, described below (the one measured on the H200 first).
-  All use this module's split plan (``_plan``, tile size per variant), partial buffers and combine kernel.
+  * "narrow_fused" (opt-in): the narrow kernel in ONE launch (``kernel_dense_fused.py``: each CTA derives its
+    split from cache_seqlens, the last split of a sequence merges), where ``s_q * H <= 32``, else "ws".
+  All others use this module's split plan (``_plan``, tile size per variant), partial buffers and combine kernel.
 
 Design
   * Query rows: the ``s_q * H`` query rows of one sequence (row ``m = i * H + h``) form the M side of the wgmma
@@ -87,7 +89,7 @@ import os
 
 import torch
 
-from ._tl_common import D_ROPE, D_V, DQK, LN2, LOG2E, partial_prim_func, partial_sizes
+from ._tl_common import D_ROPE, D_V, DQK, LN2, LOG2E, combine_row_macro, partial_prim_func, partial_sizes
 from .._tilelang import direct_launcher, dummy
 
 BLOCK_M = 64  # query rows (s_q * H) per tile: the wgmma M
@@ -97,7 +99,7 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 _OVERHEAD_TILES = 5  # fixed cost of one split (Q load, epilogue, combine) in units of 64-token tiles
 _MIN_CHUNK_TILES = 2  # never split below 128 tokens
 _COMBINE_THREADS = 128
-VARIANTS = ("auto", "ws", "narrow", "pipelined")
+VARIANTS = ("auto", "ws", "narrow", "pipelined", "narrow_fused")
 DEFAULT_VARIANT = "auto"  # "pipelined": the two-stage cp.async kernel of this module (measured on the H200)
 AUTO_NARROW_ROWS = 32  # "auto" runs the narrow kernel for s_q * H <= this, else "ws"
 VARIANT_ENV = "FLASHDSA_DECODE_VARIANT"
@@ -298,6 +300,7 @@ def build_combine_kernel(*, heads: int, s_q: int, has_sink: bool, threads: int =
     nbat = T.dynamic("batch")
     nitem = T.dynamic("max_items")
     n_sink = T.dynamic("n_sink")
+    combine_row = combine_row_macro(heads=heads, has_sink=has_sink, vpt=VPT, col=lambda t, v: t * VPT + v)
 
     @T.prim_func
     def mla_decode_dense_combine(
@@ -320,32 +323,7 @@ def build_combine_kernel(*, heads: int, s_q: int, has_sink: bool, threads: int =
             first[0] = SeqPlan[0, b]
             nsp[0] = SeqPlan[1, b]
             if nsp[0] > 1:
-                mx[0] = -T.infinity(f32)
-                for k in T.serial(nsp[0]):
-                    mx[0] = T.max(mx[0], LsePart[first[0] + k, m])
-                tot[0] = 0
-                for v in T.serial(VPT):
-                    acc[v] = 0
-                if mx[0] > -T.infinity(f32):
-                    for k in T.serial(nsp[0]):
-                        w[0] = T.exp2(LsePart[first[0] + k, m] - mx[0])
-                        tot[0] += w[0]
-                        for v in T.serial(VPT):
-                            acc[v] += w[0] * OPart[first[0] + k, m, tx * VPT + v]
-                    # lse2 = mx + log2(tot); scale = 1 / tot (times the sink factor)
-                    if has_sink:
-                        scl[0] = 1.0 / (tot[0] + T.exp2(Sink[m % heads] * T.float32(LOG2E) - mx[0]))
-                    else:
-                        scl[0] = 1.0 / tot[0]
-                    for v in T.serial(VPT):
-                        Out[b, m, tx * VPT + v] = T.cast(acc[v] * scl[0], bf16)
-                    if tx == 0:
-                        Lse[b, m] = (T.log2(tot[0]) + mx[0]) * T.float32(LN2)
-                else:
-                    for v in T.serial(VPT):
-                        Out[b, m, tx * VPT + v] = T.cast(0, bf16)
-                    if tx == 0:
-                        Lse[b, m] = T.infinity(f32)
+                combine_row(Sink, OPart, LsePart, Out, Lse, b, m, first[0], nsp[0], tx == 0, tx, (mx, tot, w, scl, acc))
 
     return mla_decode_dense_combine
 
@@ -496,14 +474,16 @@ def _variant(variant):
 
 def _ws_module(variant: str, rows: int):
     """The partial-kernel module a variant other than "pipelined" runs for ``s_q * H = rows``: "ws" ->
-    ``kernel_dense_ws`` (every ``rows``); "narrow" -> ``kernel_dense_narrow`` where ``rows`` fits it
+    ``kernel_dense_ws`` (every ``rows``); "narrow" (and "narrow_fused", whose fused kernel runs instead where it
+    fits) -> ``kernel_dense_narrow`` where ``rows`` fits it
     (``MAX_ROWS``), else ``kernel_dense_ws``; "auto" -> the narrow kernel for ``rows <= AUTO_NARROW_ROWS``.  The
     module has ``BLOCK_N``, ``_OVERHEAD_TILES``, ``_MIN_CHUNK_TILES`` (the split plan's tile), ``ctas_per_sm`` (the
     plan's work items per SM) and ``compiled_partial``."""
     from . import kernel_dense_narrow as narrow
     from . import kernel_dense_ws as ws
 
-    limit = {"narrow": narrow.MAX_ROWS, "auto": min(AUTO_NARROW_ROWS, narrow.MAX_ROWS)}.get(variant, 0)
+    limit = {"narrow": narrow.MAX_ROWS, "narrow_fused": narrow.MAX_ROWS,
+             "auto": min(AUTO_NARROW_ROWS, narrow.MAX_ROWS)}.get(variant, 0)
     return narrow if rows <= limit else ws
 
 
@@ -512,10 +492,11 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
     """Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] f32 natural log, +inf / 0 for empty rows).
 
     ``variant``: "auto" (default: ``kernel_dense_narrow`` for few query rows, else ``kernel_dense_ws``), "ws"
-    (warp-specialised partial kernel), "narrow" (keys-as-M kernel where s_q * H <= 32, else "ws") or "pipelined"
-    (this module's two-stage cp.async kernel); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.
-    All share the split plan, the partial buffers and the combine kernel.  ``checked``: the caller has already had
-    ``kernel_unsupported`` accept these arguments (the dispatcher does), so it is not run twice.
+    (warp-specialised partial kernel), "narrow" (keys-as-M kernel where s_q * H <= 32, else "ws"), "pipelined"
+    (this module's two-stage cp.async kernel) or "narrow_fused" (the narrow kernel as one launch, plan and combine
+    inside, where s_q * H <= 32, else "ws"); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.
+    The others share the split plan, the partial buffers and the combine kernel.  ``checked``: the caller has
+    already had ``kernel_unsupported`` accept these arguments (the dispatcher does), so it is not run twice.
     """
     if not checked:
         reason = kernel_unsupported(q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal,
@@ -541,6 +522,14 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
         return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
     n_mt = (M + BLOCK_M - 1) // BLOCK_M
     num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+    if variant == "narrow_fused":
+        from . import kernel_dense_fused as fused
+
+        if M <= fused.MAX_ROWS:  # else the "ws" kernel below, as for "narrow"
+            fused.run_fused(q.reshape(B, M, DQK).contiguous(), kv_cache.contiguous(), block_table.contiguous(),
+                            cache_seqlens.contiguous(), attn_sink, out, lse, heads=H, s_q=s_q, causal=bool(causal),
+                            sm_scale=float(sm_scale), num_sms=num_sms)
+            return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
     if variant != "pipelined":
         ws = _ws_module(variant, M)
         plan_kw = dict(num_sms=num_sms * ws.ctas_per_sm(M), tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,

@@ -89,6 +89,39 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
     """Split-KV partial kernel; same signature and launch (grid ``max_items``, ``n_mt = 1``) as
     ``kernel_dense.build_partial_kernel``.  ``threads`` (128 or 256), ``stages`` (1 or 2) and ``loader`` ("tma" or
     "cpasync") default to the module's ``THREADS`` / ``STAGES`` / ``LOADER``."""
+    M = s_q * heads
+    sizes = partial_sizes()
+    nitem = sizes[3]
+    threads, alloc_item, run_item = item_parts(heads=heads, s_q=s_q, block_size=block_size, causal=causal,
+                                               sm_scale=sm_scale, has_sink=has_sink, threads=threads, stages=stages,
+                                               loader=loader, sizes=sizes)
+    load_item = item_macros(M=M, s_q=s_q, causal=causal, BH=rows_tile(M), BI=BLOCK_N)[0]
+
+    @T.macro
+    def body(Q, KV, BlockTable, SeqLens, Plan, Sink, Out, Lse, OPart, LsePart):
+        with T.Kernel(nitem, threads=threads) as bx:
+            bufs = alloc_item()
+            tx = T.get_thread_binding()
+            load_item(Plan, bufs[-2], bx)  # info[0:4] = b (-1: idle item), start (multiple of BLOCK_N), end, nsplit
+            run_item(Q, KV, BlockTable, SeqLens, Sink, Out, Lse, OPart, LsePart, bufs, bx, tx)
+
+    return partial_prim_func("mla_decode_dense_partial_narrow", body, M=M, block_size=int(block_size), sizes=sizes)
+
+
+def item_parts(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale: float, has_sink: bool,
+               threads: int | None, stages: int | None, loader: str | None, sizes):
+    """(threads, alloc_item, run_item): the per-CTA work of the narrow partial kernel, shared with the single-launch
+    variant (``kernel_dense_fused``).  ``threads`` / ``stages`` / ``loader`` None take the module defaults;
+    ``sizes`` = ``partial_sizes()`` of the enclosing prim_func.
+
+    * ``bufs = alloc_item()`` (first thing inside ``T.Kernel``): the shared / fragment / local buffers, in the
+      order the kernel always allocated them; ``bufs[-2]`` is ``info`` (int32 [6]: b or -1, start, end, nsplit_b,
+      causal offset, tiles), ``bufs[-1]`` the per-stage segment masks.
+    * ``run_item(Q, KV, BlockTable, SeqLens, Sink, Out, Lse, OPart, LsePart, bufs, item, tx)``, with ``info[0:4]``
+      set in every thread: nothing for ``info[0] < 0``; else attention over positions ``[start, end)`` of sequence
+      b, written as the final bf16 out + natural-log lse when ``nsplit_b == 1``, else as the normalised fp32
+      ``OPart[item]`` and base-2 ``LsePart[item]`` (-inf for a row without keys).
+    """
     threads = THREADS if threads is None else threads
     stages = STAGES if stages is None else stages
     loader = _loader(loader, block_size)
@@ -103,9 +136,7 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
     c_log2 = float(sm_scale) * LOG2E
     neg_big = -1.0e30
     bf16, f32, i32 = "bfloat16", "float32", "int32"
-    sizes = partial_sizes()
-    _, nblk, maxb, nitem, _ = sizes
-    load_item = item_macros(M=M, s_q=s_q, causal=causal, BH=BR, BI=BN)[0]
+    _, nblk, maxb, _, _ = sizes
     qk_t, softmax_pv = narrow_macros(BR=BR, BI=BN, D=D, has_tail=True, c_log2=c_log2)
 
     @T.macro
@@ -172,125 +203,127 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
         softmax_pv(KV_b, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk)
 
     @T.macro
-    def body(Q, KV, BlockTable, SeqLens, Plan, Sink, Out, Lse, OPart, LsePart):
-        with T.Kernel(nitem, threads=threads) as bx:
-            Q_s = T.alloc_shared([BR, D], bf16)
-            Qt_s = T.alloc_shared([BR, DT], bf16)
-            KV_0 = T.alloc_shared([BN, D], bf16)
-            Kt_0 = T.alloc_shared([BN, DT], bf16)
+    def alloc_item():
+        Q_s = T.alloc_shared([BR, D], bf16)
+        Qt_s = T.alloc_shared([BR, DT], bf16)
+        KV_0 = T.alloc_shared([BN, D], bf16)
+        Kt_0 = T.alloc_shared([BN, DT], bf16)
+        if stages == 2:
+            KV_1 = T.alloc_shared([BN, D], bf16)
+            Kt_1 = T.alloc_shared([BN, DT], bf16)
+        else:
+            KV_1, Kt_1 = KV_0, Kt_0
+        ST_s = T.alloc_shared([BN, BR], f32)
+        P_s = T.alloc_shared([BR, BN], bf16)
+        Alpha_s = T.alloc_shared([BR], f32)
+        bar0 = T.alloc_barrier(1)
+        bar1 = T.alloc_barrier(1)
+
+        acc_t = T.alloc_fragment([BN, BR], f32)
+        acc_ot = T.alloc_fragment([D, BR], f32)
+        s_f = T.alloc_fragment([BR, BN], f32)
+        m_i = T.alloc_fragment([BR], f32)
+        m_prev = T.alloc_fragment([BR], f32)
+        alpha = T.alloc_fragment([BR], f32)
+        l_i = T.alloc_fragment([BR], f32)
+        l_blk = T.alloc_fragment([BR], f32)
+        inv = T.alloc_fragment([BR], f32)
+        lse2 = T.alloc_fragment([BR], f32)
+        info = T.alloc_local([6], i32)
+        seg_ok = T.alloc_local([2], i32)  # per stage: bit sg set = page segment sg copied
+        return (Q_s, Qt_s, KV_0, Kt_0, KV_1, Kt_1, ST_s, P_s, Alpha_s, bar0, bar1, acc_t, acc_ot, s_f, m_i, m_prev,
+                alpha, l_i, l_blk, inv, lse2, info, seg_ok)
+
+    @T.macro
+    def run_item(Q, KV, BlockTable, SeqLens, Sink, Out, Lse, OPart, LsePart, bufs, bx, tx):
+        (Q_s, Qt_s, KV_0, Kt_0, KV_1, Kt_1, ST_s, P_s, Alpha_s, bar0, bar1, acc_t, acc_ot, s_f, m_i, m_prev, alpha,
+         l_i, l_blk, inv, lse2, info, seg_ok) = bufs
+        if info[0] >= 0:
+            b = info[0]
+            info[4] = SeqLens[b] - s_q + 1 if causal else 0  # causal: row n sees p < info[4] + n // heads
+            info[5] = T.ceildiv(info[2] - info[1], BN)
+            T.clear(KV_0)
+            T.clear(Kt_0)
             if stages == 2:
-                KV_1 = T.alloc_shared([BN, D], bf16)
-                Kt_1 = T.alloc_shared([BN, DT], bf16)
-            else:
-                KV_1, Kt_1 = KV_0, Kt_0
-            ST_s = T.alloc_shared([BN, BR], f32)
-            P_s = T.alloc_shared([BR, BN], bf16)
-            Alpha_s = T.alloc_shared([BR], f32)
-            bar0 = T.alloc_barrier(1)
-            bar1 = T.alloc_barrier(1)
+                T.clear(KV_1)
+                T.clear(Kt_1)
+            for n, d in T.Parallel(BR, D):
+                Q_s[n, d] = T.if_then_else(n < M, Q[b, T.min(n, M - 1), d], T.cast(0, bf16))
+            for n, d in T.Parallel(BR, DT):
+                Qt_s[n, d] = T.if_then_else(n < M, Q[b, T.min(n, M - 1), D + d], T.cast(0, bf16))
+            T.fill(acc_ot, 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, neg_big)
+            T.fence_proxy_async()  # the zero fill above before the async-proxy (TMA) writes into the tiles
+            T.sync_threads()
+            if info[5] > 0:
+                issue_tile(KV, BlockTable, b, info[1], info[2], KV_0, Kt_0, bar0, seg_ok, 0, tx)
 
-            acc_t = T.alloc_fragment([BN, BR], f32)
-            acc_ot = T.alloc_fragment([D, BR], f32)
-            s_f = T.alloc_fragment([BR, BN], f32)
-            m_i = T.alloc_fragment([BR], f32)
-            m_prev = T.alloc_fragment([BR], f32)
-            alpha = T.alloc_fragment([BR], f32)
-            l_i = T.alloc_fragment([BR], f32)
-            l_blk = T.alloc_fragment([BR], f32)
-            inv = T.alloc_fragment([BR], f32)
-            lse2 = T.alloc_fragment([BR], f32)
-            info = T.alloc_local([6], i32)
-            seg_ok = T.alloc_local([2], i32)  # per stage: bit sg set = page segment sg copied
-            tx = T.get_thread_binding()
-
-            load_item(Plan, info, bx)  # info[0:4] = b (-1: idle item), start (multiple of BLOCK_N), end, nsplit
-
-            if info[0] >= 0:
-                b = info[0]
-                info[4] = SeqLens[b] - s_q + 1 if causal else 0  # causal: row n sees p < info[4] + n // heads
-                info[5] = T.ceildiv(info[2] - info[1], BN)
-                T.clear(KV_0)
-                T.clear(Kt_0)
-                if stages == 2:
-                    T.clear(KV_1)
-                    T.clear(Kt_1)
-                for n, d in T.Parallel(BR, D):
-                    Q_s[n, d] = T.if_then_else(n < M, Q[b, T.min(n, M - 1), d], T.cast(0, bf16))
-                for n, d in T.Parallel(BR, DT):
-                    Qt_s[n, d] = T.if_then_else(n < M, Q[b, T.min(n, M - 1), D + d], T.cast(0, bf16))
-                T.fill(acc_ot, 0)
-                T.fill(l_i, 0)
-                T.fill(m_i, neg_big)
-                T.fence_proxy_async()  # the zero fill above before the async-proxy (TMA) writes into the tiles
-                T.sync_threads()
-                if info[5] > 0:
-                    issue_tile(KV, BlockTable, b, info[1], info[2], KV_0, Kt_0, bar0, seg_ok, 0, tx)
-
-                if stages == 2:
-                    for it in T.serial(info[5]):
-                        # issue tile it + 1 (into the buffer tile it - 1 released at the end of the last iteration)
-                        # BEFORE waiting for tile it: two tiles in flight per CTA
-                        if it % 2 == 0:
-                            if it + 1 < info[5]:
-                                issue_tile(KV, BlockTable, b, info[1] + (it + 1) * BN, info[2], KV_1, Kt_1, bar1,
-                                           seg_ok, 1, tx)
-                            wait_tile(bar0, (it // 2) & 1, it + 1 < info[5])
-                            attend_tile(info[1] + it * BN, info[2], info[4], KV_0, Kt_0, seg_ok, 0, Q_s, Qt_s, ST_s,
-                                        P_s, Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk)
-                        else:
-                            if it + 1 < info[5]:
-                                issue_tile(KV, BlockTable, b, info[1] + (it + 1) * BN, info[2], KV_0, Kt_0, bar0,
-                                           seg_ok, 0, tx)
-                            wait_tile(bar1, (it // 2) & 1, it + 1 < info[5])
-                            attend_tile(info[1] + it * BN, info[2], info[4], KV_1, Kt_1, seg_ok, 1, Q_s, Qt_s, ST_s,
-                                        P_s, Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk)
-                        T.sync_threads()  # the buffer just read is refilled in the next iteration
-                else:
-                    for it in T.serial(info[5]):
-                        # one buffer: tile it is issued once tile it - 1 has been consumed
-                        if it > 0:
-                            issue_tile(KV, BlockTable, b, info[1] + it * BN, info[2], KV_0, Kt_0, bar0, seg_ok, 0, tx)
-                        wait_tile(bar0, it & 1, False)
+            if stages == 2:
+                for it in T.serial(info[5]):
+                    # issue tile it + 1 (into the buffer tile it - 1 released at the end of the last iteration)
+                    # BEFORE waiting for tile it: two tiles in flight per CTA
+                    if it % 2 == 0:
+                        if it + 1 < info[5]:
+                            issue_tile(KV, BlockTable, b, info[1] + (it + 1) * BN, info[2], KV_1, Kt_1, bar1,
+                                       seg_ok, 1, tx)
+                        wait_tile(bar0, (it // 2) & 1, it + 1 < info[5])
                         attend_tile(info[1] + it * BN, info[2], info[4], KV_0, Kt_0, seg_ok, 0, Q_s, Qt_s, ST_s,
                                     P_s, Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk)
-                        T.sync_threads()
+                    else:
+                        if it + 1 < info[5]:
+                            issue_tile(KV, BlockTable, b, info[1] + (it + 1) * BN, info[2], KV_0, Kt_0, bar0,
+                                       seg_ok, 0, tx)
+                        wait_tile(bar1, (it // 2) & 1, it + 1 < info[5])
+                        attend_tile(info[1] + it * BN, info[2], info[4], KV_1, Kt_1, seg_ok, 1, Q_s, Qt_s, ST_s,
+                                    P_s, Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk)
+                    T.sync_threads()  # the buffer just read is refilled in the next iteration
+            else:
+                for it in T.serial(info[5]):
+                    # one buffer: tile it is issued once tile it - 1 has been consumed
+                    if it > 0:
+                        issue_tile(KV, BlockTable, b, info[1] + it * BN, info[2], KV_0, Kt_0, bar0, seg_ok, 0, tx)
+                    wait_tile(bar0, it & 1, False)
+                    attend_tile(info[1] + it * BN, info[2], info[4], KV_0, Kt_0, seg_ok, 0, Q_s, Qt_s, ST_s,
+                                P_s, Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk)
+                    T.sync_threads()
 
-                # ---- epilogue: the row scale goes through Alpha_s (acc_ot's layout differs from the rows') ----
+            # ---- epilogue: the row scale goes through Alpha_s (acc_ot's layout differs from the rows') ----
+            for n in T.Parallel(BR):
+                lse2[n] = T.if_then_else(l_i[n] > 0, T.log2(l_i[n]) + m_i[n] * c_log2, -T.infinity(f32))
+            if info[3] == 1:
                 for n in T.Parallel(BR):
-                    lse2[n] = T.if_then_else(l_i[n] > 0, T.log2(l_i[n]) + m_i[n] * c_log2, -T.infinity(f32))
-                if info[3] == 1:
-                    for n in T.Parallel(BR):
-                        if has_sink:
-                            inv[n] = T.if_then_else(
-                                l_i[n] > 0,
-                                1.0 / (l_i[n] + T.exp2(Sink[n % heads] * T.float32(LOG2E) - m_i[n] * c_log2)),
-                                T.float32(0))
-                        else:
-                            inv[n] = T.if_then_else(l_i[n] > 0, 1.0 / l_i[n], T.float32(0))
-                    T.copy(inv, Alpha_s)
-                    T.sync_threads()
-                    for d, n in T.Parallel(D, BR):
-                        Q_s[n, d] = T.cast(acc_ot[d, n] * Alpha_s[n], bf16)  # Q_s is dead: stage the output
-                    T.sync_threads()
-                    for n, d in T.Parallel(BR, D):
-                        if n < M:
-                            Out[b, n, d] = Q_s[n, d]
-                    for n in T.Parallel(BR):
-                        if n < M:
-                            Lse[b, n] = T.if_then_else(l_i[n] > 0, lse2[n] * T.float32(LN2), T.infinity(f32))
-                else:
-                    for n in T.Parallel(BR):
+                    if has_sink:
+                        inv[n] = T.if_then_else(
+                            l_i[n] > 0,
+                            1.0 / (l_i[n] + T.exp2(Sink[n % heads] * T.float32(LOG2E) - m_i[n] * c_log2)),
+                            T.float32(0))
+                    else:
                         inv[n] = T.if_then_else(l_i[n] > 0, 1.0 / l_i[n], T.float32(0))
-                    T.copy(inv, Alpha_s)
-                    T.sync_threads()
-                    for d, n in T.Parallel(D, BR):
-                        if n < M:
-                            OPart[bx, n, d] = acc_ot[d, n] * Alpha_s[n]
-                    for n in T.Parallel(BR):
-                        if n < M:
-                            LsePart[bx, n] = lse2[n]
+                T.copy(inv, Alpha_s)
+                T.sync_threads()
+                for d, n in T.Parallel(D, BR):
+                    Q_s[n, d] = T.cast(acc_ot[d, n] * Alpha_s[n], bf16)  # Q_s is dead: stage the output
+                T.sync_threads()
+                for n, d in T.Parallel(BR, D):
+                    if n < M:
+                        Out[b, n, d] = Q_s[n, d]
+                for n in T.Parallel(BR):
+                    if n < M:
+                        Lse[b, n] = T.if_then_else(l_i[n] > 0, lse2[n] * T.float32(LN2), T.infinity(f32))
+            else:
+                for n in T.Parallel(BR):
+                    inv[n] = T.if_then_else(l_i[n] > 0, 1.0 / l_i[n], T.float32(0))
+                T.copy(inv, Alpha_s)
+                T.sync_threads()
+                for d, n in T.Parallel(D, BR):
+                    if n < M:
+                        OPart[bx, n, d] = acc_ot[d, n] * Alpha_s[n]
+                for n in T.Parallel(BR):
+                    if n < M:
+                        LsePart[bx, n] = lse2[n]
 
-    return partial_prim_func("mla_decode_dense_partial_narrow", body, M=M, block_size=bs, sizes=sizes)
+    return threads, alloc_item, run_item
 
 
 def _pass_configs(loader: str | None = None, block_size: int = BLOCK_N):

@@ -260,21 +260,31 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       narrow: bool | None = None, checked: bool = False):
+                       narrow: bool | None = None, pair: bool | None = None, checked: bool = False):
     """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
 
-    ``narrow``: run ``kernel_fwd_narrow`` (rows on the wgmma M side, H <= its MAX_HEADS) instead of this module's
-    64-head tile; None picks it for every H it takes.  ``checked``: ``kernel_unsupported`` has already accepted
-    these arguments (the dispatcher ran it), so it is not run twice."""
-    from . import kernel_fwd_narrow
+    Kernel choice: ``narrow`` runs ``kernel_fwd_narrow`` (rows on the wgmma M side, H <= its MAX_HEADS); None
+    picks it for every H it takes.  Otherwise ``pair`` runs ``kernel_fwd_pair`` (warp-specialised, H in
+    {64, 128}); None picks it for every H it takes.  Else this module's padded 64-head-tile kernel.
+    ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it), so it is
+    not run twice."""
+    from . import kernel_fwd_narrow, kernel_fwd_pair
 
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"sparse_mla fwd kernel: {reason}")
+    heads = q.shape[1]
     if narrow is None:
-        narrow = q.shape[1] <= kernel_fwd_narrow.MAX_HEADS
-    compiled = kernel_fwd_narrow._compiled if narrow else _compiled
+        narrow = heads <= kernel_fwd_narrow.MAX_HEADS
+    if pair is None:
+        pair = heads in kernel_fwd_pair.SUPPORTED_H
+    if narrow:
+        compiled = kernel_fwd_narrow._compiled
+    elif pair:
+        compiled = kernel_fwd_pair._compiled
+    else:
+        compiled = _compiled
     return launch(compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
                   attn_sink=attn_sink)
 

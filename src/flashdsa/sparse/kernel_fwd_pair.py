@@ -58,7 +58,7 @@ from . import kernel_fwd
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
-_SUPPORTED_H = (64, 128)
+SUPPORTED_H = (64, 128)
 THREADS = 384
 # setmaxnreg (WG0, WG1, producer): the sum must stay within the launch pool of __launch_bounds__(384, 1),
 # 3 x 168 = 504 (setmaxnreg.inc waits forever for registers the pool cannot give)
@@ -79,6 +79,7 @@ def build_sparse_mla_fwd(
     has_topk_length: bool = False,
     ablate: str = "",
     proxy_fence: bool = True,
+    prefetch_rows: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -86,10 +87,11 @@ def build_sparse_mla_fwd(
 
     Timing-only builds (wrong results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``): ``ablate=
     "no_gather"`` keeps the protocol but issues no cp.async (the tiles keep what shared memory holds);
-    ``proxy_fence=False`` drops the consumers' fence.proxy.async after each tile wait."""
+    ``proxy_fence=False`` drops the consumers' fence.proxy.async after each tile wait.  ``prefetch_rows``: the
+    producer loads a pair's KV rows into registers before its free-barrier waits (instead of after them)."""
     assert ablate in ("", "no_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
-    assert heads in _SUPPORTED_H, heads
+    assert heads in SUPPORTED_H, heads
     assert sm_scale is not None and sm_scale > 0
     D = d_v
     DH = D // 2
@@ -251,6 +253,8 @@ def build_sparse_mla_fwd(
             inv1 = T.alloc_fragment([BH], f32)
             lim = T.alloc_local([1], i32)
             npair = T.alloc_local([1], i32)
+            row_a = T.alloc_local([1], i32)
+            row_b = T.alloc_local([1], i32)
 
             tok = bx // G
             h0 = (bx % G) * BH
@@ -261,11 +265,11 @@ def build_sparse_mla_fwd(
             else:
                 lim[0] = topk_dim
             npair[0] = (T.min((lim[0] + BI - 1) // BI, NI) + 1) // 2
-            load_q(Q, Q_l, Q_r, Q_t, tok, h0)
 
             if tx < 128:
                 # ---------------------------------------------- WG0: QK of blocks 2j, O[:, 0:256]
                 T.set_max_nreg(PAIR_REGS[0], 1)
+                load_q(Q, Q_l, Q_t, tok, h0, 0)
                 T.fill(acc_o0, 0)
                 T.fill(l0, 0)
                 T.fill(m_run0, neg_big)
@@ -325,6 +329,7 @@ def build_sparse_mla_fwd(
             elif tx < 256:
                 # ---------------------------------------------- WG1: QK of blocks 2j+1, O[:, 256:512]
                 T.set_max_nreg(PAIR_REGS[1], 1)
+                load_q(Q, Q_r, None, tok, h0, DH)
                 T.fill(acc_o1, 0)
                 T.fill(l1, 0)
                 T.fill(m_run1, neg_big)
@@ -374,13 +379,32 @@ def build_sparse_mla_fwd(
                 # ---------------------------------------------- producer
                 T.set_max_nreg(PAIR_REGS[2], 0)
                 for j in T.serial(npair[0]):
+                    if prefetch_rows:
+                        # this pair's rows into registers (thread t < 64: slot t of blocks 2j, 2j+1) before the
+                        # waits, so the Indices load latency overlaps them
+                        pt = tx - 256
+                        if pt < BI:
+                            row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
+                            row_a[0] = T.if_then_else(_ok(row_a[0]), row_a[0], -1)
+                            row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
+                            row_b[0] = T.if_then_else(_ok(row_b[0]), row_b[0], -1)
                     T.barrier_wait(fr_al, (j & 1) ^ 1)
-                    publish_rows(Rows0, Indices, tok, lim[0], j * 2)
+                    if prefetch_rows:
+                        if tx - 256 < BI:
+                            Rows0[tx - 256] = row_a[0]
+                        T.sync_threads(11, 128)
+                    else:
+                        publish_rows(Rows0, Indices, tok, lim[0], j * 2)
                     T.barrier_arrive(rdy_al)
                     gather_l(KVa_l, Rows0, KV)
                     T.cp_async_barrier_noinc(rdy_al)
                     T.barrier_wait(fr_br, (j & 1) ^ 1)
-                    publish_rows(Rows1, Indices, tok, lim[0], j * 2 + 1)
+                    if prefetch_rows:
+                        if tx - 256 < BI:
+                            Rows1[tx - 256] = row_b[0]
+                        T.sync_threads(11, 128)
+                    else:
+                        publish_rows(Rows1, Indices, tok, lim[0], j * 2 + 1)
                     T.barrier_arrive(rdy_br)
                     gather_r(KVb_r, Kb_t, Rows1, KV)
                     T.cp_async_barrier_noinc(rdy_br)
@@ -401,13 +425,16 @@ def _cta_macros(*, BH, DH, D, D_tail, dqk, c_log2, has_sink):
     f32 = "float32"
 
     @T.macro
-    def load_q(Q, Q_l, Q_r, Q_t, tok, h0):
-        T.copy(Q[tok, h0 : h0 + BH, 0:DH], Q_l)
-        T.copy(Q[tok, h0 : h0 + BH, DH:D], Q_r)
-        if D_tail > 0:
-            T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t)
+    def load_q(Q, Q_half, Q_t, tok, h0, c0):
+        # one consumer warpgroup loads Q[:, c0:c0+256] (+ the rope tail): 16 B per thread and load.  (Loaded by all
+        # 384 threads, the 64 x 256 tile is not a multiple of 384 x 8 elements and lowered to 2-byte loads, which
+        # cost ~40 us per CTA: measured on the H200, session 8.)  Both halves are complete after BAR_BOTH.
+        T.copy(Q[tok, h0 : h0 + BH, c0 : c0 + DH], Q_half)
+        if Q_t is not None:
+            if D_tail > 0:
+                T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t)
         T.fence_proxy_async()
-        T.sync_threads()
+        T.sync_threads(BAR_BOTH, 256)
 
     @T.macro
     def normaliser(inv, l_i, m_i, Sink, h0):
@@ -450,8 +477,8 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
     """None if this kernel handles the arguments, else a short reason: the pipelined kernel's rules, and full
     64-head tiles."""
     reason = kernel_fwd.kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
-    if reason is None and q.shape[1] not in _SUPPORTED_H:
-        reason = f"H={q.shape[1]} not in {_SUPPORTED_H} (the pair schedule needs full 64-head tiles)"
+    if reason is None and q.shape[1] not in SUPPORTED_H:
+        reason = f"H={q.shape[1]} not in {SUPPORTED_H} (the pair schedule needs full 64-head tiles)"
     return reason
 
 
@@ -488,8 +515,8 @@ def _bench_variants():
     for name, dqk, topk in (("prefill_S4096_H64_d576_topk2048", 576, 2048), ("v4_S4096_H64_d512_topk640", 512, 640)):
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=64, dqk=dqk, topk=topk)
         blocks_per_sm = q.shape[0] * (topk // BLOCK_I) / n_sm
-        runs = [("kernel_fwd", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V))]
-        for kw in (dict(), dict(proxy_fence=False), dict(ablate="no_gather")):
+        runs = [("padded", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V, pair=False))]
+        for kw in (dict(), dict(prefetch_rows=True), dict(ablate="no_gather")):
             key = tuple(sorted(kw.items()))
             runs.append((f"pair{kw}", lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                        sm_scale=dqk**-0.5, d_v=D_V)))
