@@ -3,8 +3,7 @@
 Notes
 -----
 Variants (``run_mla_decode_dense(..., variant=)``, else ``$FLASHDSA_DECODE_VARIANT``, else ``DEFAULT_VARIANT``):
-  * "auto" (default): "narrow_fused" for ``s_q * H <= AUTO_NARROW_ROWS`` ("narrow" during a CUDA-graph capture
-    that precedes every eager call on that stream), else "ws".
+  * "auto" (default): "narrow" for ``s_q * H <= AUTO_NARROW_ROWS``, else "ws".
   * "narrow": ``kernel_dense_narrow.py`` (cache positions on the wgmma M side, the few query rows as N) where
     ``s_q * H <= 32``, else "ws"; see its notes.
   * "ws": the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
@@ -523,13 +522,13 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
         return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
     n_mt = (M + BLOCK_M - 1) // BLOCK_M
     num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-    if variant in ("narrow_fused", "auto"):
+    if variant == "narrow_fused":
+        # opt-in (session 8, H200: 0.1586 vs 0.162 ms at B 64, H 16, cache 8192 in scripts/bench_decode.py): its
+        # per-device merge counters make concurrent calls on two streams of one device unsafe, so "auto" keeps the
+        # three-launch narrow path
         from . import kernel_dense_fused as fused
 
-        # "auto": the fused kernel where the narrow one would run (session 8, H200: 0.1586 vs 0.162 ms at B 64,
-        # H 16, cache 8192), except during a CUDA-graph capture before its counters exist
-        fits = M <= (fused.MAX_ROWS if variant == "narrow_fused" else min(AUTO_NARROW_ROWS, fused.MAX_ROWS))
-        if fits and (variant == "narrow_fused" or fused.counters_ready(B, dev)):  # else "ws" below, as "narrow"
+        if M <= fused.MAX_ROWS:  # else the "ws" kernel below, as for "narrow"
             fused.run_fused(q.reshape(B, M, DQK).contiguous(), kv_cache.contiguous(), block_table.contiguous(),
                             cache_seqlens.contiguous(), attn_sink, out, lse, heads=H, s_q=s_q, causal=bool(causal),
                             sm_scale=float(sm_scale), num_sms=num_sms)

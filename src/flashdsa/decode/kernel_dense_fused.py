@@ -259,31 +259,14 @@ def seq_counters(batch: int, device) -> torch.Tensor:
     """The merge counters of ``device`` (int32, zero between calls), first ``batch`` entries.  Allocated zeroed on
     first use (and regrown for a larger batch).  Refuses to allocate inside a CUDA-graph capture: there the zero
     fill would only be recorded into the graph, not run, so the counters would hold garbage until a replay."""
-    key = _counter_key(device)
-    t = _COUNTERS.get(key)
+    dev = torch.device(device)
+    t = _COUNTERS.get(dev)
     if t is None or t.numel() < batch:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("mla_decode narrow_fused: call once eagerly before capturing a CUDA graph (its "
-                               f"per-stream counters for batch {batch} must exist and be zero before the capture)")
-        t = _COUNTERS[key] = torch.zeros(max(batch, _COUNTER_MIN), dtype=torch.int32, device=key[0])
+                               f"per-device counters for batch {batch} must exist and be zero before the capture)")
+        t = _COUNTERS[dev] = torch.zeros(max(batch, _COUNTER_MIN), dtype=torch.int32, device=dev)
     return t[:batch]
-
-
-def _counter_key(device):
-    """Counters are per (device, current stream): launches on one stream run in order, so a sequence's counter
-    is never shared by two calls in flight; calls on different streams get different counters."""
-    dev = torch.device(device)
-    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    return dev, stream
-
-
-def counters_ready(batch: int, device) -> bool:
-    """True if ``seq_counters(batch, device)`` can be had here: they exist, or no CUDA-graph capture is running
-    (``kernel_dense``'s "auto" then takes the fused kernel, else the three-launch narrow path)."""
-    t = _COUNTERS.get(_counter_key(device))
-    if t is not None and t.numel() >= batch:
-        return True
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def run_fused(qf, kv_cache, block_table, cache_seqlens, attn_sink, out, lse, *, heads: int, s_q: int, causal: bool,

@@ -3,7 +3,11 @@
 Notes
 -----
 Same contract, host interface and numerics as ``kernel_fwd.py``, for H in {64, 128}, Dqk in {512, 576},
-d_v = 512.  One CTA per (token, 64-head group), 384 threads: consumer warpgroups WG0 (threads 0-127) and WG1
+d_v = 512; ``kernel_fwd.run_sparse_mla_fwd`` dispatches it for those head counts (since session 8).
+Measured (H200, session 8, suite at 5942212; docs/PERFORMANCE.md): S 4096 / SKV 8192 / topk 2048: H 128 5.42 ms
+(431 TFLOP/s, pipelined kernel 8.40), H 64 2.77 ms (422); SKV 128K 380; DeepSeek-V4 m 4096 / topk 640 / sink
+0.96 ms (358, was 1.29).  GPU tests: tests/sparse_mla/test_kernel_pair_gpu.py + the dispatched forward's tests;
+compute-sanitizer memcheck clean (scripts/memcheck_small.py sparse_bf16).  One CTA per (token, 64-head group), 384 threads: consumer warpgroups WG0 (threads 0-127) and WG1
 (128-255), producer warpgroup (256-383); ``setmaxnreg`` 216 / 216 / 72.
 
 Roles.  Top-k blocks of 64 slots go in pairs (block a = 2j in buffer 0, block b = 2j+1 in buffer 1).  Each
@@ -23,9 +27,11 @@ Producer (what makes this schedule differ from the one measured in session 2): p
 half tiles a.L, b.R, a.R, b.L, each right after ITS consumer freed it, as zero-filling predicated cp.async
 (src-size 0 for invalid slots: nothing is read) whose completion arrives on the half's ``ready`` mbarrier
 (``cp.async.mbarrier.arrive.noinc``): no wait per tile, up to four half tiles (144 KiB) in flight.  Before
-a.L / b.R it writes the block's rows (``Rows0`` / ``Rows1``: KV row or -1) and publishes them with an ordinary
-arrival on the same barrier (count 256 = 128 deferred + 128 ordinary); the consumers build their -inf masks
-from them.
+a.L / b.R it writes the block's rows (``Rows0`` / ``Rows1``: KV row or -1, loaded into registers before the pair's
+first wait: ``prefetch_rows``) and publishes them with an ordinary arrival on the same barrier (count 256 = 128
+deferred + 128 ordinary); the consumers build their -inf masks from them.
+Q is loaded by the consumers, each warpgroup its own half (+ WG0 the rope tail): copied by all 384 threads the
+64 x 256 tile lowered to 2-byte loads (not a multiple of 384 x 8 elements), ~45 us per CTA.
 Barriers (mbarriers, one phase per pair, waiters use parity j & 1; the producer waits ``free`` with parity
 (j & 1) ^ 1, so a fresh barrier passes):
   rdy_al (256), rdy_br (256), rdy_ar (128), rdy_bl (128): half tile landed (+ rows for al / br).
