@@ -6,10 +6,6 @@ Hang guard: a producer / consumer protocol bug hangs the kernel, so every launch
 synchronize that hard-exits the process after HANG_S seconds (a hung kernel cannot be interrupted).
 """
 
-import os
-import sys
-import time
-
 import pytest
 import torch
 
@@ -21,6 +17,7 @@ pytest.importorskip("tilelang")
 
 from flashdsa.sparse import kernel_fwd_pair as kmod  # noqa: E402
 
+from ._hang import sync_or_die  # noqa: E402
 from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
 
 D_V = 512
@@ -40,19 +37,7 @@ CASES = [
 
 
 def _sync_or_die(what, timeout_s=HANG_S):
-    """torch.cuda.synchronize() that cannot hang: poll the stream; on timeout report and hard-exit."""
-    stream = torch.cuda.current_stream()
-    deadline = time.monotonic() + timeout_s
-    while not stream.query():
-        if time.monotonic() > deadline:
-            msg = f"\nHANG: kernel_fwd_pair did not finish within {timeout_s:.0f} s ({what}); aborting the run\n"
-            sys.stdout.write(msg)
-            sys.stderr.write(msg)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(3)
-        time.sleep(0.002)
-    torch.cuda.synchronize()
+    sync_or_die("kernel_fwd_pair", what, timeout_s)
 
 
 @pytest.mark.parametrize(

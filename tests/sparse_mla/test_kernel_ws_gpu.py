@@ -27,7 +27,6 @@ Cases run small first.  Quick GPU check of the two 576/128 compiles (B, A) + per
 
 import math
 import os
-import sys
 import time
 
 import pytest
@@ -73,22 +72,11 @@ CASES = [
 
 
 def _sync_or_die(what, timeout_s=HANG_S):
-    """torch.cuda.synchronize() that cannot hang: poll the stream; on timeout report and hard-exit."""
-    stream = torch.cuda.current_stream()
-    deadline = time.monotonic() + timeout_s
-    while not stream.query():
-        if time.monotonic() > deadline:
-            msg = f"\nHANG: kernel_fwd_ws did not finish within {timeout_s:.0f} s ({what}); aborting the run\n"
-            sys.stdout.write(msg)
-            sys.stderr.write(msg)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(3)
-        time.sleep(0.002)
-    torch.cuda.synchronize()
+    sync_or_die("kernel_fwd_ws", what, timeout_s)
 
 
 # inputs, poisoning and tolerances: the same as the pipelined kernel's tests
+from ._hang import sync_or_die  # noqa: E402
 from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
 
 

@@ -52,6 +52,19 @@ def make_slot_row(topk_dim):
     return row
 
 
+def make_set_lim(has_topk_length, topk_dim):
+    """Macro ``set_lim(lim, TopkLen, tok)``: lim[0] = topk_eff = clamp(topk_length[tok], 0, topk), or topk."""
+
+    @T.macro
+    def set_lim(lim, TopkLen, tok):
+        if has_topk_length:
+            lim[0] = T.max(T.min(TopkLen[tok], topk_dim), 0)
+        else:
+            lim[0] = topk_dim
+
+    return set_lim
+
+
 def make_row_ok(n_rows):
     """``ok(row)``: 0 <= row < n_rows."""
 

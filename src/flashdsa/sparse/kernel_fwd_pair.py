@@ -61,7 +61,7 @@ import tilelang.language as T
 
 from . import _tl_common as tc
 from . import kernel_fwd
-from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401
+from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 SUPPORTED_H = (64, 128)
@@ -84,18 +84,16 @@ def build_sparse_mla_fwd(
     has_sink: bool = False,
     has_topk_length: bool = False,
     ablate: str = "",
-    proxy_fence: bool = True,
     prefetch_rows: bool = True,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
     MaxLogits[T,H] f32).  See the module notes for the schedule.
 
-    Timing-only builds (wrong results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``): ``ablate=
-    "no_gather"`` keeps the protocol but issues no cp.async (the tiles keep what shared memory holds);
-    ``proxy_fence=False`` drops the consumers' fence.proxy.async after each tile wait.  ``prefetch_rows`` (default;
-    session 8: 3.02 -> 2.75 ms at S 4096, H 64): the producer loads a pair's KV rows into registers before its
-    free-barrier waits; False: after them."""
+    ``prefetch_rows`` (default; session 8: 3.02 -> 2.75 ms at S 4096, H 64): the producer loads a pair's KV rows
+    into registers before its free-barrier waits; False: after them.  ``ablate="no_gather"`` (timing only, wrong
+    results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``) keeps the protocol but issues no cp.async
+    (the tiles keep what shared memory holds)."""
     assert ablate in ("", "no_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     assert heads in SUPPORTED_H, heads
@@ -113,8 +111,22 @@ def build_sparse_mla_fwd(
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     _row = tc.make_slot_row(topk_dim)
     _ok = tc.make_row_ok(n_kv)
-    load_q, normaliser, store_lse = _cta_macros(BH=BH, DH=DH, D=D, D_tail=D_tail, dqk=dqk, c_log2=c_log2,
-                                                has_sink=has_sink)
+    set_lim = tc.make_set_lim(has_topk_length, topk_dim)
+    # the pipelined kernel's epilogue math (its padded-head guards are always true here: H is 64 or 128)
+    _, normaliser, _, store_lse = tc.padded_head_macros(BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads,
+                                                        c_log2=c_log2, has_sink=has_sink, dtype=bf16)
+
+    @T.macro
+    def load_q(Q, Q_half, Q_t, tok, h0, c0):
+        # one consumer warpgroup loads Q[:, c0:c0+256] (+ the rope tail): 16 B per thread and load.  (Loaded by all
+        # 384 threads, the 64 x 256 tile is not a multiple of 384 x 8 elements and lowered to 2-byte loads, which
+        # cost ~45 us per CTA: measured on the H200, session 8.)  Both halves are complete after BAR_BOTH.
+        T.copy(Q[tok, h0 : h0 + BH, c0 : c0 + DH], Q_half)
+        if Q_t is not None:
+            if D_tail > 0:
+                T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t)
+        T.fence_proxy_async()
+        T.sync_threads(BAR_BOTH, 256)
 
     # ------------------------------------------------------------------ producer
     @T.macro
@@ -147,8 +159,7 @@ def build_sparse_mla_fwd(
     @T.macro
     def wait_tile(bar, phase):
         T.barrier_wait(bar, phase)
-        if proxy_fence:
-            T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+        T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
 
     @T.macro
     def mask(Rows, acc_s):
@@ -267,10 +278,7 @@ def build_sparse_mla_fwd(
             h0 = (bx % G) * BH
             tx = T.get_thread_binding()
 
-            if has_topk_length:
-                lim[0] = T.max(T.min(TopkLen[tok], topk_dim), 0)
-            else:
-                lim[0] = topk_dim
+            set_lim(lim, TopkLen, tok)
             npair[0] = (T.min((lim[0] + BI - 1) // BI, NI) + 1) // 2
 
             if tx < 128:
@@ -427,45 +435,6 @@ def build_sparse_mla_fwd(
     return sparse_mla_fwd_pair
 
 
-def _cta_macros(*, BH, DH, D, D_tail, dqk, c_log2, has_sink):
-    """(load_q, normaliser, store_lse) of one CTA (token ``tok``, 64 heads from ``h0``, no padded heads)."""
-    f32 = "float32"
-
-    @T.macro
-    def load_q(Q, Q_half, Q_t, tok, h0, c0):
-        # one consumer warpgroup loads Q[:, c0:c0+256] (+ the rope tail): 16 B per thread and load.  (Loaded by all
-        # 384 threads, the 64 x 256 tile is not a multiple of 384 x 8 elements and lowered to 2-byte loads, which
-        # cost ~40 us per CTA: measured on the H200, session 8.)  Both halves are complete after BAR_BOTH.
-        T.copy(Q[tok, h0 : h0 + BH, c0 : c0 + DH], Q_half)
-        if Q_t is not None:
-            if D_tail > 0:
-                T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t)
-        T.fence_proxy_async()
-        T.sync_threads(BAR_BOTH, 256)
-
-    @T.macro
-    def normaliser(inv, l_i, m_i, Sink, h0):
-        for h in T.Parallel(BH):
-            if has_sink:
-                inv[h] = T.if_then_else(
-                    l_i[h] > 0,
-                    1.0 / (l_i[h] + T.exp2(Sink[h0 + h] * T.float32(LOG2E) - m_i[h] * c_log2)),
-                    T.float32(0),
-                )
-            else:
-                inv[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], T.float32(0))
-
-    @T.macro
-    def store_lse(l_i, m_i, Lse, MaxLogits, tok, h0):
-        for h in T.Parallel(BH):
-            Lse[tok, h0 + h] = T.if_then_else(
-                l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * c_log2) * T.float32(LN2), T.infinity(f32)
-            )
-            MaxLogits[tok, h0 + h] = T.if_then_else(l_i[h] > 0, m_i[h] * c_log2 * T.float32(LN2), -T.infinity(f32))
-
-    return load_q, normaliser, store_lse
-
-
 def _pass_configs():
     # every intra-role sync is an explicit named barrier (the automatic pass reuses ids across roles)
     return tc.plain_pass_configs({tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
@@ -511,8 +480,8 @@ def lowering_cases():
 
 def _bench_variants():
     """Kernel times of timing builds at the prefill H 64 shape and the V4 prefill shape (``python -m
-    flashdsa.sparse.kernel_fwd_pair --variants``): the dispatched pipelined kernel, this kernel, and its
-    ``ablate`` / ``proxy_fence`` builds; us per 64-row block and SM."""
+    flashdsa.sparse.kernel_fwd_pair --variants``): the pipelined kernel, this kernel, and its
+    ``prefetch_rows=False`` / ``ablate`` builds; us per 64-row block and SM."""
     import torch
 
     from ..bench.harness import time_fn

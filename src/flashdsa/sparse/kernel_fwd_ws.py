@@ -75,13 +75,7 @@ def _ws_macros(*, BH, BI, DH, D, D_tail, dqk, c_log2, has_sink, has_topk_length,
     * ``store_lse(l_i, m_i, Lse, MaxLogits, tok, h0)``: natural-log lse / max_logits (+inf / -inf if empty).
     """
     f32 = "float32"
-
-    @T.macro
-    def set_lim(lim, TopkLen, tok):
-        if has_topk_length:
-            lim[0] = T.max(T.min(TopkLen[tok], topk_dim), 0)
-        else:
-            lim[0] = topk_dim
+    set_lim = tc.make_set_lim(has_topk_length, topk_dim)
 
     @T.macro
     def load_q(Q, Q_l, Q_r, Q_t, tok, h0):
