@@ -1,10 +1,12 @@
-"""GPU tests of the single-launch narrow decode (``variant="narrow_fused"``, ``decode/kernel_dense_fused.py``).
+"""GPU tests of the single-launch narrow decode (``decode/kernel_dense_fused.py``: what the default variant "auto"
+runs for s_q * H <= 32, and ``variant="narrow_fused"``).
 
 Same inputs and tolerances as ``test_kernel_gpu.py`` (NaN in unused cache slots, shuffled tables, out-of-range
 table entries past each sequence).  Checked here beyond the reference match: every call twice in a row (the merge
 counters must be back at zero: the second call equals the first bit for bit), batches mixing empty, one-split and
-several-split sequences, CUDA-graph replays with changing lengths, the per-CTA work items against ``_plan``, and
-equality with the three-launch "narrow" variant (same partial kernel, same merge arithmetic).
+several-split sequences, CUDA-graph replays with changing lengths (captured on the graph's own side stream and on
+an explicit one), calls in flight on two streams at once (per-stream counters), the per-CTA work items against
+``_plan``, and equality with the three-launch "narrow" variant (same partial kernel, same merge arithmetic).
 """
 
 import math
@@ -43,6 +45,18 @@ def _sink(H, seed):
 def _run(K, q, kv, table, seqlens, *, causal, sink, variant="narrow_fused", scale=576 ** -0.5):
     return K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=scale, d_v=512, causal=causal, attn_sink=sink,
                                   variant=variant)
+
+
+def _count_fused(monkeypatch, F):
+    """A list that gets one entry per ``kernel_dense_fused.run_fused`` call (``kernel_dense`` looks it up per call)."""
+    calls, real = [], F.run_fused
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(F, "run_fused", spy)
+    return calls
 
 
 def _counters_zero(F, B):
@@ -103,8 +117,8 @@ def test_fused_equals_narrow_bitwise(s_q, H, block_size, sink):
 
 
 def test_fused_cuda_graph_replay():
-    """Captured once (after an eager warm-up that also allocates the counters), replayed with new lengths: every
-    replay must start from zeroed counters."""
+    """Captured once on ``torch.cuda.graph``'s own side stream (after an eager warm-up on another stream, which
+    compiles), replayed with new lengths: the capture's own counters are zeroed by a node of the graph."""
     K, F = _modules()
     B, s_q, H, bs = 6, 2, 16, 64
     lens_a = [4096, 20, 140, 0, 32768, 1]
@@ -128,6 +142,81 @@ def test_fused_cuda_graph_replay():
         ref_out, ref_lse = _reference(q, kv, table, seqlens, sm_scale=scale, causal=True, sink=None)
         _check(out, lse, ref_out, ref_lse)
     _counters_zero(F, B)
+
+
+def test_fused_graph_capture_on_side_stream(monkeypatch):
+    """The default variant ("auto": the fused kernel at s_q 2 x H 16) captured on an explicit side stream, not the
+    warm-up's, and replayed on the current stream 3 times with new q and cache_seqlens copied into the static
+    inputs: each replay matches the reference.  The capture allocates its own zeroed counters and neither takes
+    nor creates a stream's persistent ones."""
+    K, F = _modules()
+    monkeypatch.delenv(K.VARIANT_ENV, raising=False)
+    calls = _count_fused(monkeypatch, F)
+    B, s_q, H, bs = 6, 2, 16, 64
+    steps = ([4096, 20, 140, 0, 32768, 1], [32768, 0, 4096, 140, 20, 2000], [1, 8192, 32768, 4096, 0, 140])
+    q, kv, table, _ = _make(B, s_q, H, bs, [max(x) for x in zip(*steps)], seed=23)
+    g = torch.Generator(device="cpu").manual_seed(24)
+    new_q = [(torch.randn(q.shape, generator=g) * 0.1).to(torch.bfloat16).cuda() for _ in steps]
+    seqlens = torch.tensor(steps[0], dtype=torch.int32, device="cuda")
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):  # compiles the kernel
+        _run(K, q, kv, table, seqlens, causal=True, sink=None, variant=None)
+    torch.cuda.current_stream().wait_stream(warm)
+    cached = dict(F._COUNTERS)
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out, lse = _run(K, q, kv, table, seqlens, causal=True, sink=None, variant=None)
+    assert len(calls) == 2, "the default variant did not run the fused kernel"
+    assert F._COUNTERS.keys() == cached.keys() and all(F._COUNTERS[k] is v for k, v in cached.items())
+    for lens, qn in zip(steps, new_q):
+        q.copy_(qn)
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = _reference(q, kv, table, seqlens, sm_scale=576 ** -0.5, causal=True, sink=None)
+        _check(out, lse, ref_out, ref_lse)
+
+
+def test_fused_two_streams_concurrent(monkeypatch):
+    """Default-variant calls on two streams of one device, released together (both streams wait behind one sleep
+    kernel, so their launches start at once and their CTAs interleave), 4 rounds each: both streams' results match
+    their references.  With counters shared by the streams, the two calls would count each other's splits (a merge
+    too early, or none) since every sequence is split many times with different split counts in the two inputs."""
+    K, F = _modules()
+    monkeypatch.delenv(K.VARIANT_ENV, raising=False)
+    calls = _count_fused(monkeypatch, F)
+    B, s_q, H, bs, rounds = 8, 1, 16, 64, 4
+    lens = ([16384, 12000, 20000, 8192, 16384, 3000, 24576, 16384],
+            [24576, 8192, 3000, 20000, 12000, 16384, 16384, 9000])
+    inputs = [_make(B, s_q, H, bs, ln, seed=40 + k) for k, ln in enumerate(lens)]
+    refs = [_reference(*x, sm_scale=576 ** -0.5, causal=True, sink=None) for x in inputs]
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    streams[0].wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(streams[0]):  # compiles the kernel before the concurrent part
+        _run(K, *inputs[0], causal=True, sink=None, variant=None)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # tens of ms on the current stream: every launch below queues behind it
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    results = ([], [])
+    for _ in range(rounds):
+        for k, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                results[k].append(_run(K, *inputs[k], causal=True, sink=None, variant=None))
+    torch.cuda.synchronize()
+    assert len(calls) == 1 + 2 * rounds, "the default variant did not run the fused kernel"
+    for k in (0, 1):
+        for out, lse in results[k]:
+            _check(out, lse, *refs[k])
+    dev = torch.device("cuda", torch.cuda.current_device())
+    per_stream = []
+    for s in streams:
+        with torch.cuda.stream(s):
+            _counters_zero(F, B)
+            per_stream.append(F.seq_counters(B, dev).data_ptr())
+    assert per_stream[0] != per_stream[1], "the two streams share merge counters"
 
 
 def test_fused_selected_by_env(monkeypatch):

@@ -68,20 +68,73 @@ def test_cta_item_mixed_splits():
     assert 0 in lens and 1 in nsplit and max(nsplit) >= 3
 
 
-@pytest.mark.parametrize("rows", [1, 16, 32, 33, 128])
+@pytest.mark.parametrize("rows", [1, 16, 17, 32, 33, 64, 128, 512])
 def test_fused_variant_rule(rows):
-    """"narrow_fused" runs the fused kernel where the narrow kernel fits, else the same module as "narrow"."""
+    """"auto" (the default) and "narrow_fused" run the fused kernel exactly where "narrow" runs the narrow kernel
+    (else the same module as "narrow"); "narrow", "ws" and "pipelined" never run it."""
     assert "narrow_fused" in kd.VARIANTS and kd.DEFAULT_VARIANT == "auto"
     assert kd._ws_module("narrow_fused", rows) is kd._ws_module("narrow", rows)
     assert (rows <= kf.MAX_ROWS) == (rows <= kn.MAX_ROWS)
+    narrow_runs = kd._ws_module("narrow", rows) is kn
+    assert kd._runs_fused("narrow_fused", rows) == narrow_runs
+    assert kd._runs_fused("auto", rows) == (narrow_runs and rows <= kd.AUTO_NARROW_ROWS)
+    assert kd._runs_fused("auto", rows) == (kd._ws_module("auto", rows) is kn)
+    for v in ("narrow", "ws", "pipelined"):
+        assert not kd._runs_fused(v, rows), v
 
 
-def test_seq_counters_cached_and_grown():
+@pytest.fixture
+def counters(monkeypatch):
+    """``kernel_dense_fused`` with an empty counter cache and a settable current stream (``stream[0]``) and
+    capture flag (``capturing[0]``) in place of the CUDA queries, on the CPU."""
+    stream, capturing = [11], [False]
+    monkeypatch.setattr(kf, "_COUNTERS", {})
+    monkeypatch.setattr(kf, "_stream_key", lambda dev: stream[0])
+    monkeypatch.setattr(kf, "_capturing", lambda dev: capturing[0])
+    return stream, capturing
+
+
+def test_seq_counters_per_stream_cached_and_grown(counters):
+    stream, _ = counters
     dev = torch.device("cpu")
-    kf._COUNTERS.pop(dev, None)
     a = kf.seq_counters(5, dev)
     assert a.shape == (5,) and a.dtype == torch.int32 and int(a.abs().sum()) == 0
-    assert kf.seq_counters(3, dev).data_ptr() == a.data_ptr()  # one zeroed allocation, reused
+    assert kf.seq_counters(3, dev).data_ptr() == a.data_ptr()  # one zeroed allocation per stream, reused
+    stream[0] = 12
+    b = kf.seq_counters(5, dev)
+    assert b.data_ptr() != a.data_ptr() and int(b.abs().sum()) == 0  # another stream: its own counters
+    stream[0] = 11
+    assert kf.seq_counters(5, dev).data_ptr() == a.data_ptr()
     big = kf.seq_counters(kf._COUNTER_MIN + 1, dev)
-    assert big.shape == (kf._COUNTER_MIN + 1,) and int(big.abs().sum()) == 0
-    kf._COUNTERS.pop(dev, None)
+    assert big.shape == (kf._COUNTER_MIN + 1,) and int(big.abs().sum()) == 0 and big.data_ptr() != a.data_ptr()
+    assert kf.seq_counters(5, dev).data_ptr() == big.data_ptr()  # regrown, then reused
+    stream[0] = 12
+    assert kf.seq_counters(5, dev).data_ptr() == b.data_ptr()  # the other stream's counters are untouched
+    assert set(kf._COUNTERS) == {(dev, 11), (dev, 12)}
+
+
+def test_seq_counters_fresh_during_capture(counters):
+    """Under a CUDA-graph capture every call gets a new zeroed [B] buffer (its zero fill is recorded into the graph)
+    and the persistent per-stream counters are neither used nor created."""
+    _, capturing = counters
+    dev = torch.device("cpu")
+    eager = kf.seq_counters(5, dev)
+    cached = dict(kf._COUNTERS)
+    capturing[0] = True
+    c1 = kf.seq_counters(5, dev)
+    c1.fill_(3)  # as a dirty buffer would be
+    c2 = kf.seq_counters(5, dev)
+    assert c1.shape == c2.shape == (5,) and c2.dtype == torch.int32 and int(c2.abs().sum()) == 0
+    assert len({eager.data_ptr(), c1.data_ptr(), c2.data_ptr()}) == 3
+    assert kf._COUNTERS == cached and int(eager.abs().sum()) == 0
+    capturing[0] = False
+    assert kf.seq_counters(5, dev).data_ptr() == eager.data_ptr()
+
+
+def test_seq_counters_off_cuda_without_fakes(monkeypatch):
+    """The real capture / stream queries on a CPU device: not capturing, stream key 0."""
+    monkeypatch.setattr(kf, "_COUNTERS", {})
+    dev = torch.device("cpu")
+    assert not kf._capturing(dev) and kf._stream_key(dev) == 0
+    a = kf.seq_counters(4, "cpu")
+    assert kf.seq_counters(2, dev).data_ptr() == a.data_ptr() and set(kf._COUNTERS) == {(dev, 0)}

@@ -4,8 +4,9 @@ Inputs: shuffled block tables, unused cache slots (and unused blocks) filled wit
 each sequence's pages set to out-of-range ids, mixed cache lengths within a batch.
 Tolerances: out elementwise within abs 1e-3 or rel 2/128, cosine distance <= 5e-6, lse rel 8/65536 (finite rows;
 empty rows must give lse = +inf and out = 0 on both sides).
-The tests call ``run_mla_decode_dense`` without ``variant=``, so ``$FLASHDSA_DECODE_VARIANT`` picks the partial
-kernel (default "ws"; ``FLASHDSA_DECODE_VARIANT=pipelined`` for the other one).
+The tests call ``run_mla_decode_dense`` without ``variant=``, so ``$FLASHDSA_DECODE_VARIANT`` picks the kernel
+(default "auto": the single-launch fused narrow kernel for s_q * H <= 32, else "ws"; e.g.
+``FLASHDSA_DECODE_VARIANT=narrow`` or ``pipelined`` for the others).
 """
 
 import math
@@ -162,7 +163,8 @@ def test_dense_decode_unsupported_reasons():
 
 
 def test_dense_decode_cuda_graph_replay():
-    """The whole step (GPU split plan, partial kernel, combine) is captured once and replayed with new lengths."""
+    """The whole step (default variant at s_q 2 x H 16: the fused single launch, its counters zeroed inside the
+    graph) is captured once and replayed with new lengths."""
     K = _kernel()
     B, s_q, H, bs = 6, 2, 16, 64
     lens_a = [4096, 20, 140, 0, 32768, 1]

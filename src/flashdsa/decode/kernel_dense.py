@@ -3,15 +3,16 @@
 Notes
 -----
 Variants (``run_mla_decode_dense(..., variant=)``, else ``$FLASHDSA_DECODE_VARIANT``, else ``DEFAULT_VARIANT``):
-  * "auto" (default): "narrow" for ``s_q * H <= AUTO_NARROW_ROWS``, else "ws".
+  * "auto" (default): "narrow_fused" for ``s_q * H <= AUTO_NARROW_ROWS``, else "ws".
   * "narrow": ``kernel_dense_narrow.py`` (cache positions on the wgmma M side, the few query rows as N) where
-    ``s_q * H <= 32``, else "ws"; see its notes.
+    ``s_q * H <= 32``, else "ws"; see its notes.  Three launches (plan, partial, combine); explicit only.
   * "ws": the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
     consumer warpgroups, 64-key tiles, the n_mt row tiles of a split in adjacent CTAs); see its notes.
   * "pipelined": this module's partial kernel, described below (the one measured on the H200 first).
-  * "narrow_fused" (opt-in): the narrow kernel in ONE launch (``kernel_dense_fused.py``: each CTA derives its
-    split from cache_seqlens, the last split of a sequence merges), where ``s_q * H <= 32``, else "ws".
-  All others use this module's split plan (``_plan``, tile size per variant), partial buffers and combine kernel.
+  * "narrow_fused": the narrow kernel in ONE launch (``kernel_dense_fused.py``: each CTA derives its split from
+    cache_seqlens, the last split of a sequence merges), where ``s_q * H <= 32``, else "ws".
+  The three-launch ones use this module's split plan (``_plan``, tile size per variant), partial buffers and
+  combine kernel.
 
 Design
   * Query rows: the ``s_q * H`` query rows of one sequence (row ``m = i * H + h``) form the M side of the wgmma
@@ -101,7 +102,7 @@ _MIN_CHUNK_TILES = 2  # never split below 128 tokens
 _COMBINE_THREADS = 128
 VARIANTS = ("auto", "ws", "narrow", "pipelined", "narrow_fused")
 DEFAULT_VARIANT = "auto"  # "pipelined": the two-stage cp.async kernel of this module (measured on the H200)
-AUTO_NARROW_ROWS = 32  # "auto" runs the narrow kernel for s_q * H <= this, else "ws"
+AUTO_NARROW_ROWS = 32  # "auto" runs the fused narrow kernel for s_q * H <= this, else "ws"
 VARIANT_ENV = "FLASHDSA_DECODE_VARIANT"
 
 
@@ -474,10 +475,10 @@ def _variant(variant):
 
 def _ws_module(variant: str, rows: int):
     """The partial-kernel module a variant other than "pipelined" runs for ``s_q * H = rows``: "ws" ->
-    ``kernel_dense_ws`` (every ``rows``); "narrow" (and "narrow_fused", whose fused kernel runs instead where it
-    fits) -> ``kernel_dense_narrow`` where ``rows`` fits it
-    (``MAX_ROWS``), else ``kernel_dense_ws``; "auto" -> the narrow kernel for ``rows <= AUTO_NARROW_ROWS``.  The
-    module has ``BLOCK_N``, ``_OVERHEAD_TILES``, ``_MIN_CHUNK_TILES`` (the split plan's tile), ``ctas_per_sm`` (the
+    ``kernel_dense_ws`` (every ``rows``); "narrow" and "narrow_fused" -> ``kernel_dense_narrow`` where ``rows`` fits
+    it (``MAX_ROWS``), else ``kernel_dense_ws``; "auto" -> the narrow kernel for ``rows <= AUTO_NARROW_ROWS``.
+    Where "auto" and "narrow_fused" get the narrow kernel, its single-launch form runs instead (``_runs_fused``).
+    The module has ``BLOCK_N``, ``_OVERHEAD_TILES``, ``_MIN_CHUNK_TILES`` (the split plan's tile), ``ctas_per_sm`` (the
     plan's work items per SM) and ``compiled_partial``."""
     from . import kernel_dense_narrow as narrow
     from . import kernel_dense_ws as ws
@@ -487,16 +488,25 @@ def _ws_module(variant: str, rows: int):
     return narrow if rows <= limit else ws
 
 
+def _runs_fused(variant: str, rows: int) -> bool:
+    """True where ``variant`` runs the single-launch ``kernel_dense_fused`` for ``s_q * H = rows``: "auto" and
+    "narrow_fused" wherever ``_ws_module`` gives them the narrow kernel ("narrow" keeps its three launches)."""
+    from . import kernel_dense_narrow as narrow
+
+    return variant in ("auto", "narrow_fused") and _ws_module(variant, rows) is narrow
+
+
 def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d_v, causal, attn_sink=None,
                          variant=None, checked=False):
     """Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] f32 natural log, +inf / 0 for empty rows).
 
-    ``variant``: "auto" (default: ``kernel_dense_narrow`` for few query rows, else ``kernel_dense_ws``), "ws"
+    ``variant``: "auto" (default: "narrow_fused" for s_q * H <= ``AUTO_NARROW_ROWS``, else "ws"), "ws"
     (warp-specialised partial kernel), "narrow" (keys-as-M kernel where s_q * H <= 32, else "ws"), "pipelined"
     (this module's two-stage cp.async kernel) or "narrow_fused" (the narrow kernel as one launch, plan and combine
     inside, where s_q * H <= 32, else "ws"); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.
-    The others share the split plan, the partial buffers and the combine kernel.  ``checked``: the caller has
-    already had ``kernel_unsupported`` accept these arguments (the dispatcher does), so it is not run twice.
+    The three-launch paths share the split plan, the partial buffers and the combine kernel.  ``checked``: the
+    caller has already had ``kernel_unsupported`` accept these arguments (the dispatcher does), so it is not run
+    twice.
     """
     if not checked:
         reason = kernel_unsupported(q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal,
@@ -522,17 +532,15 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
         return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
     n_mt = (M + BLOCK_M - 1) // BLOCK_M
     num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-    if variant == "narrow_fused":
-        # opt-in (session 8, H200: 0.1586 vs 0.162 ms at B 64, H 16, cache 8192 in scripts/bench_decode.py): its
-        # per-device merge counters make concurrent calls on two streams of one device unsafe, so "auto" keeps the
-        # three-launch narrow path
+    if _runs_fused(variant, M):
+        # one launch instead of "narrow"'s three (session 8, H200: 0.1586 vs 0.162 ms at B 64, H 16, cache 8192 in
+        # scripts/bench_decode.py); its merge counters are per (device, stream), fresh inside a CUDA-graph capture
         from . import kernel_dense_fused as fused
 
-        if M <= fused.MAX_ROWS:  # else the "ws" kernel below, as for "narrow"
-            fused.run_fused(q.reshape(B, M, DQK).contiguous(), kv_cache.contiguous(), block_table.contiguous(),
-                            cache_seqlens.contiguous(), attn_sink, out, lse, heads=H, s_q=s_q, causal=bool(causal),
-                            sm_scale=float(sm_scale), num_sms=num_sms)
-            return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
+        fused.run_fused(q.reshape(B, M, DQK).contiguous(), kv_cache.contiguous(), block_table.contiguous(),
+                        cache_seqlens.contiguous(), attn_sink, out, lse, heads=H, s_q=s_q, causal=bool(causal),
+                        sm_scale=float(sm_scale), num_sms=num_sms)
+        return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
     if variant != "pipelined":
         ws = _ws_module(variant, M)
         plan_kw = dict(num_sms=num_sms * ws.ctas_per_sm(M), tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,

@@ -1,6 +1,6 @@
-"""Dense MLA decode, narrow kernel in ONE launch (variant "narrow_fused", opt-in): each CTA derives its own work item
-from ``cache_seqlens`` and the last split of a sequence merges the partials, so neither the split-plan kernel nor
-the combine kernel runs.
+"""Dense MLA decode, narrow kernel in ONE launch (what the default variant "auto" runs where the narrow kernel fits;
+also variant "narrow_fused"): each CTA derives its own work item from ``cache_seqlens`` and the last split of a
+sequence merges the partials, so neither the split-plan kernel nor the combine kernel runs.
 
 Notes
 -----
@@ -30,13 +30,15 @@ row by row exactly as the combine kernel does (8 threads per row, 64 columns eac
 a warp's loads are 32-byte segments), writes the bf16 out and natural-log lse, and stores ``Count[b] = 0``.
 Sequences with ``nsplit_b == 1`` write the final output directly and never touch the counter.
 
-Counters: ``Count`` ([>= B] int32 per device, ``seq_counters``) is zeroed once when allocated; every call leaves it
-zero again (each counted sequence is reset by its last split), so eager calls and CUDA-graph replays start clean.
-Hence: two calls must not run concurrently on one device (different streams would share counters), a call
-aborted mid-kernel leaves them dirty, and the counters must exist before a CUDA-graph capture (the first eager
-call, e.g. the warm-up that compiles the kernel, allocates them; allocating during capture raises).
+Counters: ``Count`` ([B] int32, ``seq_counters``) must be zero on entry and is zero again on exit (each counted
+sequence is reset by its last split).  Eager calls use persistent counters per (device, current stream), allocated
+zeroed on a stream's first call (regrown for a larger batch): calls on one stream run in order, calls on two
+streams never share counters.  During a CUDA-graph capture every call allocates fresh counters with ``torch.zeros``
+on the capturing stream, so the zero fill is a node of the graph and every replay, on whatever stream, starts from
+zero.  A call aborted mid-kernel leaves its stream's counters dirty.
 
-Verified on CPU only: lowering, nvcc, ``cta_item`` == ``_plan``.  Not yet run on a GPU.
+Verified: GPU (H200) tests at ``f1bb6f6``, when the counters were one buffer per device; the per-stream / capture
+counters: CPU only so far.
 """
 
 import functools
@@ -53,8 +55,8 @@ from .._tilelang import direct_launcher, dummy
 EXPECTS_WGMMA = True
 MAX_ROWS = _kn.MAX_ROWS  # s_q * H handled here (kernel_dense runs "ws" above)
 ROW_THREADS = 8  # threads per query row in the merge (64 of the 512 columns each)
-_COUNTER_MIN = 1024  # counters allocated per device at least (grown, never shrunk)
-_COUNTERS: dict = {}
+_COUNTER_MIN = 1024  # persistent counters allocated per (device, stream) at least (grown, never shrunk)
+_COUNTERS: dict = {}  # (device, stream handle) -> int32 counters, zero between calls
 
 
 def cta_item(lens, item: int, *, cap: int, num_sms: int, tile: int = _kn.BLOCK_N,
@@ -255,17 +257,35 @@ def _compiled(heads, s_q, block_size, causal, sm_scale, has_sink, num_sms, threa
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs(loader, block_size))
 
 
+def _capturing(dev: torch.device) -> bool:
+    """True while the current CUDA stream is being captured into a CUDA graph (False off CUDA)."""
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _stream_key(dev: torch.device) -> int:
+    """The handle of ``dev``'s current stream (0 off CUDA): the persistent counters' key with ``dev``."""
+    return torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+
+
 def seq_counters(batch: int, device) -> torch.Tensor:
-    """The merge counters of ``device`` (int32, zero between calls), first ``batch`` entries.  Allocated zeroed on
-    first use (and regrown for a larger batch).  Refuses to allocate inside a CUDA-graph capture: there the zero
-    fill would only be recorded into the graph, not run, so the counters would hold garbage until a replay."""
+    """The merge counters (int32, zero) for a call of ``batch`` sequences on ``device``'s current stream.  Eager:
+    the first ``batch`` entries of that (device, stream)'s persistent counters, allocated zeroed on first use
+    (regrown for a larger batch), which every call leaves zero.  During a CUDA-graph capture: a fresh
+    ``torch.zeros(batch)`` on the capturing stream, whose zero fill every replay runs before the kernel."""
     dev = torch.device(device)
-    t = _COUNTERS.get(dev)
+    if _capturing(dev):
+        # Not the stream's persistent counters: a graph may be replayed on any stream, concurrently with eager calls.
+        # No reference is kept: allocations during a capture come from the graph's private memory pool, which stays
+        # reserved for the graph while it or any tensor allocated in the capture lives (PyTorch CUDA notes, "Graph
+        # memory management"), so the address recorded in the graph stays valid for every replay.  Once this tensor
+        # is dropped, only later work of the same capture (after this kernel in stream order, as in eager reuse) or
+        # of a capture sharing the pool (replayed in capture order) can reuse the block, and the recorded zero fill
+        # runs again before the kernel in the next replay.
+        return torch.zeros(batch, dtype=torch.int32, device=dev)
+    key = (dev, _stream_key(dev))
+    t = _COUNTERS.get(key)
     if t is None or t.numel() < batch:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("mla_decode narrow_fused: call once eagerly before capturing a CUDA graph (its "
-                               f"per-device counters for batch {batch} must exist and be zero before the capture)")
-        t = _COUNTERS[dev] = torch.zeros(max(batch, _COUNTER_MIN), dtype=torch.int32, device=dev)
+        t = _COUNTERS[key] = torch.zeros(max(batch, _COUNTER_MIN), dtype=torch.int32, device=dev)
     return t[:batch]
 
 

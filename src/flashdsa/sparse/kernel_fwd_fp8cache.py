@@ -43,7 +43,8 @@ Cost model per block vs kernel_fwd: the gather moves 41 instead of 72 16-byte ch
   and shared stores); the dequant adds 64x512 conversions (~6 ALU instructions per pair of values, ~400 per
   thread), 32 KB of shared reads and 64 KB of shared writes, serialized between the gather wait and QK.
   Expected 0.85-0.95x of kernel_fwd's time per block; see Risks.
-Verified: CPU lowering only (see ``lowering_cases``); never run on a GPU by the author.
+Verified on the H200 (tests/sparse_mla/test_kernel_fp8cache_gpu.py).  Since session 9 ``run_sparse_mla_fwd`` sends H 64
+and 128 to ``kernel_fwd_pair_cache`` (the pair schedule; this kernel stays for other head counts).
 Risks
   * Speed: the dequant is not overlapped with the tensor cores (one bf16 tile only).  If below 0.9x, next step:
     register-staged raw prefetch (ld.global of block i+1 into 36 registers/thread) + two bf16 tiles (like
@@ -314,13 +315,22 @@ NARROW_ENV = "FLASHDSA_NARROW_CACHE656"  # "1": H <= 32 runs kernel_fwd_narrow's
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       narrow: bool | None = None, checked: bool = False):
+                       narrow: bool | None = None, pair: bool | None = None, checked: bool = False):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
 
-    ``narrow``: run ``kernel_fwd_narrow``'s cache656 kernel (keys on the wgmma M side, H <= 32); None: only when
-    ``$FLASHDSA_NARROW_CACHE656`` is "1" (opt-in: GPU-verified in session 7, not faster at H 16).  ``checked``:
-    ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
-    from . import kernel_fwd_narrow
+    ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
+    is 64 or 128.  ``narrow``: run ``kernel_fwd_narrow``'s cache656 kernel (keys on the wgmma M side, H <= 32);
+    None: only when ``$FLASHDSA_NARROW_CACHE656`` is "1" (opt-in: GPU-verified in session 7, not faster at H 16).
+    Otherwise this module's pipelined kernel.  ``checked``: ``kernel_unsupported`` has already accepted these
+    arguments (the dispatcher ran it)."""
+    from . import kernel_fwd_narrow, kernel_fwd_pair_cache
+
+    if pair is None:
+        pair = q.dim() == 3 and q.shape[1] in kernel_fwd_pair_cache.SUPPORTED_H and not narrow
+    if pair:
+        return kernel_fwd_pair_cache.run_sparse_mla_fwd(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
+                                                        topk_length=topk_length, attn_sink=attn_sink,
+                                                        checked=checked)
 
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)

@@ -74,31 +74,18 @@ BAR_WG0, BAR_BOTH = 8, 10  # named barrier ids (128 / 256 threads); 0 is __synct
 _ASYNC = tc.ASYNC_GATHER
 
 
-def build_sparse_mla_fwd(
-    *,
-    heads: int,
-    dqk: int,
-    d_v: int = D_V,
-    topk: int,
-    sm_scale: float,
-    has_sink: bool = False,
-    has_topk_length: bool = False,
-    ablate: str = "",
-    prefetch_rows: bool = True,
-):
-    """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
-    KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
-    MaxLogits[T,H] f32).  See the module notes for the schedule.
-
-    ``prefetch_rows`` (default; session 8: 3.02 -> 2.75 ms at S 4096, H 64): the producer loads a pair's KV rows
-    into registers before its free-barrier waits; False: after them.  ``ablate="no_gather"`` (timing only, wrong
-    results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``) keeps the protocol but issues no cp.async
-    (the tiles keep what shared memory holds)."""
-    assert ablate in ("", "no_gather"), ablate
-    assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
+def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
+              ready_counts=(256, 256, 128, 128), prelude=None):
+    """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
+    MaxLogits)`` (one ``T.Kernel``: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
+    Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
+    rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)`` in the third warpgroup.  ``kv_src``: whatever the
+    producer reads (a tuple of buffers / scalars).  ``ready_counts``: arrivals of rdy_al, rdy_br, rdy_ar, rdy_bl
+    per phase; the producer must publish Rows0 (Rows1) before rdy_al (rdy_br) completes."""
+    assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
     assert sm_scale is not None and sm_scale > 0
-    D = d_v
+    D = D_V
     DH = D // 2
     D_tail = dqk - D
     BH, BI = BLOCK_H, BLOCK_I
@@ -106,11 +93,7 @@ def build_sparse_mla_fwd(
     NI = (int(topk) + BI - 1) // BI
     c_log2 = float(sm_scale) * LOG2E
     neg_big = tc.NEG_BIG
-
     bf16, f32, i32 = "bfloat16", "float32", "int32"
-    n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
-    _row = tc.make_slot_row(topk_dim)
-    _ok = tc.make_row_ok(n_kv)
     set_lim = tc.make_set_lim(has_topk_length, topk_dim)
     # the pipelined kernel's epilogue math (its padded-head guards are always true here: H is 64 or 128)
     _, normaliser, _, store_lse = tc.padded_head_macros(BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads,
@@ -127,33 +110,6 @@ def build_sparse_mla_fwd(
                 T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t)
         T.fence_proxy_async()
         T.sync_threads(BAR_BOTH, 256)
-
-    # ------------------------------------------------------------------ producer
-    @T.macro
-    def publish_rows(Rows, Indices, tok, lim, blk):
-        # Rows[r] = KV row of slot blk*64 + r, or -1 (past topk_eff / out of [0, Tkv)); all producer
-        # threads see them after the named barrier, the consumers through the ready barrier's ordinary arrival
-        for r in T.Parallel(BI):
-            row = _row(Indices, tok, lim, blk * BI + r)
-            Rows[r] = T.if_then_else(_ok(row), row, -1)
-        T.sync_threads(11, 128)
-
-    @T.macro
-    def gather_l(KVl, Rows, KV):
-        if ablate != "no_gather":
-            for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
-                rk = Rows[r]
-                KVl[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, c * 64 + d], T.cast(0, bf16))
-
-    @T.macro
-    def gather_r(KVr, Kt, Rows, KV):
-        if ablate != "no_gather":
-            for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
-                rk = Rows[r]
-                KVr[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, DH + c * 64 + d], T.cast(0, bf16))
-                if D_tail > 0:
-                    if c == 0:
-                        Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
 
     # ------------------------------------------------------------------ consumer pieces
     @T.macro
@@ -201,18 +157,9 @@ def build_sparse_mla_fwd(
         T.sync_threads(own_bar, 128)
         T.copy(Stage, Out[tok, h0 : h0 + BH, c0 : c0 + DH])
 
-    @T.prim_func
-    def sparse_mla_fwd_pair(
-        Q: T.Tensor([n_tok, heads, dqk], bf16),
-        KV: T.Tensor([n_kv, dqk], bf16),
-        Indices: T.Tensor([n_tok, topk_dim], i32),
-        TopkLen: T.Tensor([n_tl], i32),
-        Sink: T.Tensor([n_sink], f32),
-        Out: T.Tensor([n_tok, heads, D], bf16),
-        Lse: T.Tensor([n_tok, heads], f32),
-        MaxLogits: T.Tensor([n_tok, heads], f32),
-    ):
-        with T.Kernel(n_tok * G, threads=THREADS) as bx:
+    @T.macro
+    def body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse, MaxLogits):
+        with T.Kernel(n_tok * G, threads=THREADS, prelude=prelude) as bx:
             Q_l = T.alloc_shared([BH, DH], bf16)
             Q_r = T.alloc_shared([BH, DH], bf16)
             KVa_l = T.alloc_shared([BI, DH], bf16)
@@ -237,10 +184,10 @@ def build_sparse_mla_fwd(
             Ls0 = T.alloc_shared([BH], f32)
             Ls1 = T.alloc_shared([BH], f32)
 
-            rdy_al = T.alloc_barrier(256)
-            rdy_br = T.alloc_barrier(256)
-            rdy_ar = T.alloc_barrier(128)
-            rdy_bl = T.alloc_barrier(128)
+            rdy_al = T.alloc_barrier(ready_counts[0])
+            rdy_br = T.alloc_barrier(ready_counts[1])
+            rdy_ar = T.alloc_barrier(ready_counts[2])
+            rdy_bl = T.alloc_barrier(ready_counts[3])
             fr_al = T.alloc_barrier(128)
             fr_bl = T.alloc_barrier(128)
             fr_br = T.alloc_barrier(128)
@@ -393,44 +340,134 @@ def build_sparse_mla_fwd(
             else:
                 # ---------------------------------------------- producer
                 T.set_max_nreg(PAIR_REGS[2], 0)
-                for j in T.serial(npair[0]):
-                    if prefetch_rows:
-                        # this pair's rows into registers (thread t < 64: slot t of blocks 2j, 2j+1) before the
-                        # waits, so the Indices load latency overlaps them
-                        pt = tx - 256
-                        if pt < BI:
-                            row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
-                            row_a[0] = T.if_then_else(_ok(row_a[0]), row_a[0], -1)
-                            row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
-                            row_b[0] = T.if_then_else(_ok(row_b[0]), row_b[0], -1)
-                    T.barrier_wait(fr_al, (j & 1) ^ 1)
-                    if prefetch_rows:
-                        if tx - 256 < BI:
-                            Rows0[tx - 256] = row_a[0]
-                        T.sync_threads(11, 128)
-                    else:
-                        publish_rows(Rows0, Indices, tok, lim[0], j * 2)
-                    T.barrier_arrive(rdy_al)
-                    gather_l(KVa_l, Rows0, KV)
-                    T.cp_async_barrier_noinc(rdy_al)
-                    T.barrier_wait(fr_br, (j & 1) ^ 1)
-                    if prefetch_rows:
-                        if tx - 256 < BI:
-                            Rows1[tx - 256] = row_b[0]
-                        T.sync_threads(11, 128)
-                    else:
-                        publish_rows(Rows1, Indices, tok, lim[0], j * 2 + 1)
-                    T.barrier_arrive(rdy_br)
-                    gather_r(KVb_r, Kb_t, Rows1, KV)
-                    T.cp_async_barrier_noinc(rdy_br)
-                    T.barrier_wait(fr_ar, (j & 1) ^ 1)
-                    gather_r(KVa_r, Ka_t, Rows0, KV)
-                    T.cp_async_barrier_noinc(rdy_ar)
-                    T.barrier_wait(fr_bl, (j & 1) ^ 1)
-                    gather_l(KVb_l, Rows1, KV)
-                    T.cp_async_barrier_noinc(rdy_bl)
-                T.ptx_commit_group()
-                T.ptx_wait_group(0)  # nothing in flight when the producer threads exit
+                producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                         row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)
+
+    return body
+
+
+def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
+    """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
+    D = D_V
+    DH = D // 2
+    D_tail = dqk - D
+    BI = BLOCK_I
+    bf16 = "bfloat16"
+    _row = tc.make_slot_row(topk_dim)
+    _ok = tc.make_row_ok(n_kv)
+
+    @T.macro
+    def publish_rows(Rows, Indices, tok, lim, blk):
+        # Rows[r] = KV row of slot blk*64 + r, or -1 (past topk_eff / out of [0, Tkv)); all producer
+        # threads see them after the named barrier, the consumers through the ready barrier's ordinary arrival
+        for r in T.Parallel(BI):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            Rows[r] = T.if_then_else(_ok(row), row, -1)
+        T.sync_threads(11, 128)
+
+    @T.macro
+    def gather_l(KVl, Rows, KV):
+        if ablate != "no_gather":
+            for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
+                rk = Rows[r]
+                KVl[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, c * 64 + d], T.cast(0, bf16))
+
+    @T.macro
+    def gather_r(KVr, Kt, Rows, KV):
+        if ablate != "no_gather":
+            for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
+                rk = Rows[r]
+                KVr[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, DH + c * 64 + d], T.cast(0, bf16))
+                if D_tail > 0:
+                    if c == 0:
+                        Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
+
+    @T.macro
+    def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar):
+        KV = kv_src[0]
+        for j in T.serial(npair[0]):
+            if prefetch_rows:
+                # this pair's rows into registers (thread t < 64: slot t of blocks 2j, 2j+1) before the
+                # waits, so the Indices load latency overlaps them
+                pt = tx - 256
+                if pt < BI:
+                    row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
+                    row_a[0] = T.if_then_else(_ok(row_a[0]), row_a[0], -1)
+                    row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
+                    row_b[0] = T.if_then_else(_ok(row_b[0]), row_b[0], -1)
+            T.barrier_wait(fr_al, (j & 1) ^ 1)
+            if prefetch_rows:
+                if tx - 256 < BI:
+                    Rows0[tx - 256] = row_a[0]
+                T.sync_threads(11, 128)
+            else:
+                publish_rows(Rows0, Indices, tok, lim[0], j * 2)
+            T.barrier_arrive(rdy_al)
+            gather_l(KVa_l, Rows0, KV)
+            T.cp_async_barrier_noinc(rdy_al)
+            T.barrier_wait(fr_br, (j & 1) ^ 1)
+            if prefetch_rows:
+                if tx - 256 < BI:
+                    Rows1[tx - 256] = row_b[0]
+                T.sync_threads(11, 128)
+            else:
+                publish_rows(Rows1, Indices, tok, lim[0], j * 2 + 1)
+            T.barrier_arrive(rdy_br)
+            gather_r(KVb_r, Kb_t, Rows1, KV)
+            T.cp_async_barrier_noinc(rdy_br)
+            T.barrier_wait(fr_ar, (j & 1) ^ 1)
+            gather_r(KVa_r, Ka_t, Rows0, KV)
+            T.cp_async_barrier_noinc(rdy_ar)
+            T.barrier_wait(fr_bl, (j & 1) ^ 1)
+            gather_l(KVb_l, Rows1, KV)
+            T.cp_async_barrier_noinc(rdy_bl)
+        T.ptx_commit_group()
+        T.ptx_wait_group(0)  # nothing in flight when the producer threads exit
+
+    return producer
+
+
+def build_sparse_mla_fwd(
+    *,
+    heads: int,
+    dqk: int,
+    d_v: int = D_V,
+    topk: int,
+    sm_scale: float,
+    has_sink: bool = False,
+    has_topk_length: bool = False,
+    ablate: str = "",
+    prefetch_rows: bool = True,
+):
+    """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
+    KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
+    MaxLogits[T,H] f32).  See the module notes for the schedule.
+
+    ``prefetch_rows`` (default; session 8: 3.02 -> 2.75 ms at S 4096, H 64): the producer loads a pair's KV rows
+    into registers before its free-barrier waits; False: after them.  ``ablate="no_gather"`` (timing only, wrong
+    results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``) keeps the protocol but issues no cp.async
+    (the tiles keep what shared memory holds)."""
+    assert ablate in ("", "no_gather"), ablate
+    assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
+    producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate)
+    body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
+                     has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer)
+
+    @T.prim_func
+    def sparse_mla_fwd_pair(
+        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        KV: T.Tensor([n_kv, dqk], bf16),
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D_V], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        body(Q, (KV,), Indices, TopkLen, Sink, Out, Lse, MaxLogits)
 
     return sparse_mla_fwd_pair
 

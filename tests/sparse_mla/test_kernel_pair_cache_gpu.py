@@ -1,0 +1,72 @@
+"""GPU: ``kernel_fwd_pair_cache`` (the pair schedule over the 656-byte FP8 cache) against the reference on the
+exactly dequantized cache, and bitwise against ``kernel_fwd_pair`` on that dequantized cache (same consumer
+code on the same bf16 tiles, so the outputs must be identical).  Unreferenced cache rows are poisoned.  A hung
+producer / consumer protocol aborts the run instead of blocking it (``_hang.sync_or_die``)."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("tilelang")
+
+from flashdsa.sparse import kernel_fwd_fp8cache, kernel_fwd_pair, kernel_fwd_pair_cache as kmod  # noqa: E402
+
+from ._hang import sync_or_die  # noqa: E402
+from .test_kernel_fp8cache_gpu import _fp8_cache  # noqa: E402
+from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
+
+D_V = 512
+DQK = 576
+HANG_S = 30.0
+
+# (heads, tkv, topk, n_tok, sink, topk_length, q layout, kv row stride in bytes); small cases first
+CASES = [
+    (128, 64, 256, 3, True, True, "contig", 656),  # tiny: full / clamped / empty rows
+    (128, 592, 200, 62, True, True, "contig", 672),  # tail block masked, odd block count, padded rows
+    (64, 128, 130, 213, True, True, "sliced", 656),  # topk > Tkv (duplicates), half-used last pair
+    (64, 1840, 256, 62, False, True, "transposed", 704),
+    (128, 8192, 2048, 62, False, False, "contig", 656),  # the headline config
+    (128, 4096, 100, 213, True, False, "sliced", 656),
+]
+
+
+@pytest.mark.parametrize(
+    "heads,tkv,topk,n_tok,sink,use_tl,layout,row_stride",
+    CASES,
+    ids=[f"h{c[0]}-kv{c[1]}-k{c[2]}-t{c[3]}{'-sink' if c[4] else ''}{'-tl' if c[5] else ''}-{c[6]}-rs{c[7]}"
+         for c in CASES],
+)
+def test_sparse_mla_fwd_pair_cache(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride):
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    kv8, kv_deq = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
+    sm_scale = DQK**-0.5
+    kw = dict(sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
+    assert kmod.kernel_unsupported(q, kv8, indices, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink) is None
+    what = f"H={heads} Tkv={tkv} topk={topk} T={n_tok} sink={sink} tl={use_tl} {layout} rs={row_stride}"
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    out = kmod.run_sparse_mla_fwd(q, kv8, indices, **kw)
+    sync_or_die("kernel_fwd_pair_cache", what, HANG_S)
+    check_against_reference(*out, q, kv_deq, indices, sm_scale, topk_length, attn_sink, valid)
+    # the dispatcher's default for this H, and the bf16 pair kernel on the dequantized cache: bitwise equal
+    dispatched = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, **kw)
+    bf16_pair = kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, indices, **kw)
+    sync_or_die("kernel_fwd_pair / dispatched", what, HANG_S)
+    for name, a, b, c in zip(("out", "lse", "max_logits"), out, dispatched, bf16_pair):
+        assert torch.equal(a, b), f"{name}: dispatched cache656 forward differs from kernel_fwd_pair_cache"
+        assert torch.equal(a, c), f"{name}: differs from kernel_fwd_pair on the dequantized cache"
+
+
+def test_sparse_mla_fwd_pair_cache_unsupported():
+    q = torch.zeros(2, 16, DQK, dtype=torch.bfloat16, device="cuda")
+    kv8 = torch.zeros(8, 656, dtype=torch.uint8, device="cuda")
+    idx = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
+    assert kmod.kernel_unsupported(q, kv8, idx, d_v=D_V) is not None
+    with pytest.raises(ValueError, match="H=16"):
+        kmod.run_sparse_mla_fwd(q, kv8, idx, sm_scale=0.1, d_v=D_V)
+    q64 = torch.zeros(2, 64, DQK, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="656"):
+        kmod.run_sparse_mla_fwd(q64, torch.zeros(8, 576, dtype=torch.uint8, device="cuda"), idx, sm_scale=0.1,
+                                d_v=D_V)
