@@ -13,7 +13,8 @@ Per case and variant: a correctness check against ``mla_decode_reference`` on th
 medians (L2 flushed by writing a 256 MB buffer before each run, outside the events) of
   * ``e2e``: ``run_mla_decode_dense`` as called eagerly (GPU split plan + partial + combine + host overhead),
   * ``graph``: the same step captured in a CUDA graph and replayed (no host overhead: what a decode loop sees),
-  * ``kernels``: partial + combine launches only (plan precomputed); for "narrow_fused" its one launch.
+  * ``kernels``: partial + combine launches only (plan precomputed); where the fused kernel runs ("auto" /
+    "narrow_fused" for s_q * H <= 32) its one launch.
 Counts as ``flashdsa.bench``'s decode suite: bytes = cache rows x 1152 + q + out (+ lse), FLOPs =
 2 * H * (576 + 512) per attended (query row, key) pair.
 """
@@ -135,7 +136,7 @@ def bench_variant(kd, variant, q, kv, table, lens, causal, reps, flush):
     res["splits_per_seq"] = sorted(set(int(x) for x in nsplit))
     res["ctas"] = int((plan[0] >= 0).sum()) * n_mt
 
-    if variant == "narrow_fused" and res["partial"] == "kernel_dense_narrow":
+    if kd._runs_fused(variant, M):  # "auto" / "narrow_fused" where the narrow kernel would run
         # the single launch replaces partial + combine (it derives the plan itself; same o_part / lse_part sizes)
         from flashdsa.decode import kernel_dense_fused as kf
 

@@ -5,7 +5,9 @@ import torch
 
 pytest.importorskip("tilelang")
 
-from flashdsa.sparse import kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_pair  # noqa: E402
+from flashdsa.sparse import (  # noqa: E402
+    kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_pair, kernel_fwd_pair_cache,
+)
 
 
 def _fake_kernel(record, name):
@@ -25,6 +27,8 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd_fp8cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_fp8cache, "_compiled", _fake_kernel(calls, "padded656"))
     monkeypatch.setattr(kernel_fwd_narrow, "compiled_cache656", _fake_kernel(calls, "narrow656"))
+    monkeypatch.setattr(kernel_fwd_pair_cache, "kernel_unsupported", lambda *a, **k: None)
+    monkeypatch.setattr(kernel_fwd_pair_cache, "_compiled", _fake_kernel(calls, "pair656"))
     return calls
 
 
@@ -41,13 +45,16 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
     assert [name for name, _ in record] == [expect]
 
 
-@pytest.mark.parametrize("env,heads,expect", [("", 16, "padded656"), ("1", 16, "narrow656"), ("1", 64, "padded656")])
-def test_cache656_narrow_is_opt_in(record, monkeypatch, env, heads, expect):
+@pytest.mark.parametrize("env,heads,pair,expect", [
+    ("", 16, None, "padded656"), ("1", 16, None, "narrow656"), ("1", 64, None, "pair656"), ("", 128, None, "pair656"),
+    ("", 96, None, "padded656"), ("", 128, False, "padded656"),
+])
+def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, expect):
     monkeypatch.setenv(kernel_fwd_fp8cache.NARROW_ENV, env)
     q = torch.zeros(3, heads, 576, dtype=torch.bfloat16)
     kv = torch.zeros(10, 656, dtype=torch.uint8)
     idx = torch.zeros(3, 100, dtype=torch.int32)
-    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512)
+    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, pair=pair)
     assert [name for name, _ in record] == [expect]
 
 

@@ -75,13 +75,15 @@ _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              ready_counts=(256, 256, 128, 128), prelude=None):
+              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits)`` (one ``T.Kernel``: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
     Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
     rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)`` in the third warpgroup.  ``kv_src``: whatever the
     producer reads (a tuple of buffers / scalars).  ``ready_counts``: arrivals of rdy_al, rdy_br, rdy_ar, rdy_bl
-    per phase; the producer must publish Rows0 (Rows1) before rdy_al (rdy_br) completes."""
+    per phase; the producer must publish Rows0 (Rows1) before rdy_al (rdy_br) completes.  ``regs``: setmaxnreg of
+    (WG0, WG1, producer), at most 504 in all."""
+    assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
     assert sm_scale is not None and sm_scale > 0
@@ -230,7 +232,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
             if tx < 128:
                 # ---------------------------------------------- WG0: QK of blocks 2j, O[:, 0:256]
-                T.set_max_nreg(PAIR_REGS[0], 1)
+                T.set_max_nreg(regs[0], 1)
                 load_q(Q, Q_l, Q_t, tok, h0, 0)
                 T.fill(acc_o0, 0)
                 T.fill(l0, 0)
@@ -290,7 +292,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 store_lse(l0, m_run0, Lse, MaxLogits, tok, h0)
             elif tx < 256:
                 # ---------------------------------------------- WG1: QK of blocks 2j+1, O[:, 256:512]
-                T.set_max_nreg(PAIR_REGS[1], 1)
+                T.set_max_nreg(regs[1], 1)
                 load_q(Q, Q_r, None, tok, h0, DH)
                 T.fill(acc_o1, 0)
                 T.fill(l1, 0)
@@ -339,7 +341,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, 9)
             else:
                 # ---------------------------------------------- producer
-                T.set_max_nreg(PAIR_REGS[2], 0)
+                T.set_max_nreg(regs[2], 0)
                 producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                          row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)
 

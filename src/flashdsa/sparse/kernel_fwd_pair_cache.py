@@ -44,14 +44,15 @@ from ._tl_common import BLOCK_I, D_V
 SUPPORTED_H = kp.SUPPORTED_H
 _ASYNC = tc.ASYNC_GATHER
 BAR_PROD = 11  # named barrier of the 128 producer threads
+STAGINGS = ("regs", "inplace")
+STAGING = "regs"
+# setmaxnreg (WG0, WG1, producer): the register-staged producer holds 48 words of raw bytes per thread
+REGS = {"regs": (216, 216, 72), "inplace": kp.PAIR_REGS}
 
 _DEQUANT_SRC = r"""
-// 16 e4m3 bytes at `raw` (the bf16 slots of dims c..c+7 of a row) -> bf16(float(e4m3) * s) of dims c..c+7 at
-// `raw` and c+8..c+15 at `hi` (cvt.rn.f16x2.e4m3x2 is exact, the f32 product by a power of two is exact)
-__device__ __forceinline__ void fdsa_e4m3x16_to_bf16(void *raw, void *hi, float s) {
-  const uint4 w = *reinterpret_cast<const uint4 *>(raw);
-  const unsigned in[4] = {w.x, w.y, w.z, w.w};
-  unsigned o[8];
+// 16 e4m3 (4 words) -> bf16(float(e4m3) * s) (8 words); cvt.rn.f16x2.e4m3x2 is exact, the f32 product by the format's
+// power-of-two scale is exact, and so is the bf16 rounding (4 significant bits)
+__device__ __forceinline__ void fdsa_cvt_e4m3x16(const unsigned in[4], unsigned o[8], float s) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -66,8 +67,50 @@ __device__ __forceinline__ void fdsa_e4m3x16_to_bf16(void *raw, void *hi, float 
       o[2 * i + k] = b;
     }
   }
+}
+// in place: the 16 bytes at `raw` (bf16 slots of dims c..c+7) -> dims c..c+7 at `raw`, c+8..c+15 at `hi`
+__device__ __forceinline__ void fdsa_e4m3x16_to_bf16(void *raw, void *hi, float s) {
+  const uint4 w = *reinterpret_cast<const uint4 *>(raw);
+  const unsigned in[4] = {w.x, w.y, w.z, w.w};
+  unsigned o[8];
+  fdsa_cvt_e4m3x16(in, o, s);
   *reinterpret_cast<uint4 *>(raw) = make_uint4(o[0], o[1], o[2], o[3]);
   *reinterpret_cast<uint4 *>(hi) = make_uint4(o[4], o[5], o[6], o[7]);
+}
+// from registers: v[0..3] (16 e4m3) -> dims c..c+7 at `lo`, c+8..c+15 at `hi`
+__device__ __forceinline__ void fdsa_e4m3x16_store(void *lo, void *hi, const unsigned *v, float s) {
+  const unsigned in[4] = {v[0], v[1], v[2], v[3]};
+  unsigned o[8];
+  fdsa_cvt_e4m3x16(in, o, s);
+  *reinterpret_cast<uint4 *>(lo) = make_uint4(o[0], o[1], o[2], o[3]);
+  *reinterpret_cast<uint4 *>(hi) = make_uint4(o[4], o[5], o[6], o[7]);
+}
+// one producer thread's share of a half tile, into registers: cache row `row` (< 0: zeros, nothing read), chunks
+// chunk0 + 8 part + ((i + 2 part) & 7) -> v[4 i..4 i + 3] (i < 8), the row's float32 scale of tile `tile` -> *sc;
+// kRope: also rope chunks 33 + 4 part + i -> v[32 + 4 i..] (i < 4)
+template <bool kRope>
+__device__ __forceinline__ void fdsa_load_half(unsigned *v, float *sc, const void *cache, int row, int rs16,
+                                               int chunk0, int tile, int part) {
+  const bool ok = row >= 0;
+  const uint4 *src = reinterpret_cast<const uint4 *>(cache) + (long long)(ok ? row : 0) * rs16;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) x = __ldg(src + chunk0 + 8 * part + ((i + 2 * part) & 7));
+    v[4 * i] = x.x; v[4 * i + 1] = x.y; v[4 * i + 2] = x.z; v[4 * i + 3] = x.w;
+  }
+  *sc = ok ? __ldg(reinterpret_cast<const float *>(src + 32) + tile) : 0.0f;
+  if (kRope) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint4 x = make_uint4(0u, 0u, 0u, 0u);
+      if (ok) x = __ldg(src + 33 + 4 * part + i);
+      v[32 + 4 * i] = x.x; v[33 + 4 * i] = x.y; v[34 + 4 * i] = x.z; v[35 + 4 * i] = x.w;
+    }
+  }
+}
+__device__ __forceinline__ void fdsa_st16(void *dst, const unsigned *v) {
+  *reinterpret_cast<uint4 *>(dst) = make_uint4(v[0], v[1], v[2], v[3]);
 }
 """
 
@@ -154,17 +197,94 @@ def _cache_producer(*, topk_dim):
     return producer
 
 
+def _cache_producer_regs(*, topk_dim):
+    """The register-staged producer (``staging="regs"``): a half tile's raw bytes are loaded into registers
+    (``fdsa_load_half``: 8 x 16 B per thread, + 4 x 16 B of rope for R halves) BEFORE the producer waits for the
+    half's free barrier, then converted and stored to shared memory.  After a free only the conversion and the
+    stores are left (no gather latency), while the next half's loads are in flight during the wait."""
+    BI = BLOCK_I
+    DH = D_V // 2
+    f32, u32 = "float32", "uint32"
+    _row = tc.make_slot_row(topk_dim)
+
+    @T.macro
+    def load_half(v, sc, KVb, rs16, rk, chunk0, tile0, part, rope):
+        # thread: row rk of the block, chunks [8 part, 8 part + 8) of the half, rotated by 2 part (so the stores of
+        # a quarter warp hit 8 different 16-byte bank groups)
+        T.call_extern("handle", "fdsa_load_half<true>" if rope else "fdsa_load_half<false>", T.address_of(v[0]),
+                      T.address_of(sc[0]), KVb.data, rk, rs16, chunk0, tile0 + part, part)
+
+    @T.macro
+    def store_half(Half, Kt, v, sc, rw, part, rdy):
+        for i in T.unroll(8):
+            k = part * 8 + (i + 2 * part) % 8
+            T.call_extern("handle", "fdsa_e4m3x16_store", T.address_of(Half[rw, k * 16]),
+                          T.address_of(Half[rw, k * 16 + 8]), T.address_of(v[4 * i]), sc[0])
+        if Kt is not None:
+            for i in T.unroll(4):
+                T.call_extern("handle", "fdsa_st16", T.address_of(Kt[rw, (part * 4 + i) * 8]),
+                              T.address_of(v[32 + 4 * i]))
+        T.fence_proxy_async()  # generic-proxy stores -> the consumers' wgmma reads
+        T.barrier_arrive(rdy)
+
+    @T.macro
+    def block_row(Indices, tok, lim, blk, rw, n_rows, dst):
+        dst[0] = _row(Indices, tok, lim[0], blk * BI + rw)
+        dst[0] = T.if_then_else((dst[0] >= 0) & (dst[0] < n_rows), dst[0], -1)
+
+    @T.macro
+    def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar):
+        KVb = kv_src[1]
+        rs16 = kv_src[2]
+        n_rows = kv_src[3]
+        v = T.alloc_local([48], u32)
+        sc = T.alloc_local([1], f32)
+        pt = tx - 256
+        rw = pt // 2
+        part = pt % 2
+        if npair[0] > 0:
+            block_row(Indices, tok, lim, 0, rw, n_rows, row_a)
+            load_half(v, sc, KVb, rs16, row_a[0], 0, 0, part, False)
+        for j in T.serial(npair[0]):
+            # v holds a.L of this pair; row_a / row_b: this thread's row of blocks 2j / 2j + 1
+            T.barrier_wait(fr_al, (j & 1) ^ 1)
+            if part == 0:
+                Rows0[rw] = row_a[0]
+            store_half(KVa_l, None, v, sc, rw, part, rdy_al)
+            block_row(Indices, tok, lim, j * 2 + 1, rw, n_rows, row_b)
+            load_half(v, sc, KVb, rs16, row_b[0], DH // 16, 2, part, True)
+            T.barrier_wait(fr_br, (j & 1) ^ 1)
+            if part == 0:
+                Rows1[rw] = row_b[0]
+            store_half(KVb_r, Kb_t, v, sc, rw, part, rdy_br)
+            load_half(v, sc, KVb, rs16, row_a[0], DH // 16, 2, part, True)
+            T.barrier_wait(fr_ar, (j & 1) ^ 1)
+            store_half(KVa_r, Ka_t, v, sc, rw, part, rdy_ar)
+            load_half(v, sc, KVb, rs16, row_b[0], 0, 0, part, False)
+            T.barrier_wait(fr_bl, (j & 1) ^ 1)
+            store_half(KVb_l, None, v, sc, rw, part, rdy_bl)
+            if j + 1 < npair[0]:
+                block_row(Indices, tok, lim, j * 2 + 2, rw, n_rows, row_a)
+                load_half(v, sc, KVb, rs16, row_a[0], 0, 0, part, False)
+
+    return producer
+
+
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
-                                    has_topk_length: bool = False):
+                                    has_topk_length: bool = False, staging: str = STAGING):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
-    i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32)."""
+    i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``staging``: "regs" (the
+    register-staged producer) or "inplace" (cp.async into the half tile, dequantized in place)."""
+    assert staging in STAGINGS, staging
+    make_producer = _cache_producer_regs if staging == "regs" else _cache_producer
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                         has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim,
-                        producer=_cache_producer(topk_dim=topk_dim), ready_counts=(128, 128, 128, 128),
-                        prelude=_DEQUANT_SRC)
+                        producer=make_producer(topk_dim=topk_dim), ready_counts=(128, 128, 128, 128),
+                        prelude=_DEQUANT_SRC, regs=REGS[staging])
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
@@ -190,9 +310,10 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
+              staging: str = STAGING):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                           has_sink=has_sink, has_topk_length=has_topk_length)
+                                           has_sink=has_sink, has_topk_length=has_topk_length, staging=staging)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -205,8 +326,11 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False):
-    """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
+                       staging: str = STAGING, checked: bool = False):
+    """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  ``staging``: see
+    ``build_sparse_mla_fwd_pair_cache``."""
+    if staging not in STAGINGS:
+        raise ValueError(f"staging: expected one of {STAGINGS}, got {staging!r}")
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
@@ -218,7 +342,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     indices = indices.contiguous()
     chunks = kv.as_strided((fc._n_chunks(kv), fc.CHUNK), (fc.CHUNK, 1))  # no copy, any 16-byte row stride
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl)
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, staging)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -226,6 +350,44 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
 
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
-    return [("pair_cache_h128_topk2048_sink_tl",
+    return [(f"pair_cache_{st}_h128_topk2048_sink_tl",
              build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, has_sink=True,
-                                             has_topk_length=True))]
+                                             has_topk_length=True, staging=st)) for st in STAGINGS]
+
+
+def _bench_variants():
+    """Kernel times at S 4096, H 128, topk 2048, SKV 8192 and 131072 (``python -m
+    flashdsa.sparse.kernel_fwd_pair_cache --variants``): each staging, the pipelined fp8-cache kernel, and the
+    bf16 pair kernel on the dequantized cache; checks every variant is bitwise equal to the bf16 pair kernel."""
+    from ..bench.harness import time_fn
+    from ..quant import dequantize_kv_fp8, quantize_kv_fp8
+    from . import kernel_fwd_pair
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n_tok, heads, topk, dqk = 4096, 128, 2048, fc.DQK
+    for tkv in (8192, 131072):
+        q = (torch.randn(n_tok, heads, dqk, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+        kv8 = quantize_kv_fp8((torch.randn(tkv, dqk, generator=gen, device="cuda") * 0.1).to(torch.bfloat16))
+        kv_deq = dequantize_kv_fp8(kv8)
+        idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk].to(torch.int32)
+        sm = dqk**-0.5
+        flops = 2 * n_tok * heads * topk * (dqk + D_V)
+        runs = [("bf16_pair", lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, idx, sm_scale=sm, d_v=D_V))]
+        runs += [(f"cache_{st}", lambda st=st: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging=st))
+                 for st in STAGINGS]
+        runs.append(("cache_pipelined", lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)))
+        ref = runs[0][1]()
+        base = None
+        for label, fn in runs:
+            same = all(torch.equal(a, b) for a, b in zip(fn(), ref))
+            ms = time_fn(lambda _, f=fn: f(), [None], q.device, reps=10).ms_median
+            base = base or ms
+            print(f"variant SKV {tkv} {label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, {base / ms:.3f}x bf16 pair,"
+                  f" bitwise equal to bf16 pair: {same}", flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--variants" in sys.argv[1:]:
+        _bench_variants()
