@@ -70,19 +70,22 @@ THREADS = 384
 # 3 x 168 = 504 (setmaxnreg.inc waits forever for registers the pool cannot give)
 PAIR_REGS = (216, 216, 72)
 assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
-BAR_WG0, BAR_BOTH = 8, 10  # named barrier ids (128 / 256 threads); 0 is __syncthreads
+BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128 / 128 / 256 threads); 0 is __syncthreads
 _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS):
+              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits)`` (one ``T.Kernel``: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
     Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
     rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)`` in the third warpgroup.  ``kv_src``: whatever the
     producer reads (a tuple of buffers / scalars).  ``ready_counts``: arrivals of rdy_al, rdy_br, rdy_ar, rdy_bl
     per phase; the producer must publish Rows0 (Rows1) before rdy_al (rdy_br) completes.  ``regs``: setmaxnreg of
-    (WG0, WG1, producer), at most 504 in all."""
+    (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t)``: run by the consumer that reads a
+    half tile first (WG0: a.L, a.R; WG1: b.R, b.L) right after its ready barrier, before any wgmma reads it
+    (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's named barrier; ``t``: thread
+    index in the warpgroup); it must leave the tile complete for the async proxy."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
@@ -115,9 +118,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     # ------------------------------------------------------------------ consumer pieces
     @T.macro
-    def wait_tile(bar, phase):
+    def wait_tile(bar, phase, half, tile0, wg_bar, t):
         T.barrier_wait(bar, phase)
         T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+        if first_use is not None:
+            first_use(half, tile0, wg_bar, t)
 
     @T.macro
     def mask(Rows, acc_s):
@@ -238,10 +243,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.fill(l0, 0)
                 T.fill(m_run0, neg_big)
                 if npair[0] > 0:
-                    wait_tile(rdy_al, 0)
+                    wait_tile(rdy_al, 0, KVa_l, 0, BAR_WG0, tx)
                     mask(Rows0, acc_s0)
                     T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
-                    wait_tile(rdy_ar, 0)
+                    wait_tile(rdy_ar, 0, KVa_r, 2, BAR_WG0, tx)
                     T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
                     qk_tail(Q_t, Ka_t, acc_s0)
                     T.wait_wgmma(0)
@@ -276,12 +281,12 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     T.barrier_wait(bar_p1, j & 1)
                     T.wgmma_gemm(P1, KVb_l, acc_o0)
                     if j + 1 < npair[0]:
-                        wait_tile(rdy_al, (j + 1) & 1)
+                        wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx)
                         mask(Rows0, acc_s0)
                         T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
                         T.wait_wgmma(1)  # the remote PV retired: b.L (and P1) no longer read
                         T.barrier_arrive(fr_bl)
-                        wait_tile(rdy_ar, (j + 1) & 1)
+                        wait_tile(rdy_ar, (j + 1) & 1, KVa_r, 2, BAR_WG0, tx)
                         T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
                         qk_tail(Q_t, Ka_t, acc_s0)
                         T.wait_wgmma(0)
@@ -298,11 +303,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.fill(l1, 0)
                 T.fill(m_run1, neg_big)
                 if npair[0] > 0:
-                    wait_tile(rdy_br, 0)
+                    wait_tile(rdy_br, 0, KVb_r, 2, BAR_WG1, tx - 128)
                     mask(Rows1, acc_s1)
                     T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
                     qk_tail(Q_t, Kb_t, acc_s1)
-                    wait_tile(rdy_bl, 0)
+                    wait_tile(rdy_bl, 0, KVb_l, 0, BAR_WG1, tx - 128)
                     T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                     T.wait_wgmma(0)
                 for j in T.serial(npair[0]):
@@ -326,19 +331,19 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     T.wait_wgmma(1)  # the local PV retired: b.R no longer read
                     T.barrier_arrive(fr_br)
                     if j + 1 < npair[0]:
-                        wait_tile(rdy_br, (j + 1) & 1)
+                        wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128)
                         mask(Rows1, acc_s1)
                         T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
                         qk_tail(Q_t, Kb_t, acc_s1)
                         T.wait_wgmma(1 + (1 if D_tail > 0 else 0))  # the remote PV retired: a.R, P0 free
                         T.barrier_arrive(fr_ar)
-                        wait_tile(rdy_bl, (j + 1) & 1)
+                        wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128)
                         T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                         T.wait_wgmma(0)
                     else:
                         T.wait_wgmma(0)
                         T.barrier_arrive(fr_ar)
-                finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, 9)
+                finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
             else:
                 # ---------------------------------------------- producer
                 T.set_max_nreg(regs[2], 0)
@@ -348,46 +353,25 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     return body
 
 
-def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
-    """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
-    D = D_V
-    DH = D // 2
-    D_tail = dqk - D
+def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
+    """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
+    ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
+    arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists."""
     BI = BLOCK_I
-    bf16 = "bfloat16"
     _row = tc.make_slot_row(topk_dim)
-    _ok = tc.make_row_ok(n_kv)
 
     @T.macro
-    def publish_rows(Rows, Indices, tok, lim, blk):
+    def publish_rows(Rows, Indices, tok, lim, blk, kv_src):
         # Rows[r] = KV row of slot blk*64 + r, or -1 (past topk_eff / out of [0, Tkv)); all producer
         # threads see them after the named barrier, the consumers through the ready barrier's ordinary arrival
         for r in T.Parallel(BI):
             row = _row(Indices, tok, lim, blk * BI + r)
-            Rows[r] = T.if_then_else(_ok(row), row, -1)
+            Rows[r] = T.if_then_else(row_ok(row, kv_src), row, -1)
         T.sync_threads(11, 128)
-
-    @T.macro
-    def gather_l(KVl, Rows, KV):
-        if ablate != "no_gather":
-            for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
-                rk = Rows[r]
-                KVl[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, c * 64 + d], T.cast(0, bf16))
-
-    @T.macro
-    def gather_r(KVr, Kt, Rows, KV):
-        if ablate != "no_gather":
-            for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
-                rk = Rows[r]
-                KVr[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, DH + c * 64 + d], T.cast(0, bf16))
-                if D_tail > 0:
-                    if c == 0:
-                        Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
 
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                  row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar):
-        KV = kv_src[0]
         for j in T.serial(npair[0]):
             if prefetch_rows:
                 # this pair's rows into registers (thread t < 64: slot t of blocks 2j, 2j+1) before the
@@ -395,18 +379,18 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
                 pt = tx - 256
                 if pt < BI:
                     row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
-                    row_a[0] = T.if_then_else(_ok(row_a[0]), row_a[0], -1)
+                    row_a[0] = T.if_then_else(row_ok(row_a[0], kv_src), row_a[0], -1)
                     row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
-                    row_b[0] = T.if_then_else(_ok(row_b[0]), row_b[0], -1)
+                    row_b[0] = T.if_then_else(row_ok(row_b[0], kv_src), row_b[0], -1)
             T.barrier_wait(fr_al, (j & 1) ^ 1)
             if prefetch_rows:
                 if tx - 256 < BI:
                     Rows0[tx - 256] = row_a[0]
                 T.sync_threads(11, 128)
             else:
-                publish_rows(Rows0, Indices, tok, lim[0], j * 2)
+                publish_rows(Rows0, Indices, tok, lim[0], j * 2, kv_src)
             T.barrier_arrive(rdy_al)
-            gather_l(KVa_l, Rows0, KV)
+            gather_l(KVa_l, Rows0, kv_src)
             T.cp_async_barrier_noinc(rdy_al)
             T.barrier_wait(fr_br, (j & 1) ^ 1)
             if prefetch_rows:
@@ -414,20 +398,52 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
                     Rows1[tx - 256] = row_b[0]
                 T.sync_threads(11, 128)
             else:
-                publish_rows(Rows1, Indices, tok, lim[0], j * 2 + 1)
+                publish_rows(Rows1, Indices, tok, lim[0], j * 2 + 1, kv_src)
             T.barrier_arrive(rdy_br)
-            gather_r(KVb_r, Kb_t, Rows1, KV)
+            gather_r(KVb_r, Kb_t, Rows1, kv_src)
             T.cp_async_barrier_noinc(rdy_br)
             T.barrier_wait(fr_ar, (j & 1) ^ 1)
-            gather_r(KVa_r, Ka_t, Rows0, KV)
+            gather_r(KVa_r, Ka_t, Rows0, kv_src)
             T.cp_async_barrier_noinc(rdy_ar)
             T.barrier_wait(fr_bl, (j & 1) ^ 1)
-            gather_l(KVb_l, Rows1, KV)
+            gather_l(KVb_l, Rows1, kv_src)
             T.cp_async_barrier_noinc(rdy_bl)
         T.ptx_commit_group()
         T.ptx_wait_group(0)  # nothing in flight when the producer threads exit
 
     return producer
+
+
+def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
+    """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
+    D = D_V
+    DH = D // 2
+    D_tail = dqk - D
+    BI = BLOCK_I
+    bf16 = "bfloat16"
+    _ok = tc.make_row_ok(n_kv)
+
+    @T.macro
+    def gather_l(KVl, Rows, kv_src):
+        if ablate != "no_gather":
+            KV = kv_src[0]
+            for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
+                rk = Rows[r]
+                KVl[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, c * 64 + d], T.cast(0, bf16))
+
+    @T.macro
+    def gather_r(KVr, Kt, Rows, kv_src):
+        if ablate != "no_gather":
+            KV = kv_src[0]
+            for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
+                rk = Rows[r]
+                KVr[r, c * 64 + d] = T.if_then_else(rk >= 0, KV[rk, DH + c * 64 + d], T.cast(0, bf16))
+                if D_tail > 0:
+                    if c == 0:
+                        Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
+
+    return gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: _ok(row), gather_l=gather_l,
+                           gather_r=gather_r, prefetch_rows=prefetch_rows)
 
 
 def build_sparse_mla_fwd(

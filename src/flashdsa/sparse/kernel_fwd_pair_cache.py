@@ -44,10 +44,10 @@ from ._tl_common import BLOCK_I, D_V
 SUPPORTED_H = kp.SUPPORTED_H
 _ASYNC = tc.ASYNC_GATHER
 BAR_PROD = 11  # named barrier of the 128 producer threads
-STAGINGS = ("regs", "inplace")
-STAGING = "regs"
+STAGINGS = ("consumer", "inplace", "regs")
+STAGING = "consumer"
 # setmaxnreg (WG0, WG1, producer): the register-staged producer holds 48 words of raw bytes per thread
-REGS = {"regs": (216, 216, 72), "inplace": kp.PAIR_REGS}
+REGS = {"regs": (208, 208, 88), "inplace": kp.PAIR_REGS, "consumer": kp.PAIR_REGS}
 
 _DEQUANT_SRC = r"""
 // 16 e4m3 (4 words) -> bf16(float(e4m3) * s) (8 words); cvt.rn.f16x2.e4m3x2 is exact, the f32 product by the format's
@@ -109,6 +109,7 @@ __device__ __forceinline__ void fdsa_load_half(unsigned *v, float *sc, const voi
     }
   }
 }
+__device__ __forceinline__ float fdsa_ld_f32(const void *p, int i) { return reinterpret_cast<const float *>(p)[i]; }
 __device__ __forceinline__ void fdsa_st16(void *dst, const unsigned *v) {
   *reinterpret_cast<uint4 *>(dst) = make_uint4(v[0], v[1], v[2], v[3]);
 }
@@ -271,20 +272,80 @@ def _cache_producer_regs(*, topk_dim):
     return producer
 
 
+def _consumer_dequant_parts(*, topk_dim):
+    """``staging="consumer"``: the producer is ``kernel_fwd_pair.gather_producer`` (non-blocking, up to four half
+    tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
+    row's four float32 scales (16 B) into the slots of dims [8, 16) (free until chunk 0 is converted), the rope
+    straight into the rope tile.  The consumer that reads a half first converts it in place after its ready
+    barrier (thread t: row t / 2, chunks [8 (t % 2), +8)): scale read, warpgroup barrier (the scales sit in slots
+    that the conversion overwrites), conversion, ``fence.proxy.async``, warpgroup barrier, then its wgmma.
+    Returns (producer, first_use)."""
+    BI = BLOCK_I
+    DH = D_V // 2
+    bf16, f32 = "bfloat16", "float32"
+
+    @T.macro
+    def gather_raw(Half, Kt, Rows, kv_src, chunk0):
+        KVb = kv_src[1]
+        rs16 = kv_src[2]
+        for r, k, v in T.Parallel(BI, DH // 16, 8, annotations=_ASYNC):
+            rk = Rows[r]
+            Half[r, k * 16 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + chunk0 + k, v], T.cast(0, bf16))
+        for r, v in T.Parallel(BI, 8, annotations=_ASYNC):
+            rk = Rows[r]
+            Half[r, 8 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + fc.SCALE_CHUNK, v], T.cast(0, bf16))
+        if Kt is not None:
+            for r, c, v in T.Parallel(BI, 8, 8, annotations=_ASYNC):
+                rk = Rows[r]
+                Kt[r, c * 8 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + fc.ROPE_CHUNK0 + c, v], T.cast(0, bf16))
+
+    @T.macro
+    def gather_l(KVl, Rows, kv_src):
+        gather_raw(KVl, None, Rows, kv_src, 0)
+
+    @T.macro
+    def gather_r(KVr, Kt, Rows, kv_src):
+        gather_raw(KVr, Kt, Rows, kv_src, DH // 16)
+
+    @T.macro
+    def first_use(Half, tile0, wg_bar, t):
+        rw = t // 2
+        part = t % 2
+        sc = T.alloc_local([1], f32)
+        sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part)
+        T.sync_threads(wg_bar, 128)  # every scale read before the slots of dims [8, 16) are overwritten
+        for i in T.unroll(8):
+            k = part * 8 + (i + 2 * part) % 8
+            T.call_extern("handle", "fdsa_e4m3x16_to_bf16", T.address_of(Half[rw, k * 16]),
+                          T.address_of(Half[rw, k * 16 + 8]), sc[0])
+        T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
+        T.sync_threads(wg_bar, 128)  # the whole half converted before this warpgroup's wgmma reads it
+
+    producer = kp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
+                                  gather_l=gather_l, gather_r=gather_r)
+    return producer, first_use
+
+
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, staging: str = STAGING):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
-    i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``staging``: "regs" (the
-    register-staged producer) or "inplace" (cp.async into the half tile, dequantized in place)."""
+    i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``staging``: where the e4m3
+    bytes are converted: "consumer" (``_consumer_dequant_parts``), "inplace" (the producer, after its own
+    cp.async) or "regs" (the producer, from registers)."""
     assert staging in STAGINGS, staging
-    make_producer = _cache_producer_regs if staging == "regs" else _cache_producer
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
+    first_use = None
+    if staging == "consumer":
+        producer, first_use = _consumer_dequant_parts(topk_dim=topk_dim)
+        ready = (256, 256, 128, 128)  # as the bf16 producer: noinc cp.async arrivals (+ the rows for al / br)
+    else:
+        producer = (_cache_producer_regs if staging == "regs" else _cache_producer)(topk_dim=topk_dim)
+        ready = (128, 128, 128, 128)  # the producer threads, after converting
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
-                        has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim,
-                        producer=make_producer(topk_dim=topk_dim), ready_counts=(128, 128, 128, 128),
-                        prelude=_DEQUANT_SRC, regs=REGS[staging])
+                        has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
+                        ready_counts=ready, prelude=_DEQUANT_SRC, regs=REGS[staging], first_use=first_use)
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
