@@ -7,25 +7,36 @@ cache of :func:`flashdsa.quant.quantize_kv_fp8`, d_v 512, bf16 compute on ``bf16
 for the format's power-of-two scales); schedule, buffers and consumer roles as ``kernel_fwd_pair.py`` (H 64 /
 128, 384 threads, WG0 / WG1 consumers, a producer warpgroup), only the producer differs.
 
-Producer.  Shared memory is full (the pair kernel uses 230,912 of 232,448 B), so there is no staging buffer: the
-raw e4m3 bytes are dequantized in place.  Dims [16k, 16k + 16) of a row are 16 e4m3 bytes in the cache and
-32 bytes of bf16 in the half tile; the producer copies the 16 raw bytes (cp.async, as if they were 8 bf16)
-into the bf16 slots of dims [16k, 16k + 8), and after they landed one thread reads them back, converts and
-writes dims [16k, 16k + 8) and [16k + 8, 16k + 16).  Raw bytes of (row, k) only ever sit in slots that the
-owner of (row, k) rewrites after reading them, so no thread can clobber another's raw data (no ordering beyond
-"all raw bytes landed", a named barrier after ``cp.async.wait_group``).  Per half: 64 rows x 16 cp.async of
-16 B (the rope tail of an R half: 8 more per row, bf16 already, straight into the rope tile), one scale per
-thread (thread t: row t / 2, dims [128 (t % 2), +128) of the half, i.e. one 128-dim scale tile; loaded with an
-ordinary load when the half is issued).  Part 1 of a row walks its chunks rotated by two so the 8 threads of a
-quarter warp touch 8 different 16-byte bank groups (conflict-free 128-bit accesses).
-Order per pair (two halves in flight; the consumers' waits allow no other: fr_ar arrives only after WG1's QK on
-b.R, fr_bl only after WG0's QK on a.L):
-    wait fr_al, publish Rows0, issue a.L | wait fr_br, publish Rows1, issue b.R (+ rope b)
-    wait a.L, dequant, rdy_al | wait b.R, dequant, rdy_br
-    wait fr_ar, issue a.R (+ rope a) | wait fr_bl, issue b.L | wait a.R, dequant, rdy_ar | wait b.L, dequant, rdy_bl
-Every ready barrier counts the 128 producer threads (ordinary arrivals after ``fence.proxy.async``: the
-dequantized tiles are generic-proxy stores read by wgmma).  Invalid slots are zero-filled (src-size 0, nothing
-read) with scale 0.
+In-place conversion.  Shared memory is full (the pair kernel uses 230,912 of 232,448 B), so there is no staging
+buffer: dims [16k, 16k + 16) of a row are 16 e4m3 bytes in the cache and 32 bytes of bf16 in the half tile; the
+16 raw bytes are copied (cp.async, as if they were 8 bf16) into the bf16 slots of dims [16k, 16k + 8), and after
+they landed one thread reads them back, converts (``fdsa_e4m3x16_to_bf16``) and writes dims [16k, 16k + 8) and
+[16k + 8, 16k + 16).  Raw bytes of (row, k) only ever sit in slots that the owner of (row, k) rewrites after
+reading them, so no thread can clobber another's raw data.  Thread t of the 128 converting threads: row t / 2,
+dims [128 (t % 2), +128) of the half (one 128-dim scale tile); part 1 walks its chunks rotated by two so the 8
+threads of a quarter warp touch 8 different 16-byte bank groups.
+
+Who converts (``staging``):
+  * "consumer" (default): the producer is ``kernel_fwd_pair.gather_producer`` (the bf16 kernel's non-blocking
+    protocol, up to four half tiles in flight) copying raw bytes, plus each row's 16 bytes of scales into the
+    slots of dims [8, 16) (free until chunk 0 is converted).  The consumer that reads a half first (WG0: a.L,
+    a.R; WG1: b.R, b.L) converts it after its ready barrier: scale read, warpgroup barrier, conversion,
+    ``fence.proxy.async``, warpgroup barrier, then its wgmma.
+  * "inplace": the producer converts after ``cp.async.wait_group``, two halves in flight (the consumers' waits
+    allow no more: fr_ar arrives only after WG1's QK on b.R, fr_bl only after WG0's QK on a.L):
+        wait fr_al, publish Rows0, issue a.L | wait fr_br, publish Rows1, issue b.R (+ rope b)
+        wait a.L, convert, rdy_al | wait b.R, convert, rdy_br
+        wait fr_ar, issue a.R (+ rope a) | wait fr_bl, issue b.L | wait a.R, convert, rdy_ar | same for b.L
+    with the scales from ordinary loads; every ready barrier counts the 128 producer threads.
+Invalid slots are zero-filled (src-size 0, nothing read) with scale 0.  Outputs are bitwise those of
+``kernel_fwd_pair`` on the dequantized cache (tests/sparse_mla/test_kernel_pair_cache_gpu.py).
+
+Measured (H200, session 9, S 4096, H 128, topk 2048; ``--variants``): SKV 8192: bf16 pair 5.39 ms, "consumer"
+7.55 ms (0.71x), "inplace" 8.22 (0.66x), a register-staged producer (raw bytes loaded into 48 registers before
+the free-barrier wait, since removed) 7.65 (0.70x), the pipelined fp8-cache kernel 9.76 (0.55x); SKV 131072:
+0.71x / 0.71x / 0.64x / 0.59x.  The conversion (~3.5 ALU instructions per element, 32K elements per block) is
+what separates it from the bf16 kernel: on the consumers it lengthens their critical path, on the producer it
+serialises with the gather latency.
 """
 
 import functools
@@ -44,10 +55,8 @@ from ._tl_common import BLOCK_I, D_V
 SUPPORTED_H = kp.SUPPORTED_H
 _ASYNC = tc.ASYNC_GATHER
 BAR_PROD = 11  # named barrier of the 128 producer threads
-STAGINGS = ("consumer", "inplace", "regs")
+STAGINGS = ("consumer", "inplace")
 STAGING = "consumer"
-# setmaxnreg (WG0, WG1, producer): the register-staged producer holds 48 words of raw bytes per thread
-REGS = {"regs": (208, 208, 88), "inplace": kp.PAIR_REGS, "consumer": kp.PAIR_REGS}
 
 _DEQUANT_SRC = r"""
 // 16 e4m3 (4 words) -> bf16(float(e4m3) * s) (8 words); cvt.rn.f16x2.e4m3x2 is exact, the f32 product by the format's
@@ -77,42 +86,7 @@ __device__ __forceinline__ void fdsa_e4m3x16_to_bf16(void *raw, void *hi, float 
   *reinterpret_cast<uint4 *>(raw) = make_uint4(o[0], o[1], o[2], o[3]);
   *reinterpret_cast<uint4 *>(hi) = make_uint4(o[4], o[5], o[6], o[7]);
 }
-// from registers: v[0..3] (16 e4m3) -> dims c..c+7 at `lo`, c+8..c+15 at `hi`
-__device__ __forceinline__ void fdsa_e4m3x16_store(void *lo, void *hi, const unsigned *v, float s) {
-  const unsigned in[4] = {v[0], v[1], v[2], v[3]};
-  unsigned o[8];
-  fdsa_cvt_e4m3x16(in, o, s);
-  *reinterpret_cast<uint4 *>(lo) = make_uint4(o[0], o[1], o[2], o[3]);
-  *reinterpret_cast<uint4 *>(hi) = make_uint4(o[4], o[5], o[6], o[7]);
-}
-// one producer thread's share of a half tile, into registers: cache row `row` (< 0: zeros, nothing read), chunks
-// chunk0 + 8 part + ((i + 2 part) & 7) -> v[4 i..4 i + 3] (i < 8), the row's float32 scale of tile `tile` -> *sc;
-// kRope: also rope chunks 33 + 4 part + i -> v[32 + 4 i..] (i < 4)
-template <bool kRope>
-__device__ __forceinline__ void fdsa_load_half(unsigned *v, float *sc, const void *cache, int row, int rs16,
-                                               int chunk0, int tile, int part) {
-  const bool ok = row >= 0;
-  const uint4 *src = reinterpret_cast<const uint4 *>(cache) + (long long)(ok ? row : 0) * rs16;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (ok) x = __ldg(src + chunk0 + 8 * part + ((i + 2 * part) & 7));
-    v[4 * i] = x.x; v[4 * i + 1] = x.y; v[4 * i + 2] = x.z; v[4 * i + 3] = x.w;
-  }
-  *sc = ok ? __ldg(reinterpret_cast<const float *>(src + 32) + tile) : 0.0f;
-  if (kRope) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      uint4 x = make_uint4(0u, 0u, 0u, 0u);
-      if (ok) x = __ldg(src + 33 + 4 * part + i);
-      v[32 + 4 * i] = x.x; v[33 + 4 * i] = x.y; v[34 + 4 * i] = x.z; v[35 + 4 * i] = x.w;
-    }
-  }
-}
 __device__ __forceinline__ float fdsa_ld_f32(const void *p, int i) { return reinterpret_cast<const float *>(p)[i]; }
-__device__ __forceinline__ void fdsa_st16(void *dst, const unsigned *v) {
-  *reinterpret_cast<uint4 *>(dst) = make_uint4(v[0], v[1], v[2], v[3]);
-}
 """
 
 
@@ -198,80 +172,6 @@ def _cache_producer(*, topk_dim):
     return producer
 
 
-def _cache_producer_regs(*, topk_dim):
-    """The register-staged producer (``staging="regs"``): a half tile's raw bytes are loaded into registers
-    (``fdsa_load_half``: 8 x 16 B per thread, + 4 x 16 B of rope for R halves) BEFORE the producer waits for the
-    half's free barrier, then converted and stored to shared memory.  After a free only the conversion and the
-    stores are left (no gather latency), while the next half's loads are in flight during the wait."""
-    BI = BLOCK_I
-    DH = D_V // 2
-    f32, u32 = "float32", "uint32"
-    _row = tc.make_slot_row(topk_dim)
-
-    @T.macro
-    def load_half(v, sc, KVb, rs16, rk, chunk0, tile0, part, rope):
-        # thread: row rk of the block, chunks [8 part, 8 part + 8) of the half, rotated by 2 part (so the stores of
-        # a quarter warp hit 8 different 16-byte bank groups)
-        T.call_extern("handle", "fdsa_load_half<true>" if rope else "fdsa_load_half<false>", T.address_of(v[0]),
-                      T.address_of(sc[0]), KVb.data, rk, rs16, chunk0, tile0 + part, part)
-
-    @T.macro
-    def store_half(Half, Kt, v, sc, rw, part, rdy):
-        for i in T.unroll(8):
-            k = part * 8 + (i + 2 * part) % 8
-            T.call_extern("handle", "fdsa_e4m3x16_store", T.address_of(Half[rw, k * 16]),
-                          T.address_of(Half[rw, k * 16 + 8]), T.address_of(v[4 * i]), sc[0])
-        if Kt is not None:
-            for i in T.unroll(4):
-                T.call_extern("handle", "fdsa_st16", T.address_of(Kt[rw, (part * 4 + i) * 8]),
-                              T.address_of(v[32 + 4 * i]))
-        T.fence_proxy_async()  # generic-proxy stores -> the consumers' wgmma reads
-        T.barrier_arrive(rdy)
-
-    @T.macro
-    def block_row(Indices, tok, lim, blk, rw, n_rows, dst):
-        dst[0] = _row(Indices, tok, lim[0], blk * BI + rw)
-        dst[0] = T.if_then_else((dst[0] >= 0) & (dst[0] < n_rows), dst[0], -1)
-
-    @T.macro
-    def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar):
-        KVb = kv_src[1]
-        rs16 = kv_src[2]
-        n_rows = kv_src[3]
-        v = T.alloc_local([48], u32)
-        sc = T.alloc_local([1], f32)
-        pt = tx - 256
-        rw = pt // 2
-        part = pt % 2
-        if npair[0] > 0:
-            block_row(Indices, tok, lim, 0, rw, n_rows, row_a)
-            load_half(v, sc, KVb, rs16, row_a[0], 0, 0, part, False)
-        for j in T.serial(npair[0]):
-            # v holds a.L of this pair; row_a / row_b: this thread's row of blocks 2j / 2j + 1
-            T.barrier_wait(fr_al, (j & 1) ^ 1)
-            if part == 0:
-                Rows0[rw] = row_a[0]
-            store_half(KVa_l, None, v, sc, rw, part, rdy_al)
-            block_row(Indices, tok, lim, j * 2 + 1, rw, n_rows, row_b)
-            load_half(v, sc, KVb, rs16, row_b[0], DH // 16, 2, part, True)
-            T.barrier_wait(fr_br, (j & 1) ^ 1)
-            if part == 0:
-                Rows1[rw] = row_b[0]
-            store_half(KVb_r, Kb_t, v, sc, rw, part, rdy_br)
-            load_half(v, sc, KVb, rs16, row_a[0], DH // 16, 2, part, True)
-            T.barrier_wait(fr_ar, (j & 1) ^ 1)
-            store_half(KVa_r, Ka_t, v, sc, rw, part, rdy_ar)
-            load_half(v, sc, KVb, rs16, row_b[0], 0, 0, part, False)
-            T.barrier_wait(fr_bl, (j & 1) ^ 1)
-            store_half(KVb_l, None, v, sc, rw, part, rdy_bl)
-            if j + 1 < npair[0]:
-                block_row(Indices, tok, lim, j * 2 + 2, rw, n_rows, row_a)
-                load_half(v, sc, KVb, rs16, row_a[0], 0, 0, part, False)
-
-    return producer
-
-
 def _consumer_dequant_parts(*, topk_dim):
     """``staging="consumer"``: the producer is ``kernel_fwd_pair.gather_producer`` (non-blocking, up to four half
     tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
@@ -331,8 +231,8 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``staging``: where the e4m3
-    bytes are converted: "consumer" (``_consumer_dequant_parts``), "inplace" (the producer, after its own
-    cp.async) or "regs" (the producer, from registers)."""
+    bytes are converted: "consumer" (``_consumer_dequant_parts``, default) or "inplace" (the producer, after its
+    own cp.async: ``_cache_producer``)."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
@@ -341,11 +241,11 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
         producer, first_use = _consumer_dequant_parts(topk_dim=topk_dim)
         ready = (256, 256, 128, 128)  # as the bf16 producer: noinc cp.async arrivals (+ the rows for al / br)
     else:
-        producer = (_cache_producer_regs if staging == "regs" else _cache_producer)(topk_dim=topk_dim)
+        producer = _cache_producer(topk_dim=topk_dim)
         ready = (128, 128, 128, 128)  # the producer threads, after converting
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                         has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                        ready_counts=ready, prelude=_DEQUANT_SRC, regs=REGS[staging], first_use=first_use)
+                        ready_counts=ready, prelude=_DEQUANT_SRC, first_use=first_use)
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
