@@ -5,7 +5,8 @@
 Targets: topk_4096x8192 / topk_64x32768 (one-CTA radix kernel, smem key cache), topk_4096x8192_regs (keys in
 registers, ``kernel_radix_regs``),
 paged_nn2 / paged_nn1 (pipelined paged indexer, B 128, ctx 32768, H 64, D 128, block 64), decode_mem (dense bf16
-decode B 64, H 16, s_q 1, cache 8192: the issue's memory-bound case).
+decode B 64, H 16, s_q 1, cache 8192: the issue's memory-bound case), sparse_pair / sparse_pair_cache (the pair
+forward on bf16 rows / the 656-byte FP8 cache, default staging: S 1056 = 8 waves, H 128, SKV 8192, topk 2048).
 """
 
 import sys
@@ -32,6 +33,20 @@ def main():
 
         q, kv, table, lens = make_inputs(64, 16, 1, 8192)
         fn = lambda: kd.run_mla_decode_dense(q, kv, table, lens, sm_scale=576**-0.5, d_v=512, causal=True)  # noqa
+    elif name in ("sparse_pair", "sparse_pair_cache"):
+        from flashdsa.quant import dequantize_kv_fp8, quantize_kv_fp8
+        from flashdsa.sparse import kernel_fwd_pair, kernel_fwd_pair_cache
+
+        g = torch.Generator(device=dev).manual_seed(0)
+        n_tok, tkv = 1056, 8192
+        q = (torch.randn(n_tok, 128, 576, generator=g, device=dev) * 0.1).to(torch.bfloat16)
+        kv8 = quantize_kv_fp8((torch.randn(tkv, 576, generator=g, device=dev) * 0.1).to(torch.bfloat16))
+        idx = torch.argsort(torch.rand(n_tok, tkv, generator=g, device=dev), dim=1)[:, :2048].to(torch.int32)
+        if name == "sparse_pair":
+            kv = dequantize_kv_fp8(kv8)
+            fn = lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv, idx, sm_scale=576**-0.5, d_v=512)  # noqa: E731
+        else:
+            fn = lambda: kernel_fwd_pair_cache.run_sparse_mla_fwd(q, kv8, idx, sm_scale=576**-0.5, d_v=512)  # noqa
     else:
         sys.path.insert(0, "scripts")
         from bench_paged_indexer import SHAPES, build_inputs

@@ -59,20 +59,26 @@ STAGINGS = ("consumer", "inplace")
 STAGING = "consumer"
 
 _DEQUANT_SRC = r"""
-// 16 e4m3 (4 words) -> bf16(float(e4m3) * s) (8 words); cvt.rn.f16x2.e4m3x2 is exact, the f32 product by the format's
-// power-of-two scale is exact, and so is the bf16 rounding (4 significant bits)
+// 16 e4m3 (4 words) -> bf16(float(e4m3) * s) (8 words), exact for the format's power-of-two scales: per pair,
+// cvt.rn.f16x2.e4m3x2 (exact; every nonzero e4m3 is a normal f16 with 3 mantissa bits), then the f16 bits moved to
+// bf16 positions without rebiasing (exponent field kept: the bf16 reads value * 2^-112, zero stays zero) and one
+// exact bf16x2 multiply by 2^112 * s (two, 2^112 then s, for s > 2^15 where 2^112 * s is no bf16).  (A NaN e4m3
+// would come out finite: the format's writer never stores one in a row.)
 __device__ __forceinline__ void fdsa_cvt_e4m3x16(const unsigned in[4], unsigned o[8], float s) {
+  const bool one = s <= 32768.0f;
+  unsigned m1, m2;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(m1) : "f"(one ? s * 5.192296858534828e33f : 5.192296858534828e33f));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(m2) : "f"(s));
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const unsigned short b2 = (unsigned short)(in[i] >> (16 * k));
       unsigned h2, b;
-      float f0, f1;
       asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(b2));
-      asm("{.reg .f16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u;}"
-          : "=f"(f0), "=f"(f1) : "r"(h2));
-      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(f1 * s), "f"(f0 * s));
+      const unsigned y = ((h2 & 0x7fff7fffu) >> 3) | (h2 & 0x80008000u);
+      asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(y), "r"(m1));
+      if (!one) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(b), "r"(m2));
       o[2 * i + k] = b;
     }
   }
@@ -86,8 +92,36 @@ __device__ __forceinline__ void fdsa_e4m3x16_to_bf16(void *raw, void *hi, float 
   *reinterpret_cast<uint4 *>(raw) = make_uint4(o[0], o[1], o[2], o[3]);
   *reinterpret_cast<uint4 *>(hi) = make_uint4(o[4], o[5], o[6], o[7]);
 }
+// four chunks at once (lo_i / hi_i as above): all four raw loads before any store, so the loads overlap (one
+// chunk per call would serialise them: the compiler cannot prove a store does not alias the next chunk's raw bytes)
+__device__ __forceinline__ void fdsa_e4m3x64_to_bf16(void *l0, void *h0, void *l1, void *h1, void *l2, void *h2,
+                                                     void *l3, void *h3, float s) {
+  void *lo[4] = {l0, l1, l2, l3}, *hi[4] = {h0, h1, h2, h3};
+  uint4 w[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) w[c] = *reinterpret_cast<const uint4 *>(lo[c]);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const unsigned in[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
+    unsigned o[8];
+    fdsa_cvt_e4m3x16(in, o, s);
+    *reinterpret_cast<uint4 *>(lo[c]) = make_uint4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<uint4 *>(hi[c]) = make_uint4(o[4], o[5], o[6], o[7]);
+  }
+}
 __device__ __forceinline__ float fdsa_ld_f32(const void *p, int i) { return reinterpret_cast<const float *>(p)[i]; }
 """
+
+
+@T.macro
+def convert_share(Half, sc, rw, part):
+    """One thread's share of a half tile's in-place conversion: row ``rw``, chunks [8 part, 8 part + 8), walked
+    rotated by 2 part (the 8 threads of a quarter warp, rows 4i..4i+3 x parts 0 / 1, then touch 8 different
+    16-byte bank groups), four chunks per ``fdsa_e4m3x64_to_bf16``."""
+    for g in T.unroll(2):
+        T.call_extern("handle", "fdsa_e4m3x64_to_bf16",
+                      *[T.address_of(Half[rw, (part * 8 + (g * 4 + i + 2 * part) % 8) * 16 + h * 8])
+                        for i in range(4) for h in range(2)], sc[0])
 
 
 def _cache_producer(*, topk_dim):
@@ -121,10 +155,7 @@ def _cache_producer(*, topk_dim):
         T.sync_threads(BAR_PROD, 128)  # every producer thread's raw bytes of this half landed
         rw = pt // 2
         part = pt % 2
-        for i in T.unroll(8):
-            k = part * 8 + (i + 2 * part) % 8
-            T.call_extern("handle", "fdsa_e4m3x16_to_bf16", T.address_of(Half[rw, k * 16]),
-                          T.address_of(Half[rw, k * 16 + 8]), sc[0])
+        convert_share(Half, sc, rw, part)
         T.fence_proxy_async()  # generic-proxy stores -> the consumers' wgmma reads
         T.barrier_arrive(rdy)
 
@@ -214,10 +245,7 @@ def _consumer_dequant_parts(*, topk_dim):
         sc = T.alloc_local([1], f32)
         sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part)
         T.sync_threads(wg_bar, 128)  # every scale read before the slots of dims [8, 16) are overwritten
-        for i in T.unroll(8):
-            k = part * 8 + (i + 2 * part) % 8
-            T.call_extern("handle", "fdsa_e4m3x16_to_bf16", T.address_of(Half[rw, k * 16]),
-                          T.address_of(Half[rw, k * 16 + 8]), sc[0])
+        convert_share(Half, sc, rw, part)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
         T.sync_threads(wg_bar, 128)  # the whole half converted before this warpgroup's wgmma reads it
 
