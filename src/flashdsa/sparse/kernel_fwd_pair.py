@@ -75,7 +75,8 @@ _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None):
+              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None,
+              early_free=False):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits)`` (one ``T.Kernel``: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
     Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
@@ -85,7 +86,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t)``: run by the consumer that reads a
     half tile first (WG0: a.L, a.R; WG1: b.R, b.L) right after its ready barrier, before any wgmma reads it
     (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's named barrier; ``t``: thread
-    index in the warpgroup); it must leave the tile complete for the async proxy."""
+    index in the warpgroup); it must leave the tile complete for the async proxy.  ``early_free``: each consumer
+    retires its remote PV right after issuing it and frees that half (b.L / a.R) before it waits for its next
+    tile (default: after issuing its next QK, so b.L's reload waits for a.L's and a.R's for b.R's)."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
@@ -280,7 +283,18 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     # remote PV: O_l += P_b V_b[:, :256], P_b from WG1 via smem
                     T.barrier_wait(bar_p1, j & 1)
                     T.wgmma_gemm(P1, KVb_l, acc_o0)
-                    if j + 1 < npair[0]:
+                    if early_free:
+                        T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
+                        T.barrier_arrive(fr_bl)
+                        if j + 1 < npair[0]:
+                            wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx)
+                            mask(Rows0, acc_s0)
+                            T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
+                            wait_tile(rdy_ar, (j + 1) & 1, KVa_r, 2, BAR_WG0, tx)
+                            T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
+                            qk_tail(Q_t, Ka_t, acc_s0)
+                            T.wait_wgmma(0)
+                    elif j + 1 < npair[0]:
                         wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx)
                         mask(Rows0, acc_s0)
                         T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
@@ -330,7 +344,18 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     T.wgmma_gemm(P0, KVa_r, acc_o1)
                     T.wait_wgmma(1)  # the local PV retired: b.R no longer read
                     T.barrier_arrive(fr_br)
-                    if j + 1 < npair[0]:
+                    if early_free:
+                        T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
+                        T.barrier_arrive(fr_ar)
+                        if j + 1 < npair[0]:
+                            wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128)
+                            mask(Rows1, acc_s1)
+                            T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
+                            qk_tail(Q_t, Kb_t, acc_s1)
+                            wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128)
+                            T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
+                            T.wait_wgmma(0)
+                    elif j + 1 < npair[0]:
                         wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128)
                         mask(Rows1, acc_s1)
                         T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
@@ -457,6 +482,7 @@ def build_sparse_mla_fwd(
     has_topk_length: bool = False,
     ablate: str = "",
     prefetch_rows: bool = True,
+    early_free: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -472,7 +498,8 @@ def build_sparse_mla_fwd(
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
-                     has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer)
+                     has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
+                     early_free=early_free)
 
     @T.prim_func
     def sparse_mla_fwd_pair(
@@ -547,7 +574,7 @@ def _bench_variants():
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=64, dqk=dqk, topk=topk)
         blocks_per_sm = q.shape[0] * (topk // BLOCK_I) / n_sm
         runs = [("padded", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V, pair=False))]
-        for kw in (dict(), dict(prefetch_rows=False), dict(ablate="no_gather")):
+        for kw in (dict(), dict(early_free=True), dict(prefetch_rows=False), dict(ablate="no_gather")):
             key = tuple(sorted(kw.items()))
             runs.append((f"pair{kw}", lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                        sm_scale=dqk**-0.5, d_v=D_V)))

@@ -31,12 +31,13 @@ Who converts (``staging``):
 Invalid slots are zero-filled (src-size 0, nothing read) with scale 0.  Outputs are bitwise those of
 ``kernel_fwd_pair`` on the dequantized cache (tests/sparse_mla/test_kernel_pair_cache_gpu.py).
 
-Measured (H200, session 9, S 4096, H 128, topk 2048; ``--variants``): SKV 8192: bf16 pair 5.39 ms, "consumer"
-7.55 ms (0.71x), "inplace" 8.22 (0.66x), a register-staged producer (raw bytes loaded into 48 registers before
-the free-barrier wait, since removed) 7.65 (0.70x), the pipelined fp8-cache kernel 9.76 (0.55x); SKV 131072:
-0.71x / 0.71x / 0.64x / 0.59x.  The conversion (~3.5 ALU instructions per element, 32K elements per block) is
-what separates it from the bf16 kernel: on the consumers it lengthens their critical path, on the producer it
-serialises with the gather latency.
+Measured (H200, session 9, S 4096, H 128, topk 2048; ``--variants``; docs/PERFORMANCE.md): with one chunk per
+conversion call and the f32 conversion (f29d7ee), SKV 8192: bf16 pair 5.39 ms, "consumer" 7.55 (0.71x),
+"inplace" 8.22 (0.66x), a register-staged producer (raw bytes in 48 registers before the free-barrier wait, since
+removed) 7.65 (0.70x), the pipelined fp8-cache kernel 9.76 (0.55x).  Four chunks per call and the 5-instruction
+conversion (519baba): "consumer" 0.73x at SKV 8192 and 131072, "inplace" 0.70x / 0.75x; suite 0.741x / 0.742x.
+ncu: the conversion adds ~3.9K warp instructions per 64-row block (+49% over the bf16 pair kernel); both kernels
+stall most on the mbarrier waits for late half tiles (WG0 waiting for a.R is the largest single one).
 """
 
 import functools
@@ -49,7 +50,7 @@ import tilelang.language as T
 from .._tilelang import direct_launcher
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
-from . import kernel_fwd_pair as kp
+from . import kernel_fwd, kernel_fwd_pair as kp
 from ._tl_common import BLOCK_I, D_V
 
 SUPPORTED_H = kp.SUPPORTED_H
@@ -255,12 +256,12 @@ def _consumer_dequant_parts(*, topk_dim):
 
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
-                                    has_topk_length: bool = False, staging: str = STAGING):
+                                    has_topk_length: bool = False, staging: str = STAGING, early_free: bool = False):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``staging``: where the e4m3
     bytes are converted: "consumer" (``_consumer_dequant_parts``, default) or "inplace" (the producer, after its
-    own cp.async: ``_cache_producer``)."""
+    own cp.async: ``_cache_producer``).  ``early_free``: see ``kernel_fwd_pair.pair_body``."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
@@ -273,7 +274,8 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
         ready = (128, 128, 128, 128)  # the producer threads, after converting
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                         has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                        ready_counts=ready, prelude=_DEQUANT_SRC, first_use=first_use)
+                        ready_counts=ready, prelude=_DEQUANT_SRC, first_use=first_use,
+                        early_free=early_free)
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
@@ -300,9 +302,11 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              staging: str = STAGING):
+              staging: str = STAGING, build_kw: tuple = ()):
+    """The compiled kernel; ``build_kw``: extra build keywords as sorted (name, value) pairs (timing builds)."""
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                           has_sink=has_sink, has_topk_length=has_topk_length, staging=staging)
+                                           has_sink=has_sink, has_topk_length=has_topk_length, staging=staging,
+                                           **dict(build_kw))
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -315,7 +319,7 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       staging: str = STAGING, checked: bool = False):
+                       staging: str = STAGING, build_kw: tuple = (), checked: bool = False):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  ``staging``: see
     ``build_sparse_mla_fwd_pair_cache``."""
     if staging not in STAGINGS:
@@ -331,7 +335,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     indices = indices.contiguous()
     chunks = kv.as_strided((fc._n_chunks(kv), fc.CHUNK), (fc.CHUNK, 1))  # no copy, any 16-byte row stride
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, staging)
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, staging, build_kw)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -344,30 +348,37 @@ def lowering_cases():
                                              has_topk_length=True, staging=st)) for st in STAGINGS]
 
 
-def _bench_variants():
-    """Kernel times at S 4096, H 128, topk 2048, SKV 8192 and 131072 (``python -m
-    flashdsa.sparse.kernel_fwd_pair_cache --variants``): each staging, the pipelined fp8-cache kernel, and the
-    bf16 pair kernel on the dequantized cache; checks every variant is bitwise equal to the bf16 pair kernel."""
+def _bench_variants(names=None, tkvs=(8192, 131072)):
+    """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
+    [name,...] [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point, first),
+    each staging, ``early_free`` builds, the pipelined fp8-cache kernel; checks each against the bf16 pair kernel
+    bitwise."""
     from ..bench.harness import time_fn
     from ..quant import dequantize_kv_fp8, quantize_kv_fp8
     from . import kernel_fwd_pair
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     n_tok, heads, topk, dqk = 4096, 128, 2048, fc.DQK
-    for tkv in (8192, 131072):
+    ef = (("early_free", True),)
+    for tkv in tkvs:
         q = (torch.randn(n_tok, heads, dqk, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
         kv8 = quantize_kv_fp8((torch.randn(tkv, dqk, generator=gen, device="cuda") * 0.1).to(torch.bfloat16))
         kv_deq = dequantize_kv_fp8(kv8)
         idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk].to(torch.int32)
         sm = dqk**-0.5
         flops = 2 * n_tok * heads * topk * (dqk + D_V)
-        runs = [("bf16_pair", lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, idx, sm_scale=sm, d_v=D_V))]
-        runs += [(f"cache_{st}", lambda st=st: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging=st))
-                 for st in STAGINGS]
-        runs.append(("cache_pipelined", lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)))
-        ref = runs[0][1]()
+        bf16 = lambda kw=(): kernel_fwd.launch(lambda *a: kernel_fwd_pair._compiled(*a, kw), q, kv_deq, idx,  # noqa
+                                               sm_scale=sm, d_v=D_V)
+        runs = {"bf16_pair": bf16, "bf16_pair_early_free": lambda: bf16(ef)}
+        for st in STAGINGS:
+            runs[f"cache_{st}"] = lambda st=st: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging=st)
+            runs[f"cache_{st}_early_free"] = lambda st=st: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                              staging=st, build_kw=ef)
+        runs["cache_pipelined"] = lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)
+        ref = bf16()
         base = None
-        for label, fn in runs:
+        for label in ["bf16_pair"] + [n for n in (names or runs) if n != "bf16_pair"]:
+            fn = runs[label]
             same = all(torch.equal(a, b) for a, b in zip(fn(), ref))
             ms = time_fn(lambda _, f=fn: f(), [None], q.device, reps=10).ms_median
             base = base or ms
@@ -378,5 +389,9 @@ def _bench_variants():
 if __name__ == "__main__":
     import sys
 
-    if "--variants" in sys.argv[1:]:
-        _bench_variants()
+    args = sys.argv[1:]
+    if "--variants" in args:
+        i = args.index("--variants")
+        names = args[i + 1].split(",") if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+        skv = tuple(int(x) for x in args[args.index("--skv") + 1].split(",")) if "--skv" in args else (8192, 131072)
+        _bench_variants(names, skv)
