@@ -7,7 +7,10 @@ d_v = 512; ``kernel_fwd.run_sparse_mla_fwd`` dispatches it for those head counts
 Measured (H200, session 8, suite at 5942212; docs/PERFORMANCE.md): S 4096 / SKV 8192 / topk 2048: H 128 5.42 ms
 (431 TFLOP/s, pipelined kernel 8.40), H 64 2.77 ms (422); SKV 128K 380; DeepSeek-V4 m 4096 / topk 640 / sink
 0.96 ms (358, was 1.29).  GPU tests: tests/sparse_mla/test_kernel_pair_gpu.py + the dispatched forward's tests;
-compute-sanitizer memcheck clean (scripts/memcheck_small.py sparse_bf16).  One CTA per (token, 64-head group), 384 threads: consumer warpgroups WG0 (threads 0-127) and WG1
+compute-sanitizer memcheck clean (scripts/memcheck_small.py sparse_bf16).  Since session 9 the kernel is
+``pair_body`` (buffers, barriers, both consumer roles) + a producer per KV format (``gather_producer``; the 656-byte
+cache: kernel_fwd_pair_cache.py); opt-in ``early_free`` (H 128: 5.38 -> 5.12 ms, outputs bitwise equal; not yet
+run through the test matrix).  One CTA per (token, 64-head group), 384 threads: consumer warpgroups WG0 (threads 0-127) and WG1
 (128-255), producer warpgroup (256-383); ``setmaxnreg`` 216 / 216 / 72.
 
 Roles.  Top-k blocks of 64 slots go in pairs (block a = 2j in buffer 0, block b = 2j+1 in buffer 1).  Each
