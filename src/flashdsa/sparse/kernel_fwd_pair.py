@@ -79,19 +79,21 @@ _ASYNC = tc.ASYNC_GATHER
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
               ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None,
-              early_free=False):
+              early_free=False, conv_barriers=False):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits)`` (one ``T.Kernel``: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
     Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
-    rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)`` in the third warpgroup.  ``kv_src``: whatever the
+    rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, cvs)`` in the third warpgroup.  ``kv_src``: whatever the
     producer reads (a tuple of buffers / scalars).  ``ready_counts``: arrivals of rdy_al, rdy_br, rdy_ar, rdy_bl
     per phase; the producer must publish Rows0 (Rows1) before rdy_al (rdy_br) completes.  ``regs``: setmaxnreg of
-    (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t)``: run by the consumer that reads a
+    (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t, cv, phase)``: run by the consumer that reads a
     half tile first (WG0: a.L, a.R; WG1: b.R, b.L) right after its ready barrier, before any wgmma reads it
     (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's named barrier; ``t``: thread
     index in the warpgroup); it must leave the tile complete for the async proxy.  ``early_free``: each consumer
     retires its remote PV right after issuing it and frees that half (b.L / a.R) before it waits for its next
-    tile (default: after issuing its next QK, so b.L's reload waits for a.L's and a.R's for b.R's)."""
+    tile (default: after issuing its next QK, so b.L's reload waits for a.L's and a.R's for b.R's).
+    ``conv_barriers``: four more mbarriers (cv_al, cv_br, cv_ar, cv_bl; 128 arrivals each), passed to ``first_use``
+    (``cv``: the half's one, None without them) and to the producer (``cvs``: the four, or None)."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
@@ -124,11 +126,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     # ------------------------------------------------------------------ consumer pieces
     @T.macro
-    def wait_tile(bar, phase, half, tile0, wg_bar, t):
+    def wait_tile(bar, phase, half, tile0, wg_bar, t, cv):
         T.barrier_wait(bar, phase)
         T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
         if first_use is not None:
-            first_use(half, tile0, wg_bar, t)
+            first_use(half, tile0, wg_bar, t, cv, phase)
 
     @T.macro
     def mask(Rows, acc_s):
@@ -209,6 +211,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             bar_mb = T.alloc_barrier(128)
             bar_p0 = T.alloc_barrier(128)
             bar_p1 = T.alloc_barrier(128)
+            if conv_barriers:
+                cv_al = T.alloc_barrier(128)
+                cv_br = T.alloc_barrier(128)
+                cv_ar = T.alloc_barrier(128)
+                cv_bl = T.alloc_barrier(128)
+                cvs = (cv_al, cv_br, cv_ar, cv_bl)
+            else:
+                cv_al = cv_br = cv_ar = cv_bl = cvs = None
 
             # per-role fragments (one fragment shared by two role branches loses code in TileLang 0.1.15)
             acc_o0 = T.alloc_fragment([BH, DH], f32)
@@ -249,10 +259,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.fill(l0, 0)
                 T.fill(m_run0, neg_big)
                 if npair[0] > 0:
-                    wait_tile(rdy_al, 0, KVa_l, 0, BAR_WG0, tx)
+                    wait_tile(rdy_al, 0, KVa_l, 0, BAR_WG0, tx, cv_al)
                     mask(Rows0, acc_s0)
                     T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
-                    wait_tile(rdy_ar, 0, KVa_r, 2, BAR_WG0, tx)
+                    wait_tile(rdy_ar, 0, KVa_r, 2, BAR_WG0, tx, cv_ar)
                     T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
                     qk_tail(Q_t, Ka_t, acc_s0)
                     T.wait_wgmma(0)
@@ -290,20 +300,20 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
                         T.barrier_arrive(fr_bl)
                         if j + 1 < npair[0]:
-                            wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx)
+                            wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx, cv_al)
                             mask(Rows0, acc_s0)
                             T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
-                            wait_tile(rdy_ar, (j + 1) & 1, KVa_r, 2, BAR_WG0, tx)
+                            wait_tile(rdy_ar, (j + 1) & 1, KVa_r, 2, BAR_WG0, tx, cv_ar)
                             T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
                             qk_tail(Q_t, Ka_t, acc_s0)
                             T.wait_wgmma(0)
                     elif j + 1 < npair[0]:
-                        wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx)
+                        wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx, cv_al)
                         mask(Rows0, acc_s0)
                         T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
                         T.wait_wgmma(1)  # the remote PV retired: b.L (and P1) no longer read
                         T.barrier_arrive(fr_bl)
-                        wait_tile(rdy_ar, (j + 1) & 1, KVa_r, 2, BAR_WG0, tx)
+                        wait_tile(rdy_ar, (j + 1) & 1, KVa_r, 2, BAR_WG0, tx, cv_ar)
                         T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
                         qk_tail(Q_t, Ka_t, acc_s0)
                         T.wait_wgmma(0)
@@ -320,11 +330,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.fill(l1, 0)
                 T.fill(m_run1, neg_big)
                 if npair[0] > 0:
-                    wait_tile(rdy_br, 0, KVb_r, 2, BAR_WG1, tx - 128)
+                    wait_tile(rdy_br, 0, KVb_r, 2, BAR_WG1, tx - 128, cv_br)
                     mask(Rows1, acc_s1)
                     T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
                     qk_tail(Q_t, Kb_t, acc_s1)
-                    wait_tile(rdy_bl, 0, KVb_l, 0, BAR_WG1, tx - 128)
+                    wait_tile(rdy_bl, 0, KVb_l, 0, BAR_WG1, tx - 128, cv_bl)
                     T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                     T.wait_wgmma(0)
                 for j in T.serial(npair[0]):
@@ -351,21 +361,21 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
                         T.barrier_arrive(fr_ar)
                         if j + 1 < npair[0]:
-                            wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128)
+                            wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128, cv_br)
                             mask(Rows1, acc_s1)
                             T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
                             qk_tail(Q_t, Kb_t, acc_s1)
-                            wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128)
+                            wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128, cv_bl)
                             T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                             T.wait_wgmma(0)
                     elif j + 1 < npair[0]:
-                        wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128)
+                        wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128, cv_br)
                         mask(Rows1, acc_s1)
                         T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
                         qk_tail(Q_t, Kb_t, acc_s1)
                         T.wait_wgmma(1 + (1 if D_tail > 0 else 0))  # the remote PV retired: a.R, P0 free
                         T.barrier_arrive(fr_ar)
-                        wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128)
+                        wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128, cv_bl)
                         T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                         T.wait_wgmma(0)
                     else:
@@ -376,7 +386,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 # ---------------------------------------------- producer
                 T.set_max_nreg(regs[2], 0)
                 producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                         row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)
+                         row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, cvs)
 
     return body
 
@@ -399,7 +409,7 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
 
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar):
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, cvs):
         for j in T.serial(npair[0]):
             if prefetch_rows:
                 # this pair's rows into registers (thread t < 64: slot t of blocks 2j, 2j+1) before the

@@ -28,6 +28,10 @@ Who converts (``staging``):
         wait a.L, convert, rdy_al | wait b.R, convert, rdy_br
         wait fr_ar, issue a.R (+ rope a) | wait fr_bl, issue b.L | wait a.R, convert, rdy_ar | same for b.L
     with the scales from ordinary loads; every ready barrier counts the 128 producer threads.
+  * "split" (written in session 9 after its last GPU call: lowering and nvcc only, not run on a GPU): the consumer
+    converts dims [0, 128) of each half, the producer warpgroup (mostly idle) dims [128, 256) after the half's
+    ready barrier, and signals a per-half ``cv`` barrier the consumer waits on before its wgmma
+    (``_split_dequant_parts``); halves the conversion on the consumers' critical path.
 Invalid slots are zero-filled (src-size 0, nothing read) with scale 0.  Outputs are bitwise those of
 ``kernel_fwd_pair`` on the dequantized cache (tests/sparse_mla/test_kernel_pair_cache_gpu.py).
 
@@ -56,7 +60,7 @@ from ._tl_common import BLOCK_I, D_V
 SUPPORTED_H = kp.SUPPORTED_H
 _ASYNC = tc.ASYNC_GATHER
 BAR_PROD = 11  # named barrier of the 128 producer threads
-STAGINGS = ("consumer", "inplace")
+STAGINGS = ("consumer", "inplace", "split")
 STAGING = "consumer"
 
 _DEQUANT_SRC = r"""
@@ -114,6 +118,24 @@ __device__ __forceinline__ float fdsa_ld_f32(const void *p, int i) { return rein
 """
 
 
+def _pair_rows_macro(topk_dim):
+    """Macro ``pair_rows(Indices, tok, lim, j, pt, n_rows, row_a, row_b)``: producer thread ``pt`` < 64 loads the
+    KV rows of slot ``pt`` of blocks 2j / 2j + 1 (-1: past topk_eff or not in [0, n_rows)) before its waits, so
+    the Indices latency overlaps them."""
+    BI = BLOCK_I
+    _row = tc.make_slot_row(topk_dim)
+
+    @T.macro
+    def pair_rows(Indices, tok, lim, j, pt, n_rows, row_a, row_b):
+        if pt < BI:
+            row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
+            row_a[0] = T.if_then_else((row_a[0] >= 0) & (row_a[0] < n_rows), row_a[0], -1)
+            row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
+            row_b[0] = T.if_then_else((row_b[0] >= 0) & (row_b[0] < n_rows), row_b[0], -1)
+
+    return pair_rows
+
+
 @T.macro
 def convert_share(Half, sc, rw, part):
     """One thread's share of a half tile's in-place conversion: row ``rw``, chunks [8 part, 8 part + 8), walked
@@ -131,7 +153,7 @@ def _cache_producer(*, topk_dim):
     BI = BLOCK_I
     DH = D_V // 2
     bf16, f32 = "bfloat16", "float32"
-    _row = tc.make_slot_row(topk_dim)
+    pair_rows = _pair_rows_macro(topk_dim)
 
     @T.macro
     def issue(Half, Kt, Rows, KVb, rs16, chunk0):
@@ -162,7 +184,7 @@ def _cache_producer(*, topk_dim):
 
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar):
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, cvs):
         KVf = kv_src[0]
         KVb = kv_src[1]
         rs16 = kv_src[2]
@@ -173,11 +195,7 @@ def _cache_producer(*, topk_dim):
         sc_bl = T.alloc_local([1], f32)
         pt = tx - 256
         for j in T.serial(npair[0]):
-            if pt < BI:  # this pair's rows before the waits (the Indices latency overlaps them)
-                row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
-                row_a[0] = T.if_then_else((row_a[0] >= 0) & (row_a[0] < n_rows), row_a[0], -1)
-                row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
-                row_b[0] = T.if_then_else((row_b[0] >= 0) & (row_b[0] < n_rows), row_b[0], -1)
+            pair_rows(Indices, tok, lim, j, pt, n_rows, row_a, row_b)
             T.barrier_wait(fr_al, (j & 1) ^ 1)
             if pt < BI:
                 Rows0[pt] = row_a[0]
@@ -204,17 +222,13 @@ def _cache_producer(*, topk_dim):
     return producer
 
 
-def _consumer_dequant_parts(*, topk_dim):
-    """``staging="consumer"``: the producer is ``kernel_fwd_pair.gather_producer`` (non-blocking, up to four half
-    tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
-    row's four float32 scales (16 B) into the slots of dims [8, 16) (free until chunk 0 is converted), the rope
-    straight into the rope tile.  The consumer that reads a half first converts it in place after its ready
-    barrier (thread t: row t / 2, chunks [8 (t % 2), +8)): scale read, warpgroup barrier (the scales sit in slots
-    that the conversion overwrites), conversion, ``fence.proxy.async``, warpgroup barrier, then its wgmma.
-    Returns (producer, first_use)."""
+def _raw_gather_macro():
+    """Macro ``gather_raw(Half, Kt, Rows, kv_src, chunk0)``: cp.async (no commit, no wait) of one half tile's raw
+    bytes, e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the row's 16 bytes of scales into the
+    slots of dims [8, 16), the rope (``Kt`` not None) into the rope tile; invalid rows zero-filled."""
     BI = BLOCK_I
     DH = D_V // 2
-    bf16, f32 = "bfloat16", "float32"
+    bf16 = "bfloat16"
 
     @T.macro
     def gather_raw(Half, Kt, Rows, kv_src, chunk0):
@@ -231,6 +245,21 @@ def _consumer_dequant_parts(*, topk_dim):
                 rk = Rows[r]
                 Kt[r, c * 8 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + fc.ROPE_CHUNK0 + c, v], T.cast(0, bf16))
 
+    return gather_raw
+
+
+def _consumer_dequant_parts(*, topk_dim):
+    """``staging="consumer"``: the producer is ``kernel_fwd_pair.gather_producer`` (non-blocking, up to four half
+    tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
+    row's four float32 scales (16 B) into the slots of dims [8, 16) (free until chunk 0 is converted), the rope
+    straight into the rope tile.  The consumer that reads a half first converts it in place after its ready
+    barrier (thread t: row t / 2, chunks [8 (t % 2), +8)): scale read, warpgroup barrier (the scales sit in slots
+    that the conversion overwrites), conversion, ``fence.proxy.async``, warpgroup barrier, then its wgmma.
+    Returns (producer, first_use)."""
+    DH = D_V // 2
+    f32 = "float32"
+    gather_raw = _raw_gather_macro()
+
     @T.macro
     def gather_l(KVl, Rows, kv_src):
         gather_raw(KVl, None, Rows, kv_src, 0)
@@ -240,7 +269,7 @@ def _consumer_dequant_parts(*, topk_dim):
         gather_raw(KVr, Kt, Rows, kv_src, DH // 16)
 
     @T.macro
-    def first_use(Half, tile0, wg_bar, t):
+    def first_use(Half, tile0, wg_bar, t, cv, phase):
         rw = t // 2
         part = t % 2
         sc = T.alloc_local([1], f32)
@@ -255,19 +284,116 @@ def _consumer_dequant_parts(*, topk_dim):
     return producer, first_use
 
 
+def _split_dequant_parts(*, topk_dim):
+    """``staging="split"``: as "consumer", but each half's conversion is shared: the first-reading consumer converts
+    dims [0, 128) of the half (scale from the parked slot), the producer warpgroup dims [128, 256) (scale from an
+    ordinary load issued with the gather) and arrives on the half's ``cv`` barrier after its ``fence.proxy.async``;
+    the consumer waits for it before its wgmma.  Producer order per pair: issue a.L, b.R (as ``gather_producer``),
+    convert its parts of a.L, b.R (each after the half's ready barrier), issue a.R, b.L, convert a.R, b.L.
+    Returns (producer, first_use)."""
+    BI = BLOCK_I
+    DH = D_V // 2
+    f32 = "float32"
+    pair_rows = _pair_rows_macro(topk_dim)
+    gather_raw = _raw_gather_macro()
+
+    def addrs(Half, rw, part, chunk0):
+        # chunks chunk0 + 4 part + ((i + 2 part) & 3), i < 4: the 8 threads of a quarter warp (rows 4i..4i+3 x parts
+        # 0 / 1) hit 8 different 16-byte bank groups
+        return [T.address_of(Half[rw, (chunk0 + part * 4 + (i + 2 * part) % 4) * 16 + h * 8])
+                for i in range(4) for h in range(2)]
+
+    @T.macro
+    def first_use(Half, tile0, wg_bar, t, cv, phase):
+        rw = t // 2
+        part = t % 2
+        sc = T.alloc_local([1], f32)
+        sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0)
+        T.sync_threads(wg_bar, 128)  # every scale read before the slots of dims [8, 16) are overwritten
+        T.call_extern("handle", "fdsa_e4m3x64_to_bf16", *addrs(Half, rw, part, 0), sc[0])
+        T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
+        T.sync_threads(wg_bar, 128)  # this warpgroup's part converted
+        T.barrier_wait(cv, phase)  # the producer's part converted (and fenced)
+
+    @T.macro
+    def load_scale(sc, Rows, KVf, rs16, rw, tile):
+        rk = Rows[rw]
+        sc[0] = T.if_then_else(rk >= 0, KVf[rk * rs16 + fc.SCALE_CHUNK, tile], T.float32(0))
+
+    @T.macro
+    def convert_part(Half, sc, rdy, phase, cv, rw, part):
+        T.barrier_wait(rdy, phase)  # the half's raw bytes landed (every producer thread's cp.async)
+        T.call_extern("handle", "fdsa_e4m3x64_to_bf16", *addrs(Half, rw, part, 8), sc[0])
+        T.fence_proxy_async()
+        T.barrier_arrive(cv)
+
+    @T.macro
+    def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, cvs):
+        KVf = kv_src[0]
+        rs16 = kv_src[2]
+        n_rows = kv_src[3]
+        cv_al = cvs[0]
+        cv_br = cvs[1]
+        cv_ar = cvs[2]
+        cv_bl = cvs[3]
+        sc_al = T.alloc_local([1], f32)
+        sc_br = T.alloc_local([1], f32)
+        sc_ar = T.alloc_local([1], f32)
+        sc_bl = T.alloc_local([1], f32)
+        pt = tx - 256
+        rw = pt // 2
+        part = pt % 2
+        for j in T.serial(npair[0]):
+            pair_rows(Indices, tok, lim, j, pt, n_rows, row_a, row_b)
+            T.barrier_wait(fr_al, (j & 1) ^ 1)
+            if pt < BI:
+                Rows0[pt] = row_a[0]
+            T.sync_threads(BAR_PROD, 128)
+            T.barrier_arrive(rdy_al)
+            gather_raw(KVa_l, None, Rows0, kv_src, 0)
+            T.cp_async_barrier_noinc(rdy_al)
+            load_scale(sc_al, Rows0, KVf, rs16, rw, 1)
+            T.barrier_wait(fr_br, (j & 1) ^ 1)
+            if pt < BI:
+                Rows1[pt] = row_b[0]
+            T.sync_threads(BAR_PROD, 128)
+            T.barrier_arrive(rdy_br)
+            gather_raw(KVb_r, Kb_t, Rows1, kv_src, DH // 16)
+            T.cp_async_barrier_noinc(rdy_br)
+            load_scale(sc_br, Rows1, KVf, rs16, rw, 3)
+            convert_part(KVa_l, sc_al, rdy_al, j & 1, cv_al, rw, part)
+            convert_part(KVb_r, sc_br, rdy_br, j & 1, cv_br, rw, part)
+            T.barrier_wait(fr_ar, (j & 1) ^ 1)
+            gather_raw(KVa_r, Ka_t, Rows0, kv_src, DH // 16)
+            T.cp_async_barrier_noinc(rdy_ar)
+            load_scale(sc_ar, Rows0, KVf, rs16, rw, 3)
+            T.barrier_wait(fr_bl, (j & 1) ^ 1)
+            gather_raw(KVb_l, None, Rows1, kv_src, 0)
+            T.cp_async_barrier_noinc(rdy_bl)
+            load_scale(sc_bl, Rows1, KVf, rs16, rw, 1)
+            convert_part(KVa_r, sc_ar, rdy_ar, j & 1, cv_ar, rw, part)
+            convert_part(KVb_l, sc_bl, rdy_bl, j & 1, cv_bl, rw, part)
+        T.ptx_commit_group()
+        T.ptx_wait_group(0)  # nothing in flight when the producer threads exit
+
+    return producer, first_use
+
+
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, staging: str = STAGING, early_free: bool = False):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``staging``: where the e4m3
-    bytes are converted: "consumer" (``_consumer_dequant_parts``, default) or "inplace" (the producer, after its
-    own cp.async: ``_cache_producer``).  ``early_free``: see ``kernel_fwd_pair.pair_body``."""
+    bytes are converted: "consumer" (``_consumer_dequant_parts``, default), "inplace" (the producer, after its
+    own cp.async: ``_cache_producer``) or "split" (half each: ``_split_dequant_parts``; not run on a GPU yet).  ``early_free``: see ``kernel_fwd_pair.pair_body``."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     first_use = None
-    if staging == "consumer":
-        producer, first_use = _consumer_dequant_parts(topk_dim=topk_dim)
+    if staging in ("consumer", "split"):
+        parts = _consumer_dequant_parts if staging == "consumer" else _split_dequant_parts
+        producer, first_use = parts(topk_dim=topk_dim)
         ready = (256, 256, 128, 128)  # as the bf16 producer: noinc cp.async arrivals (+ the rows for al / br)
     else:
         producer = _cache_producer(topk_dim=topk_dim)
@@ -275,7 +401,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                         has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                         ready_counts=ready, prelude=_DEQUANT_SRC, first_use=first_use,
-                        early_free=early_free)
+                        early_free=early_free, conv_barriers=staging == "split")
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
