@@ -10,7 +10,7 @@ for the format's power-of-two scales); schedule, buffers and consumer roles as `
 In-place conversion.  Shared memory is full (the pair kernel uses 230,912 of 232,448 B), so there is no staging
 buffer: dims [16k, 16k + 16) of a row are 16 e4m3 bytes in the cache and 32 bytes of bf16 in the half tile; the
 16 raw bytes are copied (cp.async, as if they were 8 bf16) into the bf16 slots of dims [16k, 16k + 8), and after
-they landed one thread reads them back, converts (``fdsa_e4m3x16_to_bf16``) and writes dims [16k, 16k + 8) and
+they landed one thread reads them back, converts (``fdsa_e4m3x64_to_bf16``) and writes dims [16k, 16k + 8) and
 [16k + 8, 16k + 16).  Raw bytes of (row, k) only ever sit in slots that the owner of (row, k) rewrites after
 reading them, so no thread can clobber another's raw data.  Thread t of the 128 converting threads: row t / 2,
 dims [128 (t % 2), +128) of the half (one 128-dim scale tile); part 1 walks its chunks rotated by two so the 8
@@ -88,16 +88,8 @@ __device__ __forceinline__ void fdsa_cvt_e4m3x16(const unsigned in[4], unsigned 
     }
   }
 }
-// in place: the 16 bytes at `raw` (bf16 slots of dims c..c+7) -> dims c..c+7 at `raw`, c+8..c+15 at `hi`
-__device__ __forceinline__ void fdsa_e4m3x16_to_bf16(void *raw, void *hi, float s) {
-  const uint4 w = *reinterpret_cast<const uint4 *>(raw);
-  const unsigned in[4] = {w.x, w.y, w.z, w.w};
-  unsigned o[8];
-  fdsa_cvt_e4m3x16(in, o, s);
-  *reinterpret_cast<uint4 *>(raw) = make_uint4(o[0], o[1], o[2], o[3]);
-  *reinterpret_cast<uint4 *>(hi) = make_uint4(o[4], o[5], o[6], o[7]);
-}
-// four chunks at once (lo_i / hi_i as above): all four raw loads before any store, so the loads overlap (one
+// in place, four chunks at once: the 16 bytes at lo_i (the bf16 slots of dims c..c+7 of chunk i) -> dims
+// c..c+7 at lo_i and c+8..c+15 at hi_i; all four raw loads before any store, so the loads overlap (one
 // chunk per call would serialise them: the compiler cannot prove a store does not alias the next chunk's raw bytes)
 __device__ __forceinline__ void fdsa_e4m3x64_to_bf16(void *l0, void *h0, void *l1, void *h1, void *l2, void *h2,
                                                      void *l3, void *h3, float s) {
