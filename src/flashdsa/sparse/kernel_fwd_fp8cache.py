@@ -311,6 +311,12 @@ def _n_chunks(kv) -> int:
     return (kv.shape[0] - 1) * _rs16(kv) + N_CHUNKS_ROW if kv.shape[0] > 0 else 0
 
 
+def cache_chunks(kv):
+    """The cache as 16-byte chunks ``[n_chunks, 16]`` uint8 (no copy; any row stride that is a multiple of 16 B);
+    row r starts at chunk ``r * _rs16(kv)``."""
+    return kv.as_strided((_n_chunks(kv), CHUNK), (CHUNK, 1))
+
+
 NARROW_ENV = "FLASHDSA_NARROW_CACHE656"  # "1": H <= 32 runs kernel_fwd_narrow's cache656 kernel (not GPU-verified yet)
 
 
@@ -342,8 +348,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     heads = q.shape[1]
     q = q.contiguous()
     indices = indices.contiguous()
-    # the cache as 16-byte chunks (no copy, any row stride that is a multiple of 16 bytes)
-    chunks = kv.as_strided((_n_chunks(kv), CHUNK), (CHUNK, 1))
+    chunks = cache_chunks(kv)
     kv8 = chunks.view(torch.float8_e4m3fn)
     kvf = chunks.view(torch.float32)
     kvb = chunks.view(torch.bfloat16)

@@ -451,7 +451,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         return out, lse, max_logits
     q = q.contiguous()
     indices = indices.contiguous()
-    chunks = kv.as_strided((fc._n_chunks(kv), fc.CHUNK), (fc.CHUNK, 1))  # no copy, any 16-byte row stride
+    chunks = fc.cache_chunks(kv)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, staging, build_kw)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
