@@ -33,32 +33,29 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("staging,early_free", [(st, False) for st in kmod.STAGINGS] + [(kmod.STAGING, True)])
 @pytest.mark.parametrize(
     "heads,tkv,topk,n_tok,sink,use_tl,layout,row_stride",
     CASES,
     ids=[f"h{c[0]}-kv{c[1]}-k{c[2]}-t{c[3]}{'-sink' if c[4] else ''}{'-tl' if c[5] else ''}-{c[6]}-rs{c[7]}"
          for c in CASES],
 )
-def test_sparse_mla_fwd_pair_cache(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride, staging,
-                                   early_free):
+def test_sparse_mla_fwd_pair_cache(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride):
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, kv_deq = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
     sm_scale = DQK**-0.5
     kw = dict(sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     assert kmod.kernel_unsupported(q, kv8, indices, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink) is None
-    what = f"{staging}{' early_free' if early_free else ''} H={heads} Tkv={tkv} topk={topk} T={n_tok} sink={sink} tl={use_tl} {layout} rs={row_stride}"
+    what = f"H={heads} Tkv={tkv} topk={topk} T={n_tok} sink={sink} tl={use_tl} {layout} rs={row_stride}"
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    out = kmod.run_sparse_mla_fwd(q, kv8, indices, staging=staging, build_kw=(('early_free', True),) if early_free
-                                  else (), **kw)
+    out = kmod.run_sparse_mla_fwd(q, kv8, indices, **kw)
     sync_or_die("kernel_fwd_pair_cache", what, HANG_S)
     check_against_reference(*out, q, kv_deq, indices, sm_scale, topk_length, attn_sink, valid)
-    # the dispatcher (default staging for this H), and the bf16 pair kernel on the dequantized cache: bitwise equal
+    # the dispatcher, and the bf16 pair kernel on the dequantized cache: bitwise equal
     dispatched = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, **kw)
     bf16_pair = kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, indices, **kw)
     sync_or_die("kernel_fwd_pair / dispatched", what, HANG_S)
     for name, a, b, c in zip(("out", "lse", "max_logits"), out, dispatched, bf16_pair):
-        assert torch.equal(a, b), f"{name}: the dispatched cache656 forward differs from staging {staging}"
+        assert torch.equal(a, b), f"{name}: the dispatched cache656 forward differs"
         assert torch.equal(a, c), f"{name}: differs from kernel_fwd_pair on the dequantized cache"
 
 

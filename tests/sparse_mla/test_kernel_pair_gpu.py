@@ -74,19 +74,3 @@ def test_sparse_mla_fwd_pair_unsupported_heads():
     assert kmod.kernel_unsupported(q, kv, idx, d_v=D_V) is not None
     with pytest.raises(ValueError, match="H=16"):
         kmod.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=D_V)
-
-
-@_over_cases
-def test_sparse_mla_fwd_pair_early_free(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout):
-    """The ``early_free`` build (remote PV retired before the next tile is awaited) gives bitwise the default
-    build's outputs (same products in the same order; only barrier arrivals move)."""
-    from flashdsa.sparse import kernel_fwd
-
-    q, kv, indices, topk_length, attn_sink, _ = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
-    kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
-    ref = kmod.run_sparse_mla_fwd(q, kv, indices, **kw)
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    got = kernel_fwd.launch(lambda *a: kmod._compiled(*a, (("early_free", True),)), q, kv, indices, **kw)
-    _sync_or_die(f"early_free dqk={dqk} H={heads} Tkv={tkv} topk={topk} T={n_tok} sink={sink} tl={use_tl} {layout}")
-    for a, b in zip(ref, got):
-        assert torch.equal(a, b)

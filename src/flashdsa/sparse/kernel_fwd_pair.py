@@ -9,9 +9,10 @@ Measured (H200, session 8, suite at 5942212; docs/PERFORMANCE.md): S 4096 / SKV 
 0.96 ms (358, was 1.29).  GPU tests: tests/sparse_mla/test_kernel_pair_gpu.py + the dispatched forward's tests;
 compute-sanitizer memcheck clean (scripts/memcheck_small.py sparse_bf16).  Since session 9 the kernel is
 ``pair_body`` (buffers, barriers, both consumer roles) + a producer per KV format (``gather_producer``; the 656-byte
-cache: kernel_fwd_pair_cache.py); opt-in ``early_free`` (H 128: 5.38 -> 5.12 ms, outputs bitwise equal; not yet
-run through the test matrix).  One CTA per (token, 64-head group), 384 threads: consumer warpgroups WG0 (threads 0-127) and WG1
-(128-255), producer warpgroup (256-383); ``setmaxnreg`` 216 / 216 / 72.
+cache: kernel_fwd_pair_cache.py).  Session 10: each consumer retires its remote PV and frees that half before it
+waits for its next tile ("early free"; H 128 5.43 -> 5.16 ms, SKV 128K 5.97 -> 5.37, outputs bitwise equal).
+One CTA per (token, 64-head group), 384 threads: consumer warpgroups WG0 (threads 0-127) and WG1 (128-255),
+producer warpgroup (256-383); ``setmaxnreg`` 216 / 216 / 72.
 
 Roles.  Top-k blocks of 64 slots go in pairs (block a = 2j in buffer 0, block b = 2j+1 in buffer 1).  Each
 KV buffer is two independently tracked halves: L = columns [0, 256), R = columns [256, 512) (+ the 64-dim rope
@@ -19,11 +20,11 @@ tail for Dqk 576).  WG0 computes S_a = Q K_a^T, WG1 S_b (full 64 x 64 x Dqk each
 O[:, :256], WG1 O[:, 256:].  Per pair j:
   WG0: m_a = max(m, rowmax S_a); rescale O_l, l_0; P_a = 2^(S_a c - m_a c); publish m_a (Ma, bar_ma);
        O_l += P_a V_a[:, :256] (RS wgmma: P in registers); retire; free a.L;  wait m_b (Mb, bar_mb); move O_l,
-       l_0, P_a to m_b; P_a -> smem P0 (bar_p0);  wait P1; O_l += P_b V_b[:, :256] (SS);  QK of block 2j+2 on
-       a.L, retire the remote PV (free b.L), QK on a.R, retire.
+       l_0, P_a to m_b; P_a -> smem P0 (bar_p0);  wait P1; O_l += P_b V_b[:, :256] (SS); retire (free b.L);
+       QK of block 2j+2 on a.L, a.R, retire.
   WG1: wait m_a; m_b = max(m_a, rowmax S_b); rescale O_r, l_1; P_b; publish m_b; O_r += P_b V_b[:, 256:] (RS);
-       P_b -> smem P1 (bar_p1); wait P0; O_r += P_a V_a[:, 256:] (SS); retire the local PV (free b.R);  QK of
-       block 2j+3 on b.R, retire the remote PV (free a.R), QK on b.L, retire.
+       P_b -> smem P1 (bar_p1); wait P0; O_r += P_a V_a[:, 256:] (SS); retire the local PV (free b.R), the
+       remote PV (free a.R);  QK of block 2j+3 on b.R, b.L, retire.
   After each pair both consumers hold O and l at the same running max m_b; at the end l = l_0 + l_1.
   The two consumers are staggered: while one runs its softmax the other keeps the tensor pipe busy.
 Producer (what makes this schedule differ from the one measured in session 2): per pair it issues the four
@@ -78,22 +79,17 @@ _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None,
-              early_free=False, conv_barriers=False):
+              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits)`` (one ``T.Kernel``: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
     Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
-    rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, cvs)`` in the third warpgroup.  ``kv_src``: whatever the
+    rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)`` in the third warpgroup.  ``kv_src``: whatever the
     producer reads (a tuple of buffers / scalars).  ``ready_counts``: arrivals of rdy_al, rdy_br, rdy_ar, rdy_bl
     per phase; the producer must publish Rows0 (Rows1) before rdy_al (rdy_br) completes.  ``regs``: setmaxnreg of
-    (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t, cv, phase)``: run by the consumer that reads a
-    half tile first (WG0: a.L, a.R; WG1: b.R, b.L) right after its ready barrier, before any wgmma reads it
-    (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's named barrier; ``t``: thread
-    index in the warpgroup); it must leave the tile complete for the async proxy.  ``early_free``: each consumer
-    retires its remote PV right after issuing it and frees that half (b.L / a.R) before it waits for its next
-    tile (default: after issuing its next QK, so b.L's reload waits for a.L's and a.R's for b.R's).
-    ``conv_barriers``: four more mbarriers (cv_al, cv_br, cv_ar, cv_bl; 128 arrivals each), passed to ``first_use``
-    (``cv``: the half's one, None without them) and to the producer (``cvs``: the four, or None)."""
+    (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t)``: run by the consumer that
+    reads a half tile first (WG0: a.L, a.R; WG1: b.R, b.L) right after its ready barrier, before any wgmma reads
+    it (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's named barrier; ``t``:
+    thread index in the warpgroup); it must leave the tile complete for the async proxy."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
@@ -126,11 +122,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     # ------------------------------------------------------------------ consumer pieces
     @T.macro
-    def wait_tile(bar, phase, half, tile0, wg_bar, t, cv):
+    def wait_tile(bar, phase, half, tile0, wg_bar, t):
         T.barrier_wait(bar, phase)
         T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
         if first_use is not None:
-            first_use(half, tile0, wg_bar, t, cv, phase)
+            first_use(half, tile0, wg_bar, t)
 
     @T.macro
     def mask(Rows, acc_s):
@@ -211,14 +207,6 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             bar_mb = T.alloc_barrier(128)
             bar_p0 = T.alloc_barrier(128)
             bar_p1 = T.alloc_barrier(128)
-            if conv_barriers:
-                cv_al = T.alloc_barrier(128)
-                cv_br = T.alloc_barrier(128)
-                cv_ar = T.alloc_barrier(128)
-                cv_bl = T.alloc_barrier(128)
-                cvs = (cv_al, cv_br, cv_ar, cv_bl)
-            else:
-                cv_al = cv_br = cv_ar = cv_bl = cvs = None
 
             # per-role fragments (one fragment shared by two role branches loses code in TileLang 0.1.15)
             acc_o0 = T.alloc_fragment([BH, DH], f32)
@@ -259,10 +247,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.fill(l0, 0)
                 T.fill(m_run0, neg_big)
                 if npair[0] > 0:
-                    wait_tile(rdy_al, 0, KVa_l, 0, BAR_WG0, tx, cv_al)
+                    wait_tile(rdy_al, 0, KVa_l, 0, BAR_WG0, tx)
                     mask(Rows0, acc_s0)
                     T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
-                    wait_tile(rdy_ar, 0, KVa_r, 2, BAR_WG0, tx, cv_ar)
+                    wait_tile(rdy_ar, 0, KVa_r, 2, BAR_WG0, tx)
                     T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
                     qk_tail(Q_t, Ka_t, acc_s0)
                     T.wait_wgmma(0)
@@ -296,30 +284,16 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     # remote PV: O_l += P_b V_b[:, :256], P_b from WG1 via smem
                     T.barrier_wait(bar_p1, j & 1)
                     T.wgmma_gemm(P1, KVb_l, acc_o0)
-                    if early_free:
-                        T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
-                        T.barrier_arrive(fr_bl)
-                        if j + 1 < npair[0]:
-                            wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx, cv_al)
-                            mask(Rows0, acc_s0)
-                            T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
-                            wait_tile(rdy_ar, (j + 1) & 1, KVa_r, 2, BAR_WG0, tx, cv_ar)
-                            T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
-                            qk_tail(Q_t, Ka_t, acc_s0)
-                            T.wait_wgmma(0)
-                    elif j + 1 < npair[0]:
-                        wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx, cv_al)
+                    T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
+                    T.barrier_arrive(fr_bl)
+                    if j + 1 < npair[0]:
+                        wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx)
                         mask(Rows0, acc_s0)
                         T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
-                        T.wait_wgmma(1)  # the remote PV retired: b.L (and P1) no longer read
-                        T.barrier_arrive(fr_bl)
-                        wait_tile(rdy_ar, (j + 1) & 1, KVa_r, 2, BAR_WG0, tx, cv_ar)
+                        wait_tile(rdy_ar, (j + 1) & 1, KVa_r, 2, BAR_WG0, tx)
                         T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
                         qk_tail(Q_t, Ka_t, acc_s0)
                         T.wait_wgmma(0)
-                    else:
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(fr_bl)
                 finish(acc_o0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Q_l, Out, tok, h0, 0, BAR_WG0)
                 store_lse(l0, m_run0, Lse, MaxLogits, tok, h0)
             elif tx < 256:
@@ -330,11 +304,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.fill(l1, 0)
                 T.fill(m_run1, neg_big)
                 if npair[0] > 0:
-                    wait_tile(rdy_br, 0, KVb_r, 2, BAR_WG1, tx - 128, cv_br)
+                    wait_tile(rdy_br, 0, KVb_r, 2, BAR_WG1, tx - 128)
                     mask(Rows1, acc_s1)
                     T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
                     qk_tail(Q_t, Kb_t, acc_s1)
-                    wait_tile(rdy_bl, 0, KVb_l, 0, BAR_WG1, tx - 128, cv_bl)
+                    wait_tile(rdy_bl, 0, KVb_l, 0, BAR_WG1, tx - 128)
                     T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                     T.wait_wgmma(0)
                 for j in T.serial(npair[0]):
@@ -357,36 +331,22 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     T.wgmma_gemm(P0, KVa_r, acc_o1)
                     T.wait_wgmma(1)  # the local PV retired: b.R no longer read
                     T.barrier_arrive(fr_br)
-                    if early_free:
-                        T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
-                        T.barrier_arrive(fr_ar)
-                        if j + 1 < npair[0]:
-                            wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128, cv_br)
-                            mask(Rows1, acc_s1)
-                            T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
-                            qk_tail(Q_t, Kb_t, acc_s1)
-                            wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128, cv_bl)
-                            T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
-                            T.wait_wgmma(0)
-                    elif j + 1 < npair[0]:
-                        wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128, cv_br)
+                    T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
+                    T.barrier_arrive(fr_ar)
+                    if j + 1 < npair[0]:
+                        wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128)
                         mask(Rows1, acc_s1)
                         T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
                         qk_tail(Q_t, Kb_t, acc_s1)
-                        T.wait_wgmma(1 + (1 if D_tail > 0 else 0))  # the remote PV retired: a.R, P0 free
-                        T.barrier_arrive(fr_ar)
-                        wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128, cv_bl)
+                        wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128)
                         T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                         T.wait_wgmma(0)
-                    else:
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(fr_ar)
                 finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
             else:
                 # ---------------------------------------------- producer
                 T.set_max_nreg(regs[2], 0)
                 producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                         row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, cvs)
+                         row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)
 
     return body
 
@@ -409,7 +369,7 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
 
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, cvs):
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar):
         for j in T.serial(npair[0]):
             if prefetch_rows:
                 # this pair's rows into registers (thread t < 64: slot t of blocks 2j, 2j+1) before the
@@ -495,7 +455,6 @@ def build_sparse_mla_fwd(
     has_topk_length: bool = False,
     ablate: str = "",
     prefetch_rows: bool = True,
-    early_free: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -511,8 +470,7 @@ def build_sparse_mla_fwd(
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
-                     has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                     early_free=early_free)
+                     has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer)
 
     @T.prim_func
     def sparse_mla_fwd_pair(
@@ -587,7 +545,7 @@ def _bench_variants():
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=64, dqk=dqk, topk=topk)
         blocks_per_sm = q.shape[0] * (topk // BLOCK_I) / n_sm
         runs = [("padded", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V, pair=False))]
-        for kw in (dict(), dict(early_free=True), dict(prefetch_rows=False), dict(ablate="no_gather")):
+        for kw in (dict(), dict(prefetch_rows=False), dict(ablate="no_gather")):
             key = tuple(sorted(kw.items()))
             runs.append((f"pair{kw}", lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                        sm_scale=dqk**-0.5, d_v=D_V)))
