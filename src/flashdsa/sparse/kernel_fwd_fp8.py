@@ -356,13 +356,22 @@ def kernel_unsupported(q, kv, indices, *, q_scale, kv_scale, d_v, topk_length=No
 
 
 def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float, d_v: int, topk_length=None,
-                           attn_sink=None, p_split: bool = True):
+                           attn_sink=None, p_split: bool = True, pair: bool | None = None):
     """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32) of the forward on
-    q * q_scale[..., None], kv * kv_scale[:, None]. ``p_split=False``: one e4m3 P (faster, ~3 % rms error)."""
+    q * q_scale[..., None], kv * kv_scale[:, None]. ``p_split=False``: one e4m3 P (faster, ~3 % rms error).
+    ``pair`` (None: whenever H is 64 or 128 and ``p_split``): run ``kernel_fwd_pair_fp8`` (the pair schedule)."""
+    from . import kernel_fwd_pair_fp8
+
     reason = kernel_unsupported(q, kv, indices, q_scale=q_scale, kv_scale=kv_scale, d_v=d_v,
                                 topk_length=topk_length, attn_sink=attn_sink)
     if reason is not None:
         raise ValueError(f"sparse_mla fp8 fwd kernel: {reason}")
+    if pair is None:
+        pair = q.shape[1] in kernel_fwd_pair_fp8.SUPPORTED_H and p_split
+    if pair:
+        return kernel_fwd_pair_fp8.run_sparse_mla_fwd_fp8(q, kv, indices, q_scale=q_scale, kv_scale=kv_scale,
+                                                          sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+                                                          attn_sink=attn_sink, checked=True)
     (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
     if done:
         return out, lse, max_logits
