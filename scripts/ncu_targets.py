@@ -6,7 +6,8 @@ Targets: topk_4096x8192 / topk_64x32768 (one-CTA radix kernel, smem key cache), 
 registers, ``kernel_radix_regs``),
 paged_nn2 / paged_nn1 (pipelined paged indexer, B 128, ctx 32768, H 64, D 128, block 64), decode_mem (dense bf16
 decode B 64, H 16, s_q 1, cache 8192: the issue's memory-bound case), sparse_pair / sparse_pair_cache (the pair
-forward on bf16 rows / the 656-byte FP8 cache, default staging: S 1056 = 8 waves, H 128, SKV 8192, topk 2048).
+forward on bf16 rows / the 656-byte FP8 cache: S 1056 = 8 waves, H 128, SKV 8192, topk 2048), sparse_pair_fp8 (the
+FP8-compute pair forward, same shape).
 """
 
 import sys
@@ -33,6 +34,16 @@ def main():
 
         q, kv, table, lens = make_inputs(64, 16, 1, 8192)
         fn = lambda: kd.run_mla_decode_dense(q, kv, table, lens, sm_scale=576**-0.5, d_v=512, causal=True)  # noqa
+    elif name == "sparse_pair_fp8":
+        from flashdsa.quant import quantize_fp8
+        from flashdsa.sparse import kernel_fwd_pair_fp8
+
+        g = torch.Generator(device=dev).manual_seed(0)
+        q8, qs = quantize_fp8(torch.randn(1056, 128, 576, generator=g, device=dev) * 0.1, block=576)
+        kv8, ks = quantize_fp8(torch.randn(8192, 576, generator=g, device=dev) * 0.1, block=576)
+        idx = torch.argsort(torch.rand(1056, 8192, generator=g, device=dev), dim=1)[:, :2048].to(torch.int32)
+        fn = lambda: kernel_fwd_pair_fp8.run_sparse_mla_fwd_fp8(q8, kv8, idx, q_scale=qs[..., 0], kv_scale=ks[..., 0],  # noqa
+                                                                 sm_scale=576**-0.5, d_v=512)
     elif name in ("sparse_pair", "sparse_pair_cache"):
         from flashdsa.quant import dequantize_kv_fp8, quantize_kv_fp8
         from flashdsa.sparse import kernel_fwd_pair, kernel_fwd_pair_cache

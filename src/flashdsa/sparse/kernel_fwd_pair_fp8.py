@@ -70,11 +70,13 @@ REGS = {576: (200, 200, 104), 512: (208, 208, 88)}
 
 
 def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: float, has_sink: bool = False,
-                                  has_topk_length: bool = False, regs=None):
+                                  has_topk_length: bool = False, regs=None, ablate: str = ""):
     """Return the TileLang prim_func; signature as ``kernel_fwd_fp8.build_sparse_mla_fwd_fp8`` (Q[T,H,Dqk] e4m3,
     QScale[T,H] f32, KV[Tkv,Dqk] e4m3, KVScale[Tkv] f32, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink]
     f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``regs``: setmaxnreg of (WG0, WG1, producer),
-    default ``REGS[dqk]``."""
+    default ``REGS[dqk]``.  ``ablate`` (timing builds, wrong results; ``--variants``): "no_lo" (one e4m3 P per
+    PV), "no_transpose" (the producer signals V^T without transposing)."""
+    assert ablate in ("", "no_lo", "no_transpose"), ablate
     assert dqk in tc.SUPPORTED_DQK and heads in SUPPORTED_H, (dqk, heads)
     regs = regs or REGS[dqk]
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
@@ -146,13 +148,15 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
         # P' -> e4m3 hi + lo in shared memory (the fence makes the stores visible to the async proxy)
         for h, r in T.Parallel(BH, BI):
             Ph[h, r] = T.cast(acc_s[h, r], fp8)
-            Pl[h, r] = T.cast(acc_s[h, r] - T.cast(T.cast(acc_s[h, r], fp8), f32), fp8)
+            if ablate != "no_lo":
+                Pl[h, r] = T.cast(acc_s[h, r] - T.cast(T.cast(acc_s[h, r], fp8), f32), fp8)
         T.fence_proxy_async()
 
     @T.macro
     def pv(Ph, Pl, Vt, acc_o):
         T.wgmma_gemm(Ph, Vt, acc_o, transpose_B=True)
-        T.wgmma_gemm(Pl, Vt, acc_o, transpose_B=True)
+        if ablate != "no_lo":
+            T.wgmma_gemm(Pl, Vt, acc_o, transpose_B=True)
 
     @T.macro
     def finish(acc_o, l_acc, m_run, inv, c_cur, Ls_own, Ls0, Ls1, Sink, Out, tok, h0, c0):
@@ -206,8 +210,9 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
     def transpose(Kh, Vt, rdy, vt, vf, phase, pt):
         T.barrier_wait(rdy, phase)  # the half landed (every producer thread's cp.async)
         T.barrier_wait(vf, phase ^ 1)  # the previous pair's PV on this V^T half retired
-        T.call_extern("handle", "flashdsa_fp8_vt_transpose", T.access_ptr(Kh[0, 0], "r", BI, DH),
-                      T.access_ptr(Vt[0, 0], "w", DH, BI), pt)
+        if ablate != "no_transpose":
+            T.call_extern("handle", "flashdsa_fp8_vt_transpose", T.access_ptr(Kh[0, 0], "r", BI, DH),
+                          T.access_ptr(Vt[0, 0], "w", DH, BI), pt)
         T.fence_proxy_async()
         T.barrier_arrive(vt)
 
@@ -478,9 +483,10 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads: int, dqk: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+def _compiled(heads: int, dqk: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
+              ablate: str = ""):
     func = build_sparse_mla_fwd_pair_fp8(heads=heads, dqk=dqk, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                         has_sink=has_sink, has_topk_length=has_topk_length)
+                                         has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -494,9 +500,9 @@ def kernel_unsupported(q, kv, indices, *, q_scale, kv_scale, d_v, topk_length=No
 
 
 def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float, d_v: int, topk_length=None,
-                           attn_sink=None, checked: bool = False):
+                           attn_sink=None, checked: bool = False, ablate: str = ""):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32) of the forward on
-    q * q_scale[..., None], kv * kv_scale[:, None]."""
+    q * q_scale[..., None], kv * kv_scale[:, None].  ``ablate``: see ``build_sparse_mla_fwd_pair_fp8``."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, q_scale=q_scale, kv_scale=kv_scale, d_v=d_v,
                                     topk_length=topk_length, attn_sink=attn_sink)
@@ -507,7 +513,7 @@ def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float
         return out, lse, max_logits
     _, heads, dqk = q.shape
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(heads, dqk, n_blocks, float(sm_scale), has_sink, has_tl)
+    kernel = _compiled(heads, dqk, n_blocks, float(sm_scale), has_sink, has_tl, ablate)
     direct_launcher(kernel)(q.contiguous(), q_scale.contiguous(), kv.contiguous(), kv_scale.contiguous(),
                             indices.contiguous(), tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -527,7 +533,8 @@ def lowering_cases():
 def _bench_variants(tkvs=(8192, 131072)):
     """Kernel times at S 4096, H 128, Dqk 576, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_fp8
     --variants [--skv 8192,...]``): the bf16 pair kernel on the dequantized inputs (the reference point), this
-    kernel, the pipelined FP8 kernel (``pair=False``); max |out - bf16 pair| of each."""
+    kernel, its ablations (timing only: their outputs are wrong), the pipelined FP8 kernel (``pair=False``); max
+    |out - bf16 pair| of each."""
     import torch
 
     from ..bench.harness import time_fn
@@ -548,6 +555,8 @@ def _bench_variants(tkvs=(8192, 131072)):
         kw = dict(q_scale=q_scale, kv_scale=kv_scale, sm_scale=sm, d_v=D_V)
         runs = {"bf16_pair": lambda: kernel_fwd_pair.run_sparse_mla_fwd(qd, kvd, idx, sm_scale=sm, d_v=D_V),
                 "fp8_pair": lambda: run_sparse_mla_fwd_fp8(q8, kv8, idx, **kw),
+                "fp8_pair_no_lo": lambda: run_sparse_mla_fwd_fp8(q8, kv8, idx, ablate="no_lo", **kw),
+                "fp8_pair_no_transpose": lambda: run_sparse_mla_fwd_fp8(q8, kv8, idx, ablate="no_transpose", **kw),
                 "fp8_pipelined": lambda: f8.run_sparse_mla_fwd_fp8(q8, kv8, idx, pair=False, **kw)}
         ref = runs["bf16_pair"]()[0].float()
         base = None
