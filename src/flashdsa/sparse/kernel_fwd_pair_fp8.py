@@ -34,10 +34,11 @@ Per pair j (slot = j & 1 of the double-buffered rows / scales / pair max):
   WG1: scale + mask S_b; wait m_a; m_b; P_b; publish m_b; wait vf_bl (WG0's previous remote PV); P1 = P_b';
        bar_p1; wait vt_br; O_r += P1 V_b[:, 256:]; wait P0r, vt_ar; O_r += P0r V_a[:, 256:]; retire local
        (vf_br), remote (vf_ar);  QK of pair j + 1 (rdy_br, rdy_bl); retire, kf_br, kf_bl.
-  Producer: transposes of pair j (each after its rdy and the previous pair's vf) and loads of pair j + 1 (each
-       after its kf and after every producer thread read the half: named barrier), interleaved: T al, br, bl;
-       wait kf_al, publish rows / scales / max (before rdy_al's ordinary arrival), load al; T ar; load ar, br,
-       bl.  A load is a zero-filling cp.async (src-size 0 for invalid slots) with a noinc arrival on rdy_X.
+  Producer: transposes of pair j (al, br, ar, bl; each after its rdy and the previous pair's vf), named
+       barrier (every thread done reading K), then pair j + 1: wait kf_X, publish rows / scales / max (before
+       rdy_al's ordinary arrival), cp.async the half (zero-filling, src-size 0 for invalid slots), noinc
+       arrival on rdy_X.  (Interleaving the transposes with the next loads in consumer-event order measured
+       no faster: 0.947x vs 0.957x of the bf16 pair kernel, session 10.)
 Barriers (mbarriers, parity j & 1; a wait for "the previous pair's" event uses (j & 1) ^ 1, which a fresh
 barrier passes): rdy_al / rdy_br 256 (128 cp.async noinc + 128 ordinary), rdy_ar / rdy_bl 128; kf_*, vf_*,
 vt_*, bar_ma, bar_mb, bar_p0, bar_p1 128.  Why the slots are free when rewritten: the producer writes pair
@@ -64,9 +65,9 @@ BAR_WG0, BAR_WG1, BAR_BOTH = kp.BAR_WG0, kp.BAR_WG1, kp.BAR_BOTH
 BAR_PROD = 11  # named barrier of the 128 producer threads
 P_RANGE = 256.0  # |P'| <= P_RANGE (e4m3 max 448)
 _ASYNC = tc.ASYNC_GATHER
-# setmaxnreg (WG0, WG1, producer): the producer's transpose needs more than kernel_fwd_pair's 72 (ptxas 13.0
-# spilled 112 B at (216, 216, 72); at these none for Dqk 576, 12 B for Dqk 512)
-REGS = (200, 200, 104)
+# setmaxnreg (WG0, WG1, producer) per Dqk: the producer's transpose needs more than kernel_fwd_pair's 72 (ptxas
+# 13.0 spilled 112 B at (216, 216, 72), none at these)
+REGS = {576: (200, 200, 104), 512: (208, 208, 88)}
 
 
 def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: float, has_sink: bool = False,
@@ -74,11 +75,11 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
     """Return the TileLang prim_func; signature as ``kernel_fwd_fp8.build_sparse_mla_fwd_fp8`` (Q[T,H,Dqk] e4m3,
     QScale[T,H] f32, KV[Tkv,Dqk] e4m3, KVScale[Tkv] f32, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink]
     f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``regs``: setmaxnreg of (WG0, WG1, producer),
-    default ``REGS``.  ``ablate`` (timing builds, wrong results; ``--variants``): "no_lo" (one e4m3 P per
+    default ``REGS[dqk]``.  ``ablate`` (timing builds, wrong results; ``--variants``): "no_lo" (one e4m3 P per
     PV), "no_transpose" (the producer signals V^T without transposing)."""
     assert ablate in ("", "no_lo", "no_transpose"), ablate
     assert dqk in tc.SUPPORTED_DQK and heads in SUPPORTED_H, (dqk, heads)
-    regs = regs or REGS
+    regs = regs or REGS[dqk]
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert sm_scale is not None and sm_scale > 0
     D, DH, D_tail = D_V, D_V // 2, dqk - D_V
@@ -450,14 +451,11 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
                 for j in T.serial(npair[0]):
                     if j + 1 < npair[0]:
                         load_rows(Indices, KVScale, tok, lim, j + 1, pt, row_a, row_b, ks_a, ks_b)
-                    # transposes and next loads in the order the consumers' events free them: a.L, b.R, b.L
-                    # transposed (their previous PVs retire first), a.L of pair j + 1 issued once WG0's QK of pair j
-                    # retired, then a.R transposed and the rest issued (a half is reloaded only after every
-                    # producer thread read it: named barrier)
                     transpose(Ka_l, Va_l, rdy_al, vt_al, vf_al, j & 1, pt)
                     transpose(Kb_r, Vb_r, rdy_br, vt_br, vf_br, j & 1, pt)
+                    transpose(Ka_r, Va_r, rdy_ar, vt_ar, vf_ar, j & 1, pt)
                     transpose(Kb_l, Vb_l, rdy_bl, vt_bl, vf_bl, j & 1, pt)
-                    T.sync_threads(BAR_PROD, 128)
+                    T.sync_threads(BAR_PROD, 128)  # every thread is done reading pair j's K halves
                     if j + 1 < npair[0]:
                         s = (j + 1) & 1
                         T.barrier_wait(kf_al, j & 1)
@@ -466,16 +464,12 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
                         T.barrier_arrive(rdy_br)
                         gather(KV, Ka_l, Ka_t, Rows0, s, 0)
                         T.cp_async_barrier_noinc(rdy_al)
-                    transpose(Ka_r, Va_r, rdy_ar, vt_ar, vf_ar, j & 1, pt)
-                    T.sync_threads(BAR_PROD, 128)
-                    if j + 1 < npair[0]:
-                        s = (j + 1) & 1
-                        T.barrier_wait(kf_ar, j & 1)
-                        gather(KV, Ka_r, Ka_t, Rows0, s, DH)
-                        T.cp_async_barrier_noinc(rdy_ar)
                         T.barrier_wait(kf_br, j & 1)
                         gather(KV, Kb_r, Kb_t, Rows1, s, DH)
                         T.cp_async_barrier_noinc(rdy_br)
+                        T.barrier_wait(kf_ar, j & 1)
+                        gather(KV, Ka_r, Ka_t, Rows0, s, DH)
+                        T.cp_async_barrier_noinc(rdy_ar)
                         T.barrier_wait(kf_bl, j & 1)
                         gather(KV, Kb_l, Kb_t, Rows1, s, 0)
                         T.cp_async_barrier_noinc(rdy_bl)
