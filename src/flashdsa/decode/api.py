@@ -10,7 +10,7 @@ from .. import _dispatch
 from .._library import custom_op
 from .._validate import check_float, check_same_device, check_tensor
 from ..quant import KV_DIM, KV_FP8_BYTES
-from . import reference
+from . import _pair_path, reference
 
 _Q = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # kernels: bf16
 _I32 = (torch.int32,)
@@ -21,22 +21,23 @@ def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, caus
     """Sparse decode, and dense decode over the FP8 cache, as one sparse MLA forward over the flat cache.
 
     The cache viewed as ``num_blocks * block_size`` rows is exactly the forward's kv (slot = row), each of the
-    B * s_q query tokens is one forward row with its slot list (dense: the causal slots from the block table, -1
-    past the length, computed on the GPU without a host sync). The forward's kernels (bf16 rows, or the 656-byte
-    FP8 rows dequantized in shared memory) and its reference give the same contract as ``mla_decode``.
+    B * s_q query tokens is one forward row with its slot list (dense: the sequence's slots in position order from
+    the block table, -1 for a bad block id, and the causal length as ``topk_length``, so nothing past it is read
+    or computed; built on the GPU without a host sync). The forward's kernels (bf16 rows, or the 656-byte FP8 rows
+    dequantized in shared memory) and its reference give the same contract as ``mla_decode``.
     """
     from ..sparse import api as sparse_api, fp8 as sparse_fp8
 
     B, s_q, H, dqk = q.shape
     nb, bs, width = kv_cache.shape
     flat = kv_cache.reshape(nb * bs, width)
-    if indices is None:
-        slots, tl = reference.dense_slots(block_table, cache_seqlens, nb, bs, s_q, causal), None
+    if indices is None:  # each query's cache positions in order, its causal length as topk_length
+        slots, tl = _pair_path.slot_rows(block_table, cache_seqlens, nb, bs, s_q, causal)
     else:
         slots = indices
         tl = None if topk_length is None else topk_length.view(B, 1).expand(B, s_q).reshape(B * s_q).contiguous()
     if slots.shape[-1] == 0:  # no cache at all: one invalid slot keeps the shapes non-empty
-        slots = torch.full((B, s_q, 1), -1, dtype=torch.int32, device=q.device)
+        slots, tl = torch.full((B, s_q, 1), -1, dtype=torch.int32, device=q.device), None
     slots = slots.reshape(B * s_q, slots.shape[-1])
     qf = q.reshape(B * s_q, H, dqk)
     if width == KV_FP8_BYTES:

@@ -3,7 +3,10 @@
 Notes
 -----
 Variants (``run_mla_decode_dense(..., variant=)``, else ``$FLASHDSA_DECODE_VARIANT``, else ``DEFAULT_VARIANT``):
-  * "auto" (default): "narrow_fused" for ``s_q * H <= AUTO_NARROW_ROWS``, else "ws".
+  * "auto" (default): "narrow_fused" for ``s_q * H <= AUTO_NARROW_ROWS``; "pair" where H is 64 / 128 and its
+    CTAs fill the SM waves well (``_pair_path.pair_efficiency`` >= ``PAIR_MIN_EFFICIENCY``); else "ws".
+  * "pair": one sparse MLA forward on the pair schedule over the flat cache, each query token's slot list its
+    cache positions, its causal length as ``topk_length`` (``_pair_path.py``); H 64 / 128 only (else "ws").
   * "narrow": ``kernel_dense_narrow.py`` (cache positions on the wgmma M side, the few query rows as N) where
     ``s_q * H <= 32``, else "ws"; see its notes.  Three launches (plan, partial, combine); explicit only.
   * "ws": the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
@@ -90,6 +93,7 @@ import os
 
 import torch
 
+from . import _pair_path
 from ._tl_common import D_ROPE, D_V, DQK, LN2, LOG2E, combine_row_macro, partial_prim_func, partial_sizes
 from .._tilelang import direct_launcher, dummy
 
@@ -100,7 +104,7 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 _OVERHEAD_TILES = 5  # fixed cost of one split (Q load, epilogue, combine) in units of 64-token tiles
 _MIN_CHUNK_TILES = 2  # never split below 128 tokens
 _COMBINE_THREADS = 128
-VARIANTS = ("auto", "ws", "narrow", "pipelined", "narrow_fused")
+VARIANTS = ("auto", "ws", "narrow", "pipelined", "narrow_fused", "pair")
 DEFAULT_VARIANT = "auto"  # "pipelined": the two-stage cp.async kernel of this module (measured on the H200)
 AUTO_NARROW_ROWS = 32  # "auto" runs the fused narrow kernel for s_q * H <= this, else "ws"
 VARIANT_ENV = "FLASHDSA_DECODE_VARIANT"
@@ -502,8 +506,9 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
 
     ``variant``: "auto" (default: "narrow_fused" for s_q * H <= ``AUTO_NARROW_ROWS``, else "ws"), "ws"
     (warp-specialised partial kernel), "narrow" (keys-as-M kernel where s_q * H <= 32, else "ws"), "pipelined"
-    (this module's two-stage cp.async kernel) or "narrow_fused" (the narrow kernel as one launch, plan and combine
-    inside, where s_q * H <= 32, else "ws"); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.
+    (this module's two-stage cp.async kernel), "narrow_fused" (the narrow kernel as one launch, plan and combine
+    inside, where s_q * H <= 32, else "ws") or "pair" (one sparse forward on the pair schedule, H 64 / 128, else
+    "ws"); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.
     The three-launch paths share the split plan, the partial buffers and the combine kernel.  ``checked``: the
     caller has already had ``kernel_unsupported`` accept these arguments (the dispatcher does), so it is not run
     twice.
@@ -532,6 +537,10 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
         return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
     n_mt = (M + BLOCK_M - 1) // BLOCK_M
     num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+    efficiency = _pair_path.pair_efficiency(B, s_q, H, num_sms)
+    if (variant == "pair" and efficiency > 0) or (variant == "auto" and efficiency >= _pair_path.PAIR_MIN_EFFICIENCY):
+        return _pair_path.run(q, kv_cache, block_table, cache_seqlens, sm_scale=float(sm_scale), causal=bool(causal),
+                              attn_sink=attn_sink)
     if _runs_fused(variant, M):
         # one launch instead of "narrow"'s three (session 8, H200: 0.1586 vs 0.162 ms at B 64, H 16, cache 8192 in
         # scripts/bench_decode.py); its merge counters are per (device, stream), fresh inside a CUDA-graph capture

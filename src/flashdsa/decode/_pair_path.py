@@ -1,0 +1,57 @@
+"""Dense decode at H 64 / 128 as one sparse MLA forward on the pair schedule (``sparse.kernel_fwd_pair``).
+
+Each of the B * s_q query tokens becomes one forward row whose slot list is its sequence's cache positions in
+order (slot = block_table[b, p // bs] * bs + p % bs, -1 for an out-of-range block id) and whose ``topk_length``
+is its causal length, so the kernel walks exactly the attended positions (and skips the blocks past them); the
+cache viewed as ``num_blocks * block_size`` rows is the forward's kv.  The forward's 64-head CTAs run at the pair
+schedule's rate (~450 TFLOP/s at H 128) when there are enough of them, where the split-KV decode kernels reach
+~250; ``pair_efficiency`` decides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._tl_common import D_V, DQK
+
+PAIR_HEADS = (64, 128)
+PAIR_MIN_EFFICIENCY = 0.6  # the pair path when its CTAs fill the waves at least this well (else split-KV)
+
+
+def pair_efficiency(batch: int, s_q: int, heads: int, num_sms: int) -> float:
+    """Fraction of the SM-waves the forward's B * s_q * H / 64 CTAs fill (0 where the pair path cannot run)."""
+    if heads not in PAIR_HEADS or batch * s_q == 0:
+        return 0.0
+    n = batch * s_q * (heads // 64)
+    waves = -(-n // num_sms)
+    return n / (waves * num_sms)
+
+
+def slot_rows(block_table, cache_seqlens, num_blocks: int, block_size: int, s_q: int, causal: bool):
+    """(slots [B * s_q, L] int32, lengths [B * s_q] int32) with L = max_blocks * block_size: the cache slot of every
+    position (-1 for a block id outside [0, num_blocks)) and each query's attended length clamped to [0, L]."""
+    B, max_blocks = block_table.shape
+    dev = block_table.device
+    L = max_blocks * block_size
+    pos = torch.arange(L, device=dev, dtype=torch.int32)
+    blk = block_table[:, pos // block_size]  # [B, L]
+    slots = torch.where((blk >= 0) & (blk < num_blocks), blk * block_size + pos % block_size, -1)
+    shift = torch.arange(s_q, device=dev, dtype=torch.int32) - (s_q - 1) if causal else \
+        torch.zeros(s_q, device=dev, dtype=torch.int32)
+    lengths = (cache_seqlens.view(B, 1) + shift.view(1, s_q)).clamp(0, L).to(torch.int32).reshape(B * s_q)
+    slots = slots.view(B, 1, L).expand(B, s_q, L).reshape(B * s_q, L).to(torch.int32)
+    return slots, lengths
+
+
+def run(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float, causal: bool, attn_sink=None):
+    """q [B, s_q, H, 576] bf16 (H 64 / 128), kv_cache [num_blocks, block_size, 576] bf16 -> (out [B, s_q, H, 512]
+    bf16, lse [B, s_q, H] f32); the caller checked the arguments (``kernel_dense.kernel_unsupported``)."""
+    from ..sparse import kernel_fwd_pair
+
+    B, s_q, H, _ = q.shape
+    nb, bs, _ = kv_cache.shape
+    slots, lengths = slot_rows(block_table, cache_seqlens, nb, bs, s_q, causal)
+    out, lse, _ = kernel_fwd_pair.run_sparse_mla_fwd(q.reshape(B * s_q, H, DQK), kv_cache.reshape(nb * bs, DQK),
+                                                     slots, sm_scale=sm_scale, d_v=D_V, topk_length=lengths,
+                                                     attn_sink=attn_sink)
+    return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)

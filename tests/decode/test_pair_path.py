@@ -1,0 +1,38 @@
+"""CPU: the dense-decode "pair" path's slot lists and lengths (``decode._pair_path``) against the reference's
+dense slot lists, and its wave-efficiency rule."""
+
+import pytest
+import torch
+
+from flashdsa.decode import _pair_path
+from flashdsa.decode.reference import dense_slots
+
+
+@pytest.mark.parametrize("s_q,causal", [(1, True), (2, True), (4, True), (3, False)])
+@pytest.mark.parametrize("bs", [16, 64, 256])
+def test_slot_rows_match_reference_slots(s_q, causal, bs):
+    g = torch.Generator().manual_seed(s_q * 31 + bs)
+    B, max_blocks, num_blocks = 7, 9, 40
+    table = torch.randint(0, num_blocks, (B, max_blocks), generator=g, dtype=torch.int32)
+    bad = torch.tensor([-1, num_blocks, 2**31 - 1, -(2**31)], dtype=torch.int32)
+    mask = torch.rand(B, max_blocks, generator=g) < 0.2
+    table[mask] = bad[torch.randint(0, 4, (int(mask.sum()),), generator=g)]
+    L = max_blocks * bs
+    lens = torch.tensor([0, 1, 2, bs, L, L + 5, 3 * bs + 7], dtype=torch.int32)
+    slots, lengths = _pair_path.slot_rows(table, lens, num_blocks, bs, s_q, causal)
+    ref = dense_slots(table, lens, num_blocks, bs, s_q, causal).reshape(B * s_q, L)
+    assert slots.dtype == torch.int32 and lengths.dtype == torch.int32
+    assert slots.shape == (B * s_q, L) and lengths.shape == (B * s_q,)
+    pos = torch.arange(L).view(1, L)
+    inside = pos < lengths.view(-1, 1).long()
+    # inside each length the slots are the reference's (incl. -1 for bad block ids); past it the reference masks
+    assert torch.equal(torch.where(inside, slots, -1), ref)
+    limit = lens.long().view(B, 1) + (torch.arange(s_q) - (s_q - 1) if causal else torch.zeros(s_q, dtype=torch.long))
+    assert torch.equal(lengths.long(), limit.clamp(0, L).reshape(-1))
+
+
+@pytest.mark.parametrize("B,s_q,H,sms,expected", [
+    (128, 1, 128, 132, 256 / 264), (66, 1, 128, 132, 1.0), (74, 1, 64, 132, 74 / 132), (133, 1, 64, 132, 133 / 264),
+    (64, 1, 16, 132, 0.0), (10, 2, 96, 132, 0.0), (0, 1, 64, 132, 0.0)])
+def test_pair_efficiency(B, s_q, H, sms, expected):
+    assert _pair_path.pair_efficiency(B, s_q, H, sms) == pytest.approx(expected)
