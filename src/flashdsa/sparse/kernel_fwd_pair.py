@@ -81,7 +81,8 @@ _ASYNC = tc.ASYNC_GATHER
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
               ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
-    MaxLogits)`` (one ``T.Kernel``: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
+    MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
+    the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
     Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
     rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)`` in the third warpgroup.  ``kv_src``: whatever the
     producer reads (a tuple of buffers / scalars).  ``ready_counts``: arrivals of rdy_al, rdy_br, rdy_ar, rdy_bl
@@ -169,7 +170,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         T.copy(Stage, Out[tok, h0 : h0 + BH, c0 : c0 + DH])
 
     @T.macro
-    def body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse, MaxLogits):
+    def body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse, MaxLogits, Order):
         with T.Kernel(n_tok * G, threads=THREADS, prelude=prelude) as bx:
             Q_l = T.alloc_shared([BH, DH], bf16)
             Q_r = T.alloc_shared([BH, DH], bf16)
@@ -232,7 +233,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             row_a = T.alloc_local([1], i32)
             row_b = T.alloc_local([1], i32)
 
-            tok = bx // G
+            if Order is not None:
+                tok = Order[bx // G]
+            else:
+                tok = bx // G
             h0 = (bx % G) * BH
             tx = T.get_thread_binding()
 
@@ -455,6 +459,7 @@ def build_sparse_mla_fwd(
     has_topk_length: bool = False,
     ablate: str = "",
     prefetch_rows: bool = True,
+    has_order: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -463,7 +468,8 @@ def build_sparse_mla_fwd(
     ``prefetch_rows`` (default; session 8: 3.02 -> 2.75 ms at S 4096, H 64): the producer loads a pair's KV rows
     into registers before its free-barrier waits; False: after them.  ``ablate="no_gather"`` (timing only, wrong
     results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``) keeps the protocol but issues no cp.async
-    (the tiles keep what shared memory holds)."""
+    (the tiles keep what shared memory holds).  ``has_order``: one more input Order[T] int32 after Sink, the
+    token of each CTA row (``pair_body``)."""
     assert ablate in ("", "no_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -471,6 +477,23 @@ def build_sparse_mla_fwd(
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer)
+
+    if has_order:
+        @T.prim_func
+        def sparse_mla_fwd_pair_ordered(
+            Q: T.Tensor([n_tok, heads, dqk], bf16),
+            KV: T.Tensor([n_kv, dqk], bf16),
+            Indices: T.Tensor([n_tok, topk_dim], i32),
+            TopkLen: T.Tensor([n_tl], i32),
+            Sink: T.Tensor([n_sink], f32),
+            Order: T.Tensor([n_tok], i32),
+            Out: T.Tensor([n_tok, heads, D_V], bf16),
+            Lse: T.Tensor([n_tok, heads], f32),
+            MaxLogits: T.Tensor([n_tok, heads], f32),
+        ):
+            body(Q, (KV,), Indices, TopkLen, Sink, Out, Lse, MaxLogits, Order)
+
+        return sparse_mla_fwd_pair_ordered
 
     @T.prim_func
     def sparse_mla_fwd_pair(
@@ -483,7 +506,7 @@ def build_sparse_mla_fwd(
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        body(Q, (KV,), Indices, TopkLen, Sink, Out, Lse, MaxLogits)
+        body(Q, (KV,), Indices, TopkLen, Sink, Out, Lse, MaxLogits, None)
 
     return sparse_mla_fwd_pair
 
@@ -528,6 +551,8 @@ def lowering_cases():
         ("pair_h128_d576_topk2048", build_sparse_mla_fwd(heads=128, dqk=576, topk=2048, sm_scale=576**-0.5)),
         ("pair_h64_d512_topk640_sink_tl", build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5,
                                                                has_sink=True, has_topk_length=True)),
+        ("pair_h128_d576_topk8192_tl_ordered", build_sparse_mla_fwd(heads=128, dqk=576, topk=8192, sm_scale=0.04,
+                                                                    has_topk_length=True, has_order=True)),
     ]
 
 

@@ -199,7 +199,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        body(Q, (KVf, KVb, rs16, n_rows), Indices, TopkLen, Sink, Out, Lse, MaxLogits)
+        body(Q, (KVf, KVb, rs16, n_rows), Indices, TopkLen, Sink, Out, Lse, MaxLogits, None)
 
     return sparse_mla_fwd_pair_cache
 
