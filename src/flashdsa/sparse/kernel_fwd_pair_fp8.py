@@ -46,6 +46,10 @@ j + 2's slot after kf_al of pair j + 1, which WG0 arrives at the end of its pair
 bar_mb of pair j, i.e. after every WG1 read of the slot (WG1 reads it before publishing m_b).
 Shared memory (Dqk 576): Q 36 KiB + 2 x (K 36 KiB + V^T 32 KiB) + P 3 x 8 KiB + rows / scales / max / l ~2 KiB
 = ~198 KiB.
+Measured (H200, session 10; docs/PERFORMANCE.md "FP8 sparse prefill"): S 4096 / SKV 8192 / H 128 / topk 2048
+5.33-5.37 ms = 0.957-0.967x of the bf16 pair kernel (the pipelined FP8 kernel: 0.55x); ablations: without the
+V^T transposes 1.21x, without the lo half of P 1.05x.  GPU tests: tests/sparse_mla/test_kernel_pair_fp8_gpu.py;
+compute-sanitizer memcheck clean (scripts/memcheck_small.py sparse_fp8).
 """
 
 import functools
