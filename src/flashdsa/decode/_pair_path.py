@@ -33,9 +33,10 @@ def slot_rows(block_table, cache_seqlens, num_blocks: int, block_size: int, s_q:
     B, max_blocks = block_table.shape
     dev = block_table.device
     L = max_blocks * block_size
-    pos = torch.arange(L, device=dev, dtype=torch.int32)
-    blk = block_table[:, pos // block_size]  # [B, L]
-    slots = torch.where((blk >= 0) & (blk < num_blocks), blk * block_size + pos % block_size, -1)
+    # per page, then broadcast over its offsets: the large tensors are written twice (a few launches of host time)
+    ok = (block_table >= 0) & (block_table < num_blocks)  # [B, max_blocks]; bad ids may overflow below: masked
+    offs = torch.arange(block_size, device=dev, dtype=torch.int32)
+    slots = torch.where(ok.unsqueeze(-1), block_table.unsqueeze(-1) * block_size + offs, -1).view(B, L)
     shift = torch.arange(s_q, device=dev, dtype=torch.int32) - (s_q - 1) if causal else \
         torch.zeros(s_q, device=dev, dtype=torch.int32)
     lengths = (cache_seqlens.view(B, 1) + shift.view(1, s_q)).clamp(0, L).to(torch.int32).reshape(B * s_q)
