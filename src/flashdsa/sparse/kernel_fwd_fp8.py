@@ -7,6 +7,9 @@ Math (per token t, head h; q8, kv8 e4m3, q_scale [T, H], kv_scale [Tkv] float32;
     i.e. the bf16 forward (kernel_fwd.py) on the dequantized tensors q8 * q_scale, kv8 * kv_scale.
     Empty rows: out 0, lse +inf, max_logits -inf; attn_sink and topk_length as kernel_fwd.
 
+Dispatch (session 10): ``run_sparse_mla_fwd_fp8`` sends H 64 / 128 (with ``p_split``) to ``kernel_fwd_pair_fp8``
+(the pair schedule, 0.96x of the bf16 forward where this kernel reaches 0.55x); this kernel serves the other H.
+
 Design (kernel_fwd.py's pipelined structure, fp8 operands):
   * Grid (T, ceil(H / 64)), 256 threads = 2 warpgroups, GemmWarpPolicy.FullRow; heads padded to 64 rows
     (padded rows read zeros, q_scale 0, never written).  T.Pipelined (2 stages) predicated cp.async gather of
@@ -38,8 +41,8 @@ Why it should beat the bf16 kernel: the bf16 pipelined kernel spends ~7500 cycle
   of them MMA; the rest is mostly the gather (72 KiB per block per CTA from L2).  Here the gather is
   36 KiB, QK tensor time halves, PV tensor time is unchanged (p_split) or halves (p_split=False); the
   transpose costs ~16 shared loads/stores per thread per block, on the CUDA cores.
-Verified (CPU only, never run on a GPU by the author): lowering for sm_90a (H 128/64/16, Dqk 576/512, topk
-  2048/256/128/100, sink, topk_length, p_split on/off); the generated CUDA read by hand (cp.async wait counts
+Verified first on the CPU (on the H200 since 67a61c8: tests/sparse_mla/test_kernel_fp8_gpu.py): lowering for
+  sm_90a (H 128/64/16, Dqk 576/512, topk 2048/256/128/100, sink, topk_length, p_split on/off); the generated CUDA read by hand (cp.async wait counts
   cover the KV group before the QK gemm and the transpose, the next stage's KV loads are issued after the
   transpose, ks loads after the last ks read); nvcc 13.0 -arch=sm_90a compiles every one, PTX has
   wgmma m64n32k32 / m64n256k32 .f32.e4m3.e4m3 only; ptxas: 255 registers, 132 B spill for the 32-block
