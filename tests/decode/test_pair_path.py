@@ -36,3 +36,9 @@ def test_slot_rows_match_reference_slots(s_q, causal, bs):
     (64, 1, 16, 132, 0.0), (10, 2, 96, 132, 0.0), (0, 1, 64, 132, 0.0)])
 def test_pair_efficiency(B, s_q, H, sms, expected):
     assert _pair_path.pair_efficiency(B, s_q, H, sms) == pytest.approx(expected)
+
+
+def test_pair_fits():
+    assert _pair_path.pair_fits(128, 2, 32768)
+    assert not _pair_path.pair_fits(128, 4, 1 << 20)  # 2 GiB of slot lists
+    assert not _pair_path.pair_fits(1, 1, 1 << 30)

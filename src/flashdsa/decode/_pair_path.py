@@ -16,6 +16,12 @@ from ._tl_common import D_V, DQK
 
 PAIR_HEADS = (64, 128)
 PAIR_MIN_EFFICIENCY = 0.6  # the pair path when its CTAs fill the waves at least this well (else split-KV)
+MAX_SLOT_BYTES = 1 << 28  # the B * s_q * L int32 slot lists it materializes (L = max_blocks * block_size)
+
+
+def pair_fits(batch: int, s_q: int, length: int) -> bool:
+    """The slot lists stay within ``MAX_SLOT_BYTES`` and the forward's int32 slot arithmetic (L < 2^30)."""
+    return length < 2**30 and batch * s_q * length * 4 <= MAX_SLOT_BYTES
 
 
 def pair_efficiency(batch: int, s_q: int, heads: int, num_sms: int) -> float:

@@ -6,7 +6,8 @@ Variants (``run_mla_decode_dense(..., variant=)``, else ``$FLASHDSA_DECODE_VARIA
   * "auto" (default): "narrow_fused" for ``s_q * H <= AUTO_NARROW_ROWS``; "pair" where H is 64 / 128 and its
     CTAs fill the SM waves well (``_pair_path.pair_efficiency`` >= ``PAIR_MIN_EFFICIENCY``); else "ws".
   * "pair": one sparse MLA forward on the pair schedule over the flat cache, each query token's slot list its
-    cache positions, its causal length as ``topk_length`` (``_pair_path.py``); H 64 / 128 only (else "ws").
+    cache positions, its causal length as ``topk_length`` (``_pair_path.py``); H 64 / 128 and slot lists within
+    ``_pair_path.MAX_SLOT_BYTES`` only (else "ws").
   * "narrow": ``kernel_dense_narrow.py`` (cache positions on the wgmma M side, the few query rows as N) where
     ``s_q * H <= 32``, else "ws"; see its notes.  Three launches (plan, partial, combine); explicit only.
   * "ws": the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
@@ -537,7 +538,8 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
         return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
     n_mt = (M + BLOCK_M - 1) // BLOCK_M
     num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-    efficiency = _pair_path.pair_efficiency(B, s_q, H, num_sms)
+    efficiency = _pair_path.pair_efficiency(B, s_q, H, num_sms) if _pair_path.pair_fits(
+        B, s_q, block_table.shape[1] * bs) else 0.0
     if (variant == "pair" and efficiency > 0) or (variant == "auto" and efficiency >= _pair_path.PAIR_MIN_EFFICIENCY):
         return _pair_path.run(q, kv_cache, block_table, cache_seqlens, sm_scale=float(sm_scale), causal=bool(causal),
                               attn_sink=attn_sink)

@@ -374,7 +374,7 @@ def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float
     if pair:
         return kernel_fwd_pair_fp8.run_sparse_mla_fwd_fp8(q, kv, indices, q_scale=q_scale, kv_scale=kv_scale,
                                                           sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
-                                                          attn_sink=attn_sink, checked=True)
+                                                          attn_sink=attn_sink)
     (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
     if done:
         return out, lse, max_logits
