@@ -45,31 +45,24 @@ def slot_rows(block_table, cache_seqlens, num_blocks: int, block_size: int, s_q:
     slots = torch.where(ok.unsqueeze(-1), block_table.unsqueeze(-1) * block_size + offs, -1).view(B, L)
     shift = torch.arange(s_q, device=dev, dtype=torch.int32) - (s_q - 1) if causal else \
         torch.zeros(s_q, device=dev, dtype=torch.int32)
-    lengths = (cache_seqlens.view(B, 1) + shift.view(1, s_q)).clamp(0, L).to(torch.int32).reshape(B * s_q)
-    slots = slots.view(B, 1, L).expand(B, s_q, L).reshape(B * s_q, L).to(torch.int32)
+    lengths = (cache_seqlens.view(B, 1) + shift.view(1, s_q)).clamp(0, L).reshape(B * s_q)  # int32
+    slots = slots.view(B, 1, L).expand(B, s_q, L).reshape(B * s_q, L)
     return slots, lengths
 
 
 def run(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float, causal: bool, attn_sink=None):
     """q [B, s_q, H, 576] bf16 (H 64 / 128), kv_cache [num_blocks, block_size, 576] bf16 -> (out [B, s_q, H, 512]
     bf16, lse [B, s_q, H] f32).  The CTAs take the tokens longest first (the kernel's ``Order`` input: a stable
-    descending sort of the lengths), so that mixed lengths do not leave a long sequence for the last wave."""
-    from .._tilelang import direct_launcher
-    from ..sparse import _tl_common as tc, kernel_fwd_pair
+    descending sort of the lengths), so that mixed lengths do not leave a long sequence for the last wave.  The
+    caller checked the arguments (``kernel_dense.kernel_unsupported``; H 64 / 128 and ``pair_fits`` by the
+    dispatch), which covers the forward's rules for the slot lists built here."""
+    from ..sparse import kernel_fwd_pair
 
     B, s_q, H, _ = q.shape
     nb, bs, _ = kv_cache.shape
     slots, lengths = slot_rows(block_table, cache_seqlens, nb, bs, s_q, causal)
-    qf = q.reshape(B * s_q, H, DQK).contiguous()
-    kvf = kv_cache.reshape(nb * bs, DQK).contiguous()
-    reason = kernel_fwd_pair.kernel_unsupported(qf, kvf, slots, d_v=D_V, topk_length=lengths, attn_sink=attn_sink)
-    if reason is not None:
-        raise ValueError(f"mla_decode pair path: {reason}")
-    (out, lse, max_logits), done = tc.fwd_outputs(qf, kvf, sm_scale=sm_scale, d_v=D_V)
-    if not done:
-        has_sink, _, tl_arg, sink_arg, n_blocks = tc.optional_args(slots, lengths, attn_sink, q.device)
-        order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
-        kernel = kernel_fwd_pair._compiled(H, DQK, D_V, n_blocks, float(sm_scale), has_sink, True,
-                                           (("has_order", True),))
-        direct_launcher(kernel)(qf, kvf, slots, tl_arg, sink_arg, order, out, lse, max_logits)
+    order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+    out, lse, _ = kernel_fwd_pair.run_sparse_mla_fwd(q.reshape(B * s_q, H, DQK), kv_cache.reshape(nb * bs, DQK),
+                                                     slots, sm_scale=sm_scale, d_v=D_V, topk_length=lengths,
+                                                     attn_sink=attn_sink, order=order, checked=True)
     return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)

@@ -292,9 +292,10 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
                   attn_sink=attn_sink)
 
 
-def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None):
+def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None, extra=()):
     """Host side shared by the forward variants: outputs, empty inputs, layouts, dummy optional args, then
-    ``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)(...)``. Arguments already checked."""
+    ``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)(...)``; ``extra``: more kernel
+    inputs, passed after Sink (e.g. the pair kernel's Order). Arguments already checked."""
     (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
     if done:
         return out, lse, max_logits
@@ -304,7 +305,7 @@ def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=N
     indices = indices.contiguous()
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     kernel = compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl)
-    direct_launcher(kernel)(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
+    direct_launcher(kernel)(q, kv, indices, tl_arg, sink_arg, *extra, out, lse, max_logits)
     return out, lse, max_logits
 
 

@@ -371,10 +371,11 @@ def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float
         raise ValueError(f"sparse_mla fp8 fwd kernel: {reason}")
     if pair is None:
         pair = q.shape[1] in kernel_fwd_pair_fp8.SUPPORTED_H and p_split
-    if pair:
+    if pair:  # checked above; the pair kernel's own rule adds only the head count
         return kernel_fwd_pair_fp8.run_sparse_mla_fwd_fp8(q, kv, indices, q_scale=q_scale, kv_scale=kv_scale,
                                                           sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
-                                                          attn_sink=attn_sink)
+                                                          attn_sink=attn_sink,
+                                                          checked=q.shape[1] in kernel_fwd_pair_fp8.SUPPORTED_H)
     (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
     if done:
         return out, lse, max_logits

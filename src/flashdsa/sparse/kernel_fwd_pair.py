@@ -75,6 +75,7 @@ THREADS = 384
 PAIR_REGS = (216, 216, 72)
 assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
 BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128 / 128 / 256 threads); 0 is __syncthreads
+BAR_PROD = 11  # named barrier of the 128 producer threads
 _ASYNC = tc.ASYNC_GATHER
 
 
@@ -355,12 +356,31 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     return body
 
 
+def pair_rows_macro(topk_dim, row_ok):
+    """Macro ``pair_rows(Indices, tok, lim, j, pt, row_a, row_b, kv_src)``: producer thread ``pt`` < 64 loads the
+    KV rows of slot ``pt`` of blocks 2j / 2j + 1 into registers (-1 past topk_eff or where ``row_ok(row, kv_src)``
+    fails), so the Indices latency overlaps the waits that follow."""
+    BI = BLOCK_I
+    _row = tc.make_slot_row(topk_dim)
+
+    @T.macro
+    def pair_rows(Indices, tok, lim, j, pt, row_a, row_b, kv_src):
+        if pt < BI:
+            row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
+            row_a[0] = T.if_then_else(row_ok(row_a[0], kv_src), row_a[0], -1)
+            row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
+            row_b[0] = T.if_then_else(row_ok(row_b[0], kv_src), row_b[0], -1)
+
+    return pair_rows
+
+
 def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
     """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
     arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
+    pair_rows = pair_rows_macro(topk_dim, row_ok)
 
     @T.macro
     def publish_rows(Rows, Indices, tok, lim, blk, kv_src):
@@ -369,26 +389,19 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
         for r in T.Parallel(BI):
             row = _row(Indices, tok, lim, blk * BI + r)
             Rows[r] = T.if_then_else(row_ok(row, kv_src), row, -1)
-        T.sync_threads(11, 128)
+        T.sync_threads(BAR_PROD, 128)
 
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                  row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar):
         for j in T.serial(npair[0]):
-            if prefetch_rows:
-                # this pair's rows into registers (thread t < 64: slot t of blocks 2j, 2j+1) before the
-                # waits, so the Indices load latency overlaps them
-                pt = tx - 256
-                if pt < BI:
-                    row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
-                    row_a[0] = T.if_then_else(row_ok(row_a[0], kv_src), row_a[0], -1)
-                    row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
-                    row_b[0] = T.if_then_else(row_ok(row_b[0], kv_src), row_b[0], -1)
+            if prefetch_rows:  # this pair's rows into registers before the waits
+                pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
             T.barrier_wait(fr_al, (j & 1) ^ 1)
             if prefetch_rows:
                 if tx - 256 < BI:
                     Rows0[tx - 256] = row_a[0]
-                T.sync_threads(11, 128)
+                T.sync_threads(BAR_PROD, 128)
             else:
                 publish_rows(Rows0, Indices, tok, lim[0], j * 2, kv_src)
             T.barrier_arrive(rdy_al)
@@ -398,7 +411,7 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
             if prefetch_rows:
                 if tx - 256 < BI:
                     Rows1[tx - 256] = row_b[0]
-                T.sync_threads(11, 128)
+                T.sync_threads(BAR_PROD, 128)
             else:
                 publish_rows(Rows1, Indices, tok, lim[0], j * 2 + 1, kv_src)
             T.barrier_arrive(rdy_br)
@@ -535,14 +548,16 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False):
-    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
+                       order=None, checked: bool = False):
+    """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  ``order``: None, or
+    [T] int32 on the device, the token each CTA row takes (a permutation of 0..T-1; ``pair_body``'s Order)."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"sparse_mla fwd pair kernel: {reason}")
-    return kernel_fwd.launch(_compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
-                             attn_sink=attn_sink)
+    compiled = _compiled if order is None else (lambda *a: _compiled(*a, (("has_order", True),)))
+    return kernel_fwd.launch(compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+                             attn_sink=attn_sink, extra=() if order is None else (order,))
 
 
 def lowering_cases():

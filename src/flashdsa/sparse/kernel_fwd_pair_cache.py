@@ -137,7 +137,7 @@ def _raw_gather_macro():
     return gather_raw
 
 
-def _consumer_dequant_parts(*, topk_dim):
+def _dequant_parts(*, topk_dim):
     """The producer is ``kernel_fwd_pair.gather_producer`` (non-blocking, up to four half
     tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
     row's four float32 scales (16 B) into the slots of dims [8, 16) (free until chunk 0 is converted), the rope
@@ -180,7 +180,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32)."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
-    producer, first_use = _consumer_dequant_parts(topk_dim=topk_dim)
+    producer, first_use = _dequant_parts(topk_dim=topk_dim)
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                         has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                         prelude=_DEQUANT_SRC, first_use=first_use)

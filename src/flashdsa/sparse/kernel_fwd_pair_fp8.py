@@ -65,9 +65,8 @@ from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 SUPPORTED_H = kp.SUPPORTED_H
 THREADS = kp.THREADS
-BAR_WG0, BAR_WG1, BAR_BOTH = kp.BAR_WG0, kp.BAR_WG1, kp.BAR_BOTH
-BAR_PROD = 11  # named barrier of the 128 producer threads
-P_RANGE = 256.0  # |P'| <= P_RANGE (e4m3 max 448)
+BAR_WG0, BAR_WG1, BAR_BOTH, BAR_PROD = kp.BAR_WG0, kp.BAR_WG1, kp.BAR_BOTH, kp.BAR_PROD
+P_RANGE = f8.P_RANGE  # |P'| <= P_RANGE (e4m3 max 448)
 _ASYNC = tc.ASYNC_GATHER
 # setmaxnreg (WG0, WG1, producer) per Dqk: the producer's transpose needs more than kernel_fwd_pair's 72 (ptxas
 # 13.0 spilled 112 B at (216, 216, 72), none at these)
@@ -94,8 +93,8 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
     fp8, bf16, f32, i32 = "float8_e4m3", "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     set_lim = tc.make_set_lim(has_topk_length, topk_dim)
-    _row = tc.make_slot_row(topk_dim)
     _ok = tc.make_row_ok(n_kv)
+    pair_rows = kp.pair_rows_macro(topk_dim, lambda row, kv_src: _ok(row))
     _, normaliser, _, store_lse = tc.padded_head_macros(BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads,
                                                         c_log2=c_log2, has_sink=has_sink, dtype=fp8)
 
@@ -180,11 +179,8 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
     @T.macro
     def load_rows(Indices, KVScale, tok, lim, j, pt, row_a, row_b, ks_a, ks_b):
         # pair j's KV rows (thread pt < 64: slot pt of blocks 2j, 2j + 1; -1 when invalid) and their scales
+        pair_rows(Indices, tok, lim, j, pt, row_a, row_b, None)
         if pt < BI:
-            row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
-            row_a[0] = T.if_then_else(_ok(row_a[0]), row_a[0], -1)
-            row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
-            row_b[0] = T.if_then_else(_ok(row_b[0]), row_b[0], -1)
             ks_a[0] = T.if_then_else(row_a[0] >= 0, KVScale[T.max(row_a[0], 0)], T.float32(0))
             ks_b[0] = T.if_then_else(row_b[0] >= 0, KVScale[T.max(row_b[0], 0)], T.float32(0))
 
