@@ -7,7 +7,8 @@ registers, ``kernel_radix_regs``),
 paged_nn2 / paged_nn1 (pipelined paged indexer, B 128, ctx 32768, H 64, D 128, block 64), decode_mem (dense bf16
 decode B 64, H 16, s_q 1, cache 8192: the issue's memory-bound case), sparse_pair / sparse_pair_cache (the pair
 forward on bf16 rows / the 656-byte FP8 cache: S 1056 = 8 waves, H 128, SKV 8192, topk 2048), sparse_pair_fp8 (the
-FP8-compute pair forward, same shape).
+FP8-compute pair forward, same shape), decode_sparse_fp8_h16 (sparse decode over the 656-byte cache, B 128, H 16,
+s_q 1, topk 2048, cache 32768: the issue's 3.0 TB/s case).
 """
 
 import sys
@@ -34,6 +35,14 @@ def main():
 
         q, kv, table, lens = make_inputs(64, 16, 1, 8192)
         fn = lambda: kd.run_mla_decode_dense(q, kv, table, lens, sm_scale=576**-0.5, d_v=512, causal=True)  # noqa
+    elif name == "decode_sparse_fp8_h16":
+        from flashdsa import mla_decode
+        from flashdsa.bench import suites
+
+        g = torch.Generator(device=dev).manual_seed(0)
+        case = [c for c in suites.decode_cases(True) if c.name.startswith("sparse_fp8_B128_H16")][0]
+        inp = case.build(dev, g)
+        fn = lambda: mla_decode(inp["q"], inp["kv_cache"], None, None, indices=inp["indices"])  # noqa: E731
     elif name == "sparse_pair_fp8":
         from flashdsa.quant import quantize_fp8
         from flashdsa.sparse import kernel_fwd_pair_fp8
