@@ -90,9 +90,11 @@ def test_dense_decode_fp8_cache(B, s_q, H, bs, lens):
     _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
 
 
-def test_sparse_decode_fp8_cuda_graph_replay():
-    """Capture one sparse FP8 decode step, replay it with new indices and lengths written in place."""
-    B, s_q, H, bs, topk = 8, 1, 64, 64, 512
+@pytest.mark.parametrize("H", [64, 16])
+def test_sparse_decode_fp8_cuda_graph_replay(H):
+    """Capture one sparse FP8 decode step, replay it with new indices and lengths written in place (H 64: the pair
+    kernel, H 16: the few-head kernel)."""
+    B, s_q, bs, topk = 8, 1, 64, 512
     lens = [4096, 140, 20, 0, 4096, 1000, 77, 512]
     q, kv, table, seqlens = _make(B, s_q, H, bs, lens, seed=11)
     cache = flashdsa.quantize_kv_fp8(kv)

@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("tilelang")
 
 from flashdsa.sparse import (  # noqa: E402
-    kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_pair, kernel_fwd_pair_cache,
+    kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_narrow656, kernel_fwd_pair, kernel_fwd_pair_cache,
 )
 
 
@@ -26,7 +26,7 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd_pair, "_compiled", _fake_kernel(calls, "pair"))
     monkeypatch.setattr(kernel_fwd_fp8cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_fp8cache, "_compiled", _fake_kernel(calls, "padded656"))
-    monkeypatch.setattr(kernel_fwd_narrow, "compiled_cache656", _fake_kernel(calls, "narrow656"))
+    monkeypatch.setattr(kernel_fwd_narrow656, "compiled", _fake_kernel(calls, "narrow656"))
     monkeypatch.setattr(kernel_fwd_pair_cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_pair_cache, "_compiled", _fake_kernel(calls, "pair656"))
     return calls
@@ -46,8 +46,9 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
 
 
 @pytest.mark.parametrize("env,heads,pair,expect", [
-    ("", 16, None, "padded656"), ("1", 16, None, "narrow656"), ("1", 64, None, "pair656"), ("", 128, None, "pair656"),
-    ("", 96, None, "padded656"), ("", 128, False, "padded656"),
+    ("", 16, None, "narrow656"), ("0", 16, None, "padded656"), ("", 1, None, "narrow656"), ("", 32, None, "narrow656"),
+    ("", 33, None, "padded656"), ("", 64, None, "pair656"), ("", 128, None, "pair656"), ("", 96, None, "padded656"),
+    ("", 128, False, "padded656"),
 ])
 def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, expect):
     monkeypatch.setenv(kernel_fwd_fp8cache.NARROW_ENV, env)

@@ -317,19 +317,20 @@ def cache_chunks(kv):
     return kv.as_strided((_n_chunks(kv), CHUNK), (CHUNK, 1))
 
 
-NARROW_ENV = "FLASHDSA_NARROW_CACHE656"  # "1": H <= 32 runs kernel_fwd_narrow's cache656 kernel (not GPU-verified yet)
+NARROW_ENV = "FLASHDSA_NARROW_CACHE656"  # "0": H <= 32 runs this module's 64-head kernel instead of narrow656
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       narrow: bool | None = None, pair: bool | None = None, checked: bool = False):
+                       narrow: bool | None = None, pair: bool | None = None, narrow_stages: int | None = None,
+                       checked: bool = False):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
 
     ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
-    is 64 or 128.  ``narrow``: run ``kernel_fwd_narrow``'s cache656 kernel (keys on the wgmma M side, H <= 32);
-    None: only when ``$FLASHDSA_NARROW_CACHE656`` is "1" (opt-in: GPU-verified in session 7, not faster at H 16).
-    Otherwise this module's pipelined kernel.  ``checked``: ``kernel_unsupported`` has already accepted these
-    arguments (the dispatcher ran it)."""
-    from . import kernel_fwd_narrow, kernel_fwd_pair_cache
+    is 64 or 128.  ``narrow``: run ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
+    ``narrow_stages``: its raw stage count, None = its default); None: whenever H <= 32 unless
+    ``$FLASHDSA_NARROW_CACHE656`` is "0".  Otherwise this module's pipelined kernel (heads padded to 64).
+    ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
+    from . import kernel_fwd_narrow656, kernel_fwd_pair_cache
 
     if pair is None:
         pair = q.dim() == 3 and q.shape[1] in kernel_fwd_pair_cache.SUPPORTED_H and not narrow
@@ -354,9 +355,9 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     kvb = chunks.view(torch.bfloat16)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     if narrow is None:
-        narrow = os.environ.get(NARROW_ENV, "") == "1" and heads <= kernel_fwd_narrow.MAX_HEADS
+        narrow = os.environ.get(NARROW_ENV, "") != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
     if narrow:
-        kernel = kernel_fwd_narrow.compiled_cache656(heads, float(sm_scale), has_sink, has_tl)
+        kernel = kernel_fwd_narrow656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow_stages)
     else:
         kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
     direct_launcher(kernel)(q, kv8, kvf, kvb, _rs16(kv), kv.shape[0], indices, tl_arg, sink_arg, out, lse, max_logits)

@@ -23,9 +23,7 @@ zeros, and their scores are -inf.  Running max from the finite -1e30, exp2 with 
 
 Shared memory (Dqk 576, BR 16): 2 x 72 KB tiles + Q 18 KB + S^T 4 KB + P 2 KB = 171 KB (BR 32: 198 KB).
 
-``build_sparse_mla_fwd_narrow_cache656``: the same over the 656-byte FP8 cache (``kernel_fwd_fp8cache``'s gather
-and exact dequantization; raw rows double-buffered, one bf16 tile: ~145 KB at BR 16).  Written in session 6,
-lowered and nvcc-compiled on CPU only: opt-in (``$FLASHDSA_NARROW_CACHE656=1``) until its GPU tests have run.
+The same tile shape over the 656-byte FP8 cache is ``kernel_fwd_narrow656`` (its own gather and conversion).
 
 Measured (H200, session 6, S 4096, SKV 8192, topk 2048, Dqk 576; docs/PERFORMANCE.md): H 16 4.18 ms (64-head tile)
 -> 3.27 ms (89 TFLOP/s; suite 3.15 ms, 92.8), H 32 131.9 -> 143.8 TFLOP/s.  Gather-bound: 9.7 GB through the
@@ -204,113 +202,6 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
     return sparse_mla_fwd_narrow
 
 
-def build_sparse_mla_fwd_narrow_cache656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                                         has_topk_length: bool = False):
-    """The narrow forward over the 656-byte FP8 cache, with ``kernel_fwd_fp8cache.build_sparse_mla_fwd_fp8cache``'s
-    signature (Q[T,H,576] bf16, KV8 / KVf / KVb: three 16-byte-chunk views of the cache, rs16, n_rows,
-    Indices[T,topk], TopkLen, Sink, Out, Lse, MaxLogits) and its gather / dequantization: the raw rows (e4m3 latent,
-    scales) and the bf16 rope of block it + 1 land in stage (it + 1) % 2 while block it is dequantized into the one
-    bf16 tile (exact: ``bf16(float(e4m3) * 2^k)``) and attended.  Not dispatched by default until GPU-verified
-    (``kernel_fwd_fp8cache.run_sparse_mla_fwd(narrow=True)`` or ``$FLASHDSA_NARROW_CACHE656=1``)."""
-    from . import kernel_fwd_fp8cache as fc
-
-    BR = rows_tile(heads)
-    BI, D, DT, CH = BLOCK_I, D_V, fc.D_TAIL, fc.CHUNK
-    assert sm_scale > 0
-    c_log2 = float(sm_scale) * LOG2E
-    bf16, f32, i32 = "bfloat16", "float32", "int32"
-    n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
-    _row = tc.make_slot_row(topk_dim)
-    load_q, normaliser, _, store_lse = tc.padded_head_macros(
-        BH=BR, D=D, D_tail=DT, dqk=fc.DQK, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
-    qk_t, softmax_pv = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=True, c_log2=c_log2)
-    epilogue = _epilogue_macro(BR=BR, D=D, heads=heads, normaliser=normaliser, store_lse=store_lse)
-    start = _prologue_macro(BI=BI, topk_dim=topk_dim, has_topk_length=has_topk_length, load_q=load_q)
-    issue, dequant = fc.cache_macros(BI=BI, topk_dim=topk_dim)
-
-    @T.macro
-    def dequant_attend(Indices, n_rows, tok, lim, blk, Raw_b, Scl_b, Kt_b, KV_s, Q_s, Qt_s, ST_s, P_s, Alpha_s,
-                       acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk):
-        dequant(Raw_b, Scl_b, KV_s)
-        T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
-        T.sync_threads()
-        qk_t(KV_s, Kt_b, Q_s, Qt_s, acc_t, ST_s)
-        for n, r in T.Parallel(BR, BI):
-            row = _row(Indices, tok, lim, blk * BI + r)
-            s_f[n, r] = T.if_then_else((row >= 0) & (row < n_rows), ST_s[r, n], -T.infinity(f32))
-        softmax_pv(KV_s, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk)
-
-    @T.prim_func
-    def sparse_mla_fwd_narrow_cache656(
-        Q: T.Tensor([n_tok, heads, fc.DQK], bf16),
-        KV8: T.Tensor([n_ch, CH], fc.FP8),
-        KVf: T.Tensor([n_ch, CH // 4], f32),
-        KVb: T.Tensor([n_ch, CH // 2], bf16),
-        rs16: T.int32,
-        n_rows: T.int32,
-        Indices: T.Tensor([n_tok, topk_dim], i32),
-        TopkLen: T.Tensor([n_tl], i32),
-        Sink: T.Tensor([n_sink], f32),
-        Out: T.Tensor([n_tok, heads, D], bf16),
-        Lse: T.Tensor([n_tok, heads], f32),
-        MaxLogits: T.Tensor([n_tok, heads], f32),
-    ):
-        with T.Kernel(n_tok, threads=THREADS) as bx:
-            Q_s = T.alloc_shared([BR, D], bf16)
-            Qt_s = T.alloc_shared([BR, DT], bf16)
-            KV_s = T.alloc_shared([BI, D], bf16)
-            Raw_0 = T.alloc_shared([BI, D], fc.FP8)
-            Raw_1 = T.alloc_shared([BI, D], fc.FP8)
-            Scl_0 = T.alloc_shared([BI, 4], f32)
-            Scl_1 = T.alloc_shared([BI, 4], f32)
-            Kt_0 = T.alloc_shared([BI, DT], bf16)
-            Kt_1 = T.alloc_shared([BI, DT], bf16)
-            ST_s = T.alloc_shared([BI, BR], f32)
-            P_s = T.alloc_shared([BR, BI], bf16)
-            Alpha_s = T.alloc_shared([BR], f32)
-
-            acc_t = T.alloc_fragment([BI, BR], f32)
-            acc_ot = T.alloc_fragment([D, BR], f32)
-            s_f = T.alloc_fragment([BR, BI], f32)
-            m_i = T.alloc_fragment([BR], f32)
-            m_prev = T.alloc_fragment([BR], f32)
-            alpha = T.alloc_fragment([BR], f32)
-            l_i = T.alloc_fragment([BR], f32)
-            l_blk = T.alloc_fragment([BR], f32)
-            inv = T.alloc_fragment([BR], f32)
-            lim = T.alloc_local([1], i32)
-            nblk = T.alloc_local([1], i32)
-
-            start(TopkLen, Q, Q_s, Qt_s, lim, nblk, acc_ot, l_i, m_i, bx)
-            if nblk[0] > 0:
-                issue(Indices, KV8, KVf, KVb, rs16, n_rows, bx, lim[0], 0, Raw_0, Scl_0, Kt_0)
-                T.ptx_commit_group()
-            for it in T.serial(nblk[0]):
-                # stage (it + 1) % 2 held block it - 1, dequantized and attended in the last iteration
-                if it + 1 < nblk[0]:
-                    if it % 2 == 0:
-                        issue(Indices, KV8, KVf, KVb, rs16, n_rows, bx, lim[0], it + 1, Raw_1, Scl_1, Kt_1)
-                    else:
-                        issue(Indices, KV8, KVf, KVb, rs16, n_rows, bx, lim[0], it + 1, Raw_0, Scl_0, Kt_0)
-                    T.ptx_commit_group()
-                    T.ptx_wait_group(1)
-                else:
-                    T.ptx_wait_group(0)
-                T.fence_proxy_async()  # the landed rope tile is read by wgmma
-                T.sync_threads()
-                if it % 2 == 0:
-                    dequant_attend(Indices, n_rows, bx, lim[0], it, Raw_0, Scl_0, Kt_0, KV_s, Q_s, Qt_s, ST_s, P_s,
-                                   Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk)
-                else:
-                    dequant_attend(Indices, n_rows, bx, lim[0], it, Raw_1, Scl_1, Kt_1, KV_s, Q_s, Qt_s, ST_s, P_s,
-                                   Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk)
-                T.sync_threads()  # KV_s and the stage just read are rewritten in the next iteration
-
-            epilogue(acc_ot, inv, l_i, m_i, Sink, Alpha_s, Q_s, Out, Lse, MaxLogits, bx)
-
-    return sparse_mla_fwd_narrow_cache656
-
-
 def _pass_configs():
     return tc.plain_pass_configs()
 
@@ -327,19 +218,10 @@ def _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length):
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
-@functools.lru_cache(maxsize=64)
-def compiled_cache656(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
-    func = build_sparse_mla_fwd_narrow_cache656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                                has_topk_length=has_topk_length)
-    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
-
-
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [
         ("h16_d576_sink_tl", build_sparse_mla_fwd_narrow(heads=16, dqk=576, sm_scale=576 ** -0.5, has_sink=True,
                                                          has_topk_length=True)),
         ("h9_d512", build_sparse_mla_fwd_narrow(heads=9, dqk=512, sm_scale=512 ** -0.5)),
-        ("cache656_h16_sink_tl", build_sparse_mla_fwd_narrow_cache656(heads=16, sm_scale=576 ** -0.5, has_sink=True,
-                                                                      has_topk_length=True)),
     ]

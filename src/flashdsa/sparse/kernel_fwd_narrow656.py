@@ -1,0 +1,271 @@
+"""Sparse MLA forward over the 656-byte FP8 cache for few heads (H <= 32): bulk row copies, keys on wgmma M.
+
+Notes
+-----
+Contract, signature and numerics as ``kernel_fwd_fp8cache.build_sparse_mla_fwd_fp8cache`` (q bf16 [T, H, 576], the
+cache as 16-byte chunks, bf16 compute on ``bf16(float(e4m3) * scale)``, exact); tile shape as
+``kernel_fwd_narrow`` (one CTA of 128 threads per token, each block of 64 top-k rows on the wgmma M side, the
+heads zero-padded to ``BR`` = 16 / 32 on N: ``S^T = K Q^T``, ``O^T += V^T P^T``; ``_tl_common.narrow_macros``).
+
+Why: the serving case of issue #6 (B 128 decode tokens, H 16, topk 2048) ran at ~5.4 us per 64-row block and
+CTA with both earlier kernels (the 64-head pipelined one and the first narrow one, ~0.17 ms in all, 1.0 TB/s),
+which gather with 41 cp.async of 16 bytes per row (2,624 per block, each with its own address arithmetic) and
+convert through the f32 path; ncu (session 11) shows the 64-head kernel issue-bound in a latency chain (IPC 1.65,
+2 warps per scheduler, DRAM 18%).  Here:
+
+  * **Gather**: one ``cp.async.bulk`` of the whole 656-byte row per top-k slot (64 per block, one thread each),
+    completing on the stage's mbarrier (``arrive.expect_tx`` of 656 bytes per valid row, a plain arrive for an
+    invalid one: nothing is read for it).  ``NS`` raw stages ``[64, 656]`` bytes: blocks ``it + 1 .. it + NS - 1``
+    are in flight while block ``it`` is converted and attended.
+  * **Conversion** (all 128 threads; thread t: row ``t % 64``, dims ``[256 (t / 64), +256)`` = two scale tiles,
+    then 4 of the row's 8 rope chunks): 16-byte shared loads of the raw row, ``fdsa_cvt_e4m3x16`` (the 5-instruction
+    exact conversion of ``kernel_fwd_pair_cache``), 16-byte stores into the swizzled bf16 tile; invalid rows are
+    written as zeros (their raw bytes are stale), so V never carries NaN into ``P V`` and their scores are -inf.
+    A quarter warp touches 8 consecutive rows: 8 different 16-byte bank groups for the loads (656 B row stride)
+    and the swizzled stores.
+  * Then ``fence.proxy.async`` + ``__syncthreads``, QK, softmax, PV (``narrow_macros``), ``__syncthreads``.
+Shared memory (BR 16, NS 3): raw 3 x 41,984 + bf16 tile 65,536 + rope 8,192 + Q 18,432 + S^T 4,096 + P 2,048 +
+flags, ~224 KB; BR 32 uses NS 2.
+
+Same masking, empty-row and sink rules as every forward (``_tl_common``).  The valid flag of each slot is
+published in ``Ok_s`` by its gathering thread before its arrive (mbarrier release / acquire).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from . import _tl_common as tc
+from . import kernel_fwd_fp8cache as fc
+from . import kernel_fwd_narrow as _kn
+from .kernel_fwd_pair_cache import _DEQUANT_SRC
+from ._tl_common import BLOCK_I, D_V, LOG2E
+
+MAX_HEADS = _kn.MAX_HEADS
+ROW = fc.ROW_BYTES  # 656
+ROPE_BYTE = fc.ROPE_CHUNK0 * fc.CHUNK  # 528
+SCALE_BYTE = fc.SCALE_CHUNK * fc.CHUNK  # 512
+
+_SRC = _DEQUANT_SRC + r"""
+// one 656-byte cache row -> shared memory, completing on an mbarrier; an invalid row only arrives
+__device__ __forceinline__ void fdsa_bulk_row(void *dst, const void *src, void *bar, int ok) {
+  const unsigned b = (unsigned)__cvta_generic_to_shared(bar);
+  if (ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads of the old stage -> async write
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(656) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 656, [%2];"
+                 :: "r"(d), "l"(src), "r"(b) : "memory");
+  } else {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
+  }
+}
+// 64 raw e4m3 bytes at src (4 chunks) -> bf16 dims at l_i (first 8) / h_i (last 8) of chunk i; zeros if !ok
+__device__ __forceinline__ void fdsa_dequant64(const void *src, void *l0, void *h0, void *l1, void *h1, void *l2,
+                                               void *h2, void *l3, void *h3, float s, int ok) {
+  void *lo[4] = {l0, l1, l2, l3}, *hi[4] = {h0, h1, h2, h3};
+  uint4 w[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    w[c] = ok ? reinterpret_cast<const uint4 *>(src)[c] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const unsigned in[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
+    unsigned o[8];
+    fdsa_cvt_e4m3x16(in, o, ok ? s : 1.0f);
+    *reinterpret_cast<uint4 *>(lo[c]) = make_uint4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<uint4 *>(hi[c]) = make_uint4(o[4], o[5], o[6], o[7]);
+  }
+}
+// 4 rope chunks (bf16, 16 bytes each) from src -> d_i; zeros if !ok
+__device__ __forceinline__ void fdsa_copy4x16(const void *src, void *d0, void *d1, void *d2, void *d3, int ok) {
+  void *d[4] = {d0, d1, d2, d3};
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    *reinterpret_cast<uint4 *>(d[c]) = ok ? reinterpret_cast<const uint4 *>(src)[c] : make_uint4(0u, 0u, 0u, 0u);
+}
+"""
+
+
+def stages_for(heads: int) -> int:
+    """Raw stages that fit next to the rest of shared memory (BR 16: 3, BR 32: 2)."""
+    return 3 if _kn.rows_tile(heads) == 16 else 2
+
+
+def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: bool = False,
+                                   has_topk_length: bool = False, stages: int | None = None):
+    """prim_func with ``kernel_fwd_fp8cache.build_sparse_mla_fwd_fp8cache``'s signature (Q[T,H,576] bf16, KV8 /
+    KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
+    MaxLogits); any topk (dynamic trip count), H <= 32."""
+    BR = _kn.rows_tile(heads)
+    NS = stages_for(heads) if stages is None else stages
+    BI, D, DT, CH = BLOCK_I, D_V, fc.D_TAIL, fc.CHUNK
+    assert sm_scale > 0 and NS >= 2
+    c_log2 = float(sm_scale) * LOG2E
+    bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
+    n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
+    _row = tc.make_slot_row(topk_dim)
+    load_q, normaliser, _, store_lse = tc.padded_head_macros(
+        BH=BR, D=D, D_tail=DT, dqk=fc.DQK, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
+    qk_t, softmax_pv = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=True, c_log2=c_log2)
+    epilogue = _kn._epilogue_macro(BR=BR, D=D, heads=heads, normaliser=normaliser, store_lse=store_lse)
+    start = _kn._prologue_macro(BI=BI, topk_dim=topk_dim, has_topk_length=has_topk_length, load_q=load_q)
+
+    @T.macro
+    def issue(Indices, KV8, rs16, n_rows, tok, lim, blk, Raw, Ok_s, bars, tx):
+        # threads 0..63: one bulk copy of slot blk * 64 + tx's row into stage blk % NS (or a bare arrive)
+        if tx < BI:
+            st = blk % NS
+            row = _row(Indices, tok, lim, blk * BI + tx)
+            ok = (row >= 0) & (row < n_rows)
+            Ok_s[st, tx] = T.if_then_else(ok, 1, 0)
+            T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[st, tx, 0]),
+                          T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]), T.address_of(bars[st]),
+                          T.if_then_else(ok, 1, 0))
+
+    @T.macro
+    def convert(Raw, Ok_s, st, KV_s, Kt_s, sc, tx):
+        # thread tx: row tx % 64, dims [256 * (tx / 64), +256) (scale tiles 2 (tx / 64) and + 1), rope chunks
+        # [4 (tx / 64), +4)
+        r = tx % BI
+        part = tx // BI
+        ok = Ok_s[st, r]
+        for g in T.unroll(4):
+            sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Raw[st, r, SCALE_BYTE]), part * 2 + g // 2)
+            T.call_extern("handle", "fdsa_dequant64", T.address_of(Raw[st, r, part * 256 + g * 64]),
+                          *[T.address_of(KV_s[r, part * 256 + g * 64 + i * 16 + h * 8])
+                            for i in range(4) for h in range(2)], sc[0], ok)
+        T.call_extern("handle", "fdsa_copy4x16", T.address_of(Raw[st, r, ROPE_BYTE + part * 64]),
+                      *[T.address_of(Kt_s[r, part * 32 + i * 8]) for i in range(4)], ok)
+
+    @T.prim_func
+    def sparse_mla_fwd_narrow656(
+        Q: T.Tensor([n_tok, heads, fc.DQK], bf16),
+        KV8: T.Tensor([n_ch, CH], fc.FP8),
+        KVf: T.Tensor([n_ch, CH // 4], f32),
+        KVb: T.Tensor([n_ch, CH // 2], bf16),
+        rs16: T.int32,
+        n_rows: T.int32,
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok, threads=_kn.THREADS, prelude=_SRC) as bx:
+            tx = T.get_thread_binding()
+            Raw = T.alloc_shared([NS, BI, ROW], u8)
+            Q_s = T.alloc_shared([BR, D], bf16)
+            Qt_s = T.alloc_shared([BR, DT], bf16)
+            KV_s = T.alloc_shared([BI, D], bf16)
+            Kt_s = T.alloc_shared([BI, DT], bf16)
+            ST_s = T.alloc_shared([BI, BR], f32)
+            P_s = T.alloc_shared([BR, BI], bf16)
+            Alpha_s = T.alloc_shared([BR], f32)
+            Ok_s = T.alloc_shared([NS, BI], i32)
+            bars = T.alloc_barrier([BI] * NS)
+
+            acc_t = T.alloc_fragment([BI, BR], f32)
+            acc_ot = T.alloc_fragment([D, BR], f32)
+            s_f = T.alloc_fragment([BR, BI], f32)
+            m_i = T.alloc_fragment([BR], f32)
+            m_prev = T.alloc_fragment([BR], f32)
+            alpha = T.alloc_fragment([BR], f32)
+            l_i = T.alloc_fragment([BR], f32)
+            l_blk = T.alloc_fragment([BR], f32)
+            inv = T.alloc_fragment([BR], f32)
+            lim = T.alloc_local([1], i32)
+            nblk = T.alloc_local([1], i32)
+            sc = T.alloc_local([1], f32)
+
+            start(TopkLen, Q, Q_s, Qt_s, lim, nblk, acc_ot, l_i, m_i, bx)
+            for s in T.serial(NS - 1):
+                if s < nblk[0]:
+                    issue(Indices, KV8, rs16, n_rows, bx, lim[0], s, Raw, Ok_s, bars, tx)
+            for it in T.serial(nblk[0]):
+                st = it % NS
+                # stage (it - 1) % NS was converted in the last iteration (all threads past its barrier)
+                if it + NS - 1 < nblk[0]:
+                    issue(Indices, KV8, rs16, n_rows, bx, lim[0], it + NS - 1, Raw, Ok_s, bars, tx)
+                T.barrier_wait(bars[st], (it // NS) % 2)
+                convert(Raw, Ok_s, st, KV_s, Kt_s, sc, tx)
+                T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
+                T.sync_threads()
+                qk_t(KV_s, Kt_s, Q_s, Qt_s, acc_t, ST_s)
+                for n, r in T.Parallel(BR, BI):
+                    s_f[n, r] = T.if_then_else(Ok_s[st, r] != 0, ST_s[r, n], -T.infinity(f32))
+                softmax_pv(KV_s, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk)
+                T.sync_threads()  # KV_s, Kt_s, Ok_s[st] are rewritten by the next iterations
+
+            epilogue(acc_ot, inv, l_i, m_i, Sink, Alpha_s, Q_s, Out, Lse, MaxLogits, bx)
+
+    return sparse_mla_fwd_narrow656
+
+
+def _pass_configs():
+    return tc.plain_pass_configs()
+
+
+@functools.lru_cache(maxsize=64)
+def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, stages: int | None = None):
+    func = build_sparse_mla_fwd_narrow656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
+                                          has_topk_length=has_topk_length, stages=stages)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    return [
+        ("narrow656_h16_sink_tl", build_sparse_mla_fwd_narrow656(heads=16, sm_scale=576 ** -0.5, has_sink=True,
+                                                                 has_topk_length=True)),
+        ("narrow656_h32", build_sparse_mla_fwd_narrow656(heads=32, sm_scale=576 ** -0.5)),
+    ]
+
+
+def _bench_variants():
+    """Kernel times (``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``): the decode shape of issue #6
+    (128 tokens, H 16, topk 2048 of 32768 cache rows per token, each token its own 32768 rows: 2.75 GB of cache)
+    and a prefill shape (S 4096, SKV 8192, H 16, topk 2048), each with the 64-head pipelined kernel and this kernel
+    at 2 / 3 stages; bitwise equality against the 64-head kernel and TB/s of unique cache rows touched."""
+    import torch
+
+    from ..bench.harness import time_fn
+    from ..quant import quantize_kv_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sm = fc.DQK ** -0.5
+    for label, n_tok, tkv, per_token in (("decode_B128", 128, 32768, True), ("prefill_S4096", 4096, 8192, False)):
+        heads, topk = 16, 2048
+        rows = n_tok * tkv if per_token else tkv
+        kv8 = torch.empty(rows, ROW, dtype=torch.uint8, device="cuda")
+        for a in range(0, rows, 1 << 20):
+            b = min(rows, a + (1 << 20))
+            kv8[a:b] = quantize_kv_fp8(torch.randn(b - a, fc.DQK, generator=gen, device="cuda").to(torch.bfloat16))
+        q = torch.randn(n_tok, heads, fc.DQK, generator=gen, device="cuda").to(torch.bfloat16)
+        idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk]
+        if per_token:
+            idx = idx + torch.arange(n_tok, device="cuda").unsqueeze(1) * tkv
+        idx = idx.sort(dim=1).values.to(torch.int32)
+        touched = int(torch.unique(idx).numel()) * ROW
+        runs = {"padded64": dict(narrow=False)} | {f"narrow656_ns{ns}": dict(narrow=True, narrow_stages=ns)
+                                                     for ns in (2, 3)}
+        ref = None
+        for name, kw in runs.items():
+            fn = lambda kw=kw: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, **kw)  # noqa: E731
+            out = fn()
+            ref = ref or out
+            same = all(torch.equal(a, b) for a, b in zip(out, ref))
+            ms = time_fn(lambda _, f=fn: f(), [None], q.device, reps=20).ms_median
+            print(f"variant {label} {name}: {ms * 1e3:.1f} us, {touched / ms / 1e9:.3f} TB/s of cache rows, "
+                  f"bitwise equal to padded64: {same}", flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--variants" in sys.argv[1:]:
+        _bench_variants()

@@ -1,0 +1,54 @@
+"""GPU: the few-head forward over the 656-byte FP8 cache (``kernel_fwd_narrow656``: bulk row copies, keys on the
+wgmma M side) against the reference on ``dequantize_kv_fp8(kv)`` with the bf16 forward's tolerances (same inputs
+and poisoning as ``test_kernel_fp8cache_gpu``: unreferenced rows and row padding are NaN / huge bytes), over
+head counts 1..32, both stage counts, topk not a multiple of 64, topk > Tkv, invalid indices of every kind, empty
+rows, topk_length, +/-inf sinks, padded row strides and strided q; a second launch must be bitwise equal."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("tilelang")
+
+from flashdsa.sparse import kernel_fwd_fp8cache  # noqa: E402
+
+from .test_kernel_fp8cache_gpu import _fp8_cache  # noqa: E402
+from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
+
+D_V, DQK = 512, 576
+
+# (heads, tkv, topk, n_tok, sink, topk_length, q layout, kv row stride in bytes, stages)
+CASES = [
+    (16, 4096, 2048, 40, False, False, "contig", 656, None),
+    (16, 592, 100, 213, True, True, "contig", 672, None),
+    (16, 300, 700, 17, True, False, "strided", 656, 2),  # topk > Tkv: many invalid slots
+    (1, 4096, 100, 62, True, False, "contig", 704, None),
+    (3, 1000, 64, 9, False, True, "contig", 656, None),
+    (9, 2000, 129, 33, True, True, "strided", 656, 3),
+    (17, 1840, 256, 62, True, True, "contig", 656, None),
+    (32, 8192, 2048, 20, False, True, "contig", 688, None),
+]
+
+
+@pytest.mark.parametrize(
+    "heads,tkv,topk,n_tok,sink,use_tl,layout,row_stride,stages", CASES,
+    ids=[f"h{c[0]}-kv{c[1]}-k{c[2]}-t{c[3]}{'-sink' if c[4] else ''}{'-tl' if c[5] else ''}-{c[6]}-rs{c[7]}"
+         f"-ns{c[8]}" for c in CASES],
+)
+def test_sparse_mla_fwd_narrow656(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride, stages):
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    kv8, kv_deq = _fp8_cache(kv, row_stride, gen)
+    sm_scale = DQK**-0.5
+    kw = dict(sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink, narrow=True,
+              narrow_stages=stages)
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    out, lse, max_logits = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, **kw)
+    torch.cuda.synchronize()
+    check_against_reference(out, lse, max_logits, q, kv_deq, indices, sm_scale, topk_length, attn_sink, valid)
+    again = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, **kw)
+    for a, b in zip((out, lse, max_logits), again):
+        assert torch.equal(a, b)
