@@ -46,11 +46,12 @@ from ._tl_common import BLOCK_I, D_V, LOG2E
 
 MAX_HEADS = _kn.MAX_HEADS
 ROW = fc.ROW_BYTES  # 656
+GATHERS = ("cp_async", "bulk")
 ROPE_BYTE = fc.ROPE_CHUNK0 * fc.CHUNK  # 528
 SCALE_BYTE = fc.SCALE_CHUNK * fc.CHUNK  # 512
 
 _SRC = _DEQUANT_SRC + r"""
-// one 656-byte cache row -> shared memory, completing on an mbarrier; an invalid row only arrives
+// one 656-byte cache row -> shared memory, completing on an mbarrier; an invalid row is zeroed, then arrives
 __device__ __forceinline__ void fdsa_bulk_row(void *dst, const void *src, void *bar, int ok) {
   const unsigned b = (unsigned)__cvta_generic_to_shared(bar);
   if (ok) {
@@ -59,9 +60,25 @@ __device__ __forceinline__ void fdsa_bulk_row(void *dst, const void *src, void *
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(656) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 656, [%2];"
                  :: "r"(d), "l"(src), "r"(b) : "memory");
-  } else {
+  } else {  // nothing is read; the row's stale bytes become zeros (they convert to zeros: V stays finite)
+#pragma unroll
+    for (int k = 0; k < 41; ++k) reinterpret_cast<uint4 *>(dst)[k] = make_uint4(0u, 0u, 0u, 0u);
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
   }
+}
+// half a 656-byte row by cp.async (part 0: bytes [0, 336), part 1: [336, 656)); an invalid row (!ok) is
+// zero-filled (src-size 0: nothing is read), so it converts to zeros (scale 0); completion arrives on bar (noinc)
+__device__ __forceinline__ void fdsa_row_cp_async(void *dst_row, const void *src_row, int part, int ok, void *bar) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst_row) + (part ? 336u : 0u);
+  const char *s = reinterpret_cast<const char *>(src_row) + (part ? 336 : 0);
+  const int n = ok ? 16 : 0;
+#pragma unroll
+  for (int k = 0; k < 21; ++k)
+    if (k < 20 || !part)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d + 16u * k), "l"(s + 16 * k), "r"(n)
+                   : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
+               :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
 }
 // 64 raw e4m3 bytes at src (4 chunks) -> bf16 dims at l_i (first 8) / h_i (last 8) of chunk i; zeros if !ok
 __device__ __forceinline__ void fdsa_dequant64(const void *src, void *l0, void *h0, void *l1, void *h1, void *l2,
@@ -96,14 +113,16 @@ def stages_for(heads: int) -> int:
 
 
 def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                                   has_topk_length: bool = False, stages: int | None = None):
+                                   has_topk_length: bool = False, stages: int | None = None,
+                                   gather: str = "cp_async"):
     """prim_func with ``kernel_fwd_fp8cache.build_sparse_mla_fwd_fp8cache``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
     MaxLogits); any topk (dynamic trip count), H <= 32."""
     BR = _kn.rows_tile(heads)
     NS = stages_for(heads) if stages is None else stages
     BI, D, DT, CH = BLOCK_I, D_V, fc.D_TAIL, fc.CHUNK
-    assert sm_scale > 0 and NS >= 2
+    assert sm_scale > 0 and NS >= 2 and gather in GATHERS, (NS, gather)
+    bulk = gather == "bulk"
     c_log2 = float(sm_scale) * LOG2E
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
@@ -115,24 +134,30 @@ def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: boo
     start = _kn._prologue_macro(BI=BI, topk_dim=topk_dim, has_topk_length=has_topk_length, load_q=load_q)
 
     @T.macro
-    def issue(Indices, KV8, rs16, n_rows, tok, lim, blk, Raw, Ok_s, bars, tx):
-        # threads 0..63: one bulk copy of slot blk * 64 + tx's row into stage blk % NS (or a bare arrive)
-        if tx < BI:
-            st = blk % NS
-            row = _row(Indices, tok, lim, blk * BI + tx)
+    def issue(Indices, KV8, rs16, n_rows, tok, lim, blk, Raw, bars, tx):
+        # block blk's rows into stage blk % NS.  "cp_async": thread tx copies half (tx % 2) of row tx / 2.
+        # "bulk": thread 2 r one cp.async.bulk of row r (spread over the four warps: the copy's operands are
+        # uniform registers, so a warp issues its lanes' copies one after another)
+        st = blk % NS
+        if (not bulk) or tx % 2 == 0:
+            row = _row(Indices, tok, lim, blk * BI + tx // 2)
             ok = (row >= 0) & (row < n_rows)
-            Ok_s[st, tx] = T.if_then_else(ok, 1, 0)
-            T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[st, tx, 0]),
-                          T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]), T.address_of(bars[st]),
-                          T.if_then_else(ok, 1, 0))
+            if bulk:
+                T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[st, tx // 2, 0]),
+                              T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]),
+                              T.address_of(bars[st]), T.if_then_else(ok, 1, 0))
+            else:
+                T.call_extern("handle", "fdsa_row_cp_async", T.address_of(Raw[st, tx // 2, 0]),
+                              T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]), tx % 2,
+                              T.if_then_else(ok, 1, 0), T.address_of(bars[st]))
 
     @T.macro
-    def convert(Raw, Ok_s, st, KV_s, Kt_s, sc, tx):
+    def convert(Raw, st, KV_s, Kt_s, sc, tx):
         # thread tx: row tx % 64, dims [256 * (tx / 64), +256) (scale tiles 2 (tx / 64) and + 1), rope chunks
         # [4 (tx / 64), +4)
         r = tx % BI
         part = tx // BI
-        ok = Ok_s[st, r]
+        ok = 1  # invalid rows are zero bytes (zero-filled copies / zeroed at start), which convert to zeros
         for g in T.unroll(4):
             sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Raw[st, r, SCALE_BYTE]), part * 2 + g // 2)
             T.call_extern("handle", "fdsa_dequant64", T.address_of(Raw[st, r, part * 256 + g * 64]),
@@ -166,8 +191,7 @@ def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: boo
             ST_s = T.alloc_shared([BI, BR], f32)
             P_s = T.alloc_shared([BR, BI], bf16)
             Alpha_s = T.alloc_shared([BR], f32)
-            Ok_s = T.alloc_shared([NS, BI], i32)
-            bars = T.alloc_barrier([BI] * NS)
+            bars = T.alloc_barrier([BI if bulk else 2 * BI] * NS)
 
             acc_t = T.alloc_fragment([BI, BR], f32)
             acc_ot = T.alloc_fragment([D, BR], f32)
@@ -185,19 +209,20 @@ def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: boo
             start(TopkLen, Q, Q_s, Qt_s, lim, nblk, acc_ot, l_i, m_i, bx)
             for s in T.serial(NS - 1):
                 if s < nblk[0]:
-                    issue(Indices, KV8, rs16, n_rows, bx, lim[0], s, Raw, Ok_s, bars, tx)
+                    issue(Indices, KV8, rs16, n_rows, bx, lim[0], s, Raw, bars, tx)
             for it in T.serial(nblk[0]):
                 st = it % NS
                 # stage (it - 1) % NS was converted in the last iteration (all threads past its barrier)
                 if it + NS - 1 < nblk[0]:
-                    issue(Indices, KV8, rs16, n_rows, bx, lim[0], it + NS - 1, Raw, Ok_s, bars, tx)
+                    issue(Indices, KV8, rs16, n_rows, bx, lim[0], it + NS - 1, Raw, bars, tx)
                 T.barrier_wait(bars[st], (it // NS) % 2)
-                convert(Raw, Ok_s, st, KV_s, Kt_s, sc, tx)
+                convert(Raw, st, KV_s, Kt_s, sc, tx)
                 T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
                 T.sync_threads()
                 qk_t(KV_s, Kt_s, Q_s, Qt_s, acc_t, ST_s)
                 for n, r in T.Parallel(BR, BI):
-                    s_f[n, r] = T.if_then_else(Ok_s[st, r] != 0, ST_s[r, n], -T.infinity(f32))
+                    row = _row(Indices, bx, lim[0], it * BI + r)
+                    s_f[n, r] = T.if_then_else((row >= 0) & (row < n_rows), ST_s[r, n], -T.infinity(f32))
                 softmax_pv(KV_s, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk)
                 T.sync_threads()  # KV_s, Kt_s, Ok_s[st] are rewritten by the next iterations
 
@@ -211,9 +236,10 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=64)
-def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, stages: int | None = None):
+def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, stages: int | None = None,
+             gather: str = "cp_async"):
     func = build_sparse_mla_fwd_narrow656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                          has_topk_length=has_topk_length, stages=stages)
+                                          has_topk_length=has_topk_length, stages=stages, gather=gather)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -224,6 +250,21 @@ def lowering_cases():
                                                                  has_topk_length=True)),
         ("narrow656_h32", build_sparse_mla_fwd_narrow656(heads=32, sm_scale=576 ** -0.5)),
     ]
+
+
+def _launch(q, kv8, idx, sm, stages, gather):
+    """One launch of a (stages, gather) build (timing variants; no topk_length / sink)."""
+    import torch
+
+    out = torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    mx = torch.empty_like(lse)
+    ch = fc.cache_chunks(kv8)
+    _, _, tl_arg, sink_arg, _ = tc.optional_args(idx, None, None, q.device)
+    compiled(q.shape[1], float(sm), False, False, stages, gather)(
+        q, ch.view(torch.float8_e4m3fn), ch.view(torch.float32), ch.view(torch.bfloat16), fc._rs16(kv8),
+        kv8.shape[0], idx, tl_arg, sink_arg, out, lse, mx)
+    return out, lse, mx
 
 
 def _bench_variants():
@@ -251,11 +292,11 @@ def _bench_variants():
             idx = idx + torch.arange(n_tok, device="cuda").unsqueeze(1) * tkv
         idx = idx.sort(dim=1).values.to(torch.int32)
         touched = int(torch.unique(idx).numel()) * ROW
-        runs = {"padded64": dict(narrow=False)} | {f"narrow656_ns{ns}": dict(narrow=True, narrow_stages=ns)
-                                                     for ns in (2, 3)}
+        runs = {"padded64": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, narrow=False)}
+        for gather, ns in (("cp_async", 3), ("cp_async", 2), ("bulk", 3)):
+            runs[f"narrow656_{gather}_ns{ns}"] = lambda g=gather, n=ns: _launch(q, kv8, idx, sm, n, g)
         ref = None
-        for name, kw in runs.items():
-            fn = lambda kw=kw: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, **kw)  # noqa: E731
+        for name, fn in runs.items():
             out = fn()
             ref = ref or out
             same = all(torch.equal(a, b) for a, b in zip(out, ref))
