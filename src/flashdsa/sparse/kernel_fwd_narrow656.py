@@ -46,7 +46,7 @@ from ._tl_common import BLOCK_I, D_V, LOG2E
 
 MAX_HEADS = _kn.MAX_HEADS
 ROW = fc.ROW_BYTES  # 656
-GATHERS = ("cp_async", "bulk")
+GATHERS = ("bulk", "cp_async")
 ROPE_BYTE = fc.ROPE_CHUNK0 * fc.CHUNK  # 528
 SCALE_BYTE = fc.SCALE_CHUNK * fc.CHUNK  # 512
 
@@ -114,7 +114,7 @@ def stages_for(heads: int) -> int:
 
 def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: bool = False,
                                    has_topk_length: bool = False, stages: int | None = None,
-                                   gather: str = "cp_async"):
+                                   gather: str = "bulk"):
     """prim_func with ``kernel_fwd_fp8cache.build_sparse_mla_fwd_fp8cache``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
     MaxLogits); any topk (dynamic trip count), H <= 32."""
@@ -237,7 +237,7 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, stages: int | None = None,
-             gather: str = "cp_async"):
+             gather: str = "bulk"):
     func = build_sparse_mla_fwd_narrow656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
                                           has_topk_length=has_topk_length, stages=stages, gather=gather)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
