@@ -6,29 +6,34 @@ Contract, signature and numerics as ``kernel_fwd_fp8cache.build_sparse_mla_fwd_f
 cache as 16-byte chunks, bf16 compute on ``bf16(float(e4m3) * scale)``, exact); tile shape as
 ``kernel_fwd_narrow`` (one CTA of 128 threads per token, each block of 64 top-k rows on the wgmma M side, the
 heads zero-padded to ``BR`` = 16 / 32 on N: ``S^T = K Q^T``, ``O^T += V^T P^T``; ``_tl_common.narrow_macros``).
+``kernel_fwd_fp8cache.run_sparse_mla_fwd`` runs it for H <= 32 (``$FLASHDSA_NARROW_CACHE656=0``: the 64-head kernel).
 
-Why: the serving case of issue #6 (B 128 decode tokens, H 16, topk 2048) ran at ~5.4 us per 64-row block and
-CTA with both earlier kernels (the 64-head pipelined one and the first narrow one, ~0.17 ms in all, 1.0 TB/s),
-which gather with 41 cp.async of 16 bytes per row (2,624 per block, each with its own address arithmetic) and
-convert through the f32 path; ncu (session 11) shows the 64-head kernel issue-bound in a latency chain (IPC 1.65,
-2 warps per scheduler, DRAM 18%).  Here:
-
-  * **Gather**: one ``cp.async.bulk`` of the whole 656-byte row per top-k slot (64 per block, one thread each),
-    completing on the stage's mbarrier (``arrive.expect_tx`` of 656 bytes per valid row, a plain arrive for an
-    invalid one: nothing is read for it).  ``NS`` raw stages ``[64, 656]`` bytes: blocks ``it + 1 .. it + NS - 1``
-    are in flight while block ``it`` is converted and attended.
+  * **Gather**: one ``cp.async.bulk`` of the whole 656-byte row per top-k slot into a raw stage ``[64, 656]``
+    bytes, completing on the stage's mbarrier (``arrive.expect_tx`` of 656 bytes per valid row).  An invalid slot
+    (-1, out of range, past topk_length) is never read: its thread zeroes the stale raw row and only arrives, so
+    the row converts to zeros (V stays finite under ``P V``) and its score is -inf.  Thread ``2 r`` handles row
+    ``r``: a warp issues its lanes' bulk copies one after another (the instruction takes uniform registers, ncu
+    shows an ELECT / R2UR / UBLKCP loop), so the 64 copies are spread over all four warps.  ``NS`` stages: blocks
+    ``it + 1 .. it + NS - 1`` are in flight while block ``it`` is converted and attended.
   * **Conversion** (all 128 threads; thread t: row ``t % 64``, dims ``[256 (t / 64), +256)`` = two scale tiles,
-    then 4 of the row's 8 rope chunks): 16-byte shared loads of the raw row, ``fdsa_cvt_e4m3x16`` (the 5-instruction
-    exact conversion of ``kernel_fwd_pair_cache``), 16-byte stores into the swizzled bf16 tile; invalid rows are
-    written as zeros (their raw bytes are stale), so V never carries NaN into ``P V`` and their scores are -inf.
-    A quarter warp touches 8 consecutive rows: 8 different 16-byte bank groups for the loads (656 B row stride)
-    and the swizzled stores.
-  * Then ``fence.proxy.async`` + ``__syncthreads``, QK, softmax, PV (``narrow_macros``), ``__syncthreads``.
-Shared memory (BR 16, NS 3): raw 3 x 41,984 + bf16 tile 65,536 + rope 8,192 + Q 18,432 + S^T 4,096 + P 2,048 +
-flags, ~224 KB; BR 32 uses NS 2.
+    then 4 of the row's 8 rope chunks): 16-byte shared loads of the raw row, ``fdsa_cvt_e4m3x16`` (the
+    5-instruction exact conversion of ``kernel_fwd_pair_cache``), 16-byte stores into the swizzled bf16 tile.  A
+    quarter warp touches 8 consecutive rows: 8 different 16-byte bank groups for the loads (656-byte row stride)
+    and for the swizzled stores.
+  * Then ``fence.proxy.async`` + ``__syncthreads``, QK, the mask (recomputed from ``Indices``), softmax, PV
+    (``narrow_macros``), ``__syncthreads`` (the tile is rewritten by the next block).
+Shared memory (BR 16, NS 3): raw 3 x 41,984 + bf16 tile 65,536 + rope 8,192 + Q 18,432 + S^T 4,096 + P 2,048 B
+(225,280 B); BR 32 uses NS 2.  168 registers, no spills.
 
-Same masking, empty-row and sink rules as every forward (``_tl_common``).  The valid flag of each slot is
-published in ``Ok_s`` by its gathering thread before its arrive (mbarrier release / acquire).
+Measured (H200, session 11, ``--variants``; docs/PERFORMANCE.md): 128 decode tokens, H 16, topk 2048 over 32768
+rows each (172 MB of cache rows): the 64-head kernel 171.6 us (1.00 TB/s), this kernel 132.2 us (1.30 TB/s); a
+first version with the copies on warps 0-1 only, 146 us; per-thread cp.async of half rows instead of bulk copies,
+164 us.  Prefill S 4096, SKV 8192, H 16: 4.97 -> 3.91 ms.  ncu of the first version (decode shape): one warp per
+scheduler, IPC 0.89, 4.5 cycles per issued instruction; samples: bulk-copy issue 21%, the barrier before QK 13%
+(warps 2-3 waiting for warps 0-1's copies), conversion 25%, QK 4%, softmax 10%, PV 9%.  What is left is a
+serial per-block chain (conversion, then QK / softmax / PV) in one warpgroup: overlapping the conversion of
+block i + 1 with the products of block i needs a second bf16 tile, which does not fit next to the raw stages.
+GPU tests: tests/sparse_mla/test_kernel_narrow656_gpu.py, test_kernel_fp8cache_gpu.py, tests/decode/test_sparse_gpu.py.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
@@ -46,7 +51,6 @@ from ._tl_common import BLOCK_I, D_V, LOG2E
 
 MAX_HEADS = _kn.MAX_HEADS
 ROW = fc.ROW_BYTES  # 656
-GATHERS = ("bulk", "cp_async")
 ROPE_BYTE = fc.ROPE_CHUNK0 * fc.CHUNK  # 528
 SCALE_BYTE = fc.SCALE_CHUNK * fc.CHUNK  # 512
 
@@ -65,20 +69,6 @@ __device__ __forceinline__ void fdsa_bulk_row(void *dst, const void *src, void *
     for (int k = 0; k < 41; ++k) reinterpret_cast<uint4 *>(dst)[k] = make_uint4(0u, 0u, 0u, 0u);
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
   }
-}
-// half a 656-byte row by cp.async (part 0: bytes [0, 336), part 1: [336, 656)); an invalid row (!ok) is
-// zero-filled (src-size 0: nothing is read), so it converts to zeros (scale 0); completion arrives on bar (noinc)
-__device__ __forceinline__ void fdsa_row_cp_async(void *dst_row, const void *src_row, int part, int ok, void *bar) {
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst_row) + (part ? 336u : 0u);
-  const char *s = reinterpret_cast<const char *>(src_row) + (part ? 336 : 0);
-  const int n = ok ? 16 : 0;
-#pragma unroll
-  for (int k = 0; k < 21; ++k)
-    if (k < 20 || !part)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d + 16u * k), "l"(s + 16 * k), "r"(n)
-                   : "memory");
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
-               :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
 }
 // 64 raw e4m3 bytes at src (4 chunks) -> bf16 dims at l_i (first 8) / h_i (last 8) of chunk i; zeros if !ok
 __device__ __forceinline__ void fdsa_dequant64(const void *src, void *l0, void *h0, void *l1, void *h1, void *l2,
@@ -113,16 +103,14 @@ def stages_for(heads: int) -> int:
 
 
 def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                                   has_topk_length: bool = False, stages: int | None = None,
-                                   gather: str = "bulk"):
+                                   has_topk_length: bool = False, stages: int | None = None):
     """prim_func with ``kernel_fwd_fp8cache.build_sparse_mla_fwd_fp8cache``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
     MaxLogits); any topk (dynamic trip count), H <= 32."""
     BR = _kn.rows_tile(heads)
     NS = stages_for(heads) if stages is None else stages
     BI, D, DT, CH = BLOCK_I, D_V, fc.D_TAIL, fc.CHUNK
-    assert sm_scale > 0 and NS >= 2 and gather in GATHERS, (NS, gather)
-    bulk = gather == "bulk"
+    assert sm_scale > 0 and NS >= 2, NS
     c_log2 = float(sm_scale) * LOG2E
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
@@ -135,21 +123,16 @@ def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: boo
 
     @T.macro
     def issue(Indices, KV8, rs16, n_rows, tok, lim, blk, Raw, bars, tx):
-        # block blk's rows into stage blk % NS.  "cp_async": thread tx copies half (tx % 2) of row tx / 2.
-        # "bulk": thread 2 r one cp.async.bulk of row r (spread over the four warps: the copy's operands are
-        # uniform registers, so a warp issues its lanes' copies one after another)
+        # block blk's rows into stage blk % NS: thread 2 r issues one cp.async.bulk of row r (or zeroes it).  The
+        # copies are spread over the four warps because a warp issues its lanes' bulk copies one after another
+        # (the instruction takes uniform registers)
         st = blk % NS
-        if (not bulk) or tx % 2 == 0:
+        if tx % 2 == 0:
             row = _row(Indices, tok, lim, blk * BI + tx // 2)
             ok = (row >= 0) & (row < n_rows)
-            if bulk:
-                T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[st, tx // 2, 0]),
-                              T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]),
-                              T.address_of(bars[st]), T.if_then_else(ok, 1, 0))
-            else:
-                T.call_extern("handle", "fdsa_row_cp_async", T.address_of(Raw[st, tx // 2, 0]),
-                              T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]), tx % 2,
-                              T.if_then_else(ok, 1, 0), T.address_of(bars[st]))
+            T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[st, tx // 2, 0]),
+                          T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]),
+                          T.address_of(bars[st]), T.if_then_else(ok, 1, 0))
 
     @T.macro
     def convert(Raw, st, KV_s, Kt_s, sc, tx):
@@ -157,7 +140,7 @@ def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: boo
         # [4 (tx / 64), +4)
         r = tx % BI
         part = tx // BI
-        ok = 1  # invalid rows are zero bytes (zero-filled copies / zeroed at start), which convert to zeros
+        ok = 1  # an invalid row's raw bytes were zeroed by its gathering thread: they convert to zeros
         for g in T.unroll(4):
             sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Raw[st, r, SCALE_BYTE]), part * 2 + g // 2)
             T.call_extern("handle", "fdsa_dequant64", T.address_of(Raw[st, r, part * 256 + g * 64]),
@@ -191,7 +174,7 @@ def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: boo
             ST_s = T.alloc_shared([BI, BR], f32)
             P_s = T.alloc_shared([BR, BI], bf16)
             Alpha_s = T.alloc_shared([BR], f32)
-            bars = T.alloc_barrier([BI if bulk else 2 * BI] * NS)
+            bars = T.alloc_barrier([BI] * NS)
 
             acc_t = T.alloc_fragment([BI, BR], f32)
             acc_ot = T.alloc_fragment([D, BR], f32)
@@ -236,10 +219,9 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=64)
-def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, stages: int | None = None,
-             gather: str = "bulk"):
+def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, stages: int | None = None):
     func = build_sparse_mla_fwd_narrow656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                          has_topk_length=has_topk_length, stages=stages, gather=gather)
+                                          has_topk_length=has_topk_length, stages=stages)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -252,8 +234,8 @@ def lowering_cases():
     ]
 
 
-def _launch(q, kv8, idx, sm, stages, gather):
-    """One launch of a (stages, gather) build (timing variants; no topk_length / sink)."""
+def _launch(q, kv8, idx, sm, stages):
+    """One launch of a ``stages`` build (timing variants; no topk_length / sink)."""
     import torch
 
     out = torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
@@ -261,7 +243,7 @@ def _launch(q, kv8, idx, sm, stages, gather):
     mx = torch.empty_like(lse)
     ch = fc.cache_chunks(kv8)
     _, _, tl_arg, sink_arg, _ = tc.optional_args(idx, None, None, q.device)
-    compiled(q.shape[1], float(sm), False, False, stages, gather)(
+    compiled(q.shape[1], float(sm), False, False, stages)(
         q, ch.view(torch.float8_e4m3fn), ch.view(torch.float32), ch.view(torch.bfloat16), fc._rs16(kv8),
         kv8.shape[0], idx, tl_arg, sink_arg, out, lse, mx)
     return out, lse, mx
@@ -293,8 +275,8 @@ def _bench_variants():
         idx = idx.sort(dim=1).values.to(torch.int32)
         touched = int(torch.unique(idx).numel()) * ROW
         runs = {"padded64": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, narrow=False)}
-        for gather, ns in (("cp_async", 3), ("cp_async", 2), ("bulk", 3)):
-            runs[f"narrow656_{gather}_ns{ns}"] = lambda g=gather, n=ns: _launch(q, kv8, idx, sm, n, g)
+        for ns in (2, 3):
+            runs[f"narrow656_ns{ns}"] = lambda n=ns: _launch(q, kv8, idx, sm, n)
         ref = None
         for name, fn in runs.items():
             out = fn()
