@@ -27,6 +27,7 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd_fp8cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_fp8cache, "_compiled", _fake_kernel(calls, "padded656"))
     monkeypatch.setattr(kernel_fwd_narrow656, "compiled", _fake_kernel(calls, "narrow656"))
+    monkeypatch.setattr(kernel_fwd_narrow656, "compiled_dual", _fake_kernel(calls, "narrow656_dual"))
     monkeypatch.setattr(kernel_fwd_pair_cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_pair_cache, "_compiled", _fake_kernel(calls, "pair656"))
     return calls
@@ -57,6 +58,15 @@ def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, ex
     idx = torch.zeros(3, 100, dtype=torch.int32)
     kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, pair=pair)
     assert [name for name, _ in record] == [expect]
+
+
+def test_cache656_dual_is_opt_in(record):
+    q = torch.zeros(3, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 656, dtype=torch.uint8)
+    idx = torch.zeros(3, 100, dtype=torch.int32)
+    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512)
+    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow="dual")
+    assert [name for name, _ in record] == ["narrow656", "narrow656_dual"]
 
 
 def test_narrow_rejects_wide_heads():

@@ -321,14 +321,14 @@ NARROW_ENV = "FLASHDSA_NARROW_CACHE656"  # "0": H <= 32 runs this module's 64-he
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       narrow: bool | None = None, pair: bool | None = None, narrow_stages: int | None = None,
+                       narrow: bool | str | None = None, pair: bool | None = None, narrow_stages: int | None = None,
                        checked: bool = False):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
 
     ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
     is 64 or 128.  ``narrow``: run ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
-    ``narrow_stages``: its raw stage count, None = its default); None: whenever H <= 32 unless
-    ``$FLASHDSA_NARROW_CACHE656`` is "0".  Otherwise this module's pipelined kernel (heads padded to 64).
+    ``narrow_stages``: its raw stage count, None = its default; ``narrow="dual"``: its two-warpgroup form, H <= 16,
+    opt-in until GPU-verified); None: whenever H <= 32 unless ``$FLASHDSA_NARROW_CACHE656`` is "0".  Otherwise this module's pipelined kernel (heads padded to 64).
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
     from . import kernel_fwd_narrow656, kernel_fwd_pair_cache
 
@@ -356,7 +356,9 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     if narrow is None:
         narrow = os.environ.get(NARROW_ENV, "") != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
-    if narrow:
+    if narrow == "dual":  # opt-in two-warpgroup form (H <= 16), not yet GPU-verified
+        kernel = kernel_fwd_narrow656.compiled_dual(heads, float(sm_scale), has_sink, has_tl)
+    elif narrow:
         kernel = kernel_fwd_narrow656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow_stages)
     else:
         kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
