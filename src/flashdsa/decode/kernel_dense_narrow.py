@@ -137,7 +137,7 @@ def item_parts(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale:
     neg_big = -1.0e30
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     _, nblk, maxb, _, _ = sizes
-    qk_t, softmax_pv = narrow_macros(BR=BR, BI=BN, D=D, has_tail=True, c_log2=c_log2)
+    qk_t, softmax_pv, _ = narrow_macros(BR=BR, BI=BN, D=D, has_tail=True, c_log2=c_log2)
 
     @T.macro
     def issue_tile(KV, BlockTable, b, p0, end, KV_b, Kt_b, bar, seg_ok, st, tx):

@@ -134,6 +134,8 @@ def narrow_macros(*, BR, BI, D, has_tail, c_log2):
       the masked raw scores ``s_f [BR, BI]`` (-inf where invalid; exp2 with ``c_log2`` folded), P (bf16) and alpha
       to shared memory, ``acc_ot [D, BR]`` rescaled by alpha and ``+= V^T P^T`` (V = the first ``D`` columns of
       ``KV_b``, read MN-major).
+    * ``softmax_stage(s_f, P_s, Alpha_s, m_i, m_prev, alpha, l_i, l_blk)``: the softmax part of ``softmax_pv``
+      alone (P and alpha in shared memory; no rescale, no product), for kernels that issue their own PV.
     """
 
     @T.macro
@@ -145,7 +147,7 @@ def narrow_macros(*, BR, BI, D, has_tail, c_log2):
         T.copy(acc_t, ST_s)
 
     @T.macro
-    def softmax_pv(KV_b, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk):
+    def softmax_stage(s_f, P_s, Alpha_s, m_i, m_prev, alpha, l_i, l_blk):
         T.copy(m_i, m_prev)
         T.reduce_max(s_f, m_i, dim=1, clear=False)
         for n in T.Parallel(BR):
@@ -157,11 +159,15 @@ def narrow_macros(*, BR, BI, D, has_tail, c_log2):
             l_i[n] = l_i[n] * alpha[n] + l_blk[n]
         T.copy(alpha, Alpha_s)
         T.copy(s_f, P_s)
+
+    @T.macro
+    def softmax_pv(KV_b, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk):
+        softmax_stage(s_f, P_s, Alpha_s, m_i, m_prev, alpha, l_i, l_blk)
         for d, n in T.Parallel(D, BR):
             acc_ot[d, n] = acc_ot[d, n] * Alpha_s[n]
         T.gemm(KV_b, P_s, acc_ot, transpose_A=True, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
 
-    return qk_t, softmax_pv
+    return qk_t, softmax_pv, softmax_stage
 
 
 def padded_head_macros(*, BH, D, D_tail, dqk, heads, c_log2, has_sink, dtype, sync_before_stage=False):

@@ -107,7 +107,7 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
     _ok = tc.make_row_ok(n_kv)
     load_q, normaliser, _, store_lse = tc.padded_head_macros(
         BH=BR, D=D, D_tail=DT, dqk=dqk, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
-    qk_t, softmax_pv = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=DT > 0, c_log2=c_log2)
+    qk_t, softmax_pv, _ = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=DT > 0, c_log2=c_log2)
     epilogue = _epilogue_macro(BR=BR, D=D, heads=heads, normaliser=normaliser, store_lse=store_lse)
     start = _prologue_macro(BI=BI, topk_dim=topk_dim, has_topk_length=has_topk_length, load_q=load_q)
 

@@ -121,7 +121,7 @@ def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: boo
     _row = tc.make_slot_row(topk_dim)
     load_q, normaliser, _, store_lse = tc.padded_head_macros(
         BH=BR, D=D, D_tail=DT, dqk=fc.DQK, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
-    qk_t, softmax_pv = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=True, c_log2=c_log2)
+    qk_t, softmax_pv, _ = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=True, c_log2=c_log2)
     epilogue = _kn._epilogue_macro(BR=BR, D=D, heads=heads, normaliser=normaliser, store_lse=store_lse)
     start = _kn._prologue_macro(BI=BI, topk_dim=topk_dim, has_topk_length=has_topk_length, load_q=load_q)
 
@@ -291,6 +291,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     set_lim = tc.make_set_lim(has_topk_length, topk_dim)
     load_q, normaliser, _, store_lse = tc.padded_head_macros(
         BH=BR, D=D, D_tail=DT, dqk=fc.DQK, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
+    _, _, softmax_stage = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=True, c_log2=c_log2)
 
     @T.macro
     def load_regs(Indices, KV8, rs16, n_rows, tok, lim, blk, raw, t):
@@ -338,17 +339,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 for n, r in T.Parallel(BR, BI):
                     row = _row(Indices, tok, lim, (2 * j + w) * BI + r)
                     s_f[n, r] = T.if_then_else((row >= 0) & (row < n_rows), ST_w[r, n], -T.infinity(f32))
-                T.copy(m_i, m_prev)
-                T.reduce_max(s_f, m_i, dim=1, clear=False)
-                for n in T.Parallel(BR):
-                    alpha[n] = T.exp2((m_prev[n] - m_i[n]) * c_log2)
-                for n, r in T.Parallel(BR, BI):
-                    s_f[n, r] = T.exp2(s_f[n, r] * c_log2 - m_i[n] * c_log2)
-                T.reduce_sum(s_f, l_blk, dim=1)
-                for n in T.Parallel(BR):
-                    l_i[n] = l_i[n] * alpha[n] + l_blk[n]
-                T.copy(alpha, Al_w)
-                T.copy(s_f, P_w)
+                softmax_stage(s_f, P_w, Al_w, m_i, m_prev, alpha, l_i, l_blk)
                 T.fence_proxy_async()
                 T.sync_threads(bar, 128)
                 for d, n in T.Parallel(D, BR):
