@@ -71,19 +71,27 @@ def _prologue_macro(*, BI, topk_dim, has_topk_length, load_q):
     return start
 
 
-def _epilogue_macro(*, BR, D, heads, normaliser, store_lse):
+def _epilogue_macro(*, BR, D, heads, normaliser, store_lse, bar=None):
     """``epilogue(acc_ot, inv, l_i, m_i, Sink, Alpha_s, Q_s, Out, Lse, MaxLogits, tok)``: the normaliser (sink
     folded) broadcast through ``Alpha_s`` (``acc_ot``'s layout differs from the rows'), the output staged transposed
-    through the dead Q tile and written for the real heads, then lse / max_logits."""
+    through the dead Q tile and written for the real heads, then lse / max_logits.  ``bar``: a named barrier id
+    when only one warpgroup (128 threads) runs the epilogue; None: ``__syncthreads``."""
+
+    @T.macro
+    def sync():
+        if bar is None:
+            T.sync_threads()
+        else:
+            T.sync_threads(bar, 128)
 
     @T.macro
     def epilogue(acc_ot, inv, l_i, m_i, Sink, Alpha_s, Q_s, Out, Lse, MaxLogits, tok):
         normaliser(inv, l_i, m_i, Sink, 0)
         T.copy(inv, Alpha_s)
-        T.sync_threads()
+        sync()
         for d, n in T.Parallel(D, BR):
             Q_s[n, d] = T.cast(acc_ot[d, n] * Alpha_s[n], "bfloat16")
-        T.sync_threads()
+        sync()
         for n, d in T.Parallel(BR, D):
             if n < heads:
                 Out[tok, n, d] = Q_s[n, d]

@@ -74,29 +74,46 @@ __device__ __forceinline__ void fdsa_bulk_row(void *dst, const void *src, void *
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
   }
 }
-// 64 raw e4m3 bytes at src (4 chunks) -> bf16 dims at l_i (first 8) / h_i (last 8) of chunk i; zeros if !ok
-__device__ __forceinline__ void fdsa_dequant64(const void *src, void *l0, void *h0, void *l1, void *h1, void *l2,
-                                               void *h2, void *l3, void *h3, float s, int ok) {
+// 64 e4m3 bytes in w[0..15] -> bf16 dims at l_i (first 8) / h_i (last 8) of chunk i, scale = the bits of s
+__device__ __forceinline__ void fdsa_regs_dequant64(const unsigned *w, void *l0, void *h0, void *l1, void *h1,
+                                                    void *l2, void *h2, void *l3, void *h3, unsigned s) {
   void *lo[4] = {l0, l1, l2, l3}, *hi[4] = {h0, h1, h2, h3};
-  uint4 w[4];
-#pragma unroll
-  for (int c = 0; c < 4; ++c)
-    w[c] = ok ? reinterpret_cast<const uint4 *>(src)[c] : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    const unsigned in[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
+    const unsigned in[4] = {w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]};
     unsigned o[8];
-    fdsa_cvt_e4m3x16(in, o, ok ? s : 1.0f);
+    fdsa_cvt_e4m3x16(in, o, __uint_as_float(s));
     *reinterpret_cast<uint4 *>(lo[c]) = make_uint4(o[0], o[1], o[2], o[3]);
     *reinterpret_cast<uint4 *>(hi[c]) = make_uint4(o[4], o[5], o[6], o[7]);
   }
 }
-// 4 rope chunks (bf16, 16 bytes each) from src -> d_i; zeros if !ok
-__device__ __forceinline__ void fdsa_copy4x16(const void *src, void *d0, void *d1, void *d2, void *d3, int ok) {
+// 4 x 16 bytes in w[0..15] -> d_i
+__device__ __forceinline__ void fdsa_regs_store4x16(const unsigned *w, void *d0, void *d1, void *d2, void *d3) {
   void *d[4] = {d0, d1, d2, d3};
 #pragma unroll
   for (int c = 0; c < 4; ++c)
-    *reinterpret_cast<uint4 *>(d[c]) = ok ? reinterpret_cast<const uint4 *>(src)[c] : make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4 *>(d[c]) = make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]);
+}
+// 64 bytes at src (shared memory, 16-byte aligned) -> w[0..15], four 16-byte loads
+__device__ __forceinline__ void fdsa_ld64(const void *src, unsigned *w) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const uint4 v = reinterpret_cast<const uint4 *>(src)[c];
+    w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
+  }
+}
+// 64 raw e4m3 bytes at src (shared memory) -> as fdsa_regs_dequant64 (all four loads first)
+__device__ __forceinline__ void fdsa_dequant64(const void *src, void *l0, void *h0, void *l1, void *h1, void *l2,
+                                               void *h2, void *l3, void *h3, float s) {
+  unsigned w[16];
+  fdsa_ld64(src, w);
+  fdsa_regs_dequant64(w, l0, h0, l1, h1, l2, h2, l3, h3, __float_as_uint(s));
+}
+// 4 rope chunks (16 bytes each) from src (shared memory) -> d_i
+__device__ __forceinline__ void fdsa_copy4x16(const void *src, void *d0, void *d1, void *d2, void *d3) {
+  void *d[4] = {d0, d1, d2, d3};
+#pragma unroll
+  for (int c = 0; c < 4; ++c) *reinterpret_cast<uint4 *>(d[c]) = reinterpret_cast<const uint4 *>(src)[c];
 }
 """
 
@@ -144,14 +161,14 @@ def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: boo
         # [4 (tx / 64), +4)
         r = tx % BI
         part = tx // BI
-        ok = 1  # an invalid row's raw bytes were zeroed by its gathering thread: they convert to zeros
+        # (an invalid row's raw bytes were zeroed by its gathering thread: they convert to zeros)
         for g in T.unroll(4):
             sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Raw[st, r, SCALE_BYTE]), part * 2 + g // 2)
             T.call_extern("handle", "fdsa_dequant64", T.address_of(Raw[st, r, part * 256 + g * 64]),
                           *[T.address_of(KV_s[r, part * 256 + g * 64 + i * 16 + h * 8])
-                            for i in range(4) for h in range(2)], sc[0], ok)
+                            for i in range(4) for h in range(2)], sc[0])
         T.call_extern("handle", "fdsa_copy4x16", T.address_of(Raw[st, r, ROPE_BYTE + part * 64]),
-                      *[T.address_of(Kt_s[r, part * 32 + i * 8]) for i in range(4)], ok)
+                      *[T.address_of(Kt_s[r, part * 32 + i * 8]) for i in range(4)])
 
     @T.prim_func
     def sparse_mla_fwd_narrow656(
@@ -211,7 +228,7 @@ def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: boo
                     row = _row(Indices, bx, lim[0], it * BI + r)
                     s_f[n, r] = T.if_then_else((row >= 0) & (row < n_rows), ST_s[r, n], -T.infinity(f32))
                 softmax_pv(KV_s, s_f, P_s, Alpha_s, acc_ot, m_i, m_prev, alpha, l_i, l_blk)
-                T.sync_threads()  # KV_s, Kt_s, Ok_s[st] are rewritten by the next iterations
+                T.sync_threads()  # KV_s and Kt_s are rewritten by the next block
 
             epilogue(acc_ot, inv, l_i, m_i, Sink, Alpha_s, Q_s, Out, Lse, MaxLogits, bx)
 
@@ -238,26 +255,6 @@ __device__ __forceinline__ void fdsa_row_to_regs(unsigned *w, const void *row, i
     const uint4 v = ok ? __ldg(rope + c) : z;
     w[66 + 4 * c] = v.x; w[67 + 4 * c] = v.y; w[68 + 4 * c] = v.z; w[69 + 4 * c] = v.w;
   }
-}
-// 64 e4m3 bytes in w[0..15] -> bf16 dims at l_i (first 8) / h_i (last 8) of chunk i, scale = the bits of s
-__device__ __forceinline__ void fdsa_regs_dequant64(const unsigned *w, void *l0, void *h0, void *l1, void *h1,
-                                                    void *l2, void *h2, void *l3, void *h3, unsigned s) {
-  void *lo[4] = {l0, l1, l2, l3}, *hi[4] = {h0, h1, h2, h3};
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const unsigned in[4] = {w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]};
-    unsigned o[8];
-    fdsa_cvt_e4m3x16(in, o, __uint_as_float(s));
-    *reinterpret_cast<uint4 *>(lo[c]) = make_uint4(o[0], o[1], o[2], o[3]);
-    *reinterpret_cast<uint4 *>(hi[c]) = make_uint4(o[4], o[5], o[6], o[7]);
-  }
-}
-// 4 x 16 bytes in w[0..15] -> d_i
-__device__ __forceinline__ void fdsa_regs_store4x16(const unsigned *w, void *d0, void *d1, void *d2, void *d3) {
-  void *d[4] = {d0, d1, d2, d3};
-#pragma unroll
-  for (int c = 0; c < 4; ++c)
-    *reinterpret_cast<uint4 *>(d[c]) = make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]);
 }
 """
 
@@ -292,6 +289,16 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     load_q, normaliser, _, store_lse = tc.padded_head_macros(
         BH=BR, D=D, D_tail=DT, dqk=fc.DQK, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
     _, _, softmax_stage = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=True, c_log2=c_log2)
+    epilogue = _kn._epilogue_macro(BR=BR, D=D, heads=heads, normaliser=normaliser, store_lse=store_lse,
+                                   bar=BAR_WG[0])
+
+    def wg_state():
+        # one warpgroup's buffers: (KV, Kt, S^T, P, alpha) in shared memory, then its fragments (acc_t, acc_ot,
+        # s_f, m_i, m_prev, alpha, l_i, l_blk)
+        return (T.alloc_shared([BI, D], bf16), T.alloc_shared([BI, DT], bf16), T.alloc_shared([BI, BR], f32),
+                T.alloc_shared([BR, BI], bf16), T.alloc_shared([BR], f32),
+                T.alloc_fragment([BI, BR], f32), T.alloc_fragment([D, BR], f32), T.alloc_fragment([BR, BI], f32),
+                *[T.alloc_fragment([BR], f32) for _ in range(5)])
 
     @T.macro
     def load_regs(Indices, KV8, rs16, n_rows, tok, lim, blk, raw, t):
@@ -315,9 +322,9 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
         bar = BAR_WG[w]
 
         @T.macro
-        def chain(Q_s, Qt_s, KV8, rs16, n_rows, Indices, tok, lim, nblk, KV_w, Kt_w, ST_w, P_w, Al_w, raw, acc_t,
-                  acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk, nb, tx):
+        def chain(Q_s, Qt_s, KV8, rs16, n_rows, Indices, tok, lim, nblk, state, raw, nb, tx):
             # warpgroup w: blocks w, w + 2, ... of the token, one whole chain per block
+            KV_w, Kt_w, ST_w, P_w, Al_w, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk = state
             t = tx - 128 * w
             nb[0] = (nblk - w + 1) // 2
             T.fill(acc_ot, 0)
@@ -371,35 +378,11 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             tx = T.get_thread_binding()
             Q_s = T.alloc_shared([BR, D], bf16)
             Qt_s = T.alloc_shared([BR, DT], bf16)
-            KV_0 = T.alloc_shared([BI, D], bf16)
-            KV_1 = T.alloc_shared([BI, D], bf16)
-            Kt_0 = T.alloc_shared([BI, DT], bf16)
-            Kt_1 = T.alloc_shared([BI, DT], bf16)
-            ST_0 = T.alloc_shared([BI, BR], f32)
-            ST_1 = T.alloc_shared([BI, BR], f32)
-            P_0 = T.alloc_shared([BR, BI], bf16)
-            P_1 = T.alloc_shared([BR, BI], bf16)
-            Al_0 = T.alloc_shared([BR], f32)
-            Al_1 = T.alloc_shared([BR], f32)
+            st0, st1 = wg_state(), wg_state()
+            _, _, _, _, Al_0, _, acc_ot0, _, m_i0, m_prev0, alpha0, l_i0, l_blk0 = st0
+            Al_1, acc_ot1, m_i1, l_i1 = st1[4], st1[6], st1[8], st1[11]
             Mrg_s = T.alloc_shared([D, BR], f32)
             Ml_s = T.alloc_shared([2, BR], f32)
-
-            acc_t0 = T.alloc_fragment([BI, BR], f32)
-            acc_t1 = T.alloc_fragment([BI, BR], f32)
-            acc_ot0 = T.alloc_fragment([D, BR], f32)
-            acc_ot1 = T.alloc_fragment([D, BR], f32)
-            s_f0 = T.alloc_fragment([BR, BI], f32)
-            s_f1 = T.alloc_fragment([BR, BI], f32)
-            m_i0 = T.alloc_fragment([BR], f32)
-            m_i1 = T.alloc_fragment([BR], f32)
-            m_prev0 = T.alloc_fragment([BR], f32)
-            m_prev1 = T.alloc_fragment([BR], f32)
-            alpha0 = T.alloc_fragment([BR], f32)
-            alpha1 = T.alloc_fragment([BR], f32)
-            l_i0 = T.alloc_fragment([BR], f32)
-            l_i1 = T.alloc_fragment([BR], f32)
-            l_blk0 = T.alloc_fragment([BR], f32)
-            l_blk1 = T.alloc_fragment([BR], f32)
             inv = T.alloc_fragment([BR], f32)
             raw = T.alloc_local([82], u32)
             lim = T.alloc_local([1], i32)
@@ -411,11 +394,9 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             T.sync_threads()
             nblk = T.ceildiv(lim[0], BI)
             if tx < 128:
-                chain0(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, KV_0, Kt_0, ST_0, P_0, Al_0, raw,
-                       acc_t0, acc_ot0, s_f0, m_i0, m_prev0, alpha0, l_i0, l_blk0, nb, tx)
+                chain0(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st0, raw, nb, tx)
             else:
-                chain1(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, KV_1, Kt_1, ST_1, P_1, Al_1, raw,
-                       acc_t1, acc_ot1, s_f1, m_i1, m_prev1, alpha1, l_i1, l_blk1, nb, tx)
+                chain1(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st1, raw, nb, tx)
                 T.copy(acc_ot1, Mrg_s)
                 for n in T.Parallel(BR):
                     Ml_s[0, n] = m_i1[n]
@@ -431,19 +412,10 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 T.copy(alpha0, Al_0)
                 T.copy(l_blk0, Al_1)
                 T.sync_threads(BAR_WG[0], 128)
-                normaliser(inv, l_i0, m_i0, Sink, 0)
                 for d, n in T.Parallel(D, BR):
                     acc_ot0[d, n] = acc_ot0[d, n] * Al_0[n] + Mrg_s[d, n] * Al_1[n]
-                T.sync_threads(BAR_WG[0], 128)  # every thread has read Al_0 before it holds the normaliser
-                T.copy(inv, Al_0)
-                T.sync_threads(BAR_WG[0], 128)
-                for d, n in T.Parallel(D, BR):
-                    Q_s[n, d] = T.cast(acc_ot0[d, n] * Al_0[n], bf16)
-                T.sync_threads(BAR_WG[0], 128)
-                for n, d in T.Parallel(BR, D):
-                    if n < heads:
-                        Out[bx, n, d] = Q_s[n, d]
-                store_lse(l_i0, m_i0, Lse, MaxLogits, bx, 0)
+                T.sync_threads(BAR_WG[0], 128)  # every thread has read Al_0 before the epilogue rewrites it
+                epilogue(acc_ot0, inv, l_i0, m_i0, Sink, Al_0, Q_s, Out, Lse, MaxLogits, bx)
 
     return sparse_mla_fwd_narrow656_dual
 
@@ -477,21 +449,6 @@ def lowering_cases():
     ]
 
 
-def _launch(q, kv8, idx, sm, stages):
-    """One launch of a ``stages`` build (timing variants; no topk_length / sink)."""
-    import torch
-
-    out = torch.empty(*q.shape[:2], D_V, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    mx = torch.empty_like(lse)
-    ch = fc.cache_chunks(kv8)
-    _, _, tl_arg, sink_arg, _ = tc.optional_args(idx, None, None, q.device)
-    compiled(q.shape[1], float(sm), False, False, stages)(
-        q, ch.view(torch.float8_e4m3fn), ch.view(torch.float32), ch.view(torch.bfloat16), fc._rs16(kv8),
-        kv8.shape[0], idx, tl_arg, sink_arg, out, lse, mx)
-    return out, lse, mx
-
-
 def _bench_variants():
     """Kernel times (``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``): the decode shape of issue #6
     (128 tokens, H 16, topk 2048 of 32768 cache rows per token, each token its own 32768 rows: 2.75 GB of cache)
@@ -520,7 +477,8 @@ def _bench_variants():
         touched = int(torch.unique(idx).numel()) * ROW
         runs = {"padded64": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, narrow=False)}
         for ns in (2, 3):
-            runs[f"narrow656_ns{ns}"] = lambda n=ns: _launch(q, kv8, idx, sm, n)
+            runs[f"narrow656_ns{ns}"] = lambda n=ns: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                            narrow=True, narrow_stages=n)
         runs["narrow656_dual"] = lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, narrow="dual")
         ref = None
         for name, fn in runs.items():

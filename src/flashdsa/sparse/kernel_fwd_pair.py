@@ -140,6 +140,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         if D_tail > 0:
             T.wgmma_gemm(Qt, Kt, acc_s, transpose_B=True)
 
+    adopt_max = adopt_max_macro(BH=BH, c_log2=c_log2)
+
     @T.macro
     def exp_and_rescale(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk):
         # m_new = the new running max (raw score units): O and l move from m_run to m_new, P = 2^(S c - m_new c)
@@ -271,13 +273,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     T.wait_wgmma(0)
                     T.barrier_arrive(fr_al)
                     # common max m_b: move O_l, l_0 and P_a to it
-                    T.barrier_wait(bar_mb, j & 1)
-                    for h in T.Parallel(BH):
-                        m_new0[h] = Mb[h]
-                    for h in T.Parallel(BH):
-                        alpha0[h] = T.exp2((m_run0[h] - m_new0[h]) * c_log2)
-                        m_run0[h] = m_new0[h]
-                        l0[h] = l0[h] * alpha0[h]
+                    adopt_max(bar_mb, j & 1, Mb, m_new0, m_run0, alpha0, l0)
                     for h, r in T.Parallel(BH, BI):
                         p0[h, r] = T.cast(acc_s0[h, r] * alpha0[h], bf16)
                     T.sync_threads(BAR_WG0, 128)  # every WG0 warp is past its QK on a.R (P0 = its rope tile)
@@ -354,6 +350,24 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                          row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)
 
     return body
+
+
+def adopt_max_macro(*, BH, c_log2):
+    """``adopt_max(bar, phase, M_s, m_new, m_run, alpha, l_acc)``: WG0's step to the pair's common max -- wait for
+    WG1's max ``M_s`` on ``bar``, then alpha = 2^((m_run - M) c), m_run = M, l *= alpha (the caller rescales O and
+    P by alpha).  Shared by the bf16 and FP8 pair kernels."""
+
+    @T.macro
+    def adopt_max(bar, phase, M_s, m_new, m_run, alpha, l_acc):
+        T.barrier_wait(bar, phase)
+        for h in T.Parallel(BH):
+            m_new[h] = M_s[h]
+        for h in T.Parallel(BH):
+            alpha[h] = T.exp2((m_run[h] - m_new[h]) * c_log2)
+            m_run[h] = m_new[h]
+            l_acc[h] = l_acc[h] * alpha[h]
+
+    return adopt_max
 
 
 def pair_rows_macro(topk_dim, row_ok):

@@ -95,6 +95,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
     set_lim = tc.make_set_lim(has_topk_length, topk_dim)
     _ok = tc.make_row_ok(n_kv)
     pair_rows = kp.pair_rows_macro(topk_dim, lambda row, kv_src: _ok(row))
+    adopt_max = kp.adopt_max_macro(BH=BH, c_log2=c_log2)
     _, normaliser, _, store_lse = tc.padded_head_macros(BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads,
                                                         c_log2=c_log2, has_sink=has_sink, dtype=fp8)
 
@@ -357,13 +358,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
                     T.wait_wgmma(0)
                     T.barrier_arrive(vf_al)
                     # common max m_b: move O_l, l_0 and P_a' to it; P_a' -> P0r for WG1
-                    T.barrier_wait(bar_mb, j & 1)
-                    for h in T.Parallel(BH):
-                        m_new0[h] = Mb[h]
-                    for h in T.Parallel(BH):
-                        alpha0[h] = T.exp2((m_run0[h] - m_new0[h]) * c_log2)
-                        m_run0[h] = m_new0[h]
-                        l0[h] = l0[h] * alpha0[h]
+                    adopt_max(bar_mb, j & 1, Mb, m_new0, m_run0, alpha0, l0)
                     for h, r in T.Parallel(BH, BI):
                         acc_s0[h, r] = acc_s0[h, r] * alpha0[h]
                     T.barrier_wait(vf_ar, (j & 1) ^ 1)  # WG1's remote PV of the last pair no longer reads P0r
