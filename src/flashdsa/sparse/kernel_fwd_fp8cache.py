@@ -317,7 +317,7 @@ def cache_chunks(kv):
     return kv.as_strided((_n_chunks(kv), CHUNK), (CHUNK, 1))
 
 
-NARROW_ENV = "FLASHDSA_NARROW_CACHE656"  # "0": H <= 32 runs this module's 64-head kernel instead of narrow656
+NARROW_ENV = "FLASHDSA_NARROW_CACHE656"  # "0": H <= 32 runs this module's 64-head kernel; "dual": the dual form at H <= 16
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
@@ -328,7 +328,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
     is 64 or 128.  ``narrow``: run ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
     ``narrow_stages``: its raw stage count, None = its default; ``narrow="dual"``: its two-warpgroup form, H <= 16,
-    opt-in until GPU-verified); None: whenever H <= 32 unless ``$FLASHDSA_NARROW_CACHE656`` is "0".  Otherwise this module's pipelined kernel (heads padded to 64).
+    opt-in until GPU-verified); None: whenever H <= 32 unless ``$FLASHDSA_NARROW_CACHE656`` is "0" (its
+    value "dual" picks the two-warpgroup form at H <= 16).  Otherwise this module's pipelined kernel (heads padded to 64).
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
     from . import kernel_fwd_narrow656, kernel_fwd_pair_cache
 
@@ -355,7 +356,10 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     kvb = chunks.view(torch.bfloat16)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     if narrow is None:
-        narrow = os.environ.get(NARROW_ENV, "") != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
+        env = os.environ.get(NARROW_ENV, "")
+        narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
+        if narrow and env == "dual" and heads <= 16:
+            narrow = "dual"
     if narrow == "dual":  # opt-in two-warpgroup form (H <= 16), not yet GPU-verified
         kernel = kernel_fwd_narrow656.compiled_dual(heads, float(sm_scale), has_sink, has_tl)
     elif narrow:
