@@ -1,7 +1,7 @@
 """GPU: the few-head forward over the 656-byte FP8 cache (``kernel_fwd_narrow656``: bulk row copies, keys on the
 wgmma M side) against the reference on ``dequantize_kv_fp8(kv)`` with the bf16 forward's tolerances (same inputs
 and poisoning as ``test_kernel_fp8cache_gpu``: unreferenced rows and row padding are NaN / huge bytes), over
-head counts 1..32, both stage counts, the opt-in two-warpgroup form (H <= 16), topk not a multiple of 64, topk > Tkv, invalid indices of every kind, empty
+head counts 1..32, both stage counts, the opt-in two-warpgroup forms (H <= 16; register and ring prefetch), topk not a multiple of 64, topk > Tkv, invalid indices of every kind, empty
 rows, topk_length, +/-inf sinks, padded row strides and strided q; a second launch must be bitwise equal."""
 
 import pytest
@@ -30,13 +30,14 @@ CASES = [
     (9, 2000, 129, 33, True, True, "strided", 656, 3),
     (17, 1840, 256, 62, True, True, "contig", 656, None),
     (32, 8192, 2048, 20, False, True, "contig", 688, None),
-    # the two-warpgroup form (opt-in): odd and even block counts, one block, empty rows, sinks
-    (16, 4096, 2048, 40, False, False, "contig", 656, "dual"),
-    (16, 592, 100, 213, True, True, "contig", 672, "dual"),
-    (16, 300, 700, 17, True, False, "strided", 656, "dual"),
-    (5, 1000, 64, 9, False, True, "contig", 656, "dual"),
-    (9, 2000, 129, 33, True, True, "strided", 656, "dual"),
 ]
+# the two-warpgroup forms (kernel_fwd_narrow656_dual): odd and even block counts, one block, empty rows, sinks
+_DUAL = [(16, 4096, 2048, 40, False, False, "contig", 656), (16, 592, 100, 213, True, True, "contig", 672),
+         (16, 300, 700, 17, True, False, "strided", 656), (5, 1000, 64, 9, False, True, "contig", 656),
+         (9, 2000, 129, 33, True, True, "strided", 656)]
+CASES += [c + (form,) for form in ("regs", "ring") for c in _DUAL]
+CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "ring16"),
+          (16, 8192, 2048, 20, False, False, "contig", 688, "ring16")]
 
 
 @pytest.mark.parametrize(
@@ -50,7 +51,8 @@ def test_sparse_mla_fwd_narrow656(heads, tkv, topk, n_tok, sink, use_tl, layout,
     kv8, kv_deq = _fp8_cache(kv, row_stride, gen)
     sm_scale = DQK**-0.5
     kw = dict(sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink,
-              narrow="dual" if stages == "dual" else True, narrow_stages=None if stages == "dual" else stages)
+              narrow=stages if isinstance(stages, str) else True,
+              narrow_stages=None if isinstance(stages, str) else stages)
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     out, lse, max_logits = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, **kw)
     torch.cuda.synchronize()

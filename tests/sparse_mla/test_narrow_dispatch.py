@@ -6,7 +6,8 @@ import torch
 pytest.importorskip("tilelang")
 
 from flashdsa.sparse import (  # noqa: E402
-    kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_narrow656, kernel_fwd_pair, kernel_fwd_pair_cache,
+    kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_narrow656, kernel_fwd_narrow656_dual, kernel_fwd_pair,
+    kernel_fwd_pair_cache,
 )
 
 
@@ -27,7 +28,7 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd_fp8cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_fp8cache, "_compiled", _fake_kernel(calls, "padded656"))
     monkeypatch.setattr(kernel_fwd_narrow656, "compiled", _fake_kernel(calls, "narrow656"))
-    monkeypatch.setattr(kernel_fwd_narrow656, "compiled_dual", _fake_kernel(calls, "narrow656_dual"))
+    monkeypatch.setattr(kernel_fwd_narrow656_dual, "compiled", _fake_kernel(calls, "narrow656_dual"))
     monkeypatch.setattr(kernel_fwd_pair_cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_pair_cache, "_compiled", _fake_kernel(calls, "pair656"))
     return calls
@@ -49,7 +50,8 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
 @pytest.mark.parametrize("env,heads,pair,expect", [
     ("", 16, None, "narrow656"), ("0", 16, None, "padded656"), ("", 1, None, "narrow656"), ("", 32, None, "narrow656"),
     ("", 33, None, "padded656"), ("", 64, None, "pair656"), ("", 128, None, "pair656"), ("", 96, None, "padded656"),
-    ("", 128, False, "padded656"),
+    ("", 128, False, "padded656"), ("ring", 16, None, "narrow656_dual"), ("regs", 9, None, "narrow656_dual"),
+    ("ring", 17, None, "narrow656"),
 ])
 def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, expect):
     monkeypatch.setenv(kernel_fwd_fp8cache.NARROW_ENV, env)
@@ -65,7 +67,7 @@ def test_cache656_dual_is_opt_in(record):
     kv = torch.zeros(10, 656, dtype=torch.uint8)
     idx = torch.zeros(3, 100, dtype=torch.int32)
     kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512)
-    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow="dual")
+    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow="ring")
     assert [name for name, _ in record] == ["narrow656", "narrow656_dual"]
 
 

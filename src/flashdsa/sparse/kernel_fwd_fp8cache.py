@@ -317,7 +317,8 @@ def cache_chunks(kv):
     return kv.as_strided((_n_chunks(kv), CHUNK), (CHUNK, 1))
 
 
-NARROW_ENV = "FLASHDSA_NARROW_CACHE656"  # "0": H <= 32 runs this module's 64-head kernel; "dual": the dual form at H <= 16
+# "0": H <= 32 runs this module's 64-head kernel; "regs" / "ring" / "ring16": the dual forms at H <= 16
+NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
@@ -327,11 +328,11 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
 
     ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
     is 64 or 128.  ``narrow``: run ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
-    ``narrow_stages``: its raw stage count, None = its default; ``narrow="dual"``: its two-warpgroup form, H <= 16,
-    opt-in until GPU-verified); None: whenever H <= 32 unless ``$FLASHDSA_NARROW_CACHE656`` is "0" (its
-    value "dual" picks the two-warpgroup form at H <= 16).  Otherwise this module's pipelined kernel (heads padded to 64).
+    ``narrow_stages``: its raw stage count, None = its default; ``narrow="regs"`` / ``"ring"``: the two-warpgroup
+    forms of ``kernel_fwd_narrow656_dual``, H <= 16, opt-in); None: whenever H <= 32 unless
+    ``$FLASHDSA_NARROW_CACHE656`` is "0" (its values "regs" / "ring" pick those forms at H <= 16).  Otherwise this module's pipelined kernel (heads padded to 64).
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
-    from . import kernel_fwd_narrow656, kernel_fwd_pair_cache
+    from . import kernel_fwd_narrow656, kernel_fwd_narrow656_dual, kernel_fwd_pair_cache
 
     if pair is None:
         pair = q.dim() == 3 and q.shape[1] in kernel_fwd_pair_cache.SUPPORTED_H and not narrow
@@ -358,10 +359,10 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     if narrow is None:
         env = os.environ.get(NARROW_ENV, "")
         narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
-        if narrow and env == "dual" and heads <= 16:
-            narrow = "dual"
-    if narrow == "dual":  # opt-in two-warpgroup form (H <= 16), not yet GPU-verified
-        kernel = kernel_fwd_narrow656.compiled_dual(heads, float(sm_scale), has_sink, has_tl)
+        if narrow and env in kernel_fwd_narrow656_dual.PREFETCH and heads <= 16:
+            narrow = env
+    if narrow in kernel_fwd_narrow656_dual.PREFETCH:  # opt-in two-warpgroup forms (H <= 16)
+        kernel = kernel_fwd_narrow656_dual.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
     elif narrow:
         kernel = kernel_fwd_narrow656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow_stages)
     else:

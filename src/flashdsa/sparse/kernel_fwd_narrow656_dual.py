@@ -1,0 +1,298 @@
+"""Two-warpgroup form of the few-head forward over the 656-byte FP8 cache (H <= 16): each warpgroup runs the whole
+chain (conversion, QK, softmax, PV) on alternate 64-row blocks of the token with its own bf16 tile, so one
+warpgroup's conversion overlaps the other's products; merged at the end.
+
+Notes
+-----
+Contract, signature and numerics as ``kernel_fwd_narrow656`` (whose conversion helpers and tile shapes it reuses:
+keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring the raw rows in:
+
+  * ``prefetch="regs"``: each thread loads its share of the warpgroup's next block (82 words: ``fdsa_row_to_regs``;
+    invalid rows as zeros, nothing read) right after converting the current one.  A warp's load touches 32
+    different rows (one per lane).
+  * ``prefetch="ring"`` (``"ring16"``: 16-row stages): one shared ring of ``64 / QR`` stages of ``QR`` raw rows (41,984 B: one block), filled by
+    one ``cp.async.bulk`` per row as in ``kernel_fwd_narrow656`` (mbarrier ``expect_tx``; an invalid slot is zeroed
+    by its thread and only arrives).  The warpgroup that converts stage s of block b issues stage s of block b + 1
+    right after its own named barrier, so block b + 1's rows are in flight while warpgroup b % 2 runs its products
+    and the other warpgroup waits for them.  Stage s of block b completes phase b of its mbarrier (parity b % 2).
+    The ring's bytes hold warpgroup 1's O^T for the final merge (``T.view`` as [656, 16] fp32) once both
+    warpgroups are past their last block.
+
+At the end warpgroup 1 publishes (O^T, m, l) through shared memory and warpgroup 0 merges (``m = max``, both sides
+rescaled by ``2^((m_w - m) c)``) and writes the output.  Shared memory: Q 18 KB + 2 x (tile 64 KB + rope 8 KB + S^T
+4 KB + P 2 KB) = 174 KB, + merge 32 KB ("regs") or + ring 41 KB ("ring").
+
+Measured (H200, session 12, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``): "regs" at the decode
+shape (128 tokens, H 16, topk 2048 of 32768 rows each) 164.7 us against 132.0 for ``kernel_fwd_narrow656``
+(slower), at prefill S 4096 / SKV 8192 3.24 ms against 3.88 (faster).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from . import _tl_common as tc
+from . import kernel_fwd_fp8cache as fc
+from . import kernel_fwd_narrow as _kn
+from ._tl_common import BLOCK_I, D_V, LOG2E
+from .kernel_fwd_narrow656 import _SRC, ROPE_BYTE, ROW, SCALE_BYTE, _pass_configs
+
+_DUAL_SRC = r"""
+// a thread's share of a 656-byte row into 82 registers: latent bytes [256 part, +256) (w[0..63]), its two scales
+// (w[64], w[65]), rope bytes [528 + 64 part, +64) (w[66..81]); zeros for an invalid row (nothing is read)
+__device__ __forceinline__ void fdsa_row_to_regs(unsigned *w, const void *row, int part, int ok) {
+  const char *p = reinterpret_cast<const char *>(row);
+  const uint4 *lat = reinterpret_cast<const uint4 *>(p + 256 * part);
+  const uint4 *rope = reinterpret_cast<const uint4 *>(p + 528 + 64 * part);
+  const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int c = 0; c < 16; ++c) {
+    const uint4 v = ok ? __ldg(lat + c) : z;
+    w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
+  }
+  const uint2 sc = ok ? __ldg(reinterpret_cast<const uint2 *>(p + 512 + 8 * part)) : make_uint2(0u, 0u);
+  w[64] = sc.x; w[65] = sc.y;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const uint4 v = ok ? __ldg(rope + c) : z;
+    w[66 + 4 * c] = v.x; w[67 + 4 * c] = v.y; w[68 + 4 * c] = v.z; w[69 + 4 * c] = v.w;
+  }
+}
+// one 16-byte chunk in shared memory
+__device__ __forceinline__ void fdsa_copy16(const void *src, void *dst) {
+  *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
+}
+"""
+
+THREADS = 256
+BAR_WG = (1, 2)  # named barriers of warpgroups 0 / 1 (0 is __syncthreads)
+BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLang numbers its own from 3 up)
+PREFETCH = ("regs", "ring", "ring16")  # "ring16": the ring in 16-row stages (default 32)
+RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
+
+
+def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink: bool = False,
+                                        has_topk_length: bool = False, prefetch: str = "ring"):
+    """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature; H <= 16, any topk.
+    ``prefetch``: "regs", "ring" or "ring16" (module notes)."""
+    BR = _kn.rows_tile(heads)
+    assert BR == 16, "the dual form is for H <= 16 (two O^T accumulators + the merge buffer)"
+    assert prefetch in PREFETCH, prefetch
+    BI, D, DT, CH = BLOCK_I, D_V, fc.D_TAIL, fc.CHUNK
+    QR = 16 if prefetch == "ring16" else RING_ROWS
+    NQ = BI // QR  # ring stages
+    PARTS = 128 // QR  # threads per row in a stage's conversion
+    GROUPS = 8 // PARTS  # 64-dim groups per thread (each inside one 128-dim scale tile)
+    ROPES = 8 // PARTS  # 16-byte rope chunks per thread
+    ISSUE = 128 // QR  # one issuing thread per ISSUE threads (spread over the four warps)
+    assert sm_scale > 0
+    c_log2 = float(sm_scale) * LOG2E
+    bf16, f32, i32, u32, u8 = "bfloat16", "float32", "int32", "uint32", "uint8"
+    n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
+    _row = tc.make_slot_row(topk_dim)
+    set_lim = tc.make_set_lim(has_topk_length, topk_dim)
+    load_q, normaliser, _, store_lse = tc.padded_head_macros(
+        BH=BR, D=D, D_tail=DT, dqk=fc.DQK, heads=heads, c_log2=c_log2, has_sink=has_sink, dtype=bf16)
+    _, _, softmax_stage = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=True, c_log2=c_log2)
+    epilogue = _kn._epilogue_macro(BR=BR, D=D, heads=heads, normaliser=normaliser, store_lse=store_lse,
+                                   bar=BAR_WG[0])
+    ring = prefetch != "regs"
+
+    def wg_state():
+        # one warpgroup's buffers: (KV, Kt, S^T, P, alpha) in shared memory, then its fragments (acc_t, acc_ot,
+        # s_f, m_i, m_prev, alpha, l_i, l_blk)
+        return (T.alloc_shared([BI, D], bf16), T.alloc_shared([BI, DT], bf16), T.alloc_shared([BI, BR], f32),
+                T.alloc_shared([BR, BI], bf16), T.alloc_shared([BR], f32),
+                T.alloc_fragment([BI, BR], f32), T.alloc_fragment([D, BR], f32), T.alloc_fragment([BR, BI], f32),
+                *[T.alloc_fragment([BR], f32) for _ in range(5)])
+
+    @T.macro
+    def load_regs(Indices, KV8, rs16, n_rows, tok, lim, blk, raw, t):
+        row = _row(Indices, tok, lim, blk * BI + t % BI)
+        ok = (row >= 0) & (row < n_rows)
+        T.call_extern("handle", "fdsa_row_to_regs", T.address_of(raw[0]),
+                      T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]), t // BI, T.if_then_else(ok, 1, 0))
+
+    @T.macro
+    def convert_regs(raw, KV_w, Kt_w, t):
+        r = t % BI
+        part = t // BI
+        for g in T.unroll(4):
+            T.call_extern("handle", "fdsa_regs_dequant64", T.address_of(raw[16 * g]),
+                          *[T.address_of(KV_w[r, part * 256 + g * 64 + i * 16 + h * 8])
+                            for i in range(4) for h in range(2)], raw[64 + g // 2])
+        T.call_extern("handle", "fdsa_regs_store4x16", T.address_of(raw[66]),
+                      *[T.address_of(Kt_w[r, part * 32 + i * 8]) for i in range(4)])
+
+    @T.macro
+    def issue_stage(Indices, KV8, rs16, n_rows, tok, lim, blk, s, Raw, bars, t):
+        # stage s of block blk: thread ISSUE * r (of the warpgroup that issues) copies row r or zeroes it
+        if t % ISSUE == 0:
+            row = _row(Indices, tok, lim, blk * BI + s * QR + t // ISSUE)
+            ok = (row >= 0) & (row < n_rows)
+            T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[s, t // ISSUE, 0]),
+                          T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]),
+                          T.address_of(bars[s]), T.if_then_else(ok, 1, 0))
+
+    @T.macro
+    def convert_stage(Raw, s, KV_w, Kt_w, sc, t):
+        # thread t: stage row t % QR (tile row s * QR + t % QR), latent dims [512 / PARTS * part, +512 / PARTS)
+        # (inside one scale tile for PARTS >= 4), rope chunks [ROPES * part, +ROPES)
+        r = t % QR
+        part = t // QR
+        for g in T.unroll(GROUPS):
+            dim0 = part * (512 // PARTS) + g * 64
+            sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Raw[s, r, SCALE_BYTE]), dim0 // 128)
+            T.call_extern("handle", "fdsa_dequant64", T.address_of(Raw[s, r, dim0]),
+                          *[T.address_of(KV_w[s * QR + r, dim0 + i * 16 + h * 8])
+                            for i in range(4) for h in range(2)], sc[0])
+        for c in T.unroll(ROPES):
+            T.call_extern("handle", "fdsa_copy16", T.address_of(Raw[s, r, ROPE_BYTE + (part * ROPES + c) * 16]),
+                          T.address_of(Kt_w[s * QR + r, (part * ROPES + c) * 8]))
+
+    def make_chain(w):
+        bar = BAR_WG[w]
+
+        @T.macro
+        def chain(Q_s, Qt_s, KV8, rs16, n_rows, Indices, tok, lim, nblk, state, raw, Raw, bars, sc, nb, tx):
+            # warpgroup w: blocks w, w + 2, ... of the token, one whole chain per block
+            KV_w, Kt_w, ST_w, P_w, Al_w, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk = state
+            t = tx - 128 * w
+            nb[0] = (nblk - w + 1) // 2
+            T.fill(acc_ot, 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, tc.NEG_BIG)
+            if not ring:
+                if nb[0] > 0:
+                    load_regs(Indices, KV8, rs16, n_rows, tok, lim, w, raw, t)
+            for j in T.serial(nb[0]):
+                b = 2 * j + w
+                if ring:
+                    for s in T.unroll(NQ):
+                        T.barrier_wait(bars[s], b % 2)
+                        convert_stage(Raw, s, KV_w, Kt_w, sc, t)
+                        T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
+                        T.sync_threads(bar, 128)  # the whole warpgroup is past stage s: refill it
+                        if b + 1 < nblk:
+                            issue_stage(Indices, KV8, rs16, n_rows, tok, lim, b + 1, s, Raw, bars, t)
+                else:
+                    convert_regs(raw, KV_w, Kt_w, t)
+                    if j + 1 < nb[0]:
+                        load_regs(Indices, KV8, rs16, n_rows, tok, lim, b + 2, raw, t)
+                    T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
+                    T.sync_threads(bar, 128)
+                T.wgmma_gemm(KV_w, Q_s, acc_t, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(Kt_w, Qt_s, acc_t, transpose_B=True)
+                T.wait_wgmma(0)
+                T.copy(acc_t, ST_w)
+                T.sync_threads(bar, 128)
+                for n, r in T.Parallel(BR, BI):
+                    row = _row(Indices, tok, lim, b * BI + r)
+                    s_f[n, r] = T.if_then_else((row >= 0) & (row < n_rows), ST_w[r, n], -T.infinity(f32))
+                softmax_stage(s_f, P_w, Al_w, m_i, m_prev, alpha, l_i, l_blk)
+                T.fence_proxy_async()
+                T.sync_threads(bar, 128)
+                for d, n in T.Parallel(D, BR):
+                    acc_ot[d, n] = acc_ot[d, n] * Al_w[n]
+                T.wgmma_gemm(KV_w, P_w, acc_ot, transpose_A=True, transpose_B=True)
+                T.wait_wgmma(0)
+                T.sync_threads(bar, 128)  # the tile, S^T and P are rewritten by the next block
+
+        return chain
+
+    chain0, chain1 = make_chain(0), make_chain(1)
+
+    @T.prim_func
+    def sparse_mla_fwd_narrow656_dual(
+        Q: T.Tensor([n_tok, heads, fc.DQK], bf16),
+        KV8: T.Tensor([n_ch, CH], fc.FP8),
+        KVf: T.Tensor([n_ch, CH // 4], f32),
+        KVb: T.Tensor([n_ch, CH // 2], bf16),
+        rs16: T.int32,
+        n_rows: T.int32,
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok, threads=THREADS, prelude=_SRC + _DUAL_SRC) as bx:
+            tx = T.get_thread_binding()
+            Q_s = T.alloc_shared([BR, D], bf16)
+            Qt_s = T.alloc_shared([BR, DT], bf16)
+            st0, st1 = wg_state(), wg_state()
+            _, _, _, _, Al_0, _, acc_ot0, _, m_i0, m_prev0, alpha0, l_i0, l_blk0 = st0
+            Al_1, acc_ot1, m_i1, l_i1 = st1[4], st1[6], st1[8], st1[11]
+            if ring:
+                Raw = T.alloc_shared([NQ, QR, ROW], u8)
+                Mrg_s = T.view(Raw, [ROW, BR], f32)  # NQ * QR = 64 rows: 64 * 656 B = 656 x 16 fp32
+                bars = T.alloc_barrier([QR] * NQ)
+                raw = None
+            else:
+                Raw = None
+                bars = None
+                Mrg_s = T.alloc_shared([D, BR], f32)
+                raw = T.alloc_local([82], u32)
+            Ml_s = T.alloc_shared([2, BR], f32)
+            inv = T.alloc_fragment([BR], f32)
+            lim = T.alloc_local([1], i32)
+            nb = T.alloc_local([1], i32)
+            sc = T.alloc_local([1], f32)
+
+            set_lim(lim, TopkLen, bx)
+            load_q(Q, Q_s, Qt_s, bx, 0)
+            T.fence_proxy_async()
+            T.sync_threads()
+            nblk = T.ceildiv(lim[0], BI)
+            if ring:
+                if tx < 128:
+                    if nblk > 0:
+                        for s in T.unroll(NQ):
+                            issue_stage(Indices, KV8, rs16, n_rows, bx, lim[0], 0, s, Raw, bars, tx)
+            if tx < 128:
+                chain0(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st0, raw, Raw, bars, sc, nb, tx)
+                if ring:
+                    T.sync_threads(BAR_ALL, 256)  # warpgroup 1 may overwrite the ring only after our last block
+            else:
+                chain1(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st1, raw, Raw, bars, sc, nb, tx)
+                if ring:
+                    T.sync_threads(BAR_ALL, 256)
+                T.copy(acc_ot1, Mrg_s[0:D, :])
+                for n in T.Parallel(BR):
+                    Ml_s[0, n] = m_i1[n]
+                    Ml_s[1, n] = l_i1[n]
+            T.sync_threads()  # warpgroup 1's state published; both past every wgmma (Q_s is dead)
+            if tx < 128:
+                for n in T.Parallel(BR):
+                    m_prev0[n] = T.max(m_i0[n], Ml_s[0, n])
+                    alpha0[n] = T.exp2((m_i0[n] - m_prev0[n]) * c_log2)
+                    l_blk0[n] = T.exp2((Ml_s[0, n] - m_prev0[n]) * c_log2)
+                    l_i0[n] = l_i0[n] * alpha0[n] + Ml_s[1, n] * l_blk0[n]
+                    m_i0[n] = m_prev0[n]
+                T.copy(alpha0, Al_0)
+                T.copy(l_blk0, Al_1)
+                T.sync_threads(BAR_WG[0], 128)
+                for d, n in T.Parallel(D, BR):
+                    acc_ot0[d, n] = acc_ot0[d, n] * Al_0[n] + Mrg_s[d, n] * Al_1[n]
+                T.sync_threads(BAR_WG[0], 128)  # every thread has read Al_0 before the epilogue rewrites it
+                epilogue(acc_ot0, inv, l_i0, m_i0, Sink, Al_0, Q_s, Out, Lse, MaxLogits, bx)
+
+    return sparse_mla_fwd_narrow656_dual
+
+
+@functools.lru_cache(maxsize=64)
+def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, prefetch: str = "ring"):
+    func = build_sparse_mla_fwd_narrow656_dual(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
+                                               has_topk_length=has_topk_length, prefetch=prefetch)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    return [(f"narrow656_dual_{p}_h16_sink_tl",
+             build_sparse_mla_fwd_narrow656_dual(heads=16, sm_scale=576 ** -0.5, has_sink=True, has_topk_length=True,
+                                                 prefetch=p)) for p in PREFETCH[:2]]
