@@ -124,6 +124,33 @@ def test_report_renders_and_updates_readme(tmp_path):
     assert "No GPU benchmark results" in report.render_readme_table(tmp_path / "none")
 
 
+def test_report_takes_newer_partial_rows(tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "2026-01-02_h200_01234567_sparse_mla_fwd.json").write_text(json.dumps(_sample_doc()))
+    part = _sample_doc(date="2026-01-03", ms=1.25)
+    part["cases"] = part["cases"][:1]
+    part["case_filter"] = ["V32"]
+    (res / "2026-01-03_h200_89abcdef_sparse_mla_fwd.json").write_text(json.dumps(part))
+    old = _sample_doc(date="2026-01-01", ms=7.0)
+    old["case_filter"] = ["V32"]
+    (res / "2026-01-01_h200_89abcdef_sparse_mla_fwd.json").write_text(json.dumps(old))
+    table = report.render_readme_table(res)
+    assert "| `V32_S4096_SKV8192_H128_topk2048` * | 1.25 |" in table  # the newer partial run's row, marked
+    assert "skipped: op missing" in table and "| 7.0 |" not in table  # rows it lacks stay; older partials ignored
+    assert "rows marked * (a later run of those cases only): [`2026-01-03_h200_89abcdef" in table
+    assert "2026-01-02_h200_01234567_sparse_mla_fwd.json" in table
+
+
+def test_bench_case_filter_records_it(tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["bench", "--op", "decode", "--quick", "--device", "cpu", "--case", "H16_sq1_cache",
+                     "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["case_filter"] == ["H16_sq1_cache"]
+    assert [c["name"] for c in doc["cases"]] == ["dense_bf16_B64_H16_sq1_cache8192"]
+
+
 def test_flops_formulas():
     M, N, H, D = 4, 10, 2, 8
     k_end = torch.arange(M, dtype=torch.int32) + (N - M) + 1  # 7, 8, 9, 10 keys

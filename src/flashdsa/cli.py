@@ -279,6 +279,10 @@ def cmd_bench(args, argv: Sequence[str]) -> int:
     docs, bad = [], False
     for s in suites:
         cases, note = get_cases(s, device, args.quick)
+        if args.case:
+            cases = [c for c in cases if any(sub in c.name for sub in args.case)]
+            if not cases:
+                continue
         console.print(f"[bold]{s}[/bold]: {len(cases)} cases on {device}" + (f" — {note}" if note else ""))
 
         def on_case(r):
@@ -288,6 +292,8 @@ def cmd_bench(args, argv: Sequence[str]) -> int:
         doc = run_suite(s, cases, device, backend=args.backend, check=args.check, quick=args.quick, note=note,
                         command=command, on_case=on_case,
                         log=(lambda m: console.print(m, markup=False)) if args.verbose else (lambda m: None))
+        if args.case:
+            doc["case_filter"] = list(args.case)  # a partial run: the report takes only these rows from it
         path = write_json(doc, _json_path(args, s, len(suites), doc))
         console.print(_suite_table(doc))
         console.print(f"wrote {path}")
@@ -324,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=_dispatch.BACKENDS, default="auto")
     p.add_argument("--check", action="store_true", help="run the reference on the same inputs first, report error")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--case", action="append", metavar="SUBSTR",
+                   help="only the cases whose name contains SUBSTR (repeatable); the JSON records the filter")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failing cases")
     return ap

@@ -164,7 +164,8 @@ def gpu_slug(name: Optional[str]) -> str:
 
 
 def environment(device: torch.device) -> dict:
-    """GPU name/capability/clocks, driver, CUDA/torch/tilelang/python versions, CPU, git commit, date."""
+    """GPU name/capability/clocks, driver, CUDA/torch/tilelang/python versions, CPU, git commit, date, and the
+    ``FLASHDSA_*`` environment switches set (``env``)."""
     env: dict[str, Any] = {
         "gpu": None, "capability": None, "sm_count": None, "driver": None, "clocks": None,
         "cuda": torch.version.cuda, "torch": torch.__version__, "tilelang": _pkg_version("tilelang"),
@@ -183,6 +184,11 @@ def environment(device: torch.device) -> dict:
             env["driver"] = parts[0]
             env["clocks"] = dict(zip(("sm", "sm_max", "mem", "power_limit"), parts[1:]))
     env.update(git_info())
+    # kernel-selection switches in force (e.g. FLASHDSA_NARROW_CACHE656): part of what was measured
+    switches = {k: v for k, v in sorted(os.environ.items())
+                if k.startswith("FLASHDSA_") and k not in ("FLASHDSA_COMMIT", "FLASHDSA_DIRTY")}
+    if switches:
+        env["env"] = switches
     return env
 
 

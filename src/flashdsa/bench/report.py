@@ -41,17 +41,48 @@ def load_results(results_dir: Path | str = DEFAULT_RESULTS) -> list[tuple[Path, 
     return out
 
 
+def _key(p: Path, doc: dict) -> tuple[str, str]:
+    return str(doc.get("date", "")), p.name
+
+
 def newest_per_suite(results: Sequence[tuple[Path, dict]], include_cpu: bool = False) -> dict[str, tuple[Path, dict]]:
-    """suite -> (path, doc) of the newest run by its ``date`` field (file name breaks ties)."""
+    """suite -> (path, doc) of the newest whole-suite run by its ``date`` field (file name breaks ties); runs of
+    a subset of the cases (``flashdsa bench --case``: ``case_filter`` in the JSON) are left to
+    ``newer_partial_rows``."""
     best: dict[str, tuple[Path, dict]] = {}
     for p, doc in results:
-        if not include_cpu and not doc.get("gpu"):
+        if (not include_cpu and not doc.get("gpu")) or doc.get("case_filter"):
             continue
         key = (str(doc.get("date", "")), p.name)
         cur = best.get(doc["suite"])
         if cur is None or key > (str(cur[1].get("date", "")), cur[0].name):
             best[doc["suite"]] = (p, doc)
     return best
+
+
+def newer_partial_rows(results: Sequence[tuple[Path, dict]], suite: str, base: tuple[Path, dict],
+                       include_cpu: bool = False) -> dict[str, tuple[Path, dict, dict]]:
+    """case name -> (path, doc, case row) from partial runs of ``suite`` newer than its whole-suite run ``base``
+    (the newest such run per case)."""
+    rows: dict[str, tuple[Path, dict, dict]] = {}
+    for p, doc in results:
+        if doc["suite"] != suite or not doc.get("case_filter") or (not include_cpu and not doc.get("gpu")):
+            continue
+        if _key(p, doc) <= _key(*base):
+            continue
+        for c in doc["cases"]:
+            cur = rows.get(c["name"])
+            if cur is None or _key(p, doc) > _key(cur[0], cur[1]):
+                rows[c["name"]] = (p, doc, c)
+    return rows
+
+
+def _source_line(suite: str, path: Path, doc: dict, link_prefix: str) -> str:
+    commit = (doc.get("commit") or "uncommitted")[:8] + (" (dirty)" if doc.get("dirty") else "")
+    where = doc.get("gpu") or f"CPU ({doc.get('cpu', '')})"
+    note = f"; {doc['note']}" if doc.get("note") else ""
+    return (f"- {suite}: [`{path.name}`]({link_prefix}{path.as_posix()}) — {where}, {doc.get('date', '?')}, commit "
+            f"{commit}, torch {doc.get('torch')}, tilelang {doc.get('tilelang')}; `{doc.get('command', '')}`{note}")
 
 
 def _fmt(x: Optional[float], digits: int = 3) -> str:
@@ -75,7 +106,8 @@ def render_readme_table(results_dir: Path | str = DEFAULT_RESULTS, include_cpu: 
     ``link_prefix`` is prepended to the JSON paths in the links (e.g. ``""`` when the README sits at the repo root
     and ``results_dir`` is relative to it).
     """
-    newest = newest_per_suite(load_results(results_dir), include_cpu=include_cpu)
+    results = load_results(results_dir)
+    newest = newest_per_suite(results, include_cpu=include_cpu)
     if not newest:
         return ("_No GPU benchmark results yet: run `flashdsa bench` on an H200; the JSON lands in "
                 "`benchmarks/results/` and `python -m flashdsa.bench.report --update-readme README.md` fills "
@@ -85,18 +117,24 @@ def render_readme_table(results_dir: Path | str = DEFAULT_RESULTS, include_cpu: 
     sources = []
     for suite in sorted(newest, key=_order):
         path, doc = newest[suite]
+        partial = newer_partial_rows(results, suite, newest[suite], include_cpu)
+        partial_docs: list[tuple[Path, dict]] = []
         for c in doc["cases"]:
+            mark = ""
+            if c["name"] in partial:
+                p_path, p_doc, c = partial[c["name"]]
+                if (p_path, p_doc) not in partial_docs:
+                    partial_docs.append((p_path, p_doc))
+                mark = " " + "*" * (1 + partial_docs.index((p_path, p_doc)))
             status = c.get("status", "ok")
             backend = c.get("backend", doc.get("backend", "")) if status == "ok" else status
             ms = c.get("ms_median") if status == "ok" else None
-            lines.append(f"| {suite} | `{c['name']}` | {_fmt(ms)} | {_fmt(c.get('tflops'))} | "
+            lines.append(f"| {suite} | `{c['name']}`{mark} | {_fmt(ms)} | {_fmt(c.get('tflops'))} | "
                          f"{_fmt(c.get('tbps'))} | {c.get('target', '')} | {backend} |")
-        commit = (doc.get("commit") or "uncommitted")[:8] + (" (dirty)" if doc.get("dirty") else "")
-        where = doc.get("gpu") or f"CPU ({doc.get('cpu', '')})"
-        note = f"; {doc['note']}" if doc.get("note") else ""
-        sources.append(f"- {suite}: [`{path.name}`]({link_prefix}{path.as_posix()}) — {where}, "
-                       f"{doc.get('date', '?')}, commit {commit}, torch {doc.get('torch')}, tilelang "
-                       f"{doc.get('tilelang')}; `{doc.get('command', '')}`{note}")
+        sources.append(_source_line(suite, path, doc, link_prefix))
+        for i, (p_path, p_doc) in enumerate(partial_docs):
+            sources.append(_source_line(suite, p_path, p_doc, link_prefix).replace(
+                f"- {suite}:", f"- {suite}, rows marked {'*' * (i + 1)} (a later run of those cases only):", 1))
     return "\n".join(lines + ["", "Sources (newest run per suite):", ""] + sources)
 
 

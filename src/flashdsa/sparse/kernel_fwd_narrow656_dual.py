@@ -14,7 +14,10 @@ keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring 
     one ``cp.async.bulk`` per row as in ``kernel_fwd_narrow656`` (mbarrier ``expect_tx``; an invalid slot is zeroed
     by its thread and only arrives).  The warpgroup that converts stage s of block b issues stage s of block b + 1
     right after its own named barrier, so block b + 1's rows are in flight while warpgroup b % 2 runs its products
-    and the other warpgroup waits for them.  Stage s of block b completes phase b of its mbarrier (parity b % 2).
+    and the other warpgroup waits for them.  Each warpgroup has its own mbarrier per stage (block b completes
+    barrier (b % 2, s)): its j-th block is phase j of its barriers (parity j % 2), never more than one phase ahead
+    of the waiter.  (One barrier per stage for both warpgroups is wrong: a warpgroup reaching its wait for block
+    b while block b - 1 is still in flight sees parity b % 2 as the completed previous phase and passes.)
     The ring's bytes hold warpgroup 1's O^T for the final merge (``T.view`` as [656, 16] fp32) once both
     warpgroups are past their last block.
 
@@ -135,7 +138,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             ok = (row >= 0) & (row < n_rows)
             T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[s, t // ISSUE, 0]),
                           T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]),
-                          T.address_of(bars[s]), T.if_then_else(ok, 1, 0))
+                          T.address_of(bars[(blk % 2) * NQ + s]), T.if_then_else(ok, 1, 0))
 
     @T.macro
     def convert_stage(Raw, s, KV_w, Kt_w, sc, t):
@@ -172,7 +175,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 b = 2 * j + w
                 if ring:
                     for s in T.unroll(NQ):
-                        T.barrier_wait(bars[s], b % 2)
+                        T.barrier_wait(bars[w * NQ + s], j % 2)
                         convert_stage(Raw, s, KV_w, Kt_w, sc, t)
                         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
                         T.sync_threads(bar, 128)  # the whole warpgroup is past stage s: refill it
@@ -230,7 +233,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             if ring:
                 Raw = T.alloc_shared([NQ, QR, ROW], u8)
                 Mrg_s = T.view(Raw, [ROW, BR], f32)  # NQ * QR = 64 rows: 64 * 656 B = 656 x 16 fp32
-                bars = T.alloc_barrier([QR] * NQ)
+                bars = T.alloc_barrier([QR] * (2 * NQ))  # stage s of warpgroup w's blocks: w * NQ + s
                 raw = None
             else:
                 Raw = None
