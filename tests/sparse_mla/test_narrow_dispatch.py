@@ -48,9 +48,11 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
 
 
 @pytest.mark.parametrize("env,heads,pair,expect", [
-    ("", 16, None, "narrow656"), ("0", 16, None, "padded656"), ("", 1, None, "narrow656"), ("", 32, None, "narrow656"),
-    ("", 33, None, "padded656"), ("", 64, None, "pair656"), ("", 128, None, "pair656"), ("", 96, None, "padded656"),
-    ("", 128, False, "padded656"), ("ring", 16, None, "narrow656_dual"), ("regs", 9, None, "narrow656_dual"),
+    ("", 16, None, "narrow656_dual:ring"), ("0", 16, None, "padded656"), ("", 1, None, "narrow656_dual:ring"),
+    ("", 17, None, "narrow656"), ("", 32, None, "narrow656"), ("1", 16, None, "narrow656"),
+    ("narrow656", 9, None, "narrow656"), ("", 33, None, "padded656"), ("", 64, None, "pair656"),
+    ("", 128, None, "pair656"), ("", 96, None, "padded656"), ("", 128, False, "padded656"),
+    ("regs", 9, None, "narrow656_dual:regs"), ("ring16", 16, None, "narrow656_dual:ring16"),
     ("ring", 17, None, "narrow656"),
 ])
 def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, expect):
@@ -59,16 +61,21 @@ def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, ex
     kv = torch.zeros(10, 656, dtype=torch.uint8)
     idx = torch.zeros(3, 100, dtype=torch.int32)
     kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, pair=pair)
-    assert [name for name, _ in record] == [expect]
+    assert [_named(name, key) for name, key in record] == [expect]
 
 
-def test_cache656_dual_is_opt_in(record):
+def _named(name, key):
+    return f"{name}:{key[-1]}" if name == "narrow656_dual" else name  # the dual form's last key is its prefetch
+
+
+def test_cache656_explicit_forms(record):
     q = torch.zeros(3, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(10, 656, dtype=torch.uint8)
     idx = torch.zeros(3, 100, dtype=torch.int32)
-    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512)
-    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow="ring")
-    assert [name for name, _ in record] == ["narrow656", "narrow656_dual"]
+    for narrow in (None, True, "regs", False):
+        kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=narrow)
+    assert [_named(n, k) for n, k in record] == ["narrow656_dual:ring", "narrow656", "narrow656_dual:regs",
+                                                  "padded656"]
 
 
 def test_narrow_rejects_wide_heads():

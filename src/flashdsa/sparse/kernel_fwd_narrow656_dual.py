@@ -74,6 +74,8 @@ THREADS = 256
 BAR_WG = (1, 2)  # named barriers of warpgroups 0 / 1 (0 is __syncthreads)
 BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLang numbers its own from 3 up)
 PREFETCH = ("regs", "ring", "ring16")  # "ring16": the ring in 16-row stages (default 32)
+DEFAULT = "ring"  # what kernel_fwd_fp8cache.run_sparse_mla_fwd runs at H <= MAX_HEADS
+MAX_HEADS = 16
 RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
 
 
