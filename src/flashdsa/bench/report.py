@@ -81,6 +81,7 @@ def _source_line(suite: str, path: Path, doc: dict, link_prefix: str) -> str:
     commit = (doc.get("commit") or "uncommitted")[:8] + (" (dirty)" if doc.get("dirty") else "")
     where = doc.get("gpu") or f"CPU ({doc.get('cpu', '')})"
     note = f"; {doc['note']}" if doc.get("note") else ""
+    note += "".join(f"; {k}={v}" for k, v in (doc.get("env") or {}).items())
     return (f"- {suite}: [`{path.name}`]({link_prefix}{path.as_posix()}) — {where}, {doc.get('date', '?')}, commit "
             f"{commit}, torch {doc.get('torch')}, tilelang {doc.get('tilelang')}; `{doc.get('command', '')}`{note}")
 

@@ -10,7 +10,7 @@ keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring 
   * ``prefetch="regs"``: each thread loads its share of the warpgroup's next block (82 words: ``fdsa_row_to_regs``;
     invalid rows as zeros, nothing read) right after converting the current one.  A warp's load touches 32
     different rows (one per lane).
-  * ``prefetch="ring"`` (``"ring16"``: 16-row stages): one shared ring of ``64 / QR`` stages of ``QR`` raw rows (41,984 B: one block), filled by
+  * ``prefetch="ring"`` (``"ring16"`` / ``"ring64"``: 16- / 64-row stages): one shared ring of ``64 / QR`` stages of ``QR`` raw rows (41,984 B: one block), filled by
     one ``cp.async.bulk`` per row as in ``kernel_fwd_narrow656`` (mbarrier ``expect_tx``; an invalid slot is zeroed
     by its thread and only arrives).  The warpgroup that converts stage s of block b issues stage s of block b + 1
     right after its own named barrier, so block b + 1's rows are in flight while warpgroup b % 2 runs its products
@@ -73,7 +73,7 @@ __device__ __forceinline__ void fdsa_copy16(const void *src, void *dst) {
 THREADS = 256
 BAR_WG = (1, 2)  # named barriers of warpgroups 0 / 1 (0 is __syncthreads)
 BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLang numbers its own from 3 up)
-PREFETCH = ("regs", "ring", "ring16")  # "ring16": the ring in 16-row stages (default 32)
+PREFETCH = ("regs", "ring", "ring16", "ring64")  # "ring16" / "ring64": the ring in 16- / 64-row stages (default 32)
 DEFAULT = "ring"  # what kernel_fwd_fp8cache.run_sparse_mla_fwd runs at H <= MAX_HEADS
 MAX_HEADS = 16
 RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
@@ -82,12 +82,12 @@ RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
 def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink: bool = False,
                                         has_topk_length: bool = False, prefetch: str = "ring"):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature; H <= 16, any topk.
-    ``prefetch``: "regs", "ring" or "ring16" (module notes)."""
+    ``prefetch``: "regs", "ring", "ring16" or "ring64" (module notes)."""
     BR = _kn.rows_tile(heads)
     assert BR == 16, "the dual form is for H <= 16 (two O^T accumulators + the merge buffer)"
     assert prefetch in PREFETCH, prefetch
     BI, D, DT, CH = BLOCK_I, D_V, fc.D_TAIL, fc.CHUNK
-    QR = 16 if prefetch == "ring16" else RING_ROWS
+    QR = {"ring16": 16, "ring64": 64}.get(prefetch, RING_ROWS)
     NQ = BI // QR  # ring stages
     PARTS = 128 // QR  # threads per row in a stage's conversion
     GROUPS = 8 // PARTS  # 64-dim groups per thread (each inside one 128-dim scale tile)
