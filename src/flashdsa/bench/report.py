@@ -7,7 +7,8 @@ Usage::
 
 The README holds the table between ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->``. Only GPU runs
 count (a CPU run measures the reference at shrunk shapes) unless ``--include-cpu`` is given. Every figure links
-its JSON file ("no figure in prose without its JSON").
+its JSON file ("no figure in prose without its JSON"). Runs made with ``FLASHDSA_*`` kernel-selection switches set
+(``env`` in the JSON) measure a non-default configuration and stay out of the table.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def newest_per_suite(results: Sequence[tuple[Path, dict]], include_cpu: bool = F
     ``newer_partial_rows``."""
     best: dict[str, tuple[Path, dict]] = {}
     for p, doc in results:
-        if (not include_cpu and not doc.get("gpu")) or doc.get("case_filter"):
+        if (not include_cpu and not doc.get("gpu")) or doc.get("case_filter") or doc.get("env"):
             continue
         key = (str(doc.get("date", "")), p.name)
         cur = best.get(doc["suite"])
@@ -66,7 +67,8 @@ def newer_partial_rows(results: Sequence[tuple[Path, dict]], suite: str, base: t
     (the newest such run per case)."""
     rows: dict[str, tuple[Path, dict, dict]] = {}
     for p, doc in results:
-        if doc["suite"] != suite or not doc.get("case_filter") or (not include_cpu and not doc.get("gpu")):
+        if (doc["suite"] != suite or not doc.get("case_filter") or doc.get("env")
+                or (not include_cpu and not doc.get("gpu"))):
             continue
         if _key(p, doc) <= _key(*base):
             continue

@@ -25,9 +25,13 @@ At the end warpgroup 1 publishes (O^T, m, l) through shared memory and warpgroup
 rescaled by ``2^((m_w - m) c)``) and writes the output.  Shared memory: Q 18 KB + 2 x (tile 64 KB + rope 8 KB + S^T
 4 KB + P 2 KB) = 174 KB, + merge 32 KB ("regs") or + ring 41 KB ("ring").
 
-Measured (H200, session 12, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``): "regs" at the decode
-shape (128 tokens, H 16, topk 2048 of 32768 rows each) 164.7 us against 132.0 for ``kernel_fwd_narrow656``
-(slower), at prefill S 4096 / SKV 8192 3.24 ms against 3.88 (faster).
+Measured (H200, session 12, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``; docs/PERFORMANCE.md):
+H 16, topk 2048; decode shape (128 tokens, each its own 32768 rows) / prefill S 4096 over SKV 8192:
+``kernel_fwd_narrow656`` 132.3 us / 3.92 ms, "regs" 162.6 us / 3.27 ms, **"ring" 116.0 us / 3.12 ms** (the
+default at H <= 16: ``DEFAULT``), "ring16" 141.3 us / 3.85 ms, "ring64" 132.4 us / 3.56 ms.  "ring" keeps one block
+in flight, so each block costs the copy latency plus its conversion.
+GPU tests: tests/sparse_mla/test_kernel_narrow656_gpu.py (every form), test_kernel_fp8cache_gpu.py,
+tests/decode/test_sparse_gpu.py (through the default).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
