@@ -35,7 +35,8 @@ CASES = [
 _DUAL = [(16, 4096, 2048, 40, False, False, "contig", 656), (16, 592, 100, 213, True, True, "contig", 672),
          (16, 300, 700, 17, True, False, "strided", 656), (5, 1000, 64, 9, False, True, "contig", 656),
          (9, 2000, 129, 33, True, True, "strided", 656)]
-CASES += [c + (form,) for form in ("regs", "ring", "ring64") for c in _DUAL]
+CASES += [c + (form,) for form in ("regs", "ring", "ring64", "ring_er") for c in _DUAL]
+CASES += [c + ("ring16_er",) for c in _DUAL[1:3]]
 CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "ring16"),
           (16, 8192, 2048, 20, False, False, "contig", 688, "ring16")]
 

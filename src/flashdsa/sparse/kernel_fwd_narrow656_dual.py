@@ -10,7 +10,9 @@ keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring 
   * ``prefetch="regs"``: each thread loads its share of the warpgroup's next block (82 words: ``fdsa_row_to_regs``;
     invalid rows as zeros, nothing read) right after converting the current one.  A warp's load touches 32
     different rows (one per lane).
-  * ``prefetch="ring"`` (``"ring16"`` / ``"ring64"``: 16- / 64-row stages): one shared ring of ``64 / QR`` stages of ``QR`` raw rows (41,984 B: one block), filled by
+  * ``prefetch="ring"`` (``"ring16"`` / ``"ring64"``: 16- / 64-row stages; ``"_er"`` forms, not yet run on the GPU:
+    each issuing thread loads its row numbers of the next block before converting, so the issue after a stage's
+    barrier does not wait for the ``Indices`` load): one shared ring of ``64 / QR`` stages of ``QR`` raw rows (41,984 B: one block), filled by
     one ``cp.async.bulk`` per row as in ``kernel_fwd_narrow656`` (mbarrier ``expect_tx``; an invalid slot is zeroed
     by its thread and only arrives).  The warpgroup that converts stage s of block b issues stage s of block b + 1
     right after its own named barrier, so block b + 1's rows are in flight while warpgroup b % 2 runs its products
@@ -77,7 +79,8 @@ __device__ __forceinline__ void fdsa_copy16(const void *src, void *dst) {
 THREADS = 256
 BAR_WG = (1, 2)  # named barriers of warpgroups 0 / 1 (0 is __syncthreads)
 BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLang numbers its own from 3 up)
-PREFETCH = ("regs", "ring", "ring16", "ring64")  # "ring16" / "ring64": the ring in 16- / 64-row stages (default 32)
+# "ring16" / "ring64": the ring in 16- / 64-row stages (default 32); "_er": the next block's row numbers loaded early
+PREFETCH = ("regs", "ring", "ring16", "ring64", "ring_er", "ring16_er")
 DEFAULT = "ring"  # what kernel_fwd_fp8cache.run_sparse_mla_fwd runs at H <= MAX_HEADS
 MAX_HEADS = 16
 RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
@@ -91,7 +94,8 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     assert BR == 16, "the dual form is for H <= 16 (two O^T accumulators + the merge buffer)"
     assert prefetch in PREFETCH, prefetch
     BI, D, DT, CH = BLOCK_I, D_V, fc.D_TAIL, fc.CHUNK
-    QR = {"ring16": 16, "ring64": 64}.get(prefetch, RING_ROWS)
+    QR = {"ring16": 16, "ring64": 64, "ring16_er": 16}.get(prefetch, RING_ROWS)
+    early = prefetch.endswith("_er")
     NQ = BI // QR  # ring stages
     PARTS = 128 // QR  # threads per row in a stage's conversion
     GROUPS = 8 // PARTS  # 64-dim groups per thread (each inside one 128-dim scale tile)
@@ -137,10 +141,11 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                       *[T.address_of(Kt_w[r, part * 32 + i * 8]) for i in range(4)])
 
     @T.macro
-    def issue_stage(Indices, KV8, rs16, n_rows, tok, lim, blk, s, Raw, bars, t):
-        # stage s of block blk: thread ISSUE * r (of the warpgroup that issues) copies row r or zeroes it
+    def issue_stage(Indices, KV8, rs16, n_rows, tok, lim, blk, s, Raw, bars, t, rows):
+        # stage s of block blk: thread ISSUE * r (of the warpgroup that issues) copies row r or zeroes it;
+        # rows: None, or the thread's row numbers of block blk loaded earlier (rows[s])
         if t % ISSUE == 0:
-            row = _row(Indices, tok, lim, blk * BI + s * QR + t // ISSUE)
+            row = _row(Indices, tok, lim, blk * BI + s * QR + t // ISSUE) if rows is None else rows[s]
             ok = (row >= 0) & (row < n_rows)
             T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[s, t // ISSUE, 0]),
                           T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]),
@@ -180,13 +185,18 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             for j in T.serial(nb[0]):
                 b = 2 * j + w
                 if ring:
+                    if early:  # the next block's row numbers now: their load latency is off the issue's path
+                        if (b + 1 < nblk) & (t % ISSUE == 0):
+                            for s in T.unroll(NQ):
+                                raw[s] = _row(Indices, tok, lim, (b + 1) * BI + s * QR + t // ISSUE)
                     for s in T.unroll(NQ):
                         T.barrier_wait(bars[w * NQ + s], j % 2)
                         convert_stage(Raw, s, KV_w, Kt_w, sc, t)
                         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
                         T.sync_threads(bar, 128)  # the whole warpgroup is past stage s: refill it
                         if b + 1 < nblk:
-                            issue_stage(Indices, KV8, rs16, n_rows, tok, lim, b + 1, s, Raw, bars, t)
+                            issue_stage(Indices, KV8, rs16, n_rows, tok, lim, b + 1, s, Raw, bars, t,
+                                        raw if early else None)
                 else:
                     convert_regs(raw, KV_w, Kt_w, t)
                     if j + 1 < nb[0]:
@@ -240,7 +250,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 Raw = T.alloc_shared([NQ, QR, ROW], u8)
                 Mrg_s = T.view(Raw, [ROW, BR], f32)  # NQ * QR = 64 rows: 64 * 656 B = 656 x 16 fp32
                 bars = T.alloc_barrier([QR] * (2 * NQ))  # stage s of warpgroup w's blocks: w * NQ + s
-                raw = None
+                raw = T.alloc_local([NQ], i32)  # "_er": the next block's row numbers of an issuing thread
             else:
                 Raw = None
                 bars = None
@@ -261,7 +271,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 if tx < 128:
                     if nblk > 0:
                         for s in T.unroll(NQ):
-                            issue_stage(Indices, KV8, rs16, n_rows, bx, lim[0], 0, s, Raw, bars, tx)
+                            issue_stage(Indices, KV8, rs16, n_rows, bx, lim[0], 0, s, Raw, bars, tx, None)
             if tx < 128:
                 chain0(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st0, raw, Raw, bars, sc, nb, tx)
                 if ring:
@@ -304,4 +314,4 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [(f"narrow656_dual_{p}_h16_sink_tl",
              build_sparse_mla_fwd_narrow656_dual(heads=16, sm_scale=576 ** -0.5, has_sink=True, has_topk_length=True,
-                                                 prefetch=p)) for p in PREFETCH[:2]]
+                                                 prefetch=p)) for p in ("regs", "ring", "ring_er")]
