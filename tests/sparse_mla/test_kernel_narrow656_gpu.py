@@ -1,8 +1,9 @@
 """GPU: the few-head forward over the 656-byte FP8 cache (``kernel_fwd_narrow656``: bulk row copies, keys on the
 wgmma M side) against the reference on ``dequantize_kv_fp8(kv)`` with the bf16 forward's tolerances (same inputs
 and poisoning as ``test_kernel_fp8cache_gpu``: unreferenced rows and row padding are NaN / huge bytes), over
-head counts 1..32, both stage counts, the opt-in two-warpgroup forms (H <= 16; register and ring prefetch), topk not a multiple of 64, topk > Tkv, invalid indices of every kind, empty
-rows, topk_length, +/-inf sinks, padded row strides and strided q; a second launch must be bitwise equal."""
+head counts 1..32, both stage counts, the two-warpgroup forms of ``kernel_fwd_narrow656_dual`` (H <= 16; every
+prefetch form), topk not a multiple of 64, topk > Tkv, invalid indices of every kind, empty rows, topk_length,
++/-inf sinks, padded row strides and strided q; a second launch must be bitwise equal."""
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ CASES = [
 _DUAL = [(16, 4096, 2048, 40, False, False, "contig", 656), (16, 592, 100, 213, True, True, "contig", 672),
          (16, 300, 700, 17, True, False, "strided", 656), (5, 1000, 64, 9, False, True, "contig", 656),
          (9, 2000, 129, 33, True, True, "strided", 656)]
-CASES += [c + (form,) for form in ("regs", "ring", "ring64", "ring_er") for c in _DUAL]
+CASES += [c + (form,) for form in ("regs", "ring", "ring64", "ring_er", "ringx") for c in _DUAL]
 CASES += [c + ("ring16_er",) for c in _DUAL[1:3]]
 CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "ring16"),
           (16, 8192, 2048, 20, False, False, "contig", 688, "ring16")]

@@ -10,9 +10,10 @@ keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring 
   * ``prefetch="regs"``: each thread loads its share of the warpgroup's next block (82 words: ``fdsa_row_to_regs``;
     invalid rows as zeros, nothing read) right after converting the current one.  A warp's load touches 32
     different rows (one per lane).
-  * ``prefetch="ring"`` (``"ring16"`` / ``"ring64"``: 16- / 64-row stages; ``"_er"`` forms, not yet run on the GPU:
-    each issuing thread loads its row numbers of the next block before converting, so the issue after a stage's
-    barrier does not wait for the ``Indices`` load): one shared ring of ``64 / QR`` stages of ``QR`` raw rows (41,984 B: one block), filled by
+  * ``prefetch="ring"`` (``"ring16"`` / ``"ring64"``: 16- / 64-row stages; the ``"_er"`` forms, not yet run on the
+    GPU: each issuing thread loads its row numbers of the next block before converting, so the refill after a
+    stage's barrier does not wait for the ``Indices`` load): one shared ring of ``64 / QR`` stages of ``QR`` raw
+    rows (41,984 B: one block), filled by
     one ``cp.async.bulk`` per row as in ``kernel_fwd_narrow656`` (mbarrier ``expect_tx``; an invalid slot is zeroed
     by its thread and only arrives).  The warpgroup that converts stage s of block b issues stage s of block b + 1
     right after its own named barrier, so block b + 1's rows are in flight while warpgroup b % 2 runs its products
@@ -20,12 +21,18 @@ keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring 
     barrier (b % 2, s)): its j-th block is phase j of its barriers (parity j % 2), never more than one phase ahead
     of the waiter.  (One barrier per stage for both warpgroups is wrong: a warpgroup reaching its wait for block
     b while block b - 1 is still in flight sees parity b % 2 as the completed previous phase and passes.)
-    The ring's bytes hold warpgroup 1's O^T for the final merge (``T.view`` as [656, 16] fp32) once both
-    warpgroups are past their last block.
+  * ``prefetch="ringx"`` (not yet run on the GPU): ``RINGX_STAGES`` = 5 stages of 16 rows (52,480 B, all that
+    shared memory leaves), not tied to blocks: chunk c (rows [16 c, +16) of the token's top-k; block c / 4, converted by warpgroup (c / 4) % 2)
+    lives in stage c % 5; whoever converts chunk c issues chunk c + 5 (row numbers loaded at the start of the
+    block), so 1.25 blocks of rows can be in flight.  Each warpgroup has its own barrier per stage and tracks its
+    phase parities in a 5-bit mask (its chunks on a stage come in order, each issued only after the previous one
+    on that stage was converted, so a wait is never more than one phase ahead).
+  The ring's bytes hold warpgroup 1's O^T for the final merge (``T.view`` as [ring bytes / 64, 16] fp32, rows
+  0..511 used) once both warpgroups are past their last block.
 
 At the end warpgroup 1 publishes (O^T, m, l) through shared memory and warpgroup 0 merges (``m = max``, both sides
 rescaled by ``2^((m_w - m) c)``) and writes the output.  Shared memory: Q 18 KB + 2 x (tile 64 KB + rope 8 KB + S^T
-4 KB + P 2 KB) = 174 KB, + merge 32 KB ("regs") or + ring 41 KB ("ring").
+4 KB + P 2 KB) = 174 KB, + merge 32 KB ("regs"), ring 41 KB ("ring") or 51 KB ("ringx").
 
 Measured (H200, session 12, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``; docs/PERFORMANCE.md):
 H 16, topk 2048; decode shape (128 tokens, each its own 32768 rows) / prefill S 4096 over SKV 8192:
@@ -79,8 +86,10 @@ __device__ __forceinline__ void fdsa_copy16(const void *src, void *dst) {
 THREADS = 256
 BAR_WG = (1, 2)  # named barriers of warpgroups 0 / 1 (0 is __syncthreads)
 BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLang numbers its own from 3 up)
-# "ring16" / "ring64": the ring in 16- / 64-row stages (default 32); "_er": the next block's row numbers loaded early
-PREFETCH = ("regs", "ring", "ring16", "ring64", "ring_er", "ring16_er")
+# "ring16" / "ring64": the ring in 16- / 64-row stages (default 32); "_er": the next block's row numbers loaded early;
+# "ringx": RINGX_STAGES stages of 16 rows, not tied to blocks (more than one block's worth of raw rows in flight)
+PREFETCH = ("regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx")
+RINGX_STAGES = 5  # 5 x 16 rows x 656 B = 52,480 B: what shared memory leaves next to the two tiles
 DEFAULT = "ring"  # what kernel_fwd_fp8cache.run_sparse_mla_fwd runs at H <= MAX_HEADS
 MAX_HEADS = 16
 RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
@@ -94,9 +103,11 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     assert BR == 16, "the dual form is for H <= 16 (two O^T accumulators + the merge buffer)"
     assert prefetch in PREFETCH, prefetch
     BI, D, DT, CH = BLOCK_I, D_V, fc.D_TAIL, fc.CHUNK
-    QR = {"ring16": 16, "ring64": 64, "ring16_er": 16}.get(prefetch, RING_ROWS)
+    QR = {"ring16": 16, "ring64": 64, "ring16_er": 16, "ringx": 16}.get(prefetch, RING_ROWS)
     early = prefetch.endswith("_er")
-    NQ = BI // QR  # ring stages
+    ringx = prefetch == "ringx"
+    NQ = BI // QR  # ring stages per block ("ringx": chunks per block)
+    NSX = RINGX_STAGES if ringx else NQ  # ring stages
     PARTS = 128 // QR  # threads per row in a stage's conversion
     GROUPS = 8 // PARTS  # 64-dim groups per thread (each inside one 128-dim scale tile)
     ROPES = 8 // PARTS  # 16-byte rope chunks per thread
@@ -152,8 +163,18 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                           T.address_of(bars[(blk % 2) * NQ + s]), T.if_then_else(ok, 1, 0))
 
     @T.macro
-    def convert_stage(Raw, s, KV_w, Kt_w, sc, t):
-        # thread t: stage row t % QR (tile row s * QR + t % QR), latent dims [512 / PARTS * part, +512 / PARTS)
+    def issue_chunk(KV8, rs16, n_rows, c, row, Raw, bars, t):
+        # "ringx": chunk c (rows [QR c, +QR) of the token's top-k) into stage c % NSX, completing on the barrier
+        # of its warpgroup ((c / NQ) % 2) for that stage; thread ISSUE * r copies row r (``row``) or zeroes it
+        if t % ISSUE == 0:
+            ok = (row >= 0) & (row < n_rows)
+            T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[c % NSX, t // ISSUE, 0]),
+                          T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]),
+                          T.address_of(bars[((c // NQ) % 2) * NSX + c % NSX]), T.if_then_else(ok, 1, 0))
+
+    @T.macro
+    def convert_stage(Raw, s, row0, KV_w, Kt_w, sc, t):
+        # thread t: stage row t % QR (tile row row0 + t % QR), latent dims [512 / PARTS * part, +512 / PARTS)
         # (inside one scale tile for PARTS >= 4), rope chunks [ROPES * part, +ROPES)
         r = t % QR
         part = t // QR
@@ -161,17 +182,17 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             dim0 = part * (512 // PARTS) + g * 64
             sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Raw[s, r, SCALE_BYTE]), dim0 // 128)
             T.call_extern("handle", "fdsa_dequant64", T.address_of(Raw[s, r, dim0]),
-                          *[T.address_of(KV_w[s * QR + r, dim0 + i * 16 + h * 8])
+                          *[T.address_of(KV_w[row0 + r, dim0 + i * 16 + h * 8])
                             for i in range(4) for h in range(2)], sc[0])
         for c in T.unroll(ROPES):
             T.call_extern("handle", "fdsa_copy16", T.address_of(Raw[s, r, ROPE_BYTE + (part * ROPES + c) * 16]),
-                          T.address_of(Kt_w[s * QR + r, (part * ROPES + c) * 8]))
+                          T.address_of(Kt_w[row0 + r, (part * ROPES + c) * 8]))
 
     def make_chain(w):
         bar = BAR_WG[w]
 
         @T.macro
-        def chain(Q_s, Qt_s, KV8, rs16, n_rows, Indices, tok, lim, nblk, state, raw, Raw, bars, sc, nb, tx):
+        def chain(Q_s, Qt_s, KV8, rs16, n_rows, Indices, tok, lim, nblk, state, raw, Raw, bars, sc, nb, ph, tx):
             # warpgroup w: blocks w, w + 2, ... of the token, one whole chain per block
             KV_w, Kt_w, ST_w, P_w, Al_w, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk = state
             t = tx - 128 * w
@@ -182,16 +203,32 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             if not ring:
                 if nb[0] > 0:
                     load_regs(Indices, KV8, rs16, n_rows, tok, lim, w, raw, t)
+            if ringx:
+                ph[0] = 0  # bit s: parity of this warpgroup's next phase of its stage-s barrier
             for j in T.serial(nb[0]):
                 b = 2 * j + w
-                if ring:
+                if ringx:
+                    # the row numbers of the chunks this warpgroup issues during block b (c + NSX for its chunks c)
+                    if t % ISSUE == 0:
+                        for k in T.unroll(NQ):
+                            raw[k] = _row(Indices, tok, lim, (b * NQ + k + NSX) * QR + t // ISSUE)
+                    for k in T.unroll(NQ):
+                        c = b * NQ + k
+                        T.barrier_wait(bars[w * NSX + c % NSX], (ph[0] >> (c % NSX)) & 1)
+                        ph[0] = ph[0] ^ (1 << (c % NSX))
+                        convert_stage(Raw, c % NSX, k * QR, KV_w, Kt_w, sc, t)
+                        T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
+                        T.sync_threads(bar, 128)  # the whole warpgroup is past stage c % NSX: refill it
+                        if c + NSX < nblk * NQ:
+                            issue_chunk(KV8, rs16, n_rows, c + NSX, raw[k], Raw, bars, t)
+                elif ring:
                     if early:  # the next block's row numbers now: their load latency is off the issue's path
                         if (b + 1 < nblk) & (t % ISSUE == 0):
                             for s in T.unroll(NQ):
                                 raw[s] = _row(Indices, tok, lim, (b + 1) * BI + s * QR + t // ISSUE)
                     for s in T.unroll(NQ):
                         T.barrier_wait(bars[w * NQ + s], j % 2)
-                        convert_stage(Raw, s, KV_w, Kt_w, sc, t)
+                        convert_stage(Raw, s, s * QR, KV_w, Kt_w, sc, t)
                         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
                         T.sync_threads(bar, 128)  # the whole warpgroup is past stage s: refill it
                         if b + 1 < nblk:
@@ -247,10 +284,10 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             _, _, _, _, Al_0, _, acc_ot0, _, m_i0, m_prev0, alpha0, l_i0, l_blk0 = st0
             Al_1, acc_ot1, m_i1, l_i1 = st1[4], st1[6], st1[8], st1[11]
             if ring:
-                Raw = T.alloc_shared([NQ, QR, ROW], u8)
-                Mrg_s = T.view(Raw, [ROW, BR], f32)  # NQ * QR = 64 rows: 64 * 656 B = 656 x 16 fp32
-                bars = T.alloc_barrier([QR] * (2 * NQ))  # stage s of warpgroup w's blocks: w * NQ + s
-                raw = T.alloc_local([NQ], i32)  # "_er": the next block's row numbers of an issuing thread
+                Raw = T.alloc_shared([NSX, QR, ROW], u8)
+                Mrg_s = T.view(Raw, [NSX * QR * ROW // (4 * BR), BR], f32)  # >= 64 rows of 656 B: >= 656 x 16 fp32
+                bars = T.alloc_barrier([QR] * (2 * NSX))  # stage s of warpgroup w's blocks: w * NSX + s
+                raw = T.alloc_local([NQ], i32)  # "_er" / "ringx": row numbers of the next chunks of an issuing thread
             else:
                 Raw = None
                 bars = None
@@ -261,6 +298,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             lim = T.alloc_local([1], i32)
             nb = T.alloc_local([1], i32)
             sc = T.alloc_local([1], f32)
+            ph = T.alloc_local([1], i32)
 
             set_lim(lim, TopkLen, bx)
             load_q(Q, Q_s, Qt_s, bx, 0)
@@ -269,15 +307,20 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             nblk = T.ceildiv(lim[0], BI)
             if ring:
                 if tx < 128:
-                    if nblk > 0:
+                    if ringx:
+                        for c in T.unroll(NSX):
+                            if c < nblk * NQ:
+                                issue_chunk(KV8, rs16, n_rows, c, _row(Indices, bx, lim[0], c * QR + tx // ISSUE),
+                                            Raw, bars, tx)
+                    elif nblk > 0:
                         for s in T.unroll(NQ):
                             issue_stage(Indices, KV8, rs16, n_rows, bx, lim[0], 0, s, Raw, bars, tx, None)
             if tx < 128:
-                chain0(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st0, raw, Raw, bars, sc, nb, tx)
+                chain0(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st0, raw, Raw, bars, sc, nb, ph, tx)
                 if ring:
                     T.sync_threads(BAR_ALL, 256)  # warpgroup 1 may overwrite the ring only after our last block
             else:
-                chain1(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st1, raw, Raw, bars, sc, nb, tx)
+                chain1(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st1, raw, Raw, bars, sc, nb, ph, tx)
                 if ring:
                     T.sync_threads(BAR_ALL, 256)
                 T.copy(acc_ot1, Mrg_s[0:D, :])
@@ -314,4 +357,4 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [(f"narrow656_dual_{p}_h16_sink_tl",
              build_sparse_mla_fwd_narrow656_dual(heads=16, sm_scale=576 ** -0.5, has_sink=True, has_topk_length=True,
-                                                 prefetch=p)) for p in ("regs", "ring", "ring_er")]
+                                                 prefetch=p)) for p in ("regs", "ring", "ring_er", "ringx")]
