@@ -6,13 +6,11 @@ kind, empty rows, sink with +-inf, topk_length incl. 0 / negative / > topk), qua
 ``quantize_fp8(x, block=576)`` (q_scale [T, H], kv_scale [Tkv]); kv rows no valid slot references hold
 0x7F bytes (NaN in e4m3fn) and a NaN scale. Reference: q8 * q_scale and kv8 * kv_scale (exact in float32)
 through ``sparse_mla_fwd_reference`` in float64 (out) / float32 (lse, max_logits).
-Compiles (per H, Dqk, ceil(topk/64), sm_scale, sink, topk_length, p_split): 3 cases + the timing smoke
-(p_split False, and kernel_fwd bf16 for comparison) = 5.
+Compiles (per H, Dqk, ceil(topk/64), sm_scale, sink, topk_length, p_split): 3 cases. Speed (the timing smoke
+that lived here): ``flashdsa bench --op sparse_mla_fwd_fp8`` and the kernel modules' ``--variants``.
     source .gpu/env.sh && python -m pytest tests/sparse_mla/test_kernel_fp8_gpu.py -q -s -p no:cacheprovider
 """
 
-import json
-import math
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("tilelang")
 
 from flashdsa.quant import quantize_fp8  # noqa: E402
-from flashdsa.sparse import kernel_fwd, kernel_fwd_fp8  # noqa: E402
+from flashdsa.sparse import kernel_fwd_fp8  # noqa: E402
 from flashdsa.sparse.reference import sparse_mla_fwd_reference  # noqa: E402
 
 from .test_kernel_gpu import _make_inputs, _poison_allocator  # noqa: E402
@@ -121,53 +119,3 @@ def test_sparse_mla_fwd_fp8_kernel(dqk, heads, tkv, topk, n_tok, sink, use_tl, l
     _check(out, lse, max_logits, q8, q_scale, kv8, kv_scale, indices, sm_scale, topk_length, attn_sink, valid)
 
 
-def _time_ms(fn, warmup=3, iters=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def test_sparse_mla_fwd_fp8_timing_smoke():
-    """Headline shape S 4096, SKV 8192, H 128, Dqk 576, topk 2048: fp8 (p_split True / False) vs kernel_fwd (bf16,
-    on the dequantized inputs). Printed as one JSON line, not asserted (besides finiteness)."""
-    S, SKV, H, K, dqk = 4096, 8192, 128, 2048, 576
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-    kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-    indices = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :K].to(torch.int32)
-    q8, q_scale = quantize_fp8(q, block=dqk)
-    kv8, kv_scale = quantize_fp8(kv, block=dqk)
-    q_scale, kv_scale = q_scale[..., 0].contiguous(), kv_scale[..., 0].contiguous()
-    del q, kv
-    qd, kvd = _dequant(q8, q_scale, kv8, kv_scale, torch.float32)
-    qd, kvd = qd.bfloat16(), kvd.bfloat16()  # exact: e4m3 * power of two
-    sm = dqk**-0.5
-    res = {"shape": dict(S=S, SKV=SKV, H=H, Dqk=dqk, topk=K)}
-    flops = 2 * S * H * K * (dqk + D_V)
-    ref = kernel_fwd.run_sparse_mla_fwd(qd, kvd, indices, sm_scale=sm, d_v=D_V)
-    res["bf16_ms"] = _time_ms(lambda: kernel_fwd.run_sparse_mla_fwd(qd, kvd, indices, sm_scale=sm, d_v=D_V))
-    for split in (True, False):
-        run = lambda: kernel_fwd_fp8.run_sparse_mla_fwd_fp8(q8, kv8, indices, q_scale=q_scale, kv_scale=kv_scale,  # noqa: E731
-                                                            sm_scale=sm, d_v=D_V, p_split=split)
-        out, lse, _ = run()
-        torch.cuda.synchronize()
-        assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
-        key = "fp8_split" if split else "fp8_nosplit"
-        ms = _time_ms(run)
-        res[key + "_ms"] = ms
-        res[key + "_tflops"] = flops / ms / 1e9
-        res[key + "_cos_vs_bf16"] = _cos_dist(out, ref[0])
-        res[key + "_lse_maxerr_vs_bf16"] = (lse - ref[1]).abs().max().item()
-    res["bf16_tflops"] = flops / res["bf16_ms"] / 1e9
-    print("\nFP8_FWD_TIMING " + json.dumps(res))
-    assert math.isfinite(res["fp8_split_ms"])
