@@ -90,6 +90,13 @@ BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLan
 # "ringx": RINGX_STAGES stages of 16 rows, not tied to blocks (more than one block's worth of raw rows in flight)
 PREFETCH = ("regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx")
 RINGX_STAGES = 5  # 5 x 16 rows x 656 B = 52,480 B: what shared memory leaves next to the two tiles
+
+
+def ringx_barrier(c, chunks_per_block, n_stages):
+    """"ringx": the mbarrier chunk c completes: its warpgroup's ((c / chunks_per_block) % 2) barrier of its stage
+    (c % n_stages).  Works on ints and TIR expressions (tests/sparse_mla/test_ring_schedule.py models the
+    protocol with it)."""
+    return ((c // chunks_per_block) % 2) * n_stages + c % n_stages
 DEFAULT = "ring"  # what kernel_fwd_fp8cache.run_sparse_mla_fwd runs at H <= MAX_HEADS
 MAX_HEADS = 16
 RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
@@ -170,7 +177,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             ok = (row >= 0) & (row < n_rows)
             T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[c % NSX, t // ISSUE, 0]),
                           T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]),
-                          T.address_of(bars[((c // NQ) % 2) * NSX + c % NSX]), T.if_then_else(ok, 1, 0))
+                          T.address_of(bars[ringx_barrier(c, NQ, NSX)]), T.if_then_else(ok, 1, 0))
 
     @T.macro
     def convert_stage(Raw, s, row0, KV_w, Kt_w, sc, t):
