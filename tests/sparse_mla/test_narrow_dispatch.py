@@ -81,3 +81,11 @@ def test_cache656_explicit_forms(record):
 def test_narrow_rejects_wide_heads():
     with pytest.raises(ValueError, match="H=33"):
         kernel_fwd_narrow.rows_tile(33)
+
+
+def test_cache656_dual_form_rejects_wide_heads(record):
+    q = torch.zeros(3, 17, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 656, dtype=torch.uint8)
+    idx = torch.zeros(3, 100, dtype=torch.int32)
+    with pytest.raises(ValueError, match="H=17"):
+        kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow="ring")

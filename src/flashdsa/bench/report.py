@@ -54,9 +54,8 @@ def newest_per_suite(results: Sequence[tuple[Path, dict]], include_cpu: bool = F
     for p, doc in results:
         if (not include_cpu and not doc.get("gpu")) or doc.get("case_filter") or doc.get("env"):
             continue
-        key = (str(doc.get("date", "")), p.name)
         cur = best.get(doc["suite"])
-        if cur is None or key > (str(cur[1].get("date", "")), cur[0].name):
+        if cur is None or _key(p, doc) > _key(*cur):
             best[doc["suite"]] = (p, doc)
     return best
 
@@ -79,12 +78,12 @@ def newer_partial_rows(results: Sequence[tuple[Path, dict]], suite: str, base: t
     return rows
 
 
-def _source_line(suite: str, path: Path, doc: dict, link_prefix: str) -> str:
+def _source_line(label: str, path: Path, doc: dict, link_prefix: str) -> str:
     commit = (doc.get("commit") or "uncommitted")[:8] + (" (dirty)" if doc.get("dirty") else "")
     where = doc.get("gpu") or f"CPU ({doc.get('cpu', '')})"
     note = f"; {doc['note']}" if doc.get("note") else ""
     note += "".join(f"; {k}={v}" for k, v in (doc.get("env") or {}).items())
-    return (f"- {suite}: [`{path.name}`]({link_prefix}{path.as_posix()}) — {where}, {doc.get('date', '?')}, commit "
+    return (f"- {label}: [`{path.name}`]({link_prefix}{path.as_posix()}) — {where}, {doc.get('date', '?')}, commit "
             f"{commit}, torch {doc.get('torch')}, tilelang {doc.get('tilelang')}; `{doc.get('command', '')}`{note}")
 
 
@@ -136,8 +135,8 @@ def render_readme_table(results_dir: Path | str = DEFAULT_RESULTS, include_cpu: 
                          f"{_fmt(c.get('tbps'))} | {c.get('target', '')} | {backend} |")
         sources.append(_source_line(suite, path, doc, link_prefix))
         for i, (p_path, p_doc) in enumerate(partial_docs):
-            sources.append(_source_line(suite, p_path, p_doc, link_prefix).replace(
-                f"- {suite}:", f"- {suite}, rows marked {'*' * (i + 1)} (a later run of those cases only):", 1))
+            label = f"{suite}, rows marked {'*' * (i + 1)} (a later run of those cases only)"
+            sources.append(_source_line(label, p_path, p_doc, link_prefix))
     return "\n".join(lines + ["", "Sources (newest run per suite):", ""] + sources)
 
 
