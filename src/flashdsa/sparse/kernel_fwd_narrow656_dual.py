@@ -10,9 +10,9 @@ keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring 
   * ``prefetch="regs"``: each thread loads its share of the warpgroup's next block (82 words: ``fdsa_row_to_regs``;
     invalid rows as zeros, nothing read) right after converting the current one.  A warp's load touches 32
     different rows (one per lane).
-  * ``prefetch="ring"`` (``"ring16"`` / ``"ring64"``: 16- / 64-row stages; the ``"_er"`` forms, not yet run on the
-    GPU: each issuing thread loads its row numbers of the next block before converting, so the refill after a
-    stage's barrier does not wait for the ``Indices`` load): one shared ring of ``64 / QR`` stages of ``QR`` raw
+  * ``prefetch="ring"`` (``"ring16"`` / ``"ring64"``: 16- / 64-row stages; the ``"_er"`` forms: each issuing
+    thread loads its row numbers of the next block before converting, so the refill after a stage's barrier does
+    not wait for the ``Indices`` load): one shared ring of ``64 / QR`` stages of ``QR`` raw
     rows (41,984 B: one block), filled by
     one ``cp.async.bulk`` per row as in ``kernel_fwd_narrow656`` (mbarrier ``expect_tx``; an invalid slot is zeroed
     by its thread and only arrives).  The warpgroup that converts stage s of block b issues stage s of block b + 1
@@ -21,7 +21,7 @@ keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring 
     barrier (b % 2, s)): its j-th block is phase j of its barriers (parity j % 2), never more than one phase ahead
     of the waiter.  (One barrier per stage for both warpgroups is wrong: a warpgroup reaching its wait for block
     b while block b - 1 is still in flight sees parity b % 2 as the completed previous phase and passes.)
-  * ``prefetch="ringx"`` (not yet run on the GPU): ``RINGX_STAGES`` = 5 stages of 16 rows (52,480 B, all that
+  * ``prefetch="ringx"``: ``RINGX_STAGES`` = 5 stages of 16 rows (52,480 B, all that
     shared memory leaves), not tied to blocks: chunk c (rows [16 c, +16) of the token's top-k; block c / 4, converted by warpgroup (c / 4) % 2)
     lives in stage c % 5; whoever converts chunk c issues chunk c + 5 (row numbers loaded at the start of the
     block), so 1.25 blocks of rows can be in flight.  Each warpgroup has its own barrier per stage and tracks its
@@ -36,9 +36,11 @@ rescaled by ``2^((m_w - m) c)``) and writes the output.  Shared memory: Q 18 KB 
 
 Measured (H200, session 12, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``; docs/PERFORMANCE.md):
 H 16, topk 2048; decode shape (128 tokens, each its own 32768 rows) / prefill S 4096 over SKV 8192:
-``kernel_fwd_narrow656`` 132.3 us / 3.92 ms, "regs" 162.6 us / 3.27 ms, **"ring" 116.0 us / 3.12 ms** (the
-default at H <= 16: ``DEFAULT``), "ring16" 141.3 us / 3.85 ms, "ring64" 132.4 us / 3.56 ms.  "ring" keeps one block
-in flight, so each block costs the copy latency plus its conversion.
+``kernel_fwd_narrow656`` 132.3 us / 3.92 ms, "regs" 162.6 us / 3.27 ms, "ring" 116.0 us / 3.12 ms, "ring16"
+141.3 us / 3.85 ms, "ring64" 132.4 us / 3.56 ms.  Session 13 (one call): "ring" 117.9 us / 412.8 us (decode B 512)
+/ 3.12 ms, **"ring_er" 110.4 / 360.9 us / 2.71 ms** (the default at H <= 16: ``DEFAULT``), "ring16_er" 105.3 /
+387.9 us / 2.89 ms, "ringx" 109.7 / 410.3 us / 3.08 ms.  The ring forms keep about one block in flight, so each
+block costs the copy latency plus its conversion.
 GPU tests: tests/sparse_mla/test_kernel_narrow656_gpu.py (every form), test_kernel_fp8cache_gpu.py,
 tests/decode/test_sparse_gpu.py (through the default).
 """
@@ -97,7 +99,7 @@ def ringx_barrier(c, chunks_per_block, n_stages):
     (c % n_stages).  Works on ints and TIR expressions (tests/sparse_mla/test_ring_schedule.py models the
     protocol with it)."""
     return ((c // chunks_per_block) % 2) * n_stages + c % n_stages
-DEFAULT = "ring"  # what kernel_fwd_fp8cache.run_sparse_mla_fwd runs at H <= MAX_HEADS
+DEFAULT = "ring_er"  # what kernel_fwd_fp8cache.run_sparse_mla_fwd runs at H <= MAX_HEADS
 MAX_HEADS = 16
 RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
 
