@@ -2,7 +2,7 @@
 wgmma M side) against the reference on ``dequantize_kv_fp8(kv)`` with the bf16 forward's tolerances (same inputs
 and poisoning as ``test_kernel_fp8cache_gpu``: unreferenced rows and row padding are NaN / huge bytes), over
 head counts 1..32, both stage counts, the two-warpgroup forms of ``kernel_fwd_narrow656_dual`` (H <= 16; every
-prefetch form), topk not a multiple of 64, topk > Tkv, invalid indices of every kind, empty rows, topk_length,
+prefetch form, the f16 products of "ring_er_f16" also over widely spread row and head scales), topk not a multiple of 64, topk > Tkv, invalid indices of every kind, empty rows, topk_length,
 +/-inf sinks, padded row strides and strided q; a second launch must be bitwise equal."""
 
 import pytest
@@ -36,7 +36,7 @@ CASES = [
 _DUAL = [(16, 4096, 2048, 40, False, False, "contig", 656), (16, 592, 100, 213, True, True, "contig", 672),
          (16, 300, 700, 17, True, False, "strided", 656), (5, 1000, 64, 9, False, True, "contig", 656),
          (9, 2000, 129, 33, True, True, "strided", 656)]
-CASES += [c + (form,) for form in ("regs", "ring", "ring64", "ring_er", "ringx") for c in _DUAL]
+CASES += [c + (form,) for form in ("regs", "ring", "ring64", "ring_er", "ringx", "ring_er_f16") for c in _DUAL]
 CASES += [c + ("ring16_er",) for c in _DUAL[1:3]]
 CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "ring16"),
           (16, 8192, 2048, 20, False, False, "contig", 688, "ring16")]
@@ -62,3 +62,25 @@ def test_sparse_mla_fwd_narrow656(heads, tkv, topk, n_tok, sink, use_tl, layout,
     again = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, **kw)
     for a, b in zip((out, lse, max_logits), again):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spread", [4, 10])
+def test_f16_form_scale_spread(spread):
+    """"ring_er_f16" (f16 products: each row's latent tile scaled by its scale over the token's largest, q by the
+    token scales and a per-head power of two): every (row, 128-dim tile) of the cache multiplied by 2^k, k uniform
+    in [-spread, spread], each head of q by 2^j, j in [-8, 4]."""
+    heads, tkv, topk, n_tok = 16, 2048, 512, 24
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, True, True, "contig",
+                                                                 seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    k = torch.randint(-spread, spread + 1, (tkv, 4, 1), generator=gen, device="cuda").float()
+    kv = kv.clone()
+    kv[:, :D_V] = (kv[:, :D_V].float().view(tkv, 4, 128) * torch.exp2(k)).view(tkv, D_V).to(torch.bfloat16)
+    j = torch.randint(-8, 5, (1, heads, 1), generator=gen, device="cuda").float()
+    q = (q.float() * torch.exp2(j)).to(torch.bfloat16)
+    kv8, kv_deq = _fp8_cache(kv, 656, gen)
+    kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink, narrow="ring_er_f16")
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    out, lse, max_logits = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, **kw)
+    torch.cuda.synchronize()
+    check_against_reference(out, lse, max_logits, q, kv_deq, indices, DQK**-0.5, topk_length, attn_sink, valid)

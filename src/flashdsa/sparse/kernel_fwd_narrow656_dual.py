@@ -83,14 +83,67 @@ __device__ __forceinline__ void fdsa_row_to_regs(unsigned *w, const void *row, i
 __device__ __forceinline__ void fdsa_copy16(const void *src, void *dst) {
   *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
 }
+// "_f16": 64 raw e4m3 bytes at src (shared memory) -> f16(e4m3) * r at l_i (dims 16i..16i+7) / h_i (16i+8..+15);
+// two instructions a pair (cvt.rn.f16x2.e4m3x2 is exact, the multiply by r = row scale / token scale <= 1 is exact
+// for power-of-two scales while the product stays a normal f16)
+__device__ __forceinline__ void fdsa_dequant64_f16(const void *src, void *l0, void *h0, void *l1, void *h1,
+                                                   void *l2, void *h2, void *l3, void *h3, float r) {
+  void *lo[4] = {l0, l1, l2, l3}, *hi[4] = {h0, h1, h2, h3};
+  unsigned w[16], r2;
+  fdsa_ld64(src, w);
+  asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r2) : "f"(r));
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    unsigned o[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        unsigned h2x;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2x) : "h"((unsigned short)(w[4 * c + i] >> (16 * k))));
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o[2 * i + k]) : "r"(h2x), "r"(r2));
+      }
+    }
+    *reinterpret_cast<uint4 *>(lo[c]) = make_uint4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<uint4 *>(hi[c]) = make_uint4(o[4], o[5], o[6], o[7]);
+  }
+}
+// "_f16": this thread's largest scale of each 128-dim tile over the token's valid rows j = tx + 256 i (j < lim,
+// 0 <= row < n_rows), eight rows at a time so the index and scale loads overlap; the warp's maxima -> out4
+__device__ __forceinline__ void fdsa_scale_max(const int *idx, int lim, int n_rows, const float *kvf, int rs16,
+                                               int tx, float *out4) {
+  float m[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int j0 = tx; j0 < lim; j0 += 8 * 256) {
+    int rows[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) rows[i] = j0 + 256 * i < lim ? __ldg(idx + j0 + 256 * i) : -1;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (rows[i] >= 0 && rows[i] < n_rows) {
+        const float4 v = __ldg(reinterpret_cast<const float4 *>(kvf + ((long long)rows[i] * rs16 + 32) * 4));
+        m[0] = fmaxf(m[0], v.x); m[1] = fmaxf(m[1], v.y); m[2] = fmaxf(m[2], v.z); m[3] = fmaxf(m[3], v.w);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m[k] = fmaxf(m[k], __shfl_xor_sync(0xffffffffu, m[k], o));
+  }
+  if ((tx & 31) == 0) { out4[0] = m[0]; out4[1] = m[1]; out4[2] = m[2]; out4[3] = m[3]; }
+}
+// the largest power of two <= x (x a positive normal float)
+__device__ __forceinline__ float fdsa_pow2_floor(float x) { return __int_as_float(__float_as_int(x) & 0x7f800000); }
 """
 
 THREADS = 256
 BAR_WG = (1, 2)  # named barriers of warpgroups 0 / 1 (0 is __syncthreads)
 BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLang numbers its own from 3 up)
 # "ring16" / "ring64": the ring in 16- / 64-row stages (default 32); "_er": the next block's row numbers loaded early;
-# "ringx": RINGX_STAGES stages of 16 rows, not tied to blocks (more than one block's worth of raw rows in flight)
-PREFETCH = ("regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx")
+# "ringx": RINGX_STAGES stages of 16 rows, not tied to blocks (more than one block's worth of raw rows in flight);
+# "_f16": f16 products (module notes)
+PREFETCH = ("regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx", "ring_er_f16")
+Q_F16_TOP = 8192.0  # "_f16": each head's largest |q * token scale| is scaled into [2^13, 2^14) (f16 max 65504)
 RINGX_STAGES = 5  # 5 x 16 rows x 656 B = 52,480 B: what shared memory leaves next to the two tiles
 
 
@@ -112,9 +165,14 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     assert BR == 16, "the dual form is for H <= 16 (two O^T accumulators + the merge buffer)"
     assert prefetch in PREFETCH, prefetch
     BI, D, DT, CH = BLOCK_I, D_V, fc.D_TAIL, fc.CHUNK
+    f16 = prefetch.endswith("_f16")
+    prefetch = prefetch.removesuffix("_f16")
     QR = {"ring16": 16, "ring64": 64, "ring16_er": 16, "ringx": 16}.get(prefetch, RING_ROWS)
     early = prefetch.endswith("_er")
     ringx = prefetch == "ringx"
+    # f16: a thread converts one 128-dim scale tile (its warp's) of its stage rows, which needs 32-row stages
+    assert not f16 or prefetch in ("ring", "ring_er"), prefetch
+    kdt = "float16" if f16 else "bfloat16"  # the latent tile, Q's latent part and P
     NQ = BI // QR  # ring stages per block ("ringx": chunks per block)
     NSX = RINGX_STAGES if ringx else NQ  # ring stages
     PARTS = 128 // QR  # threads per row in a stage's conversion
@@ -137,10 +195,12 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     def wg_state():
         # one warpgroup's buffers: (KV, Kt, S^T, P, alpha) in shared memory, then its fragments (acc_t, acc_ot,
         # s_f, m_i, m_prev, alpha, l_i, l_blk)
-        return (T.alloc_shared([BI, D], bf16), T.alloc_shared([BI, DT], bf16), T.alloc_shared([BI, BR], f32),
-                T.alloc_shared([BR, BI], bf16), T.alloc_shared([BR], f32),
+        # ("_f16": + the rope's S^T accumulator)
+        return (T.alloc_shared([BI, D], kdt), T.alloc_shared([BI, DT], bf16), T.alloc_shared([BI, BR], f32),
+                T.alloc_shared([BR, BI], kdt), T.alloc_shared([BR], f32),
                 T.alloc_fragment([BI, BR], f32), T.alloc_fragment([D, BR], f32), T.alloc_fragment([BR, BI], f32),
-                *[T.alloc_fragment([BR], f32) for _ in range(5)])
+                *[T.alloc_fragment([BR], f32) for _ in range(5)],
+                *([T.alloc_fragment([BI, BR], f32)] if f16 else []))
 
     @T.macro
     def load_regs(Indices, KV8, rs16, n_rows, tok, lim, blk, raw, t):
@@ -184,15 +244,17 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     @T.macro
     def convert_stage(Raw, s, row0, KV_w, Kt_w, sc, t):
         # thread t: stage row t % QR (tile row row0 + t % QR), latent dims [512 / PARTS * part, +512 / PARTS)
-        # (inside one scale tile for PARTS >= 4), rope chunks [ROPES * part, +ROPES)
+        # (inside one scale tile for PARTS >= 4), rope chunks [ROPES * part, +ROPES); "_f16": sc[1] = 1 / the
+        # token scale of the thread's tile (part)
         r = t % QR
         part = t // QR
         for g in T.unroll(GROUPS):
             dim0 = part * (512 // PARTS) + g * 64
             sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Raw[s, r, SCALE_BYTE]), dim0 // 128)
-            T.call_extern("handle", "fdsa_dequant64", T.address_of(Raw[s, r, dim0]),
+            T.call_extern("handle", "fdsa_dequant64_f16" if f16 else "fdsa_dequant64",
+                          T.address_of(Raw[s, r, dim0]),
                           *[T.address_of(KV_w[row0 + r, dim0 + i * 16 + h * 8])
-                            for i in range(4) for h in range(2)], sc[0])
+                            for i in range(4) for h in range(2)], sc[0] * sc[1] if f16 else sc[0])
         for c in T.unroll(ROPES):
             T.call_extern("handle", "fdsa_copy16", T.address_of(Raw[s, r, ROPE_BYTE + (part * ROPES + c) * 16]),
                           T.address_of(Kt_w[row0 + r, (part * ROPES + c) * 8]))
@@ -201,9 +263,10 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
         bar = BAR_WG[w]
 
         @T.macro
-        def chain(Q_s, Qt_s, KV8, rs16, n_rows, Indices, tok, lim, nblk, state, raw, Raw, bars, sc, nb, ph, tx):
+        def chain(Q_s, Qt_s, KV8, rs16, n_rows, Indices, tok, lim, nblk, state, raw, Raw, bars, sc, nb, ph, tx,
+                  Qsc_s):
             # warpgroup w: blocks w, w + 2, ... of the token, one whole chain per block
-            KV_w, Kt_w, ST_w, P_w, Al_w, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk = state
+            KV_w, Kt_w, ST_w, P_w, Al_w, acc_t, acc_ot, s_f, m_i, m_prev, alpha, l_i, l_blk = state[:13]
             t = tx - 128 * w
             nb[0] = (nblk - w + 1) // 2
             T.fill(acc_ot, 0)
@@ -249,10 +312,17 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                         load_regs(Indices, KV8, rs16, n_rows, tok, lim, b + 2, raw, t)
                     T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
                     T.sync_threads(bar, 128)
-                T.wgmma_gemm(KV_w, Q_s, acc_t, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(Kt_w, Qt_s, acc_t, transpose_B=True)
-                T.wait_wgmma(0)
-                T.copy(acc_t, ST_w)
+                if f16:  # S^T = 2^e_n (K' Q'^T) (f16) + the rope's K Q^T (bf16)
+                    T.wgmma_gemm(KV_w, Q_s, acc_t, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(Kt_w, Qt_s, state[13], transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    for r, n in T.Parallel(BI, BR):
+                        ST_w[r, n] = acc_t[r, n] * Qsc_s[n] + state[13][r, n]
+                else:
+                    T.wgmma_gemm(KV_w, Q_s, acc_t, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(Kt_w, Qt_s, acc_t, transpose_B=True)
+                    T.wait_wgmma(0)
+                    T.copy(acc_t, ST_w)
                 T.sync_threads(bar, 128)
                 for n, r in T.Parallel(BR, BI):
                     row = _row(Indices, tok, lim, b * BI + r)
@@ -269,6 +339,38 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
         return chain
 
     chain0, chain1 = make_chain(0), make_chain(1)
+
+    @T.macro
+    def token_scales(Indices, KVf, rs16, n_rows, lim, Pmx_s, Sg_s, sc, bx, tx):
+        # "_f16": Sg_s[t] = the largest scale of tile t over the token's valid rows (at least 1e-30); sc[1] = 1 /
+        # that of the tile this thread converts (its warp's in the warpgroup)
+        T.call_extern("handle", "fdsa_scale_max", T.address_of(Indices[bx, 0]), lim, n_rows, T.address_of(KVf[0, 0]),
+                      rs16, tx, T.address_of(Pmx_s[tx // 32, 0]))
+        T.sync_threads()
+        if tx < 4:
+            sc[0] = T.float32(1e-30)
+            for w in T.unroll(THREADS // 32):
+                sc[0] = T.max(sc[0], Pmx_s[w, tx])
+            Sg_s[tx] = sc[0]
+        T.sync_threads()
+        sc[1] = 1.0 / Sg_s[(tx % 128) // QR]
+
+    @T.macro
+    def load_q_f16(Q, Q_s, Qt_s, Qf, qmax, Sg_s, Qsc_s, bx):
+        # "_f16": Q_s = f16(q * Sg_s[d / 128] * 2^-e_n), each head's largest in [2^13, 2^14); Qsc_s[n] = 2^e_n;
+        # the rope part stays bf16
+        for n, d in T.Parallel(BR, D):
+            Qf[n, d] = T.if_then_else(n < heads, T.cast(Q[bx, T.min(n, heads - 1), d], f32), T.float32(0)) * \
+                Sg_s[d // 128]
+        T.reduce_absmax(Qf, qmax, dim=1)
+        for n in T.Parallel(BR):
+            qmax[n] = T.call_extern(f32, "fdsa_pow2_floor", T.max(qmax[n], T.float32(1e-30)))
+        for n, d in T.Parallel(BR, D):
+            Q_s[n, d] = T.cast(Qf[n, d] * (Q_F16_TOP / qmax[n]), kdt)
+        for n in T.Parallel(BR):
+            Qsc_s[n] = qmax[n] * (1.0 / Q_F16_TOP)
+        for n, d in T.Parallel(BR, DT):
+            Qt_s[n, d] = T.if_then_else(n < heads, Q[bx, T.min(n, heads - 1), D + d], T.cast(0, bf16))
 
     @T.prim_func
     def sparse_mla_fwd_narrow656_dual(
@@ -287,10 +389,10 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     ):
         with T.Kernel(n_tok, threads=THREADS, prelude=_SRC + _DUAL_SRC) as bx:
             tx = T.get_thread_binding()
-            Q_s = T.alloc_shared([BR, D], bf16)
+            Q_s = T.alloc_shared([BR, D], kdt)
             Qt_s = T.alloc_shared([BR, DT], bf16)
             st0, st1 = wg_state(), wg_state()
-            _, _, _, _, Al_0, _, acc_ot0, _, m_i0, m_prev0, alpha0, l_i0, l_blk0 = st0
+            _, _, _, _, Al_0, _, acc_ot0, _, m_i0, m_prev0, alpha0, l_i0, l_blk0 = st0[:13]
             Al_1, acc_ot1, m_i1, l_i1 = st1[4], st1[6], st1[8], st1[11]
             if ring:
                 Raw = T.alloc_shared([NSX, QR, ROW], u8)
@@ -306,11 +408,22 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             inv = T.alloc_fragment([BR], f32)
             lim = T.alloc_local([1], i32)
             nb = T.alloc_local([1], i32)
-            sc = T.alloc_local([1], f32)
+            sc = T.alloc_local([2], f32)
             ph = T.alloc_local([1], i32)
+            Qsc_s = None
+            if f16:
+                Pmx_s = T.alloc_shared([THREADS // 32, 4], f32)
+                Sg_s = T.alloc_shared([4], f32)
+                Qsc_s = T.alloc_shared([BR], f32)
+                Qf = T.alloc_fragment([BR, D], f32)
+                qmax = T.alloc_fragment([BR], f32)
 
             set_lim(lim, TopkLen, bx)
-            load_q(Q, Q_s, Qt_s, bx, 0)
+            if f16:
+                token_scales(Indices, KVf, rs16, n_rows, lim[0], Pmx_s, Sg_s, sc, bx, tx)
+                load_q_f16(Q, Q_s, Qt_s, Qf, qmax, Sg_s, Qsc_s, bx)
+            else:
+                load_q(Q, Q_s, Qt_s, bx, 0)
             T.fence_proxy_async()
             T.sync_threads()
             nblk = T.ceildiv(lim[0], BI)
@@ -325,11 +438,13 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                         for s in T.unroll(NQ):
                             issue_stage(Indices, KV8, rs16, n_rows, bx, lim[0], 0, s, Raw, bars, tx, None)
             if tx < 128:
-                chain0(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st0, raw, Raw, bars, sc, nb, ph, tx)
+                chain0(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st0, raw, Raw, bars, sc, nb, ph, tx,
+                       Qsc_s)
                 if ring:
                     T.sync_threads(BAR_ALL, 256)  # warpgroup 1 may overwrite the ring only after our last block
             else:
-                chain1(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st1, raw, Raw, bars, sc, nb, ph, tx)
+                chain1(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st1, raw, Raw, bars, sc, nb, ph, tx,
+                       Qsc_s)
                 if ring:
                     T.sync_threads(BAR_ALL, 256)
                 T.copy(acc_ot1, Mrg_s[0:D, :])
@@ -347,10 +462,15 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 T.copy(alpha0, Al_0)
                 T.copy(l_blk0, Al_1)
                 T.sync_threads(BAR_WG[0], 128)
-                for d, n in T.Parallel(D, BR):
-                    acc_ot0[d, n] = acc_ot0[d, n] * Al_0[n] + Mrg_s[d, n] * Al_1[n]
+                if f16:  # O^T of tile t carries 1 / its token scale
+                    for d, n in T.Parallel(D, BR):
+                        acc_ot0[d, n] = (acc_ot0[d, n] * Al_0[n] + Mrg_s[d, n] * Al_1[n]) * Sg_s[d // 128]
+                else:
+                    for d, n in T.Parallel(D, BR):
+                        acc_ot0[d, n] = acc_ot0[d, n] * Al_0[n] + Mrg_s[d, n] * Al_1[n]
                 T.sync_threads(BAR_WG[0], 128)  # every thread has read Al_0 before the epilogue rewrites it
-                epilogue(acc_ot0, inv, l_i0, m_i0, Sink, Al_0, Q_s, Out, Lse, MaxLogits, bx)
+                epilogue(acc_ot0, inv, l_i0, m_i0, Sink, Al_0, T.view(Q_s, dtype=bf16) if f16 else Q_s, Out, Lse,
+                         MaxLogits, bx)
 
     return sparse_mla_fwd_narrow656_dual
 
@@ -366,4 +486,4 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [(f"narrow656_dual_{p}_h16_sink_tl",
              build_sparse_mla_fwd_narrow656_dual(heads=16, sm_scale=576 ** -0.5, has_sink=True, has_topk_length=True,
-                                                 prefetch=p)) for p in ("regs", "ring", "ring_er", "ringx")]
+                                                 prefetch=p)) for p in ("regs", "ring", "ring_er", "ringx", "ring_er_f16")]
