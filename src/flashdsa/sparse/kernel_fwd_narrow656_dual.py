@@ -132,6 +132,17 @@ __device__ __forceinline__ void fdsa_scale_max(const int *idx, int lim, int n_ro
   }
   if ((tx & 31) == 0) { out4[0] = m[0]; out4[1] = m[1]; out4[2] = m[2]; out4[3] = m[3]; }
 }
+// "_f16": fdsa_bulk_row, with an invalid row's first scale -1 (the converting warp's validity mark)
+__device__ __forceinline__ void fdsa_bulk_row_mark(void *dst, const void *src, void *bar, int ok) {
+  if (ok) {
+    fdsa_bulk_row(dst, src, bar, 1);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 41; ++k) reinterpret_cast<uint4 *>(dst)[k] = make_uint4(0u, 0u, 0u, 0u);
+    reinterpret_cast<float *>(reinterpret_cast<char *>(dst) + 512)[0] = -1.0f;
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
+  }
+}
 // the largest power of two <= x (x a positive normal float)
 __device__ __forceinline__ float fdsa_pow2_floor(float x) { return __int_as_float(__float_as_int(x) & 0x7f800000); }
 """
@@ -195,12 +206,12 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     def wg_state():
         # one warpgroup's buffers: (KV, Kt, S^T, P, alpha) in shared memory, then its fragments (acc_t, acc_ot,
         # s_f, m_i, m_prev, alpha, l_i, l_blk)
-        # ("_f16": + the rope's S^T accumulator)
+        # ("_f16": + the rope's S^T accumulator, each row's validity as -inf / 0)
         return (T.alloc_shared([BI, D], kdt), T.alloc_shared([BI, DT], bf16), T.alloc_shared([BI, BR], f32),
                 T.alloc_shared([BR, BI], kdt), T.alloc_shared([BR], f32),
                 T.alloc_fragment([BI, BR], f32), T.alloc_fragment([D, BR], f32), T.alloc_fragment([BR, BI], f32),
                 *[T.alloc_fragment([BR], f32) for _ in range(5)],
-                *([T.alloc_fragment([BI, BR], f32)] if f16 else []))
+                *([T.alloc_fragment([BI, BR], f32), T.alloc_shared([BI], f32)] if f16 else []))
 
     @T.macro
     def load_regs(Indices, KV8, rs16, n_rows, tok, lim, blk, raw, t):
@@ -227,7 +238,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
         if t % ISSUE == 0:
             row = _row(Indices, tok, lim, blk * BI + s * QR + t // ISSUE) if rows is None else rows[s]
             ok = (row >= 0) & (row < n_rows)
-            T.call_extern("handle", "fdsa_bulk_row", T.address_of(Raw[s, t // ISSUE, 0]),
+            T.call_extern("handle", "fdsa_bulk_row_mark" if f16 else "fdsa_bulk_row", T.address_of(Raw[s, t // ISSUE, 0]),
                           T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]),
                           T.address_of(bars[(blk % 2) * NQ + s]), T.if_then_else(ok, 1, 0))
 
@@ -242,12 +253,15 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                           T.address_of(bars[ringx_barrier(c, NQ, NSX)]), T.if_then_else(ok, 1, 0))
 
     @T.macro
-    def convert_stage(Raw, s, row0, KV_w, Kt_w, sc, t):
+    def convert_stage(Raw, s, row0, KV_w, Kt_w, sc, t, Vld_w):
         # thread t: stage row t % QR (tile row row0 + t % QR), latent dims [512 / PARTS * part, +512 / PARTS)
         # (inside one scale tile for PARTS >= 4), rope chunks [ROPES * part, +ROPES); "_f16": sc[1] = 1 / the
-        # token scale of the thread's tile (part)
+        # token scale of the thread's tile (part), and part 0 records the row's validity (-inf / 0) in Vld_w
         r = t % QR
         part = t // QR
+        if f16 and part == 0:
+            Vld_w[row0 + r] = T.if_then_else(
+                T.call_extern(f32, "fdsa_ld_f32", T.address_of(Raw[s, r, SCALE_BYTE]), 0) < 0, -T.infinity(f32), 0.0)
         for g in T.unroll(GROUPS):
             dim0 = part * (512 // PARTS) + g * 64
             sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Raw[s, r, SCALE_BYTE]), dim0 // 128)
@@ -288,7 +302,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                         c = b * NQ + k
                         T.barrier_wait(bars[w * NSX + c % NSX], (ph[0] >> (c % NSX)) & 1)
                         ph[0] = ph[0] ^ (1 << (c % NSX))
-                        convert_stage(Raw, c % NSX, k * QR, KV_w, Kt_w, sc, t)
+                        convert_stage(Raw, c % NSX, k * QR, KV_w, Kt_w, sc, t, None)
                         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
                         T.sync_threads(bar, 128)  # the whole warpgroup is past stage c % NSX: refill it
                         if c + NSX < nblk * NQ:
@@ -300,7 +314,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                                 raw[s] = _row(Indices, tok, lim, (b + 1) * BI + s * QR + t // ISSUE)
                     for s in T.unroll(NQ):
                         T.barrier_wait(bars[w * NQ + s], j % 2)
-                        convert_stage(Raw, s, s * QR, KV_w, Kt_w, sc, t)
+                        convert_stage(Raw, s, s * QR, KV_w, Kt_w, sc, t, state[14] if f16 else None)
                         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
                         T.sync_threads(bar, 128)  # the whole warpgroup is past stage s: refill it
                         if b + 1 < nblk:
@@ -317,7 +331,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                     T.wgmma_gemm(Kt_w, Qt_s, state[13], transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     for r, n in T.Parallel(BI, BR):
-                        ST_w[r, n] = acc_t[r, n] * Qsc_s[n] + state[13][r, n]
+                        ST_w[r, n] = acc_t[r, n] * Qsc_s[n] + state[13][r, n] + state[14][r]
                 else:
                     T.wgmma_gemm(KV_w, Q_s, acc_t, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(Kt_w, Qt_s, acc_t, transpose_B=True)
@@ -325,8 +339,11 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                     T.copy(acc_t, ST_w)
                 T.sync_threads(bar, 128)
                 for n, r in T.Parallel(BR, BI):
-                    row = _row(Indices, tok, lim, b * BI + r)
-                    s_f[n, r] = T.if_then_else((row >= 0) & (row < n_rows), ST_w[r, n], -T.infinity(f32))
+                    if f16:  # masked already
+                        s_f[n, r] = ST_w[r, n]
+                    else:
+                        row = _row(Indices, tok, lim, b * BI + r)
+                        s_f[n, r] = T.if_then_else((row >= 0) & (row < n_rows), ST_w[r, n], -T.infinity(f32))
                 softmax_stage(s_f, P_w, Al_w, m_i, m_prev, alpha, l_i, l_blk)
                 T.fence_proxy_async()
                 T.sync_threads(bar, 128)
@@ -419,15 +436,18 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 qmax = T.alloc_fragment([BR], f32)
 
             set_lim(lim, TopkLen, bx)
-            if f16:
+            nblk = T.ceildiv(lim[0], BI)
+            if f16:  # block 0's rows in flight while the token scales and Q are prepared
+                if (tx < 128) & (nblk > 0):
+                    for s in T.unroll(NQ):
+                        issue_stage(Indices, KV8, rs16, n_rows, bx, lim[0], 0, s, Raw, bars, tx, None)
                 token_scales(Indices, KVf, rs16, n_rows, lim[0], Pmx_s, Sg_s, sc, bx, tx)
                 load_q_f16(Q, Q_s, Qt_s, Qf, qmax, Sg_s, Qsc_s, bx)
             else:
                 load_q(Q, Q_s, Qt_s, bx, 0)
             T.fence_proxy_async()
             T.sync_threads()
-            nblk = T.ceildiv(lim[0], BI)
-            if ring:
+            if ring and not f16:
                 if tx < 128:
                     if ringx:
                         for c in T.unroll(NSX):
