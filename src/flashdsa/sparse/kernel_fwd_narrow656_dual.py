@@ -268,7 +268,8 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             T.call_extern("handle", "fdsa_dequant64_f16" if f16 else "fdsa_dequant64",
                           T.address_of(Raw[s, r, dim0]),
                           *[T.address_of(KV_w[row0 + r, dim0 + i * 16 + h * 8])
-                            for i in range(4) for h in range(2)], sc[0] * sc[1] if f16 else sc[0])
+                            for i in range(4) for h in range(2)],
+                          T.max(sc[0], T.float32(0)) * sc[1] if f16 else sc[0])  # f16: an invalid row's -1 -> 0
         for c in T.unroll(ROPES):
             T.call_extern("handle", "fdsa_copy16", T.address_of(Raw[s, r, ROPE_BYTE + (part * ROPES + c) * 16]),
                           T.address_of(Kt_w[row0 + r, (part * ROPES + c) * 8]))
