@@ -48,12 +48,14 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
 
 
 @pytest.mark.parametrize("env,heads,pair,expect", [
-    ("", 16, None, "narrow656_dual:ring_er"), ("0", 16, None, "padded656"), ("", 1, None, "narrow656_dual:ring_er"),
+    ("", 16, None, "narrow656_dual:ring_er_f16"), ("0", 16, None, "padded656"),
+    ("", 1, None, "narrow656_dual:ring_er_f16"),
     ("", 17, None, "narrow656"), ("", 32, None, "narrow656"), ("1", 16, None, "narrow656"),
     ("narrow656", 9, None, "narrow656"), ("", 33, None, "padded656"), ("", 64, None, "pair656"),
     ("", 128, None, "pair656"), ("", 96, None, "padded656"), ("", 128, False, "padded656"),
     ("regs", 9, None, "narrow656_dual:regs"), ("ring16", 16, None, "narrow656_dual:ring16"),
-    ("ring", 16, None, "narrow656_dual:ring"), ("ring", 17, None, "narrow656"),
+    ("ring", 16, None, "narrow656_dual:ring"), ("ring_er", 16, None, "narrow656_dual:ring_er"),
+    ("ring", 17, None, "narrow656"),
 ])
 def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, expect):
     monkeypatch.setenv(kernel_fwd_fp8cache.NARROW_ENV, env)
@@ -74,7 +76,7 @@ def test_cache656_explicit_forms(record):
     idx = torch.zeros(3, 100, dtype=torch.int32)
     for narrow in (None, True, "regs", False):
         kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=narrow)
-    assert [_named(n, k) for n, k in record] == ["narrow656_dual:ring_er", "narrow656", "narrow656_dual:regs",
+    assert [_named(n, k) for n, k in record] == ["narrow656_dual:ring_er_f16", "narrow656", "narrow656_dual:regs",
                                                   "padded656"]
 
 

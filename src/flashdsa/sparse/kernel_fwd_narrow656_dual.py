@@ -27,6 +27,19 @@ keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring 
     block), so 1.25 blocks of rows can be in flight.  Each warpgroup has its own barrier per stage and tracks its
     phase parities in a 5-bit mask (its chunks on a stage come in order, each issued only after the previous one
     on that stage was converted, so a wait is never more than one phase ahead).
+  * ``"ring_er_f16"`` (the default at H <= 16): "ring_er" with f16 products.  A pass over the token's valid rows
+    (block 0's rows already in flight) takes each 128-dim tile's largest scale sigma_t; a row converts as
+    ``f16(e4m3) * (s_t / sigma_t)`` (two instructions a pair instead of five: ``cvt.rn.f16x2.e4m3x2`` is exact, the
+    ratio <= 1 is a power of two for the format's scales, so the product is exact while it stays a normal f16);
+    Q's latent dims are stored as ``f16(q * sigma_t * 2^-e_n)`` with a per-head power of two putting each head's
+    largest into [2^13, 2^14) (bf16 -> f16 is exact in that range); S^T = 2^e_n (K' Q'^T) (f16 wgmma) + the rope's
+    K Q^T (bf16 wgmma, own accumulator); P is f16 (<= 1: 11-bit mantissa); O^T of tile t is multiplied by sigma_t
+    at the merge.  Range: a row whose tile scale is below 2^-14 sigma_t keeps fewer mantissa bits in its small
+    elements (absolute error <= 2^-25 sigma_t, i.e. ~2^-34 of the largest representable value of that tile); the
+    format's writer clamps scales at 1e-4 / 448, so this needs tiles of the same token ~2^14 apart in magnitude
+    (tests/sparse_mla/test_kernel_narrow656_gpu.py: rows spread 2^+-10 match the bf16 form's error).  Invalid
+    rows carry a -1 in their first scale slot in the ring (written by the issuing thread), which the converting
+    warp turns into a -inf row mask in shared memory (no ``Indices`` reload per block).
   The ring's bytes hold warpgroup 1's O^T for the final merge (``T.view`` as [ring bytes / 64, 16] fp32, rows
   0..511 used) once both warpgroups are past their last block.
 
@@ -38,9 +51,11 @@ Measured (H200, session 12, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --v
 H 16, topk 2048; decode shape (128 tokens, each its own 32768 rows) / prefill S 4096 over SKV 8192:
 ``kernel_fwd_narrow656`` 132.3 us / 3.92 ms, "regs" 162.6 us / 3.27 ms, "ring" 116.0 us / 3.12 ms, "ring16"
 141.3 us / 3.85 ms, "ring64" 132.4 us / 3.56 ms.  Session 13 (one call): "ring" 117.9 us / 412.8 us (decode B 512)
-/ 3.12 ms, **"ring_er" 110.4 / 360.9 us / 2.71 ms** (the default at H <= 16: ``DEFAULT``), "ring16_er" 105.3 /
-387.9 us / 2.89 ms, "ringx" 109.7 / 410.3 us / 3.08 ms.  The ring forms keep about one block in flight, so each
-block costs the copy latency plus its conversion.
+/ 3.12 ms, "ring_er" 110.4 / 360.9 us / 2.71 ms, "ring16_er" 105.3 / 387.9 us / 2.89 ms, "ringx" 109.7 /
+410.3 us / 3.08 ms; then "ring_er" 110.6 / 360.0 us / 2.71 ms against **"ring_er_f16" 99.5 / 361.4 us / 2.57 ms**
+(the default at H <= 16: ``DEFAULT``).  ncu (B 128): stalls spread over shared-memory dependencies, fixed
+latencies, waits and barriers, 2 warps per scheduler; the mbarrier waits for rows are ~3% of the samples, so the
+bound is each warpgroup's serial chain per block (~6 us), not the copies.
 GPU tests: tests/sparse_mla/test_kernel_narrow656_gpu.py (every form), test_kernel_fp8cache_gpu.py,
 tests/decode/test_sparse_gpu.py (through the default).
 """
@@ -163,7 +178,7 @@ def ringx_barrier(c, chunks_per_block, n_stages):
     (c % n_stages).  Works on ints and TIR expressions (tests/sparse_mla/test_ring_schedule.py models the
     protocol with it)."""
     return ((c // chunks_per_block) % 2) * n_stages + c % n_stages
-DEFAULT = "ring_er"  # what kernel_fwd_fp8cache.run_sparse_mla_fwd runs at H <= MAX_HEADS
+DEFAULT = "ring_er_f16"  # what kernel_fwd_fp8cache.run_sparse_mla_fwd runs at H <= MAX_HEADS
 MAX_HEADS = 16
 RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
 
