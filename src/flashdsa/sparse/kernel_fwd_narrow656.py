@@ -254,8 +254,7 @@ def lowering_cases():
     ]
 
 
-VARIANTS = ("narrow656", "regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx", "ring_er_f16",
-            "ring_er_f16r")  # this kernel, then kernel_fwd_narrow656_dual's forms
+VARIANTS = ("narrow656", "regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx", "ring_er_f16")  # this kernel, then kernel_fwd_narrow656_dual's forms
 
 
 def _variant_kernel(name: str, sm: float):

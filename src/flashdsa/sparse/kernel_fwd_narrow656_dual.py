@@ -158,12 +158,6 @@ __device__ __forceinline__ void fdsa_bulk_row_mark(void *dst, const void *src, v
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
   }
 }
-// "_f16r": the largest x over the warp
-__device__ __forceinline__ float fdsa_warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
 // the largest power of two <= x (x a positive normal float)
 __device__ __forceinline__ float fdsa_pow2_floor(float x) { return __int_as_float(__float_as_int(x) & 0x7f800000); }
 """
@@ -173,8 +167,8 @@ BAR_WG = (1, 2)  # named barriers of warpgroups 0 / 1 (0 is __syncthreads)
 BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLang numbers its own from 3 up)
 # "ring16" / "ring64": the ring in 16- / 64-row stages (default 32); "_er": the next block's row numbers loaded early;
 # "ringx": RINGX_STAGES stages of 16 rows, not tied to blocks (more than one block's worth of raw rows in flight);
-# "_f16": f16 products (module notes); "_f16r": with a running per-block scale instead of the token-scale pass
-PREFETCH = ("regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx", "ring_er_f16", "ring_er_f16r")
+# "_f16": f16 products (module notes)
+PREFETCH = ("regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx", "ring_er_f16")
 Q_F16_TOP = 8192.0  # "_f16": each head's largest |q * token scale| is scaled into [2^13, 2^14) (f16 max 65504)
 RINGX_STAGES = 5  # 5 x 16 rows x 656 B = 52,480 B: what shared memory leaves next to the two tiles
 
@@ -197,9 +191,8 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     assert BR == 16, "the dual form is for H <= 16 (two O^T accumulators + the merge buffer)"
     assert prefetch in PREFETCH, prefetch
     BI, D, DT, CH = BLOCK_I, D_V, fc.D_TAIL, fc.CHUNK
-    running = prefetch.endswith("_f16r")
-    f16 = running or prefetch.endswith("_f16")
-    prefetch = prefetch.removesuffix("_f16r").removesuffix("_f16")
+    f16 = prefetch.endswith("_f16")
+    prefetch = prefetch.removesuffix("_f16")
     QR = {"ring16": 16, "ring64": 64, "ring16_er": 16, "ringx": 16}.get(prefetch, RING_ROWS)
     early = prefetch.endswith("_er")
     ringx = prefetch == "ringx"
@@ -228,15 +221,12 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
     def wg_state():
         # one warpgroup's buffers: (KV, Kt, S^T, P, alpha) in shared memory, then its fragments (acc_t, acc_ot,
         # s_f, m_i, m_prev, alpha, l_i, l_blk)
-        # ("_f16": + the rope's S^T accumulator, each row's validity as -inf / 0; "_f16r": + the running scale
-        # of each 128-dim tile, its ratio to the previous block's, the S^T accumulators of tiles 1..3)
+        # ("_f16": + the rope's S^T accumulator, each row's validity as -inf / 0)
         return (T.alloc_shared([BI, D], kdt), T.alloc_shared([BI, DT], bf16), T.alloc_shared([BI, BR], f32),
                 T.alloc_shared([BR, BI], kdt), T.alloc_shared([BR], f32),
                 T.alloc_fragment([BI, BR], f32), T.alloc_fragment([D, BR], f32), T.alloc_fragment([BR, BI], f32),
                 *[T.alloc_fragment([BR], f32) for _ in range(5)],
-                *([T.alloc_fragment([BI, BR], f32), T.alloc_shared([BI], f32)] if f16 else []),
-                *([T.alloc_shared([4], f32), T.alloc_shared([4], f32)] + [T.alloc_fragment([BI, BR], f32)
-                                                                          for _ in range(3)] if running else []))
+                *([T.alloc_fragment([BI, BR], f32), T.alloc_shared([BI], f32)] if f16 else []))
 
     @T.macro
     def load_regs(Indices, KV8, rs16, n_rows, tok, lim, blk, raw, t):
@@ -299,12 +289,6 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             T.call_extern("handle", "fdsa_copy16", T.address_of(Raw[s, r, ROPE_BYTE + (part * ROPES + c) * 16]),
                           T.address_of(Kt_w[row0 + r, (part * ROPES + c) * 8]))
 
-    @T.macro
-    def tile_qk(KV_w, Q_s, acc, tt):
-        # "_f16r": S^T of 128-dim tile tt alone
-        T.wgmma_gemm(KV_w[:, 128 * tt:128 * tt + 128], Q_s[:, 128 * tt:128 * tt + 128], acc, transpose_B=True,
-                     clear_accum=True)
-
     def make_chain(w):
         bar = BAR_WG[w]
 
@@ -344,22 +328,8 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                         if (b + 1 < nblk) & (t % ISSUE == 0):
                             for s in T.unroll(NQ):
                                 raw[s] = _row(Indices, tok, lim, (b + 1) * BI + s * QR + t // ISSUE)
-                    if running:  # every stage in, then this warp's tile scale: sc[2] running, sc[1] = 1 / sc[2]
-                        for s in T.unroll(NQ):
-                            T.barrier_wait(bars[w * NQ + s], j % 2)
-                        sc[3] = T.float32(0)  # an invalid row's -1 mark counts as 0
-                        for s in T.unroll(NQ):
-                            sc[3] = T.max(sc[3], T.call_extern(f32, "fdsa_ld_f32",
-                                                               T.address_of(Raw[s, t % QR, SCALE_BYTE]), t // QR))
-                        sc[3] = T.max(T.max(T.call_extern(f32, "fdsa_warp_max", sc[3]), sc[2]), T.float32(1e-30))
-                        if t % 32 == 0:
-                            state[15][t // 32] = sc[3]
-                            state[16][t // 32] = sc[2] / sc[3]  # <= 1; 0 before the first block
-                        sc[2] = sc[3]
-                        sc[1] = 1.0 / sc[3]
                     for s in T.unroll(NQ):
-                        if not running:
-                            T.barrier_wait(bars[w * NQ + s], j % 2)
+                        T.barrier_wait(bars[w * NQ + s], j % 2)
                         convert_stage(Raw, s, s * QR, KV_w, Kt_w, sc, t, state[14] if f16 else None)
                         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
                         T.sync_threads(bar, 128)  # the whole warpgroup is past stage s: refill it
@@ -372,19 +342,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                         load_regs(Indices, KV8, rs16, n_rows, tok, lim, b + 2, raw, t)
                     T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
                     T.sync_threads(bar, 128)
-                if running:  # S^T = 2^e_n sum_t sigma_t (K'_t Q'_t^T) (f16) + the rope's K Q^T (bf16)
-                    accs = (acc_t, state[17], state[18], state[19])
-                    tile_qk(KV_w, Q_s, accs[0], 0)  # (a Python loop here would become a TIR loop)
-                    tile_qk(KV_w, Q_s, accs[1], 1)
-                    tile_qk(KV_w, Q_s, accs[2], 2)
-                    tile_qk(KV_w, Q_s, accs[3], 3)
-                    T.wgmma_gemm(Kt_w, Qt_s, state[13], transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    for r, n in T.Parallel(BI, BR):
-                        ST_w[r, n] = (accs[0][r, n] * state[15][0] + accs[1][r, n] * state[15][1] +
-                                      accs[2][r, n] * state[15][2] + accs[3][r, n] * state[15][3]) * Qsc_s[n] + \
-                            state[13][r, n] + state[14][r]
-                elif f16:  # S^T = 2^e_n (K' Q'^T) (f16) + the rope's K Q^T (bf16)
+                if f16:  # S^T = 2^e_n (K' Q'^T) (f16) + the rope's K Q^T (bf16)
                     T.wgmma_gemm(KV_w, Q_s, acc_t, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(Kt_w, Qt_s, state[13], transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
@@ -405,12 +363,8 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 softmax_stage(s_f, P_w, Al_w, m_i, m_prev, alpha, l_i, l_blk)
                 T.fence_proxy_async()
                 T.sync_threads(bar, 128)
-                if running:  # O^T of tile t in units of the running scale: rescaled by its ratio too
-                    for d, n in T.Parallel(D, BR):
-                        acc_ot[d, n] = acc_ot[d, n] * (Al_w[n] * state[16][d // 128])
-                else:
-                    for d, n in T.Parallel(D, BR):
-                        acc_ot[d, n] = acc_ot[d, n] * Al_w[n]
+                for d, n in T.Parallel(D, BR):
+                    acc_ot[d, n] = acc_ot[d, n] * Al_w[n]
                 T.wgmma_gemm(KV_w, P_w, acc_ot, transpose_A=True, transpose_B=True)
                 T.wait_wgmma(0)
                 T.sync_threads(bar, 128)  # the tile, S^T and P are rewritten by the next block
@@ -439,11 +393,8 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
         # "_f16": Q_s = f16(q * Sg_s[d / 128] * 2^-e_n), each head's largest in [2^13, 2^14); Qsc_s[n] = 2^e_n;
         # the rope part stays bf16
         for n, d in T.Parallel(BR, D):
-            if Sg_s is None:  # "_f16r": the token scales go to S^T per tile
-                Qf[n, d] = T.if_then_else(n < heads, T.cast(Q[bx, T.min(n, heads - 1), d], f32), T.float32(0))
-            else:
-                Qf[n, d] = T.if_then_else(n < heads, T.cast(Q[bx, T.min(n, heads - 1), d], f32), T.float32(0)) * \
-                    Sg_s[d // 128]
+            Qf[n, d] = T.if_then_else(n < heads, T.cast(Q[bx, T.min(n, heads - 1), d], f32), T.float32(0)) * \
+                Sg_s[d // 128]
         T.reduce_absmax(Qf, qmax, dim=1)
         for n in T.Parallel(BR):
             qmax[n] = T.call_extern(f32, "fdsa_pow2_floor", T.max(qmax[n], T.float32(1e-30)))
@@ -490,14 +441,12 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
             inv = T.alloc_fragment([BR], f32)
             lim = T.alloc_local([1], i32)
             nb = T.alloc_local([1], i32)
-            sc = T.alloc_local([4], f32)
+            sc = T.alloc_local([2], f32)
             ph = T.alloc_local([1], i32)
             Qsc_s = None
-            Sg_s = None
-            if f16 and not running:
+            if f16:
                 Pmx_s = T.alloc_shared([THREADS // 32, 4], f32)
                 Sg_s = T.alloc_shared([4], f32)
-            if f16:
                 Qsc_s = T.alloc_shared([BR], f32)
                 Qf = T.alloc_fragment([BR, D], f32)
                 qmax = T.alloc_fragment([BR], f32)
@@ -508,13 +457,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 if (tx < 128) & (nblk > 0):
                     for s in T.unroll(NQ):
                         issue_stage(Indices, KV8, rs16, n_rows, bx, lim[0], 0, s, Raw, bars, tx, None)
-                if running:
-                    sc[2] = T.float32(0)
-                    if tx < 4:
-                        st0[15][tx] = T.float32(0)
-                        st1[15][tx] = T.float32(0)
-                else:
-                    token_scales(Indices, KVf, rs16, n_rows, lim[0], Pmx_s, Sg_s, sc, bx, tx)
+                token_scales(Indices, KVf, rs16, n_rows, lim[0], Pmx_s, Sg_s, sc, bx, tx)
                 load_q_f16(Q, Q_s, Qt_s, Qf, qmax, Sg_s, Qsc_s, bx)
             else:
                 load_q(Q, Q_s, Qt_s, bx, 0)
@@ -555,11 +498,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 T.copy(alpha0, Al_0)
                 T.copy(l_blk0, Al_1)
                 T.sync_threads(BAR_WG[0], 128)
-                if running:  # each warpgroup's O^T of tile t is in units of its running scale
-                    for d, n in T.Parallel(D, BR):
-                        acc_ot0[d, n] = acc_ot0[d, n] * (Al_0[n] * st0[15][d // 128]) + \
-                            Mrg_s[d, n] * (Al_1[n] * st1[15][d // 128])
-                elif f16:  # O^T of tile t carries 1 / its token scale
+                if f16:  # O^T of tile t carries 1 / its token scale
                     for d, n in T.Parallel(D, BR):
                         acc_ot0[d, n] = (acc_ot0[d, n] * Al_0[n] + Mrg_s[d, n] * Al_1[n]) * Sg_s[d // 128]
                 else:
@@ -583,4 +522,4 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [(f"narrow656_dual_{p}_h16_sink_tl",
              build_sparse_mla_fwd_narrow656_dual(heads=16, sm_scale=576 ** -0.5, has_sink=True, has_topk_length=True,
-                                                 prefetch=p)) for p in ("regs", "ring", "ring_er", "ringx", "ring_er_f16", "ring_er_f16r")]
+                                                 prefetch=p)) for p in ("regs", "ring", "ring_er", "ringx", "ring_er_f16")]
