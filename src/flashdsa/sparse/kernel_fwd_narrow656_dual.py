@@ -37,7 +37,8 @@ keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring 
     at the merge.  Range: a row whose tile scale is below 2^-14 sigma_t keeps fewer mantissa bits in its small
     elements (absolute error <= 2^-25 sigma_t, i.e. ~2^-34 of the largest representable value of that tile); the
     format's writer clamps scales at 1e-4 / 448, so this needs tiles of the same token ~2^14 apart in magnitude
-    (tests/sparse_mla/test_kernel_narrow656_gpu.py: rows spread 2^+-10 match the bf16 form's error).  Invalid
+    (tests/sparse_mla/test_kernel_narrow656_gpu.py: rows spread 2^+-10 match the bf16 form's error;
+    tests/sparse_mla/test_f16_numerics.py emulates the operands on the CPU: exact, and the bound).  Invalid
     rows carry a -1 in their first scale slot in the ring (written by the issuing thread), which the converting
     warp turns into a -inf row mask in shared memory (no ``Indices`` reload per block).
   The ring's bytes hold warpgroup 1's O^T for the final merge (``T.view`` as [ring bytes / 64, 16] fp32, rows
