@@ -6,8 +6,8 @@ import torch
 pytest.importorskip("tilelang")
 
 from flashdsa.sparse import (  # noqa: E402
-    kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_narrow656, kernel_fwd_narrow656_dual, kernel_fwd_pair,
-    kernel_fwd_pair_cache,
+    kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_narrow656, kernel_fwd_narrow656_dual,
+    kernel_fwd_narrow656_quad, kernel_fwd_pair, kernel_fwd_pair_cache,
 )
 
 
@@ -29,6 +29,7 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd_fp8cache, "_compiled", _fake_kernel(calls, "padded656"))
     monkeypatch.setattr(kernel_fwd_narrow656, "compiled", _fake_kernel(calls, "narrow656"))
     monkeypatch.setattr(kernel_fwd_narrow656_dual, "compiled", _fake_kernel(calls, "narrow656_dual"))
+    monkeypatch.setattr(kernel_fwd_narrow656_quad, "compiled", _fake_kernel(calls, "narrow656_quad"))
     monkeypatch.setattr(kernel_fwd_pair_cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_pair_cache, "_compiled", _fake_kernel(calls, "pair656"))
     return calls
@@ -55,7 +56,7 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
     ("", 128, None, "pair656"), ("", 96, None, "padded656"), ("", 128, False, "padded656"),
     ("regs", 9, None, "narrow656_dual:regs"), ("ring16", 16, None, "narrow656_dual:ring16"),
     ("ring", 16, None, "narrow656_dual:ring"), ("ring_er", 16, None, "narrow656_dual:ring_er"),
-    ("ring", 17, None, "narrow656"),
+    ("ring", 17, None, "narrow656"), ("quad", 16, None, "narrow656_quad"), ("quad", 3, None, "narrow656_quad"),
 ])
 def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, expect):
     monkeypatch.setenv(kernel_fwd_fp8cache.NARROW_ENV, env)
@@ -91,3 +92,11 @@ def test_cache656_dual_form_rejects_wide_heads(record):
     idx = torch.zeros(3, 100, dtype=torch.int32)
     with pytest.raises(ValueError, match="H=17"):
         kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow="ring")
+
+
+def test_cache656_quad_form_rejects_wide_heads(record):
+    q = torch.zeros(3, 17, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 656, dtype=torch.uint8)
+    idx = torch.zeros(3, 100, dtype=torch.int32)
+    with pytest.raises(ValueError, match="H=17"):
+        kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow="quad")

@@ -184,6 +184,53 @@ MAX_HEADS = 16
 RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
 
 
+def f16_prologue_macros(*, BR, heads, threads):
+    """The f16 forms' prologue (``threads``: the CTA's; the scale pass runs on its first 256):
+
+    * ``token_scales(Indices, KVf, rs16, n_rows, lim, Pmx_s, Sg_s, sc, bx, tx)``: Sg_s[t] = the largest scale of
+      128-dim tile t over the token's valid rows (at least 1e-30; ``fdsa_scale_max``, per-warp maxima in Pmx_s).
+    * ``load_q_f16(Q, Q_s, Qt_s, Qf, qmax, Sg_s, Qsc_s, bx)``: Q_s = f16(q * Sg_s[d / 128] * 2^-e_n), each head's
+      largest in [2^13, 2^14); Qsc_s[n] = 2^e_n; the rope part (Qt_s) stays bf16."""
+    D, DT, f32, bf16 = D_V, fc.D_TAIL, "float32", "bfloat16"
+
+    @T.macro
+    def scale_pass(Indices, KVf, rs16, n_rows, lim, Pmx_s, bx, tx):
+        T.call_extern("handle", "fdsa_scale_max", T.address_of(Indices[bx, 0]), lim, n_rows, T.address_of(KVf[0, 0]),
+                      rs16, tx, T.address_of(Pmx_s[tx // 32, 0]))
+
+    @T.macro
+    def token_scales(Indices, KVf, rs16, n_rows, lim, Pmx_s, Sg_s, sc, bx, tx):
+        if threads > 256:  # fdsa_scale_max strides over 256 threads
+            if tx < 256:
+                scale_pass(Indices, KVf, rs16, n_rows, lim, Pmx_s, bx, tx)
+        else:
+            scale_pass(Indices, KVf, rs16, n_rows, lim, Pmx_s, bx, tx)
+        T.sync_threads()
+        if tx < 4:
+            sc[0] = T.float32(1e-30)
+            for w in T.unroll(8):
+                sc[0] = T.max(sc[0], Pmx_s[w, tx])
+            Sg_s[tx] = sc[0]
+        T.sync_threads()
+
+    @T.macro
+    def load_q_f16(Q, Q_s, Qt_s, Qf, qmax, Sg_s, Qsc_s, bx):
+        for n, d in T.Parallel(BR, D):
+            Qf[n, d] = T.if_then_else(n < heads, T.cast(Q[bx, T.min(n, heads - 1), d], f32), T.float32(0)) * \
+                Sg_s[d // 128]
+        T.reduce_absmax(Qf, qmax, dim=1)
+        for n in T.Parallel(BR):
+            qmax[n] = T.call_extern(f32, "fdsa_pow2_floor", T.max(qmax[n], T.float32(1e-30)))
+        for n, d in T.Parallel(BR, D):
+            Q_s[n, d] = T.cast(Qf[n, d] * (Q_F16_TOP / qmax[n]), "float16")
+        for n in T.Parallel(BR):
+            Qsc_s[n] = qmax[n] * (1.0 / Q_F16_TOP)
+        for n, d in T.Parallel(BR, DT):
+            Qt_s[n, d] = T.if_then_else(n < heads, Q[bx, T.min(n, heads - 1), D + d], T.cast(0, bf16))
+
+    return token_scales, load_q_f16
+
+
 def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink: bool = False,
                                         has_topk_length: bool = False, prefetch: str = "ring"):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature; H <= 16, any topk.
@@ -374,37 +421,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
 
     chain0, chain1 = make_chain(0), make_chain(1)
 
-    @T.macro
-    def token_scales(Indices, KVf, rs16, n_rows, lim, Pmx_s, Sg_s, sc, bx, tx):
-        # "_f16": Sg_s[t] = the largest scale of tile t over the token's valid rows (at least 1e-30); sc[1] = 1 /
-        # that of the tile this thread converts (its warp's in the warpgroup)
-        T.call_extern("handle", "fdsa_scale_max", T.address_of(Indices[bx, 0]), lim, n_rows, T.address_of(KVf[0, 0]),
-                      rs16, tx, T.address_of(Pmx_s[tx // 32, 0]))
-        T.sync_threads()
-        if tx < 4:
-            sc[0] = T.float32(1e-30)
-            for w in T.unroll(THREADS // 32):
-                sc[0] = T.max(sc[0], Pmx_s[w, tx])
-            Sg_s[tx] = sc[0]
-        T.sync_threads()
-        sc[1] = 1.0 / Sg_s[(tx % 128) // QR]
-
-    @T.macro
-    def load_q_f16(Q, Q_s, Qt_s, Qf, qmax, Sg_s, Qsc_s, bx):
-        # "_f16": Q_s = f16(q * Sg_s[d / 128] * 2^-e_n), each head's largest in [2^13, 2^14); Qsc_s[n] = 2^e_n;
-        # the rope part stays bf16
-        for n, d in T.Parallel(BR, D):
-            Qf[n, d] = T.if_then_else(n < heads, T.cast(Q[bx, T.min(n, heads - 1), d], f32), T.float32(0)) * \
-                Sg_s[d // 128]
-        T.reduce_absmax(Qf, qmax, dim=1)
-        for n in T.Parallel(BR):
-            qmax[n] = T.call_extern(f32, "fdsa_pow2_floor", T.max(qmax[n], T.float32(1e-30)))
-        for n, d in T.Parallel(BR, D):
-            Q_s[n, d] = T.cast(Qf[n, d] * (Q_F16_TOP / qmax[n]), kdt)
-        for n in T.Parallel(BR):
-            Qsc_s[n] = qmax[n] * (1.0 / Q_F16_TOP)
-        for n, d in T.Parallel(BR, DT):
-            Qt_s[n, d] = T.if_then_else(n < heads, Q[bx, T.min(n, heads - 1), D + d], T.cast(0, bf16))
+    token_scales, load_q_f16 = f16_prologue_macros(BR=BR, heads=heads, threads=THREADS)
 
     @T.prim_func
     def sparse_mla_fwd_narrow656_dual(
@@ -459,6 +476,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                     for s in T.unroll(NQ):
                         issue_stage(Indices, KV8, rs16, n_rows, bx, lim[0], 0, s, Raw, bars, tx, None)
                 token_scales(Indices, KVf, rs16, n_rows, lim[0], Pmx_s, Sg_s, sc, bx, tx)
+                sc[1] = 1.0 / Sg_s[(tx % 128) // QR]  # the tile this thread converts (its warp's)
                 load_q_f16(Q, Q_s, Qt_s, Qf, qmax, Sg_s, Qsc_s, bx)
             else:
                 load_q(Q, Q_s, Qt_s, bx, 0)
