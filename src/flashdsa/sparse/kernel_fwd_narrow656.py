@@ -6,7 +6,7 @@ Contract, signature and numerics as ``kernel_fwd_fp8cache.build_sparse_mla_fwd_f
 cache as 16-byte chunks, bf16 compute on ``bf16(float(e4m3) * scale)``, exact); tile shape as
 ``kernel_fwd_narrow`` (one CTA of 128 threads per token, each block of 64 top-k rows on the wgmma M side, the
 heads zero-padded to ``BR`` = 16 / 32 on N: ``S^T = K Q^T``, ``O^T += V^T P^T``; ``_tl_common.narrow_macros``).
-``kernel_fwd_fp8cache.run_sparse_mla_fwd`` runs it for H 17..32 (H <= 16: ``kernel_fwd_narrow656_dual``'s ring form;
+``kernel_fwd_fp8cache.run_sparse_mla_fwd`` runs it for H 17..32 (H <= 16: ``kernel_fwd_narrow656_dual``'s default form;
 ``$FLASHDSA_NARROW_CACHE656``: "1" this kernel up to H 32, "0" the 64-head kernel).
 
   * **Gather**: one ``cp.async.bulk`` of the whole 656-byte row per top-k slot into a raw stage ``[64, 656]``
