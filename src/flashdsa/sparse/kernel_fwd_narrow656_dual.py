@@ -234,7 +234,7 @@ def f16_prologue_macros(*, BR, heads, threads):
 def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink: bool = False,
                                         has_topk_length: bool = False, prefetch: str = "ring"):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature; H <= 16, any topk.
-    ``prefetch``: "regs", "ring", "ring16" or "ring64" (module notes)."""
+    ``prefetch``: a name in ``PREFETCH`` (module notes; ``DEFAULT`` is what the dispatcher runs)."""
     BR = _kn.rows_tile(heads)
     assert BR == 16, "the dual form is for H <= 16 (two O^T accumulators + the merge buffer)"
     assert prefetch in PREFETCH, prefetch
