@@ -86,17 +86,10 @@ def test_narrow_rejects_wide_heads():
         kernel_fwd_narrow.rows_tile(33)
 
 
-def test_cache656_dual_form_rejects_wide_heads(record):
+@pytest.mark.parametrize("form", ["ring", "quad"])
+def test_cache656_few_head_forms_reject_wide_heads(record, form):
     q = torch.zeros(3, 17, 576, dtype=torch.bfloat16)
     kv = torch.zeros(10, 656, dtype=torch.uint8)
     idx = torch.zeros(3, 100, dtype=torch.int32)
     with pytest.raises(ValueError, match="H=17"):
-        kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow="ring")
-
-
-def test_cache656_quad_form_rejects_wide_heads(record):
-    q = torch.zeros(3, 17, 576, dtype=torch.bfloat16)
-    kv = torch.zeros(10, 656, dtype=torch.uint8)
-    idx = torch.zeros(3, 100, dtype=torch.int32)
-    with pytest.raises(ValueError, match="H=17"):
-        kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow="quad")
+        kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=form)

@@ -40,7 +40,6 @@ HALF = D_V // 2  # latent dims per warpgroup of a pair
 BAR_PAIR = (13, 14)
 BAR_WG = (9, 10, 11, 12)
 BAR_ALL = 15
-MAX_HEADS = 16
 
 
 def build_sparse_mla_fwd_narrow656_quad(*, heads: int, sm_scale: float, has_sink: bool = False,
