@@ -2,9 +2,8 @@
 wgmma M side) against the reference on ``dequantize_kv_fp8(kv)`` with the bf16 forward's tolerances (same inputs
 and poisoning as ``test_kernel_fp8cache_gpu``: unreferenced rows and row padding are NaN / huge bytes), over
 head counts 1..32, both stage counts, the two-warpgroup forms of ``kernel_fwd_narrow656_dual`` (H <= 16; every
-prefetch form) and the four-warpgroup ``kernel_fwd_narrow656_quad`` ("quad"; the f16 forms also over widely spread
-row and head scales), topk not a multiple of 64, topk > Tkv, invalid indices of every kind, empty rows,
-topk_length, +/-inf sinks, padded row strides and strided q; a second launch must be bitwise equal."""
+prefetch form; the f16 form also over widely spread row and head scales), topk not a multiple of 64, topk > Tkv,
+invalid indices of every kind, empty rows, topk_length, +/-inf sinks, padded row strides and strided q; a second launch must be bitwise equal."""
 
 import pytest
 import torch
@@ -39,7 +38,7 @@ CASES = [
 _DUAL = [(16, 4096, 2048, 40, False, False, "contig", 656), (16, 592, 100, 213, True, True, "contig", 672),
          (16, 300, 700, 17, True, False, "strided", 656), (5, 1000, 64, 9, False, True, "contig", 656),
          (9, 2000, 129, 33, True, True, "strided", 656)]
-CASES += [c + (form,) for form in ("regs", "ring", "ring64", "ring_er", "ringx", "ring_er_f16", "quad")
+CASES += [c + (form,) for form in ("regs", "ring", "ring64", "ring_er", "ringx", "ring_er_f16")
           for c in _DUAL]
 CASES += [c + ("ring16_er",) for c in _DUAL[1:3]]
 CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "ring16"),
@@ -68,10 +67,10 @@ def test_sparse_mla_fwd_narrow656(heads, tkv, topk, n_tok, sink, use_tl, layout,
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("form", ["ring_er_f16", "quad"])
+@pytest.mark.parametrize("form", ["ring_er_f16"])
 @pytest.mark.parametrize("spread", [4, 10])
 def test_f16_form_scale_spread(spread, form):
-    """The f16 forms ("ring_er_f16" and kernel_fwd_narrow656_quad: each row's latent tile scaled by its scale over
+    """The f16 form ("ring_er_f16": each row's latent tile scaled by its scale over
     the token's largest, q by the token scales and a per-head power of two): every (row, 128-dim tile) of the cache
     multiplied by 2^k, k uniform in [-spread, spread], each head of q by 2^j, j in [-8, 4].  Spread 4: the usual
     tolerances.  Spread 10 (values up to ~300, outputs that cancel to near 0: no bf16-output kernel meets the

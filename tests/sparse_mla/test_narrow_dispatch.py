@@ -7,7 +7,7 @@ pytest.importorskip("tilelang")
 
 from flashdsa.sparse import (  # noqa: E402
     kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_narrow656, kernel_fwd_narrow656_dual,
-    kernel_fwd_narrow656_quad, kernel_fwd_pair, kernel_fwd_pair_cache,
+    kernel_fwd_pair, kernel_fwd_pair_cache,
 )
 
 
@@ -29,7 +29,6 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd_fp8cache, "_compiled", _fake_kernel(calls, "padded656"))
     monkeypatch.setattr(kernel_fwd_narrow656, "compiled", _fake_kernel(calls, "narrow656"))
     monkeypatch.setattr(kernel_fwd_narrow656_dual, "compiled", _fake_kernel(calls, "narrow656_dual"))
-    monkeypatch.setattr(kernel_fwd_narrow656_quad, "compiled", _fake_kernel(calls, "narrow656_quad"))
     monkeypatch.setattr(kernel_fwd_pair_cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_pair_cache, "_compiled", _fake_kernel(calls, "pair656"))
     return calls
@@ -56,7 +55,7 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
     ("", 128, None, "pair656"), ("", 96, None, "padded656"), ("", 128, False, "padded656"),
     ("regs", 9, None, "narrow656_dual:regs"), ("ring16", 16, None, "narrow656_dual:ring16"),
     ("ring", 16, None, "narrow656_dual:ring"), ("ring_er", 16, None, "narrow656_dual:ring_er"),
-    ("ring", 17, None, "narrow656"), ("quad", 16, None, "narrow656_quad"), ("quad", 3, None, "narrow656_quad"),
+    ("ring", 17, None, "narrow656"), ("ring_er_f16", 3, None, "narrow656_dual:ring_er_f16"),
 ])
 def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, expect):
     monkeypatch.setenv(kernel_fwd_fp8cache.NARROW_ENV, env)
@@ -86,7 +85,7 @@ def test_narrow_rejects_wide_heads():
         kernel_fwd_narrow.rows_tile(33)
 
 
-@pytest.mark.parametrize("form", ["ring", "quad"])
+@pytest.mark.parametrize("form", ["ring", "ring_er_f16"])
 def test_cache656_few_head_forms_reject_wide_heads(record, form):
     q = torch.zeros(3, 17, 576, dtype=torch.bfloat16)
     kv = torch.zeros(10, 656, dtype=torch.uint8)

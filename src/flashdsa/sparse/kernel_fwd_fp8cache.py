@@ -318,8 +318,8 @@ def cache_chunks(kv):
 
 
 # "0": H <= 32 runs this module's 64-head kernel; "1" / "narrow656": kernel_fwd_narrow656 up to H 32; a name in
-# kernel_fwd_narrow656_dual.PREFETCH: that form at H <= 16; "quad": kernel_fwd_narrow656_quad at H <= 16; unset: the
-# dual form's DEFAULT at H <= 16, narrow656 at 17..32
+# kernel_fwd_narrow656_dual.PREFETCH: that form at H <= 16; unset: the dual form's DEFAULT at H <= 16, narrow656 at
+# 17..32
 NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
 
 
@@ -331,12 +331,11 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
     is 64 or 128.  ``narrow``: run ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
     ``narrow_stages``: its raw stage count, None = its default; ``narrow`` = a name in
-    ``kernel_fwd_narrow656_dual.PREFETCH``: that two-warpgroup form, H <= 16; "quad": the four-warpgroup
-    ``kernel_fwd_narrow656_quad``, H <= 16); None: the dual form's DEFAULT at
+    ``kernel_fwd_narrow656_dual.PREFETCH``: that two-warpgroup form, H <= 16); None: the dual form's DEFAULT at
     H <= 16 and narrow656 at H 17..32, unless ``$FLASHDSA_NARROW_CACHE656`` says otherwise (``NARROW_ENV``).
     Otherwise this module's pipelined kernel (heads padded to 64).
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
-    from . import kernel_fwd_narrow656, kernel_fwd_narrow656_dual, kernel_fwd_narrow656_quad, kernel_fwd_pair_cache
+    from . import kernel_fwd_narrow656, kernel_fwd_narrow656_dual, kernel_fwd_pair_cache
 
     if pair is None:
         pair = q.dim() == 3 and q.shape[1] in kernel_fwd_pair_cache.SUPPORTED_H and not narrow
@@ -360,20 +359,17 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     kvf = chunks.view(torch.float32)
     kvb = chunks.view(torch.bfloat16)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    few_head_forms = (*kernel_fwd_narrow656_dual.PREFETCH, "quad")
+    few_head_forms = kernel_fwd_narrow656_dual.PREFETCH
     if narrow is None:
         env = os.environ.get(NARROW_ENV, "")
         narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
         if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
             narrow = env if env in few_head_forms else kernel_fwd_narrow656_dual.DEFAULT
-    if narrow in few_head_forms:  # the two- and four-warpgroup forms (H <= 16)
+    if narrow in few_head_forms:  # the two-warpgroup forms (H <= 16)
         if heads > kernel_fwd_narrow656_dual.MAX_HEADS:
             raise ValueError(f"narrow: the {narrow!r} form takes H <= {kernel_fwd_narrow656_dual.MAX_HEADS}, "
                              f"got H={heads}")
-        if narrow == "quad":
-            kernel = kernel_fwd_narrow656_quad.compiled(heads, float(sm_scale), has_sink, has_tl)
-        else:
-            kernel = kernel_fwd_narrow656_dual.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
+        kernel = kernel_fwd_narrow656_dual.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
     elif narrow:
         kernel = kernel_fwd_narrow656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow_stages)
     else:

@@ -254,8 +254,8 @@ def lowering_cases():
     ]
 
 
-VARIANTS = ("narrow656", "regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx", "ring_er_f16",
-            "quad")  # this kernel, kernel_fwd_narrow656_dual's forms, kernel_fwd_narrow656_quad
+VARIANTS = ("narrow656", "regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx",
+            "ring_er_f16")  # this kernel, kernel_fwd_narrow656_dual's forms
 
 
 def _variant_kernel(name: str, sm: float):
@@ -263,10 +263,6 @@ def _variant_kernel(name: str, sm: float):
 
     if name == "narrow656":
         return compiled(16, sm, False, False)
-    if name == "quad":
-        from . import kernel_fwd_narrow656_quad
-
-        return kernel_fwd_narrow656_quad.compiled(16, sm, False, False)
     return kernel_fwd_narrow656_dual.compiled(16, sm, False, False, name)
 
 

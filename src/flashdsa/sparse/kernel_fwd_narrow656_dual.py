@@ -184,8 +184,8 @@ MAX_HEADS = 16
 RING_ROWS = 32  # rows per ring stage (QR); 64 / QR stages = one block
 
 
-def f16_prologue_macros(*, BR, heads, threads):
-    """The f16 forms' prologue (``threads``: the CTA's; the scale pass runs on its first 256):
+def f16_prologue_macros(*, BR, heads):
+    """The f16 form's prologue (all 256 threads):
 
     * ``token_scales(Indices, KVf, rs16, n_rows, lim, Pmx_s, Sg_s, sc, bx, tx)``: Sg_s[t] = the largest scale of
       128-dim tile t over the token's valid rows (at least 1e-30; ``fdsa_scale_max``, per-warp maxima in Pmx_s).
@@ -194,17 +194,9 @@ def f16_prologue_macros(*, BR, heads, threads):
     D, DT, f32, bf16 = D_V, fc.D_TAIL, "float32", "bfloat16"
 
     @T.macro
-    def scale_pass(Indices, KVf, rs16, n_rows, lim, Pmx_s, bx, tx):
-        T.call_extern("handle", "fdsa_scale_max", T.address_of(Indices[bx, 0]), lim, n_rows, T.address_of(KVf[0, 0]),
-                      rs16, tx, T.address_of(Pmx_s[tx // 32, 0]))
-
-    @T.macro
     def token_scales(Indices, KVf, rs16, n_rows, lim, Pmx_s, Sg_s, sc, bx, tx):
-        if threads > 256:  # fdsa_scale_max strides over 256 threads
-            if tx < 256:
-                scale_pass(Indices, KVf, rs16, n_rows, lim, Pmx_s, bx, tx)
-        else:
-            scale_pass(Indices, KVf, rs16, n_rows, lim, Pmx_s, bx, tx)
+        T.call_extern("handle", "fdsa_scale_max", T.address_of(Indices[bx, 0]), lim, n_rows, T.address_of(KVf[0, 0]),
+                      rs16, tx, T.address_of(Pmx_s[tx // 32, 0]))  # strides over 256 threads
         T.sync_threads()
         if tx < 4:
             sc[0] = T.float32(1e-30)
@@ -421,7 +413,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
 
     chain0, chain1 = make_chain(0), make_chain(1)
 
-    token_scales, load_q_f16 = f16_prologue_macros(BR=BR, heads=heads, threads=THREADS)
+    token_scales, load_q_f16 = f16_prologue_macros(BR=BR, heads=heads)
 
     @T.prim_func
     def sparse_mla_fwd_narrow656_dual(
