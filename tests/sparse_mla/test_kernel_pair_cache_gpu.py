@@ -1,6 +1,8 @@
 """GPU: ``kernel_fwd_pair_cache`` (the pair schedule over the 656-byte FP8 cache) against the reference on the
 exactly dequantized cache, and bitwise against ``kernel_fwd_pair`` on that dequantized cache (same consumer
-code on the same bf16 tiles, so the outputs must be identical).  Unreferenced cache rows are poisoned.  A hung
+code on the same bf16 tiles, so the outputs must be identical); the same for the dispatcher with and without the
+whole-cache copy (``kernel_dequant656``), whose copy must be bitwise ``dequantize_kv_fp8``.  Unreferenced cache
+rows are poisoned.  A hung
 producer / consumer protocol aborts the run instead of blocking it (``_hang.sync_or_die``)."""
 
 import pytest
@@ -12,7 +14,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("tilelang")
 
-from flashdsa.sparse import kernel_fwd_fp8cache, kernel_fwd_pair, kernel_fwd_pair_cache as kmod  # noqa: E402
+from flashdsa.sparse import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair  # noqa: E402
+from flashdsa.sparse import kernel_fwd_pair_cache as kmod  # noqa: E402
 
 from ._hang import sync_or_die  # noqa: E402
 from .test_kernel_fp8cache_gpu import _fp8_cache  # noqa: E402
@@ -50,13 +53,33 @@ def test_sparse_mla_fwd_pair_cache(heads, tkv, topk, n_tok, sink, use_tl, layout
     out = kmod.run_sparse_mla_fwd(q, kv8, indices, **kw)
     sync_or_die("kernel_fwd_pair_cache", what, HANG_S)
     check_against_reference(*out, q, kv_deq, indices, sm_scale, topk_length, attn_sink, valid)
-    # the dispatcher, and the bf16 pair kernel on the dequantized cache: bitwise equal
-    dispatched = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, **kw)
+    # the dispatcher (its rule, then each path forced), and the bf16 pair kernel on the dequantized cache: bitwise
     bf16_pair = kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, indices, **kw)
-    sync_or_die("kernel_fwd_pair / dispatched", what, HANG_S)
-    for name, a, b, c in zip(("out", "lse", "max_logits"), out, dispatched, bf16_pair):
-        assert torch.equal(a, b), f"{name}: the dispatched cache656 forward differs"
-        assert torch.equal(a, c), f"{name}: differs from kernel_fwd_pair on the dequantized cache"
+    for choice in (None, True, False):
+        _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+        dispatched = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, dequant_once=choice, **kw)
+        sync_or_die("kernel_fwd_pair / dispatched", what, HANG_S)
+        for name, a, b, c in zip(("out", "lse", "max_logits"), out, dispatched, bf16_pair):
+            assert torch.equal(a, b), f"{name}: the dispatched cache656 forward (dequant_once={choice}) differs"
+            assert torch.equal(a, c), f"{name}: differs from kernel_fwd_pair on the dequantized cache"
+
+
+@pytest.mark.parametrize("tkv,row_stride", [(1, 656), (7, 672), (8, 656), (9, 704), (1000, 656), (8193, 688)])
+def test_dequantize_cache(tkv, row_stride):
+    """``kernel_dequant656.dequantize_cache`` equals ``dequantize_kv_fp8`` bit for bit (NaN where it is NaN) over
+    random rows, rows of poison bytes (0xFF / 0x7F: NaN e4m3 and scales), padded row strides and a row count
+    that is no multiple of the CTA's 8 rows; the output is allocated from a NaN-poisoned pool."""
+    gen = torch.Generator(device="cuda").manual_seed(tkv)
+    kv = (torch.randn(tkv, DQK, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+    kv[torch.rand(tkv, generator=gen, device="cuda") < 0.2] = float("nan")  # -> poison rows in the cache
+    kv8, ref = _fp8_cache(kv, row_stride, gen)
+    _poison_allocator((tkv, DQK))
+    got = kernel_dequant656.dequantize_cache(kv8)
+    torch.cuda.synchronize()
+    assert got.shape == (tkv, DQK) and got.dtype == torch.bfloat16
+    assert torch.equal(got.isnan(), ref.isnan())
+    fin = ~ref.isnan()
+    assert torch.equal(got.view(torch.int16)[fin], ref.view(torch.int16)[fin])
 
 
 def test_sparse_mla_fwd_pair_cache_unsupported():

@@ -6,8 +6,8 @@ import torch
 pytest.importorskip("tilelang")
 
 from flashdsa.sparse import (  # noqa: E402
-    kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_narrow656, kernel_fwd_narrow656_dual,
-    kernel_fwd_pair, kernel_fwd_pair_cache,
+    kernel_dequant656, kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_narrow656,
+    kernel_fwd_narrow656_dual, kernel_fwd_pair, kernel_fwd_pair_cache,
 )
 
 
@@ -31,6 +31,13 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd_narrow656_dual, "compiled", _fake_kernel(calls, "narrow656_dual"))
     monkeypatch.setattr(kernel_fwd_pair_cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_pair_cache, "_compiled", _fake_kernel(calls, "pair656"))
+
+    def fake_dequantize(kv):
+        calls.append(("dequant656", ()))
+        return torch.zeros(kv.shape[0], 576, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(kernel_dequant656, "dequantize_cache", fake_dequantize)
+    monkeypatch.delenv(kernel_dequant656.DEQUANT_ONCE_ENV, raising=False)
     return calls
 
 
@@ -60,7 +67,7 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
 def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, expect):
     monkeypatch.setenv(kernel_fwd_fp8cache.NARROW_ENV, env)
     q = torch.zeros(3, heads, 576, dtype=torch.bfloat16)
-    kv = torch.zeros(10, 656, dtype=torch.uint8)
+    kv = torch.zeros(1000, 656, dtype=torch.uint8)  # 3 x 100 gathered rows: no whole-cache copy
     idx = torch.zeros(3, 100, dtype=torch.int32)
     kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, pair=pair)
     assert [_named(name, key) for name, key in record] == [expect]
@@ -78,6 +85,31 @@ def test_cache656_explicit_forms(record):
         kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=narrow)
     assert [_named(n, k) for n, k in record] == ["narrow656_dual:ring_er_f16", "narrow656", "narrow656_dual:regs",
                                                   "padded656"]
+
+
+@pytest.mark.parametrize("n_tok,heads,tkv,env,choice,expect", [
+    (3, 128, 1000, "", None, ["pair656"]),  # 3 * 100 * 128 < 8 * 64 * 1000
+    (40, 128, 1000, "", None, ["dequant656", "pair"]),  # 40 * 100 * 128 >= 8 * 64 * 1000
+    (80, 64, 1000, "", None, ["dequant656", "pair"]), (79, 64, 1000, "", None, ["pair656"]),
+    (40, 128, 1000, "0", None, ["pair656"]), (3, 64, 1000, "1", None, ["dequant656", "pair"]),
+    (3, 64, 1000, "0", True, ["dequant656", "pair"]), (40, 128, 1000, "1", False, ["pair656"]),
+    (40, 128, 1000, "", None, ["dequant656", "pair"]),
+    (10**6, 128, (1 << 30) // 1152 + 1, "", None, ["pair656"]),  # the copy would exceed DEQUANT_ONCE_MAX_BYTES
+])
+def test_cache656_dequant_once_rule(record, monkeypatch, n_tok, heads, tkv, env, choice, expect):
+    """H 64 / 128 over the cache: a bf16 copy of the whole cache + the bf16 pair kernel where the rows are reused
+    (``kernel_dequant656.use_dequant_once``), else the pair cache kernel; ``$FLASHDSA_DEQUANT_ONCE`` / the
+    ``dequant_once`` argument override the rule."""
+    if env:
+        monkeypatch.setenv(kernel_dequant656.DEQUANT_ONCE_ENV, env)
+    assert kernel_dequant656.use_dequant_once(n_tok, 100, heads, tkv, choice) == (expect[0] == "dequant656")
+    if n_tok * heads > 10**6:
+        return  # the rule only: the tensors would be too large to build here
+    q = torch.zeros(n_tok, heads, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(tkv, 656, dtype=torch.uint8)
+    idx = torch.zeros(n_tok, 100, dtype=torch.int32)
+    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, dequant_once=choice)
+    assert [name for name, _ in record] == expect
 
 
 def test_narrow_rejects_wide_heads():

@@ -325,20 +325,33 @@ NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
                        narrow: bool | str | None = None, pair: bool | None = None, narrow_stages: int | None = None,
-                       checked: bool = False):
+                       dequant_once: bool | None = None, checked: bool = False):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
 
     ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
-    is 64 or 128.  ``narrow``: run ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
+    is 64 or 128.  With ``pair``, ``dequant_once`` (None: ``kernel_dequant656.use_dequant_once``'s rule, which
+    picks it where every cache row is gathered many times, as in prefill) runs ``kernel_fwd_pair`` on a bf16 copy
+    of the whole cache instead (``kernel_dequant656.dequantize_cache``; bitwise the same outputs).  ``narrow``: run ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
     ``narrow_stages``: its raw stage count, None = its default; ``narrow`` = a name in
     ``kernel_fwd_narrow656_dual.PREFETCH``: that two-warpgroup form, H <= 16); None: the dual form's DEFAULT at
     H <= 16 and narrow656 at H 17..32, unless ``$FLASHDSA_NARROW_CACHE656`` says otherwise (``NARROW_ENV``).
     Otherwise this module's pipelined kernel (heads padded to 64).
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
-    from . import kernel_fwd_narrow656, kernel_fwd_narrow656_dual, kernel_fwd_pair_cache
+    from . import (kernel_dequant656, kernel_fwd_narrow656, kernel_fwd_narrow656_dual, kernel_fwd_pair,
+                   kernel_fwd_pair_cache)
 
     if pair is None:
         pair = q.dim() == 3 and q.shape[1] in kernel_fwd_pair_cache.SUPPORTED_H and not narrow
+    if pair and kernel_dequant656.use_dequant_once(q.shape[0], indices.shape[-1], q.shape[1], kv.shape[0],
+                                                   dequant_once):
+        if not checked:
+            reason = kernel_fwd_pair_cache.kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length,
+                                                              attn_sink=attn_sink)
+            if reason is not None:
+                raise ValueError(f"sparse_mla fwd pair fp8-cache kernel: {reason}")
+        return kernel_fwd_pair.run_sparse_mla_fwd(q, kernel_dequant656.dequantize_cache(kv), indices,
+                                                  sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+                                                  attn_sink=attn_sink, checked=True)
     if pair:
         return kernel_fwd_pair_cache.run_sparse_mla_fwd(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
                                                         topk_length=topk_length, attn_sink=attn_sink,

@@ -253,10 +253,11 @@ def lowering_cases():
 def _bench_variants(tkvs=(8192, 131072)):
     """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
     [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel, the
-    pipelined fp8-cache kernel; checks each against the bf16 pair kernel bitwise."""
+    whole-cache copy + bf16 pair kernel (``kernel_dequant656``), the pipelined fp8-cache kernel; checks each against
+    the bf16 pair kernel bitwise; then the copy alone."""
     from ..bench.harness import time_fn
     from ..quant import dequantize_kv_fp8, quantize_kv_fp8
-    from . import kernel_fwd_pair
+    from . import kernel_dequant656, kernel_fwd_pair
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     n_tok, heads, topk, dqk = 4096, 128, 2048, fc.DQK
@@ -269,6 +270,8 @@ def _bench_variants(tkvs=(8192, 131072)):
         flops = 2 * n_tok * heads * topk * (dqk + D_V)
         runs = {"bf16_pair": lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, idx, sm_scale=sm, d_v=D_V),
                 "cache_pair": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V),
+                "cache_dequant_once": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                    dequant_once=True),
                 "cache_pipelined": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)}
         ref = runs["bf16_pair"]()
         base = None
@@ -278,6 +281,9 @@ def _bench_variants(tkvs=(8192, 131072)):
             base = base or ms
             print(f"variant SKV {tkv} {label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, {base / ms:.3f}x bf16 pair,"
                   f" bitwise equal to bf16 pair: {same}", flush=True)
+        ms = time_fn(lambda _: kernel_dequant656.dequantize_cache(kv8), [None], q.device, reps=10).ms_median
+        tbps = tkv * (fc.ROW_BYTES + 2 * fc.DQK) / ms / 1e9
+        print(f"variant SKV {tkv} dequantize_cache alone: {ms * 1e3:.1f} us, {tbps:.2f} TB/s", flush=True)
 
 
 if __name__ == "__main__":
