@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import gc
 import importlib.metadata
 import json
 import math
@@ -78,8 +79,10 @@ def time_fn(fn: Callable[[Any], Any], arg_sets: Sequence[Any], device: torch.dev
     Two warm-up calls always run (the first may compile); the second, timed with a host clock, estimates the cost:
     when ``reps`` runs would exceed ``max_seconds`` the count shrinks (never below ``min_reps``) and further
     warm-up is skipped; otherwise the calls repeat for ``warm_seconds`` more (GPU clocks ramp up from idle). CUDA:
-    events around each call, a 256 MB
-    buffer written before each (outside the events) to flush L2. CPU: ``time.perf_counter``.
+    events around each call, a 256 MB buffer written before each (outside the events) to flush L2. CPU:
+    ``time.perf_counter``.  Python's garbage collector is off while the timed calls are issued (as in ``timeit``):
+    a collection pass over the many objects of compiled kernels stalls the host, and a short call launched late
+    shows that stall as GPU time.
     """
     n = len(arg_sets)
     fn(arg_sets[0])  # first call: JIT compile / module load, never used for the estimate
@@ -105,6 +108,21 @@ def time_fn(fn: Callable[[Any], Any], arg_sets: Sequence[Any], device: torch.dev
                 fn(arg_sets[i % n])
                 i += 1
             _sync(device)
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        times = _timed_calls(fn, arg_sets, device, reps, flush_l2)
+    finally:
+        if gc_was_on:
+            gc.enable()
+    t = torch.tensor(times, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.1, 0.9], dtype=torch.float64)).tolist()
+    return Timing(ms_median=q[0], ms_p10=q[1], ms_p90=q[2], reps=len(times))
+
+
+def _timed_calls(fn, arg_sets, device, reps: int, flush_l2: bool) -> list[float]:
+    """Milliseconds of each of ``reps`` calls (``time_fn``'s timed loop)."""
+    n = len(arg_sets)
     times: list[float] = []
     if device.type == "cuda":
         buf = _flush_buffer(str(device)) if flush_l2 else None
@@ -123,9 +141,7 @@ def time_fn(fn: Callable[[Any], Any], arg_sets: Sequence[Any], device: torch.dev
             t0 = time.perf_counter()
             fn(arg_sets[i % n])
             times.append((time.perf_counter() - t0) * 1e3)
-    t = torch.tensor(times, dtype=torch.float64)
-    q = torch.quantile(t, torch.tensor([0.5, 0.1, 0.9], dtype=torch.float64)).tolist()
-    return Timing(ms_median=q[0], ms_p10=q[1], ms_p90=q[2], reps=len(times))
+    return times
 
 
 # ------------------------------------------------------------------------------------------------ environment
