@@ -1,0 +1,44 @@
+"""Host time per call of benchmark cases (run on the GPU host): is a short case launch-bound?
+
+    python scripts/host_time.py SUITE CASE_SUBSTRING [...]
+
+For each matching case of ``flashdsa bench --op SUITE``: N calls issued back to back without synchronising
+(host microseconds per call: the GPU queue is deep enough that the launches do not block while the host is the
+slower side), the same N calls timed to the end of the GPU work (us per call, back to back, L2 not flushed), and
+``bench.harness.time_fn``'s median (L2 flushed, as the suite times it).  A host time close to or above the GPU
+time per call means the suite's figure for that case includes launch gaps.
+"""
+
+import sys
+import time
+
+import torch
+
+from flashdsa.bench.harness import time_fn
+from flashdsa.bench.suites import get_cases
+
+
+def main(suite: str, needles: list[str], n: int = 50) -> None:
+    dev = torch.device("cuda")
+    cases, _ = get_cases(suite, dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for case in cases:
+        if not any(s in case.name for s in needles):
+            continue
+        inputs = case.build(dev, gen)
+        for _ in range(5):
+            case.run(inputs, "auto")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            case.run(inputs, "auto")
+        host = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        both = (time.perf_counter() - t0) / n * 1e6
+        med = time_fn(lambda i: case.run(i, "auto"), [inputs], dev, reps=30).ms_median * 1e3
+        print(f"{case.name}: host {host:.1f} us/call, back to back {both:.1f} us/call, time_fn median {med:.1f} us",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
