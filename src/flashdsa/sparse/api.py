@@ -230,8 +230,10 @@ def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, to
         backend: "auto" | "kernel" | "reference" (see docs/conventions.md#backends).
 
     FP8 forms (see :mod:`flashdsa.sparse.fp8`): ``kv`` uint8 `[Tkv, 656]` (the :func:`quantize_kv_fp8` cache,
-    q bf16 with Dqk 576) gives the bf16 forward of the dequantized cache; q and kv float8_e4m3fn with
-    ``q_scale``/``kv_scale`` give the forward of the dequantized tensors on FP8 tensor cores.
+    q bf16 with Dqk 576) gives the bf16 forward of the dequantized cache (at H 64 / 128, where every cache row is
+    gathered many times, as in prefill, through a temporary bf16 copy of the whole cache, ``Tkv * 1152`` bytes, at
+    most 1 GiB: ``flashdsa.sparse.kernel_dequant656``); q and kv float8_e4m3fn with ``q_scale``/``kv_scale`` give
+    the forward of the dequantized tensors on FP8 tensor cores.
 
     Returns:
         out `[T, H, d_v]` bfloat16 and lse `[T, H]` float32 (natural log; empty rows: out 0, lse +inf)

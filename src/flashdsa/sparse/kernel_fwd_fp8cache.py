@@ -44,7 +44,9 @@ Cost model per block vs kernel_fwd: the gather moves 41 instead of 72 16-byte ch
   thread), 32 KB of shared reads and 64 KB of shared writes, serialized between the gather wait and QK.
   Expected 0.85-0.95x of kernel_fwd's time per block; see Risks.
 Verified on the H200 (tests/sparse_mla/test_kernel_fp8cache_gpu.py).  Since session 9 ``run_sparse_mla_fwd`` sends H 64
-and 128 to ``kernel_fwd_pair_cache`` (the pair schedule; this kernel stays for other head counts).
+and 128 to ``kernel_fwd_pair_cache`` (the pair schedule; this kernel stays for other head counts); since session 14,
+where the cache rows are reused enough (prefill), H 64 / 128 run ``kernel_fwd_pair`` on a bf16 copy of the whole cache
+instead (``kernel_dequant656``; same bits, S 4096 / H 128: 1.02x / 1.03x of the bf16 forward at SKV 8192 / 131072).
 Risks
   * Speed: the dequant is not overlapped with the tensor cores (one bf16 tile only).  If below 0.9x, next step:
     register-staged raw prefetch (ld.global of block i+1 into 36 registers/thread) + two bf16 tiles (like

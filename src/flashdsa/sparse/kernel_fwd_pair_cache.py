@@ -35,6 +35,10 @@ dims [128, 256) of each half, signalled on per-half barriers) 7.285 / 7.807, "in
 after ``cp.async.wait_group``, two halves in flight) 7.463 / 7.578.
 ncu: the conversion adds ~3.9K warp instructions per 64-row block (+49% over the bf16 pair kernel); both kernels
 stall most on the mbarrier waits for late half tiles (WG0 waiting for a.R is the largest single one).
+Session 14 (``--variants`` at 7a8fbbd): this kernel 6.728 / 7.131 ms (0.763x / 0.774x of the bf16 pair kernel's
+5.131 / 5.521); the whole-cache copy + the bf16 pair kernel 5.120 / 5.469 ms (copy alone 18 / 66 us), which
+``kernel_fwd_fp8cache.run_sparse_mla_fwd`` now picks where rows are reused (``kernel_dequant656``); this kernel
+serves the low-reuse calls (decode over a large paged cache).
 """
 
 import functools
