@@ -74,3 +74,23 @@ def test_sparse_mla_fwd_pair_unsupported_heads():
     assert kmod.kernel_unsupported(q, kv, idx, d_v=D_V) is not None
     with pytest.raises(ValueError, match="H=16"):
         kmod.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=D_V)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[4]],
+                         ids=["tiny", "odd-blocks", "headline", "d512-topk>tkv"])
+def test_sparse_mla_fwd_pair_overlap_qk(case):
+    """The ``overlap_qk`` timing build (WG0 issues the next QK before its remote PV retires): against the reference
+    and bitwise equal to the default build (same products in the same order)."""
+    from flashdsa.sparse import kernel_fwd
+
+    dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    got = kernel_fwd.launch(lambda *a: kmod._compiled(*a, (("overlap_qk", True),)), q, kv, indices, **kw)
+    _sync_or_die(f"overlap_qk dqk={dqk} H={heads} Tkv={tkv} topk={topk} T={n_tok}")
+    check_against_reference(*got, q, kv, indices, kw["sm_scale"], topk_length, attn_sink, valid)
+    base = kmod.run_sparse_mla_fwd(q, kv, indices, **kw)
+    _sync_or_die("default build")
+    for name, a, b in zip(("out", "lse", "max_logits"), got, base):
+        assert torch.equal(a, b), f"{name}: overlap_qk differs from the default build"

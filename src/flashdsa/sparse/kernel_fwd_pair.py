@@ -80,7 +80,7 @@ _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None):
+              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=False):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -91,7 +91,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t)``: run by the consumer that
     reads a half tile first (WG0: a.L, a.R; WG1: b.R, b.L) right after its ready barrier, before any wgmma reads
     it (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's named barrier; ``t``:
-    thread index in the warpgroup); it must leave the tile complete for the async proxy."""
+    thread index in the warpgroup); it must leave the tile complete for the async proxy.  ``overlap_qk`` (timing
+    build, not yet run on the GPU): WG0 issues the next pair's QK on a.L while its remote PV is still in flight and
+    retires that PV (frees b.L) only then, as FlashMLA's SM90 sparse prefill orders it; same products in the same
+    order."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
@@ -139,6 +142,21 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     def qk_tail(Qt, Kt, acc_s):
         if D_tail > 0:
             T.wgmma_gemm(Qt, Kt, acc_s, transpose_B=True)
+
+    @T.macro
+    def qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, phase, tx):
+        # WG0: S_a = mask, then += Q_l K_a[:, :256]^T (issued, not waited)
+        wait_tile(rdy_al, phase, KVa_l, 0, BAR_WG0, tx)
+        mask(Rows0, acc_s0)
+        T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
+
+    @T.macro
+    def qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, phase, tx):
+        # WG0: S_a += Q_r K_a[:, 256:]^T + the rope tail, then wait for every wgmma of the warpgroup
+        wait_tile(rdy_ar, phase, KVa_r, 2, BAR_WG0, tx)
+        T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
+        qk_tail(Q_t, Ka_t, acc_s0)
+        T.wait_wgmma(0)
 
     adopt_max = adopt_max_macro(BH=BH, c_log2=c_log2)
 
@@ -254,13 +272,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.fill(l0, 0)
                 T.fill(m_run0, neg_big)
                 if npair[0] > 0:
-                    wait_tile(rdy_al, 0, KVa_l, 0, BAR_WG0, tx)
-                    mask(Rows0, acc_s0)
-                    T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
-                    wait_tile(rdy_ar, 0, KVa_r, 2, BAR_WG0, tx)
-                    T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
-                    qk_tail(Q_t, Ka_t, acc_s0)
-                    T.wait_wgmma(0)
+                    qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, 0, tx)
+                    qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, 0, tx)
                 for j in T.serial(npair[0]):
                     T.copy(m_run0, m_new0)
                     T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
@@ -285,16 +298,21 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     # remote PV: O_l += P_b V_b[:, :256], P_b from WG1 via smem
                     T.barrier_wait(bar_p1, j & 1)
                     T.wgmma_gemm(P1, KVb_l, acc_o0)
-                    T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
-                    T.barrier_arrive(fr_bl)
-                    if j + 1 < npair[0]:
-                        wait_tile(rdy_al, (j + 1) & 1, KVa_l, 0, BAR_WG0, tx)
-                        mask(Rows0, acc_s0)
-                        T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
-                        wait_tile(rdy_ar, (j + 1) & 1, KVa_r, 2, BAR_WG0, tx)
-                        T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
-                        qk_tail(Q_t, Ka_t, acc_s0)
-                        T.wait_wgmma(0)
+                    if overlap_qk:
+                        if j + 1 < npair[0]:
+                            qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, (j + 1) & 1, tx)
+                            T.wait_wgmma(1)  # the remote PV retired (the QK on a.L may still run): b.L, P1 free
+                            T.barrier_arrive(fr_bl)
+                            qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, (j + 1) & 1, tx)
+                        else:
+                            T.wait_wgmma(0)
+                            T.barrier_arrive(fr_bl)
+                    else:
+                        T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
+                        T.barrier_arrive(fr_bl)
+                        if j + 1 < npair[0]:
+                            qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, (j + 1) & 1, tx)
+                            qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, (j + 1) & 1, tx)
                 finish(acc_o0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Q_l, Out, tok, h0, 0, BAR_WG0)
                 store_lse(l0, m_run0, Lse, MaxLogits, tok, h0)
             elif tx < 256:
@@ -487,6 +505,7 @@ def build_sparse_mla_fwd(
     ablate: str = "",
     prefetch_rows: bool = True,
     has_order: bool = False,
+    overlap_qk: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -496,14 +515,15 @@ def build_sparse_mla_fwd(
     into registers before its free-barrier waits; False: after them.  ``ablate="no_gather"`` (timing only, wrong
     results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``) keeps the protocol but issues no cp.async
     (the tiles keep what shared memory holds).  ``has_order``: one more input Order[T] int32 after Sink, the
-    token of each CTA row (``pair_body``)."""
+    token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s timing build."""
     assert ablate in ("", "no_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
-                     has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer)
+                     has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
+                     overlap_qk=overlap_qk)
 
     if has_order:
         @T.prim_func
@@ -599,7 +619,7 @@ def _bench_variants():
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=64, dqk=dqk, topk=topk)
         blocks_per_sm = q.shape[0] * (topk // BLOCK_I) / n_sm
         runs = [("padded", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V, pair=False))]
-        for kw in (dict(), dict(prefetch_rows=False), dict(ablate="no_gather")):
+        for kw in (dict(), dict(overlap_qk=True), dict(prefetch_rows=False), dict(ablate="no_gather")):
             key = tuple(sorted(kw.items()))
             runs.append((f"pair{kw}", lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                        sm_scale=dqk**-0.5, d_v=D_V)))
