@@ -19,6 +19,7 @@ copied) and the copy stays within ``DEQUANT_ONCE_MAX_BYTES``.  Decode never qual
 over 32768 cached tokens each: gathers are 1/16 of the cache's rows).
 """
 
+import functools
 import os
 
 import torch
@@ -67,13 +68,9 @@ def build_dequant656():
     return dequant656
 
 
-_KERNEL = []
-
-
+@functools.lru_cache(maxsize=1)
 def _compiled():
-    if not _KERNEL:
-        _KERNEL.append(tilelang.compile(build_dequant656(), target="cuda"))
-    return _KERNEL[0]
+    return tilelang.compile(build_dequant656(), target="cuda")
 
 
 def dequantize_cache(kv: torch.Tensor) -> torch.Tensor:
