@@ -112,6 +112,16 @@ def test_cache656_dequant_once_rule(record, monkeypatch, n_tok, heads, tkv, env,
     assert [name for name, _ in record] == expect
 
 
+@pytest.mark.parametrize("n_tok,topk,heads,n_rows,expect", [
+    (4096, 2048, 128, 8192, True), (4096, 2048, 128, 131072, True), (4096, 2048, 64, 8192, True),  # prefill
+    (256, 2048, 128, 128 * 32768, False), (128, 2048, 64, 128 * 32768, False),  # the decode suite's sparse rows
+    (1, 65536, 128, 65536, False),  # one long request's dense decode over the FP8 cache
+])
+def test_dequant_once_rule_on_issue_shapes(monkeypatch, n_tok, topk, heads, n_rows, expect):
+    monkeypatch.delenv(kernel_dequant656.DEQUANT_ONCE_ENV, raising=False)
+    assert kernel_dequant656.use_dequant_once(n_tok, topk, heads, n_rows) is expect
+
+
 def test_narrow_rejects_wide_heads():
     with pytest.raises(ValueError, match="H=33"):
         kernel_fwd_narrow.rows_tile(33)
