@@ -93,3 +93,21 @@ def test_sparse_mla_fwd_pair_cache_unsupported():
     with pytest.raises(ValueError, match="656"):
         kmod.run_sparse_mla_fwd(q64, torch.zeros(8, 576, dtype=torch.uint8, device="cuda"), idx, sm_scale=0.1,
                                 d_v=D_V)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
+                         ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
+def test_sparse_mla_fwd_pair_cache_overlap_qk(case):
+    """The ``overlap_qk`` timing build (WG0 converts and multiplies a.L while its remote PV runs): bitwise equal to
+    the default build."""
+    heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
+    kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    got = kmod.run_sparse_mla_fwd(q, kv8, indices, overlap_qk=True, **kw)
+    sync_or_die("kernel_fwd_pair_cache overlap_qk", f"H={heads} Tkv={tkv} topk={topk} T={n_tok}", HANG_S)
+    base = kmod.run_sparse_mla_fwd(q, kv8, indices, **kw)
+    sync_or_die("kernel_fwd_pair_cache", "default build", HANG_S)
+    for name, a, b in zip(("out", "lse", "max_logits"), got, base):
+        assert torch.equal(a, b), f"{name}: overlap_qk differs from the default build"

@@ -102,17 +102,49 @@ __device__ __forceinline__ void fdsa_e4m3x64_to_bf16(void *l0, void *h0, void *l
 }
 __device__ __forceinline__ float fdsa_ld_f32(const void *p, int i) { return reinterpret_cast<const float *>(p)[i]; }
 """
+_F16_COST_SRC = r"""
+// timing build "f16_cost" only (wrong values for the bf16 wgmma): fdsa_e4m3x64_to_bf16's loads and stores around the
+// f16 form's two instructions a pair (cvt.rn.f16x2.e4m3x2, mul.rn.f16x2 by the row / token scale ratio)
+__device__ __forceinline__ void fdsa_e4m3x64_f16_cost(void *l0, void *h0, void *l1, void *h1, void *l2, void *h2,
+                                                      void *l3, void *h3, float s) {
+  void *lo[4] = {l0, l1, l2, l3}, *hi[4] = {h0, h1, h2, h3};
+  uint4 w[4];
+  unsigned r2;
+  asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r2) : "f"(s));
+#pragma unroll
+  for (int c = 0; c < 4; ++c) w[c] = *reinterpret_cast<const uint4 *>(lo[c]);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const unsigned in[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
+    unsigned o[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        unsigned h2x;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2x) : "h"((unsigned short)(in[i] >> (16 * k))));
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o[2 * i + k]) : "r"(h2x), "r"(r2));
+      }
+    }
+    *reinterpret_cast<uint4 *>(lo[c]) = make_uint4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<uint4 *>(hi[c]) = make_uint4(o[4], o[5], o[6], o[7]);
+  }
+}
+"""
 
 
-@T.macro
-def convert_share(Half, sc, rw, part):
-    """One thread's share of a half tile's in-place conversion: row ``rw``, chunks [8 part, 8 part + 8), walked
-    rotated by 2 part (the 8 threads of a quarter warp, rows 4i..4i+3 x parts 0 / 1, then touch 8 different
-    16-byte bank groups), four chunks per ``fdsa_e4m3x64_to_bf16``."""
-    for g in T.unroll(2):
-        T.call_extern("handle", "fdsa_e4m3x64_to_bf16",
-                      *[T.address_of(Half[rw, (part * 8 + (g * 4 + i + 2 * part) % 8) * 16 + h * 8])
-                        for i in range(4) for h in range(2)], sc[0])
+def convert_share_macro(fn: str = "fdsa_e4m3x64_to_bf16"):
+    """Macro ``convert_share(Half, sc, rw, part)``: one thread's share of a half tile's in-place conversion: row
+    ``rw``, chunks [8 part, 8 part + 8), walked rotated by 2 part (the 8 threads of a quarter warp, rows 4i..4i+3 x
+    parts 0 / 1, then touch 8 different 16-byte bank groups), four chunks per call of the device function ``fn``."""
+
+    @T.macro
+    def convert_share(Half, sc, rw, part):
+        for g in T.unroll(2):
+            T.call_extern("handle", fn, *[T.address_of(Half[rw, (part * 8 + (g * 4 + i + 2 * part) % 8) * 16 + h * 8])
+                                          for i in range(4) for h in range(2)], sc[0])
+
+    return convert_share
 
 
 def _raw_gather_macro():
@@ -141,17 +173,24 @@ def _raw_gather_macro():
     return gather_raw
 
 
-def _dequant_parts(*, topk_dim):
+ABLATIONS = ("", "no_convert", "f16_cost")  # timing builds: conversion skipped / with the f16 form's instructions
+
+
+def _dequant_parts(*, topk_dim, ablate=""):
     """The producer is ``kernel_fwd_pair.gather_producer`` (non-blocking, up to four half
     tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
     row's four float32 scales (16 B) into the slots of dims [8, 16) (free until chunk 0 is converted), the rope
     straight into the rope tile.  The consumer that reads a half first converts it in place after its ready
     barrier (thread t: row t / 2, chunks [8 (t % 2), +8)): scale read, warpgroup barrier (the scales sit in slots
     that the conversion overwrites), conversion, ``fence.proxy.async``, warpgroup barrier, then its wgmma.
-    Returns (producer, first_use)."""
+    ``ablate`` (timing only, wrong results): "no_convert" leaves the raw bytes (barriers and scale read kept),
+    "f16_cost" converts with the f16 form's two instructions a pair instead of five.  Returns (producer,
+    first_use)."""
+    assert ablate in ABLATIONS, ablate
     DH = D_V // 2
     f32 = "float32"
     gather_raw = _raw_gather_macro()
+    convert_share = convert_share_macro("fdsa_e4m3x64_f16_cost" if ablate == "f16_cost" else "fdsa_e4m3x64_to_bf16")
 
     @T.macro
     def gather_l(KVl, Rows, kv_src):
@@ -168,7 +207,8 @@ def _dequant_parts(*, topk_dim):
         sc = T.alloc_local([1], f32)
         sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part)
         T.sync_threads(wg_bar, 128)  # every scale read before the slots of dims [8, 16) are overwritten
-        convert_share(Half, sc, rw, part)
+        if ablate != "no_convert":
+            convert_share(Half, sc, rw, part)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
         T.sync_threads(wg_bar, 128)  # the whole half converted before this warpgroup's wgmma reads it
 
@@ -178,16 +218,19 @@ def _dequant_parts(*, topk_dim):
 
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
-                                    has_topk_length: bool = False):
+                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = False):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
-    i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32)."""
+    i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
+    ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s timing build (WG0 then
+    converts a.L while its remote PV runs)."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
-    producer, first_use = _dequant_parts(topk_dim=topk_dim)
+    producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                         has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                        prelude=_DEQUANT_SRC, first_use=first_use)
+                        prelude=_DEQUANT_SRC + (_F16_COST_SRC if ablate == "f16_cost" else ""), first_use=first_use,
+                        overlap_qk=overlap_qk)
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
@@ -213,9 +256,11 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
+              overlap_qk: bool = False):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                           has_sink=has_sink, has_topk_length=has_topk_length)
+                                           has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
+                                           overlap_qk=overlap_qk)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -228,8 +273,9 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False):
-    """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
+                       checked: bool = False, ablate: str = "", overlap_qk: bool = False):
+    """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
+    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk`` (same results)."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
@@ -241,7 +287,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     indices = indices.contiguous()
     chunks = fc.cache_chunks(kv)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl)
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -257,8 +303,9 @@ def lowering_cases():
 def _bench_variants(tkvs=(8192, 131072)):
     """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
     [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel, the
-    whole-cache copy + bf16 pair kernel (``kernel_dequant656``), the pipelined fp8-cache kernel; checks each against
-    the bf16 pair kernel bitwise; then the copy alone."""
+    whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing builds (``overlap_qk``; and
+    ``ABLATIONS``: what an f16 conversion would cost, and none), the pipelined fp8-cache kernel; checks each against
+    the bf16 pair kernel bitwise (the ablations differ by design); then the copy alone."""
     from ..bench.harness import time_fn
     from ..quant import dequantize_kv_fp8, quantize_kv_fp8
     from . import kernel_dequant656, kernel_fwd_pair
@@ -276,6 +323,11 @@ def _bench_variants(tkvs=(8192, 131072)):
                 "cache_pair": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V),
                 "cache_dequant_once": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     dequant_once=True),
+                "cache_pair_overlap_qk": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                    overlap_qk=True),
+                "cache_pair_f16_cost": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, ablate="f16_cost"),
+                "cache_pair_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                    ablate="no_convert"),
                 "cache_pipelined": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)}
         ref = runs["bf16_pair"]()
         base = None
