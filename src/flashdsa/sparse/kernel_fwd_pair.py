@@ -602,6 +602,8 @@ def lowering_cases():
                                                                has_sink=True, has_topk_length=True)),
         ("pair_h128_d576_topk8192_tl_ordered", build_sparse_mla_fwd(heads=128, dqk=576, topk=8192, sm_scale=0.04,
                                                                     has_topk_length=True, has_order=True)),
+        ("pair_h64_d576_topk2048_overlap_qk", build_sparse_mla_fwd(heads=64, dqk=576, topk=2048, sm_scale=0.04,
+                                                                   overlap_qk=True)),  # timing build
     ]
 
 
