@@ -79,7 +79,10 @@ def time_fn(fn: Callable[[Any], Any], arg_sets: Sequence[Any], device: torch.dev
     Two warm-up calls always run (the first may compile); the second, timed with a host clock, estimates the cost:
     when ``reps`` runs would exceed ``max_seconds`` the count shrinks (never below ``min_reps``) and further
     warm-up is skipped; otherwise the calls repeat for ``warm_seconds`` more (GPU clocks ramp up from idle). CUDA:
-    events around each call, a 256 MB buffer written before each (outside the events) to flush L2. CPU:
+    events around each call, a 256 MB buffer written before each (outside the events) to flush L2 (as
+    ``triton.testing.do_bench`` and nvbench do; ``$FLASHDSA_L2_FLUSH=read`` reads it instead, which leaves L2 clean:
+    after a write, up to the L2's size of dirty lines are written back while the timed kernel runs, which a
+    memory-bound kernel pays for; a diagnostic, such runs stay out of the README table). CPU:
     ``time.perf_counter``.  Python's garbage collector is off while the timed calls are issued (as in ``timeit``):
     a collection pass over the many objects of compiled kernels stalls the host, and a short call launched late
     shows that stall as GPU time.
@@ -126,11 +129,17 @@ def _timed_calls(fn, arg_sets, device, reps: int, flush_l2: bool) -> list[float]
     times: list[float] = []
     if device.type == "cuda":
         buf = _flush_buffer(str(device)) if flush_l2 else None
+        read_flush = os.environ.get("FLASHDSA_L2_FLUSH", "write") == "read"
+        if buf is not None and read_flush:
+            buf.fill_(0)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
             if buf is not None:
-                buf.fill_(i)
+                if read_flush:
+                    buf.sum()
+                else:
+                    buf.fill_(i)
             starts[i].record()
             fn(arg_sets[i % n])
             ends[i].record()
