@@ -17,8 +17,8 @@ pytest.importorskip("tilelang")
 from flashdsa.sparse import kernel_fwd_fp8cache  # noqa: E402
 
 from .test_kernel_fp8cache_gpu import _fp8_cache  # noqa: E402
-from flashdsa.sparse.reference import sparse_mla_fwd_reference  # noqa: E402
 
+from ._f16_spread import check_f16_spread  # noqa: E402
 from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
 
 D_V, DQK = 512, 576
@@ -70,36 +70,9 @@ def test_sparse_mla_fwd_narrow656(heads, tkv, topk, n_tok, sink, use_tl, layout,
 @pytest.mark.parametrize("form", ["ring_er_f16"])
 @pytest.mark.parametrize("spread", [4, 10])
 def test_f16_form_scale_spread(spread, form):
-    """The f16 form ("ring_er_f16": each row's latent tile scaled by its scale over
-    the token's largest, q by the token scales and a per-head power of two): every (row, 128-dim tile) of the cache
-    multiplied by 2^k, k uniform in [-spread, spread], each head of q by 2^j, j in [-8, 4].  Spread 4: the usual
-    tolerances.  Spread 10 (values up to ~300, outputs that cancel to near 0: no bf16-output kernel meets the
-    absolute tolerance there): errors against the float64 reference no larger than those of the bf16 form
-    "ring_er" (x 1.25)."""
-    heads, tkv, topk, n_tok = 16, 2048, 512, 24
-    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, True, True, "contig",
-                                                                 seed=3)
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    k = torch.randint(-spread, spread + 1, (tkv, 4, 1), generator=gen, device="cuda").float()
-    kv = kv.clone()
-    kv[:, :D_V] = (kv[:, :D_V].float().view(tkv, 4, 128) * torch.exp2(k)).view(tkv, D_V).to(torch.bfloat16)
-    j = torch.randint(-8, 5, (1, heads, 1), generator=gen, device="cuda").float()
-    q = (q.float() * torch.exp2(j)).to(torch.bfloat16)
-    kv8, kv_deq = _fp8_cache(kv, 656, gen)
-    kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    out, lse, max_logits = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, narrow=form, **kw)
-    torch.cuda.synchronize()
-    if spread <= 4:
-        check_against_reference(out, lse, max_logits, q, kv_deq, indices, DQK**-0.5, topk_length, attn_sink, valid)
-        return
-    out_bf, lse_bf, _ = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, narrow="ring_er", **kw)
-    ref_out, ref_lse, _ = sparse_mla_fwd_reference(q.double(), kv_deq.double(), indices, sm_scale=DQK**-0.5,
-                                                   d_v=D_V, attn_sink=attn_sink, topk_length=topk_length)
-    assert torch.isfinite(out.float()).all()
-    fin = torch.isfinite(ref_lse)  # empty rows: lse +inf
-    assert torch.equal(lse[~fin].double(), ref_lse[~fin])
-    for got, base, ref in ((out, out_bf, ref_out), (lse[fin], lse_bf[fin], ref_lse[fin])):
-        err = (got.double() - ref).abs().max().item()
-        err_bf = (base.double() - ref).abs().max().item()
-        assert err <= 1.25 * err_bf + 1e-6, (err, err_bf)
+    """The f16 form ("ring_er_f16": each row's latent tile scaled by its scale over the token's largest, q by the
+    token scales and a per-head power of two) over widely spread row and head scales (``_f16_spread``), against
+    the bf16 form "ring_er"."""
+    check_f16_spread(16, spread,
+                     lambda *a, **kw: kernel_fwd_fp8cache.run_sparse_mla_fwd(*a, narrow=form, **kw),
+                     lambda *a, **kw: kernel_fwd_fp8cache.run_sparse_mla_fwd(*a, narrow="ring_er", **kw))

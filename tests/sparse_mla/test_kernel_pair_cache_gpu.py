@@ -17,6 +17,7 @@ pytest.importorskip("tilelang")
 from flashdsa.sparse import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair  # noqa: E402
 from flashdsa.sparse import kernel_fwd_pair_cache as kmod  # noqa: E402
 
+from ._f16_spread import check_f16_spread  # noqa: E402
 from ._hang import sync_or_die  # noqa: E402
 from .test_kernel_fp8cache_gpu import _fp8_cache  # noqa: E402
 from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
@@ -36,12 +37,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
+_over_cases = pytest.mark.parametrize(
     "heads,tkv,topk,n_tok,sink,use_tl,layout,row_stride",
     CASES,
     ids=[f"h{c[0]}-kv{c[1]}-k{c[2]}-t{c[3]}{'-sink' if c[4] else ''}{'-tl' if c[5] else ''}-{c[6]}-rs{c[7]}"
          for c in CASES],
 )
+
+
+@_over_cases
 def test_sparse_mla_fwd_pair_cache(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride):
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, kv_deq = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
@@ -111,3 +115,28 @@ def test_sparse_mla_fwd_pair_cache_overlap_qk(case):
     sync_or_die("kernel_fwd_pair_cache", "default build", HANG_S)
     for name, a, b in zip(("out", "lse", "max_logits"), got, base):
         assert torch.equal(a, b), f"{name}: overlap_qk differs from the default build"
+
+
+@_over_cases
+def test_sparse_mla_fwd_pair_cache_f16(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride):
+    """The ``f16`` timing build (f16 products: rows scaled by their tile scale over the token's largest, q by the
+    token scales and a per-head power of two): against the reference with the bf16 forward's tolerances, and a
+    second launch bitwise equal."""
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    kv8, kv_deq = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
+    kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
+    what = f"f16 H={heads} Tkv={tkv} topk={topk} T={n_tok}"
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    out = kmod.run_sparse_mla_fwd(q, kv8, indices, f16=True, **kw)
+    sync_or_die("kernel_fwd_pair_cache f16", what, HANG_S)
+    check_against_reference(*out, q, kv_deq, indices, DQK**-0.5, topk_length, attn_sink, valid)
+    again = kmod.run_sparse_mla_fwd(q, kv8, indices, f16=True, **kw)
+    sync_or_die("kernel_fwd_pair_cache f16", "second launch", HANG_S)
+    for a, b in zip(out, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spread", [4, 10])
+def test_sparse_mla_fwd_pair_cache_f16_scale_spread(spread):
+    """The ``f16`` build over widely spread row and head scales (``_f16_spread``), against the bf16 build."""
+    check_f16_spread(64, spread, lambda *a, **kw: kmod.run_sparse_mla_fwd(*a, f16=True, **kw), kmod.run_sparse_mla_fwd)

@@ -71,7 +71,7 @@ import tilelang.language as T
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
 from . import kernel_fwd_narrow as _kn
-from ._tl_common import BLOCK_I, D_V, LOG2E
+from ._tl_common import BLOCK_I, D_V, LOG2E, Q_F16_TOP
 from .kernel_fwd_narrow656 import _SRC, ROPE_BYTE, ROW, SCALE_BYTE, _pass_configs
 
 _DUAL_SRC = r"""
@@ -170,7 +170,6 @@ BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLan
 # "ringx": RINGX_STAGES stages of 16 rows, not tied to blocks (more than one block's worth of raw rows in flight);
 # "_f16": f16 products (module notes)
 PREFETCH = ("regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx", "ring_er_f16")
-Q_F16_TOP = 8192.0  # "_f16": each head's largest |q * token scale| is scaled into [2^13, 2^14) (f16 max 65504)
 RINGX_STAGES = 5  # 5 x 16 rows x 656 B = 52,480 B: what shared memory leaves next to the two tiles
 
 

@@ -102,11 +102,13 @@ __device__ __forceinline__ void fdsa_e4m3x64_to_bf16(void *l0, void *h0, void *l
 }
 __device__ __forceinline__ float fdsa_ld_f32(const void *p, int i) { return reinterpret_cast<const float *>(p)[i]; }
 """
-_F16_COST_SRC = r"""
-// timing build "f16_cost" only (wrong values for the bf16 wgmma): fdsa_e4m3x64_to_bf16's loads and stores around the
-// f16 form's two instructions a pair (cvt.rn.f16x2.e4m3x2, mul.rn.f16x2 by the row / token scale ratio)
-__device__ __forceinline__ void fdsa_e4m3x64_f16_cost(void *l0, void *h0, void *l1, void *h1, void *l2, void *h2,
-                                                      void *l3, void *h3, float s) {
+_F16_SRC = r"""
+// "f16" builds: in place, four chunks as fdsa_e4m3x64_to_bf16, each value -> f16(e4m3) * r (r = the row's tile scale
+// over the token's largest, <= 1: exact for power-of-two scales while the product stays a normal f16), two
+// instructions a pair (cvt.rn.f16x2.e4m3x2, mul.rn.f16x2); the "f16_cost" timing build calls it with the raw scale
+// for the bf16 wgmma (wrong values, the f16 form's instruction count)
+__device__ __forceinline__ void fdsa_e4m3x64_to_f16(void *l0, void *h0, void *l1, void *h1, void *l2, void *h2,
+                                                    void *l3, void *h3, float s) {
   void *lo[4] = {l0, l1, l2, l3}, *hi[4] = {h0, h1, h2, h3};
   uint4 w[4];
   unsigned r2;
@@ -147,24 +149,33 @@ def convert_share_macro(fn: str = "fdsa_e4m3x64_to_bf16"):
     return convert_share
 
 
-def _raw_gather_macro():
+def _raw_gather_macro(hdt: str = "bfloat16"):
     """Macro ``gather_raw(Half, Kt, Rows, kv_src, chunk0)``: cp.async (no commit, no wait) of one half tile's raw
-    bytes, e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the row's 16 bytes of scales into the
-    slots of dims [8, 16), the rope (``Kt`` not None) into the rope tile; invalid rows zero-filled."""
+    bytes, e4m3 chunk k of a row into the 16-bit slots of dims [16k, 16k + 8), the row's 16 bytes of scales into
+    the slots of dims [8, 16), the rope (``Kt`` not None) into the rope tile; invalid rows zero-filled.  ``hdt``: the
+    half tile's dtype (the latent bytes are read through a view of the cache in it)."""
     BI = BLOCK_I
     DH = D_V // 2
     bf16 = "bfloat16"
 
     @T.macro
+    def latent_raw(Half, KVb, rs16, Rows, chunk0):
+        # (the parameter is named KVb: a macro argument takes the parameter's name in the generated code)
+        for r, k, v in T.Parallel(BI, DH // 16, 8, annotations=_ASYNC):
+            rk = Rows[r]
+            Half[r, k * 16 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + chunk0 + k, v], T.cast(0, hdt))
+        for r, v in T.Parallel(BI, 8, annotations=_ASYNC):
+            rk = Rows[r]
+            Half[r, 8 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + fc.SCALE_CHUNK, v], T.cast(0, hdt))
+
+    @T.macro
     def gather_raw(Half, Kt, Rows, kv_src, chunk0):
         KVb = kv_src[1]
         rs16 = kv_src[2]
-        for r, k, v in T.Parallel(BI, DH // 16, 8, annotations=_ASYNC):
-            rk = Rows[r]
-            Half[r, k * 16 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + chunk0 + k, v], T.cast(0, bf16))
-        for r, v in T.Parallel(BI, 8, annotations=_ASYNC):
-            rk = Rows[r]
-            Half[r, 8 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + fc.SCALE_CHUNK, v], T.cast(0, bf16))
+        if hdt == bf16:
+            latent_raw(Half, KVb, rs16, Rows, chunk0)
+        else:
+            latent_raw(Half, T.view(KVb, dtype=hdt), rs16, Rows, chunk0)
         if Kt is not None:
             for r, c, v in T.Parallel(BI, 8, 8, annotations=_ASYNC):
                 rk = Rows[r]
@@ -176,7 +187,7 @@ def _raw_gather_macro():
 ABLATIONS = ("", "no_convert", "f16_cost")  # timing builds: conversion skipped / with the f16 form's instructions
 
 
-def _dequant_parts(*, topk_dim, ablate=""):
+def _dequant_parts(*, topk_dim, ablate="", f16=False):
     """The producer is ``kernel_fwd_pair.gather_producer`` (non-blocking, up to four half
     tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
     row's four float32 scales (16 B) into the slots of dims [8, 16) (free until chunk 0 is converted), the rope
@@ -184,13 +195,16 @@ def _dequant_parts(*, topk_dim, ablate=""):
     barrier (thread t: row t / 2, chunks [8 (t % 2), +8)): scale read, warpgroup barrier (the scales sit in slots
     that the conversion overwrites), conversion, ``fence.proxy.async``, warpgroup barrier, then its wgmma.
     ``ablate`` (timing only, wrong results): "no_convert" leaves the raw bytes (barriers and scale read kept),
-    "f16_cost" converts with the f16 form's two instructions a pair instead of five.  Returns (producer,
-    first_use)."""
+    "f16_cost" converts with the f16 form's two instructions a pair instead of five.  ``f16``: f16 half tiles,
+    each row's tile converted as ``f16(e4m3) * (scale / Sg_s[t])`` (``kernel_fwd_pair.pair_body``'s
+    ``f16_scales``; then ``first_use`` takes ``Sg_s`` as a fifth argument).  Returns (producer, first_use)."""
     assert ablate in ABLATIONS, ablate
+    assert not (f16 and ablate), "the ablations are of the bf16 build"
     DH = D_V // 2
     f32 = "float32"
-    gather_raw = _raw_gather_macro()
-    convert_share = convert_share_macro("fdsa_e4m3x64_f16_cost" if ablate == "f16_cost" else "fdsa_e4m3x64_to_bf16")
+    gather_raw = _raw_gather_macro("float16" if f16 else "bfloat16")
+    convert_share = convert_share_macro("fdsa_e4m3x64_to_f16" if f16 or ablate == "f16_cost"
+                                        else "fdsa_e4m3x64_to_bf16")
 
     @T.macro
     def gather_l(KVl, Rows, kv_src):
@@ -212,25 +226,62 @@ def _dequant_parts(*, topk_dim, ablate=""):
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
         T.sync_threads(wg_bar, 128)  # the whole half converted before this warpgroup's wgmma reads it
 
+    @T.macro
+    def first_use_f16(Half, tile0, wg_bar, t, Sg_s):
+        rw = t // 2
+        part = t % 2
+        sc = T.alloc_local([1], f32)
+        # invalid rows: zero bytes and scale 0 -> zeros (Sg_s >= 1e-30)
+        sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part) / Sg_s[tile0 + part]
+        T.sync_threads(wg_bar, 128)
+        convert_share(Half, sc, rw, part)
+        T.fence_proxy_async()
+        T.sync_threads(wg_bar, 128)
+
     producer = kp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
                                   gather_l=gather_l, gather_r=gather_r)
-    return producer, first_use
+    return producer, (first_use_f16 if f16 else first_use)
+
+
+def _f16_scales_macro():
+    """``kernel_fwd_pair.pair_body``'s ``f16_scales`` for the 656-byte cache: both consumers (threads 0..255) run
+    ``fdsa_scale_max`` (``kernel_fwd_narrow656_dual``) over the token's valid rows, then ``Sg_s[t]`` = the largest
+    tile-t scale (at least 1e-30)."""
+
+    @T.macro
+    def f16_scales(kv_src, Indices, tok, lim, tx, Pmx_s, Sg_s):
+        T.call_extern("handle", "fdsa_scale_max", T.address_of(Indices[tok, 0]), lim[0], kv_src[3],
+                      T.address_of(kv_src[0][0, 0]), kv_src[2], tx, T.address_of(Pmx_s[tx // 32, 0]))
+        T.sync_threads(kp.BAR_BOTH, 256)
+        if tx < 4:
+            Sg_s[tx] = functools.reduce(T.max, [Pmx_s[w, tx] for w in range(8)], T.float32(1e-30))
+        T.sync_threads(kp.BAR_BOTH, 256)
+
+    return f16_scales
 
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
-                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = False):
+                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = False,
+                                    f16: bool = False):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
     ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s timing build (WG0 then
-    converts a.L while its remote PV runs)."""
+    converts a.L while its remote PV runs); ``f16``: f16 products (``pair_body``'s ``f16_scales``; not yet run on
+    the GPU; outputs within the f16 form's documented bound of the bf16 ones, not bitwise)."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
-    producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
+    producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate, f16=f16)
+    prelude = _DEQUANT_SRC + (_F16_SRC if ablate == "f16_cost" else "")
+    if f16:  # the narrow656 helpers (it includes _DEQUANT_SRC) and the dual form's scale pass
+        from .kernel_fwd_narrow656 import _SRC
+        from .kernel_fwd_narrow656_dual import _DUAL_SRC
+
+        prelude = _SRC + _DUAL_SRC + _F16_SRC
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                         has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                        prelude=_DEQUANT_SRC + (_F16_COST_SRC if ablate == "f16_cost" else ""), first_use=first_use,
-                        overlap_qk=overlap_qk)
+                        prelude=prelude, first_use=first_use, overlap_qk=overlap_qk,
+                        f16_scales=_f16_scales_macro() if f16 else None)
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
@@ -257,10 +308,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = False):
+              overlap_qk: bool = False, f16: bool = False):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk)
+                                           overlap_qk=overlap_qk, f16=f16)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -273,9 +324,10 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False, ablate: str = "", overlap_qk: bool = False):
+                       checked: bool = False, ablate: str = "", overlap_qk: bool = False, f16: bool = False):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
-    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk`` (same results)."""
+    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk`` (same results), ``f16`` (f16
+    products)."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
@@ -287,7 +339,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     indices = indices.contiguous()
     chunks = fc.cache_chunks(kv)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk)
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, f16)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -297,14 +349,16 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [("pair_cache_h128_topk2048_sink_tl",
              build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, has_sink=True,
-                                             has_topk_length=True))]
+                                             has_topk_length=True)),
+            ("pair_cache_h64_topk2048_f16", build_sparse_mla_fwd_pair_cache(heads=64, topk=2048, sm_scale=0.04,
+                                                                            f16=True))]  # timing build
 
 
 def _bench_variants(tkvs=(8192, 131072)):
     """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
     [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel, the
-    whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing builds (``overlap_qk``; and
-    ``ABLATIONS``: what an f16 conversion would cost, and none), the pipelined fp8-cache kernel; checks each against
+    whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing builds (``overlap_qk``, ``f16``
+    and both; ``ABLATIONS``: what an f16 conversion would cost, and none), the pipelined fp8-cache kernel; checks each against
     the bf16 pair kernel bitwise (the ablations differ by design); then the copy alone."""
     from ..bench.harness import time_fn
     from ..quant import dequantize_kv_fp8, quantize_kv_fp8
@@ -325,6 +379,9 @@ def _bench_variants(tkvs=(8192, 131072)):
                                                                     dequant_once=True),
                 "cache_pair_overlap_qk": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     overlap_qk=True),
+                "cache_pair_f16": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, f16=True),
+                "cache_pair_f16_overlap_qk": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, f16=True,
+                                                                        overlap_qk=True),
                 "cache_pair_f16_cost": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, ablate="f16_cost"),
                 "cache_pair_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     ablate="no_convert"),
