@@ -3,7 +3,8 @@ wgmma M side) against the reference on ``dequantize_kv_fp8(kv)`` with the bf16 f
 and poisoning as ``test_kernel_fp8cache_gpu``: unreferenced rows and row padding are NaN / huge bytes), over
 head counts 1..32, both stage counts, the two-warpgroup forms of ``kernel_fwd_narrow656_dual`` (H <= 16; every
 prefetch form; the f16 form also over widely spread row and head scales), topk not a multiple of 64, topk > Tkv,
-invalid indices of every kind, empty rows, topk_length, +/-inf sinks, padded row strides and strided q; a second launch must be bitwise equal."""
+invalid indices of every kind, empty rows, topk_length, +/-inf sinks, padded row strides and strided q; a second
+launch must be bitwise equal."""
 
 import pytest
 import torch

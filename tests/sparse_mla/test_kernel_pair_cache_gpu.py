@@ -140,3 +140,21 @@ def test_sparse_mla_fwd_pair_cache_f16(heads, tkv, topk, n_tok, sink, use_tl, la
 def test_sparse_mla_fwd_pair_cache_f16_scale_spread(spread):
     """The ``f16`` build over widely spread row and head scales (``_f16_spread``), against the bf16 build."""
     check_f16_spread(64, spread, lambda *a, **kw: kmod.run_sparse_mla_fwd(*a, f16=True, **kw), kmod.run_sparse_mla_fwd)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
+                         ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
+def test_sparse_mla_fwd_pair_cache_f16_producer(case):
+    """The ``f16`` build with the producer converting (``f16_staging="producer"``): the same conversion of the same
+    bytes as the consumers' staging, so bitwise equal to it."""
+    heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
+    kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink, f16=True)
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    got = kmod.run_sparse_mla_fwd(q, kv8, indices, f16_staging="producer", **kw)
+    sync_or_die("kernel_fwd_pair_cache f16 producer", f"H={heads} Tkv={tkv} topk={topk} T={n_tok}", HANG_S)
+    base = kmod.run_sparse_mla_fwd(q, kv8, indices, **kw)
+    sync_or_die("kernel_fwd_pair_cache f16", "consumer staging", HANG_S)
+    for name, a, b in zip(("out", "lse", "max_logits"), got, base):
+        assert torch.equal(a, b), f"{name}: the producer staging differs from the consumer staging"

@@ -333,7 +333,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
     is 64 or 128.  With ``pair``, ``dequant_once`` (None: ``kernel_dequant656.use_dequant_once``'s rule, which
     picks it where every cache row is gathered many times, as in prefill) runs ``kernel_fwd_pair`` on a bf16 copy
-    of the whole cache instead (``kernel_dequant656.dequantize_cache``; bitwise the same outputs).  ``narrow``: run ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
+    of the whole cache instead (``kernel_dequant656.dequantize_cache``; bitwise the same outputs).  ``narrow``: run
+    ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
     ``narrow_stages``: its raw stage count, None = its default; ``narrow`` = a name in
     ``kernel_fwd_narrow656_dual.PREFETCH``: that two-warpgroup form, H <= 16); None: the dual form's DEFAULT at
     H <= 16 and narrow656 at H 17..32, unless ``$FLASHDSA_NARROW_CACHE656`` says otherwise (``NARROW_ENV``).

@@ -81,7 +81,7 @@ _ASYNC = tc.ASYNC_GATHER
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
               ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=False,
-              f16_scales=None):
+              f16_scales=None, producer_scales=False):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -102,7 +102,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     (scale / Sg_s[t])``), Q's latent part is stored as ``f16(q * Sg_s[t] * 2^-e_h)`` with one power of two per
     head (the head's largest into [2^13, 2^14)) and its rope as ``bf16(q * 2^-e_h)`` (the rope tiles stay bf16, in
     the same accumulator), S is multiplied by ``2^e_h`` after each QK, P is f16, and O's tile t by ``Sg_s[t]`` before
-    the normalisation; the output is staged as bf16."""
+    the normalisation; the output is staged as bf16.  ``producer_scales`` (with ``f16_scales``): the producer
+    converts (no ``first_use``) and takes two more arguments, ``Sg_s`` and ``bar_sg`` (256 consumer arrivals once
+    ``Sg_s`` is set; wait with parity 0)."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
@@ -123,7 +125,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     f16 = f16_scales is not None
     kdt = "float16" if f16 else bf16  # latent operands of both products (Q halves, KV half tiles, P)
-    assert not f16 or (dqk == 576 and first_use is not None), "f16 products: the 656-byte cache (Dqk 576) only"
+    assert not f16 or (dqk == 576 and (first_use is not None) != producer_scales), \
+        "f16 products: the 656-byte cache (Dqk 576), converted by the consumers (first_use) or the producer"
     NQC = 64  # Q columns per pass of the f16 load (a [64, 64] fp32 fragment: 32 registers)
 
     def q_top(Ls0, Ls1, h):
@@ -146,7 +149,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         T.copy(qm, Ls_own)
         T.sync_threads(BAR_BOTH, 256)
         for h, d in T.Parallel(BH, DH):
-            Q_half[h, d] = T.cast(T.cast(Q[tok, h0 + h, c0 + d], f32) * Sg_s[(c0 + d) // 128] * q_down(Ls0, Ls1, h), kdt)
+            q_scaled = T.cast(Q[tok, h0 + h, c0 + d], f32) * Sg_s[(c0 + d) // 128]
+            Q_half[h, d] = T.cast(q_scaled * q_down(Ls0, Ls1, h), kdt)
         if Q_t is not None:
             for h, d in T.Parallel(BH, D_tail):
                 Q_t[h, d] = T.cast(T.cast(Q[tok, h0 + h, D + d], f32) * q_down(Ls0, Ls1, h), bf16)
@@ -278,6 +282,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 Stage0 = T.view(Q_l, dtype=bf16)
                 Stage1 = T.view(Q_r, dtype=bf16)
 
+            if producer_scales:
+                bar_sg = T.alloc_barrier(256)  # Sg_s set (both consumers)
             rdy_al = T.alloc_barrier(ready_counts[0])
             rdy_br = T.alloc_barrier(ready_counts[1])
             rdy_ar = T.alloc_barrier(ready_counts[2])
@@ -335,6 +341,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.set_max_nreg(regs[0], 1)
                 if f16:
                     f16_scales(kv_src, Indices, tok, lim, tx, Pmx_s, Sg_s)
+                    if producer_scales:
+                        T.barrier_arrive(bar_sg)
                     load_q_f16(Q, Q_l, Q_t, tok, h0, 0, Sg_s, qf0, qm0, Ls0, Ls0, Ls1)
                 else:
                     load_q(Q, Q_l, Q_t, tok, h0, 0)
@@ -393,6 +401,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.set_max_nreg(regs[1], 1)
                 if f16:
                     f16_scales(kv_src, Indices, tok, lim, tx, Pmx_s, Sg_s)
+                    if producer_scales:
+                        T.barrier_arrive(bar_sg)
                     load_q_f16(Q, Q_r, None, tok, h0, DH, Sg_s, qf1, qm1, Ls1, Ls0, Ls1)
                 else:
                     load_q(Q, Q_r, None, tok, h0, DH)
@@ -446,8 +456,13 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             else:
                 # ---------------------------------------------- producer
                 T.set_max_nreg(regs[2], 0)
-                producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                         row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)
+                if producer_scales:
+                    producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t,
+                             Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, Sg_s,
+                             bar_sg)
+                else:
+                    producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t,
+                             Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)
 
     return body
 

@@ -187,7 +187,7 @@ def _raw_gather_macro(hdt: str = "bfloat16"):
 ABLATIONS = ("", "no_convert", "f16_cost")  # timing builds: conversion skipped / with the f16 form's instructions
 
 
-def _dequant_parts(*, topk_dim, ablate="", f16=False):
+def _dequant_parts(*, topk_dim, ablate="", f16=False, f16_staging="consumer"):
     """The producer is ``kernel_fwd_pair.gather_producer`` (non-blocking, up to four half
     tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
     row's four float32 scales (16 B) into the slots of dims [8, 16) (free until chunk 0 is converted), the rope
@@ -238,9 +238,67 @@ def _dequant_parts(*, topk_dim, ablate="", f16=False):
         T.fence_proxy_async()
         T.sync_threads(wg_bar, 128)
 
+    if f16 and f16_staging == "producer":
+        return _f16_producer(topk_dim=topk_dim, gather_l=gather_l, gather_r=gather_r, convert_share=convert_share), None
     producer = kp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
                                   gather_l=gather_l, gather_r=gather_r)
     return producer, (first_use_f16 if f16 else first_use)
+
+
+def _f16_producer(*, topk_dim, gather_l, gather_r, convert_share):
+    """The ``f16`` build's producer when it converts (``f16_staging="producer"``): per pair it issues a.L and b.R
+    (each one commit group), then converts each half tile as soon as its group landed (``cp.async.wait_group``,
+    named barrier, scale ratio, conversion, ``fence.proxy.async``) and only then arrives on its ready barrier (128
+    ordinary arrivals), issuing a.R and b.L in between as their free barriers allow: a.L, b.R, [a.L], a.R, [b.R],
+    b.L, [a.R], [b.L].  Its first conversion waits for ``Sg_s`` (``bar_sg``).  Each ready barrier completes only
+    after the producer's arrivals, which follow the frees of the previous pair, so no wait depends on a later one."""
+    BI = BLOCK_I
+    f32 = "float32"
+    pair_rows = kp.pair_rows_macro(topk_dim, lambda row, kv_src: (row >= 0) & (row < kv_src[3]))
+
+    @T.macro
+    def convert(Half, tile0, p, Sg_s, rdy, pending):
+        T.ptx_wait_group(pending)  # this thread's copies of Half landed (the later halves may still be in flight)
+        T.sync_threads(kp.BAR_PROD, 128)  # every producer thread's
+        sc = T.alloc_local([1], f32)
+        sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[p // 2, 8]), tile0 + p % 2) / Sg_s[tile0 + p % 2]
+        T.sync_threads(kp.BAR_PROD, 128)  # every scale read before the slots of dims [8, 16) are overwritten
+        convert_share(Half, sc, p // 2, p % 2)
+        T.fence_proxy_async()  # generic-proxy stores -> the consumers' wgmma (async proxy)
+        T.barrier_arrive(rdy)
+
+    @T.macro
+    def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, Sg_s, bar_sg):
+        p = tx - 256
+        for j in T.serial(npair[0]):
+            pair_rows(Indices, tok, lim, j, p, row_a, row_b, kv_src)
+            T.barrier_wait(fr_al, (j & 1) ^ 1)
+            if p < BI:
+                Rows0[p] = row_a[0]
+            T.sync_threads(kp.BAR_PROD, 128)
+            gather_l(KVa_l, Rows0, kv_src)
+            T.ptx_commit_group()
+            T.barrier_wait(fr_br, (j & 1) ^ 1)
+            if p < BI:
+                Rows1[p] = row_b[0]
+            T.sync_threads(kp.BAR_PROD, 128)
+            gather_r(KVb_r, Kb_t, Rows1, kv_src)
+            T.ptx_commit_group()
+            if j == 0:
+                T.barrier_wait(bar_sg, 0)
+            convert(KVa_l, 0, p, Sg_s, rdy_al, 1)
+            T.barrier_wait(fr_ar, (j & 1) ^ 1)
+            gather_r(KVa_r, Ka_t, Rows0, kv_src)
+            T.ptx_commit_group()
+            convert(KVb_r, 2, p, Sg_s, rdy_br, 1)
+            T.barrier_wait(fr_bl, (j & 1) ^ 1)
+            gather_l(KVb_l, Rows1, kv_src)
+            T.ptx_commit_group()
+            convert(KVa_r, 2, p, Sg_s, rdy_ar, 1)
+            convert(KVb_l, 0, p, Sg_s, rdy_bl, 0)
+
+    return producer
 
 
 def _f16_scales_macro():
@@ -262,16 +320,19 @@ def _f16_scales_macro():
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = False,
-                                    f16: bool = False):
+                                    f16: bool = False, f16_staging: str = "consumer"):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
     ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s timing build (WG0 then
     converts a.L while its remote PV runs); ``f16``: f16 products (``pair_body``'s ``f16_scales``; not yet run on
-    the GPU; outputs within the f16 form's documented bound of the bf16 ones, not bitwise)."""
+    the GPU; outputs within the f16 form's documented bound of the bf16 ones, not bitwise); ``f16_staging``:
+    "consumer" (the first-reading consumer converts) or "producer" (``_f16_producer``)."""
+    assert f16_staging in ("consumer", "producer"), f16_staging
+    by_producer = f16 and f16_staging == "producer"
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
-    producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate, f16=f16)
+    producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate, f16=f16, f16_staging=f16_staging)
     prelude = _DEQUANT_SRC + (_F16_SRC if ablate == "f16_cost" else "")
     if f16:  # the narrow656 helpers (it includes _DEQUANT_SRC) and the dual form's scale pass
         from .kernel_fwd_narrow656 import _SRC
@@ -281,7 +342,8 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                         has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                         prelude=prelude, first_use=first_use, overlap_qk=overlap_qk,
-                        f16_scales=_f16_scales_macro() if f16 else None)
+                        f16_scales=_f16_scales_macro() if f16 else None, producer_scales=by_producer,
+                        ready_counts=(128, 128, 128, 128) if by_producer else (256, 256, 128, 128))
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
@@ -308,10 +370,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = False, f16: bool = False):
+              overlap_qk: bool = False, f16: bool = False, f16_staging: str = "consumer"):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk, f16=f16)
+                                           overlap_qk=overlap_qk, f16=f16, f16_staging=f16_staging)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -324,10 +386,11 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False, ablate: str = "", overlap_qk: bool = False, f16: bool = False):
+                       checked: bool = False, ablate: str = "", overlap_qk: bool = False, f16: bool = False,
+                       f16_staging: str = "consumer"):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
     and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk`` (same results), ``f16`` (f16
-    products)."""
+    products; ``f16_staging``: who converts)."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
@@ -339,7 +402,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     indices = indices.contiguous()
     chunks = fc.cache_chunks(kv)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, f16)
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, f16,
+                       f16_staging)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -351,15 +415,18 @@ def lowering_cases():
              build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, has_sink=True,
                                              has_topk_length=True)),
             ("pair_cache_h64_topk2048_f16", build_sparse_mla_fwd_pair_cache(heads=64, topk=2048, sm_scale=0.04,
-                                                                            f16=True))]  # timing build
+                                                                            f16=True)),  # timing builds
+            ("pair_cache_h128_topk640_f16_producer_sink", build_sparse_mla_fwd_pair_cache(
+                heads=128, topk=640, sm_scale=0.04, has_sink=True, f16=True, f16_staging="producer"))]
 
 
 def _bench_variants(tkvs=(8192, 131072)):
     """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
     [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel, the
     whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing builds (``overlap_qk``, ``f16``
-    and both; ``ABLATIONS``: what an f16 conversion would cost, and none), the pipelined fp8-cache kernel; checks each against
-    the bf16 pair kernel bitwise (the ablations differ by design); then the copy alone."""
+    with either staging and with ``overlap_qk``; ``ABLATIONS``: what an f16 conversion would cost, and none), the
+    pipelined fp8-cache kernel; checks each against the bf16 pair kernel bitwise (the f16 builds and the ablations
+    differ by design); then the copy alone."""
     from ..bench.harness import time_fn
     from ..quant import dequantize_kv_fp8, quantize_kv_fp8
     from . import kernel_dequant656, kernel_fwd_pair
@@ -382,6 +449,8 @@ def _bench_variants(tkvs=(8192, 131072)):
                 "cache_pair_f16": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, f16=True),
                 "cache_pair_f16_overlap_qk": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, f16=True,
                                                                         overlap_qk=True),
+                "cache_pair_f16_producer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, f16=True,
+                                                                      f16_staging="producer"),
                 "cache_pair_f16_cost": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, ablate="f16_cost"),
                 "cache_pair_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     ablate="no_convert"),
