@@ -16,7 +16,7 @@ reading them, so no thread can clobber another's raw data.  Thread t of the 128 
 dims [128 (t % 2), +128) of the half (one 128-dim scale tile); part 1 walks its chunks rotated by two so the 8
 threads of a quarter warp touch 8 different 16-byte bank groups.
 
-Who converts: the producer is ``kernel_fwd_pair.gather_producer`` (the bf16 kernel's non-blocking
+Who converts: the producer is ``_pair_parts.gather_producer`` (the bf16 kernel's non-blocking
     protocol, up to four half tiles in flight) copying raw bytes, plus each row's 16 bytes of scales into the
     slots of dims [8, 16) (free until chunk 0 is converted).  The consumer that reads a half first (WG0: a.L,
     a.R; WG1: b.R, b.L) converts it after its ready barrier: scale read, warpgroup barrier, conversion,
@@ -49,6 +49,7 @@ import tilelang
 import tilelang.language as T
 
 from .._tilelang import direct_launcher
+from . import _pair_parts as pp
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
 from . import kernel_fwd_pair as kp
@@ -188,7 +189,7 @@ ABLATIONS = ("", "no_convert", "f16_cost")  # timing builds: conversion skipped 
 
 
 def _dequant_parts(*, topk_dim, ablate="", f16=False, f16_staging="consumer"):
-    """The producer is ``kernel_fwd_pair.gather_producer`` (non-blocking, up to four half
+    """The producer is ``_pair_parts.gather_producer`` (non-blocking, up to four half
     tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
     row's four float32 scales (16 B) into the slots of dims [8, 16) (free until chunk 0 is converted), the rope
     straight into the rope tile.  The consumer that reads a half first converts it in place after its ready
@@ -240,7 +241,7 @@ def _dequant_parts(*, topk_dim, ablate="", f16=False, f16_staging="consumer"):
 
     if f16 and f16_staging == "producer":
         return _f16_producer(topk_dim=topk_dim, gather_l=gather_l, gather_r=gather_r, convert_share=convert_share), None
-    producer = kp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
+    producer = pp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
                                   gather_l=gather_l, gather_r=gather_r)
     return producer, (first_use_f16 if f16 else first_use)
 
@@ -254,15 +255,15 @@ def _f16_producer(*, topk_dim, gather_l, gather_r, convert_share):
     after the producer's arrivals, which follow the frees of the previous pair, so no wait depends on a later one."""
     BI = BLOCK_I
     f32 = "float32"
-    pair_rows = kp.pair_rows_macro(topk_dim, lambda row, kv_src: (row >= 0) & (row < kv_src[3]))
+    pair_rows = pp.pair_rows_macro(topk_dim, lambda row, kv_src: (row >= 0) & (row < kv_src[3]))
 
     @T.macro
     def convert(Half, tile0, p, Sg_s, rdy, pending):
         T.ptx_wait_group(pending)  # this thread's copies of Half landed (the later halves may still be in flight)
-        T.sync_threads(kp.BAR_PROD, 128)  # every producer thread's
+        T.sync_threads(pp.BAR_PROD, 128)  # every producer thread's
         sc = T.alloc_local([1], f32)
         sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[p // 2, 8]), tile0 + p % 2) / Sg_s[tile0 + p % 2]
-        T.sync_threads(kp.BAR_PROD, 128)  # every scale read before the slots of dims [8, 16) are overwritten
+        T.sync_threads(pp.BAR_PROD, 128)  # every scale read before the slots of dims [8, 16) are overwritten
         convert_share(Half, sc, p // 2, p % 2)
         T.fence_proxy_async()  # generic-proxy stores -> the consumers' wgmma (async proxy)
         T.barrier_arrive(rdy)
@@ -276,13 +277,13 @@ def _f16_producer(*, topk_dim, gather_l, gather_r, convert_share):
             T.barrier_wait(fr_al, (j & 1) ^ 1)
             if p < BI:
                 Rows0[p] = row_a[0]
-            T.sync_threads(kp.BAR_PROD, 128)
+            T.sync_threads(pp.BAR_PROD, 128)
             gather_l(KVa_l, Rows0, kv_src)
             T.ptx_commit_group()
             T.barrier_wait(fr_br, (j & 1) ^ 1)
             if p < BI:
                 Rows1[p] = row_b[0]
-            T.sync_threads(kp.BAR_PROD, 128)
+            T.sync_threads(pp.BAR_PROD, 128)
             gather_r(KVb_r, Kb_t, Rows1, kv_src)
             T.ptx_commit_group()
             if j == 0:
@@ -310,10 +311,10 @@ def _f16_scales_macro():
     def f16_scales(kv_src, Indices, tok, lim, tx, Pmx_s, Sg_s):
         T.call_extern("handle", "fdsa_scale_max", T.address_of(Indices[tok, 0]), lim[0], kv_src[3],
                       T.address_of(kv_src[0][0, 0]), kv_src[2], tx, T.address_of(Pmx_s[tx // 32, 0]))
-        T.sync_threads(kp.BAR_BOTH, 256)
+        T.sync_threads(pp.BAR_BOTH, 256)
         if tx < 4:
             Sg_s[tx] = functools.reduce(T.max, [Pmx_s[w, tx] for w in range(8)], T.float32(1e-30))
-        T.sync_threads(kp.BAR_BOTH, 256)
+        T.sync_threads(pp.BAR_BOTH, 256)
 
     return f16_scales
 

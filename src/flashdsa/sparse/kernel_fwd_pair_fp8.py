@@ -60,12 +60,13 @@ import tilelang.language as T
 from .._tilelang import direct_launcher
 from . import _tl_common as tc
 from . import kernel_fwd_fp8 as f8
+from . import _pair_parts as pp
 from . import kernel_fwd_pair as kp
+from ._pair_parts import BAR_BOTH, BAR_PROD, BAR_WG0, BAR_WG1
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 SUPPORTED_H = kp.SUPPORTED_H
 THREADS = kp.THREADS
-BAR_WG0, BAR_WG1, BAR_BOTH, BAR_PROD = kp.BAR_WG0, kp.BAR_WG1, kp.BAR_BOTH, kp.BAR_PROD
 P_RANGE = f8.P_RANGE  # |P'| <= P_RANGE (e4m3 max 448)
 _ASYNC = tc.ASYNC_GATHER
 # setmaxnreg (WG0, WG1, producer) per Dqk: the producer's transpose needs more than kernel_fwd_pair's 72 (ptxas
@@ -94,8 +95,8 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     set_lim = tc.make_set_lim(has_topk_length, topk_dim)
     _ok = tc.make_row_ok(n_kv)
-    pair_rows = kp.pair_rows_macro(topk_dim, lambda row, kv_src: _ok(row))
-    adopt_max = kp.adopt_max_macro(BH=BH, c_log2=c_log2)
+    pair_rows = pp.pair_rows_macro(topk_dim, lambda row, kv_src: _ok(row))
+    adopt_max = pp.adopt_max_macro(BH=BH, c_log2=c_log2)
     _, normaliser, _, store_lse = tc.padded_head_macros(BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads,
                                                         c_log2=c_log2, has_sink=has_sink, dtype=fp8)
 

@@ -1,0 +1,152 @@
+"""Pieces shared by the pair-schedule kernels (``kernel_fwd_pair`` and its 656-byte-cache / FP8 relatives): the
+named-barrier ids, the producer's row prefetch and non-blocking gather loop, WG0's step to the pair's common max, and
+the f16-product Q load (``kernel_fwd_pair.pair_body``'s ``f16_scales`` builds).  The module notes of
+``kernel_fwd_pair`` describe the schedule and the protocol."""
+
+import tilelang.language as T
+
+from . import _tl_common as tc
+from ._tl_common import BLOCK_H, BLOCK_I, D_V, Q_F16_TOP
+
+BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128 / 128 / 256 threads); 0 is __syncthreads
+BAR_PROD = 11  # named barrier of the 128 producer threads
+F16_Q_COLS = 64  # f16 Q load: columns per pass of the maximum (the caller's [BH, 64] fp32 fragment: 32 registers)
+
+
+def f16_q_macros(*, BH=BLOCK_H, D=D_V, D_tail, kdt, enabled):
+    """(``load_q_f16``, ``scale_s``) of ``pair_body``'s f16 builds (``enabled``; else ``scale_s`` does nothing).
+
+    * ``load_q_f16(Q, Q_half, Q_t, tok, h0, c0, Sg_s, qf, qm, Ls_own, Ls0, Ls1)``: one consumer's f16 Q half
+      ``f16(q * Sg_s[t] * 2^-e_h)`` (+ WG0: the rope tail ``bf16(q * 2^-e_h)``); the per-head power of two puts
+      the head's largest over both halves into [2^13, 2^14), so the two consumers publish their halves' maxima in
+      Ls0 / Ls1, which stay there (scale_s reads them) until ``finish`` rewrites them.  ``qf`` [BH, F16_Q_COLS] /
+      ``qm`` [BH] fp32 fragments of the calling role.
+    * ``scale_s(acc_s, Ls0, Ls1)``: S was computed as 2^-e_h (q . k): multiply by 2^e_h."""
+    DH = D // 2
+    NQC = F16_Q_COLS
+    BI = BLOCK_I
+    f32, bf16 = "float32", "bfloat16"
+
+    def q_top(Ls0, Ls1, h):
+        # pow2floor of head h's largest |q * Sg| (both halves): 2^e_h * Q_F16_TOP
+        return T.call_extern(f32, "fdsa_pow2_floor", T.max(T.max(Ls0[h], Ls1[h]), T.float32(1e-30)))
+
+    def q_down(Ls0, Ls1, h):
+        return Q_F16_TOP / q_top(Ls0, Ls1, h)  # 2^-e_h
+
+    @T.macro
+    def load_q_f16(Q, Q_half, Q_t, tok, h0, c0, Sg_s, qf, qm, Ls_own, Ls0, Ls1):
+        T.fill(qm, 0)
+        for cc in T.serial(DH // NQC):
+            for h, d in T.Parallel(BH, NQC):
+                qf[h, d] = T.abs(T.cast(Q[tok, h0 + h, c0 + cc * NQC + d], f32)) * Sg_s[(c0 + cc * NQC + d) // 128]
+            T.reduce_max(qf, qm, dim=1, clear=False)
+        T.copy(qm, Ls_own)
+        T.sync_threads(BAR_BOTH, 256)
+        for h, d in T.Parallel(BH, DH):
+            q_scaled = T.cast(Q[tok, h0 + h, c0 + d], f32) * Sg_s[(c0 + d) // 128]
+            Q_half[h, d] = T.cast(q_scaled * q_down(Ls0, Ls1, h), kdt)
+        if Q_t is not None:
+            for h, d in T.Parallel(BH, D_tail):
+                Q_t[h, d] = T.cast(T.cast(Q[tok, h0 + h, D + d], f32) * q_down(Ls0, Ls1, h), bf16)
+        T.fence_proxy_async()
+        T.sync_threads(BAR_BOTH, 256)
+
+    @T.macro
+    def scale_s(acc_s, Ls0, Ls1):
+        if enabled:
+            for h, r in T.Parallel(BH, BI):
+                acc_s[h, r] = acc_s[h, r] * (q_top(Ls0, Ls1, h) * (1.0 / Q_F16_TOP))
+
+    return load_q_f16, scale_s
+
+
+def adopt_max_macro(*, BH, c_log2):
+    """``adopt_max(bar, phase, M_s, m_new, m_run, alpha, l_acc)``: WG0's step to the pair's common max -- wait for
+    WG1's max ``M_s`` on ``bar``, then alpha = 2^((m_run - M) c), m_run = M, l *= alpha (the caller rescales O and
+    P by alpha).  Shared by the bf16 and FP8 pair kernels."""
+
+    @T.macro
+    def adopt_max(bar, phase, M_s, m_new, m_run, alpha, l_acc):
+        T.barrier_wait(bar, phase)
+        for h in T.Parallel(BH):
+            m_new[h] = M_s[h]
+        for h in T.Parallel(BH):
+            alpha[h] = T.exp2((m_run[h] - m_new[h]) * c_log2)
+            m_run[h] = m_new[h]
+            l_acc[h] = l_acc[h] * alpha[h]
+
+    return adopt_max
+
+
+def pair_rows_macro(topk_dim, row_ok):
+    """Macro ``pair_rows(Indices, tok, lim, j, pt, row_a, row_b, kv_src)``: producer thread ``pt`` < 64 loads the
+    KV rows of slot ``pt`` of blocks 2j / 2j + 1 into registers (-1 past topk_eff or where ``row_ok(row, kv_src)``
+    fails), so the Indices latency overlaps the waits that follow."""
+    BI = BLOCK_I
+    _row = tc.make_slot_row(topk_dim)
+
+    @T.macro
+    def pair_rows(Indices, tok, lim, j, pt, row_a, row_b, kv_src):
+        if pt < BI:
+            row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
+            row_a[0] = T.if_then_else(row_ok(row_a[0], kv_src), row_a[0], -1)
+            row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
+            row_b[0] = T.if_then_else(row_ok(row_b[0], kv_src), row_b[0], -1)
+
+    return pair_rows
+
+
+def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
+    """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
+    ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
+    arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists."""
+    BI = BLOCK_I
+    _row = tc.make_slot_row(topk_dim)
+    pair_rows = pair_rows_macro(topk_dim, row_ok)
+
+    @T.macro
+    def publish_rows(Rows, Indices, tok, lim, blk, kv_src):
+        # Rows[r] = KV row of slot blk*64 + r, or -1 (past topk_eff / out of [0, Tkv)); all producer
+        # threads see them after the named barrier, the consumers through the ready barrier's ordinary arrival
+        for r in T.Parallel(BI):
+            row = _row(Indices, tok, lim, blk * BI + r)
+            Rows[r] = T.if_then_else(row_ok(row, kv_src), row, -1)
+        T.sync_threads(BAR_PROD, 128)
+
+    @T.macro
+    def set_rows(Rows, row, Indices, tok, lim, blk, kv_src, tx):
+        # Rows of block blk from the prefetched registers (prefetch_rows) or loaded now
+        if prefetch_rows:
+            if tx - 256 < BI:
+                Rows[tx - 256] = row[0]
+            T.sync_threads(BAR_PROD, 128)
+        else:
+            publish_rows(Rows, Indices, tok, lim[0], blk, kv_src)
+
+    @T.macro
+    def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar):
+        for j in T.serial(npair[0]):
+            if prefetch_rows:  # this pair's rows into registers before the waits
+                pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
+            T.barrier_wait(fr_al, (j & 1) ^ 1)
+            set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
+            T.barrier_arrive(rdy_al)
+            gather_l(KVa_l, Rows0, kv_src)
+            T.cp_async_barrier_noinc(rdy_al)
+            T.barrier_wait(fr_br, (j & 1) ^ 1)
+            set_rows(Rows1, row_b, Indices, tok, lim, j * 2 + 1, kv_src, tx)
+            T.barrier_arrive(rdy_br)
+            gather_r(KVb_r, Kb_t, Rows1, kv_src)
+            T.cp_async_barrier_noinc(rdy_br)
+            T.barrier_wait(fr_ar, (j & 1) ^ 1)
+            gather_r(KVa_r, Ka_t, Rows0, kv_src)
+            T.cp_async_barrier_noinc(rdy_ar)
+            T.barrier_wait(fr_bl, (j & 1) ^ 1)
+            gather_l(KVb_l, Rows1, kv_src)
+            T.cp_async_barrier_noinc(rdy_bl)
+        T.ptx_commit_group()
+        T.ptx_wait_group(0)  # nothing in flight when the producer threads exit
+
+    return producer
