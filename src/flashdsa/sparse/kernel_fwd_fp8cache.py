@@ -375,13 +375,12 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     kvf = chunks.view(torch.float32)
     kvb = chunks.view(torch.bfloat16)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    few_head_forms = kernel_fwd_narrow656_dual.PREFETCH
     if narrow is None:
         env = os.environ.get(NARROW_ENV, "")
         narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
         if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
-            narrow = env if env in few_head_forms else kernel_fwd_narrow656_dual.DEFAULT
-    if narrow in few_head_forms:  # the two-warpgroup forms (H <= 16)
+            narrow = env if env in kernel_fwd_narrow656_dual.PREFETCH else kernel_fwd_narrow656_dual.DEFAULT
+    if narrow in kernel_fwd_narrow656_dual.PREFETCH:  # the two-warpgroup forms (H <= 16)
         if heads > kernel_fwd_narrow656_dual.MAX_HEADS:
             raise ValueError(f"narrow: the {narrow!r} form takes H <= {kernel_fwd_narrow656_dual.MAX_HEADS}, "
                              f"got H={heads}")

@@ -216,37 +216,40 @@ def _dequant_parts(*, topk_dim, ablate="", f16=False, f16_staging="consumer"):
         gather_raw(KVr, Kt, Rows, kv_src, DH // 16)
 
     @T.macro
-    def first_use(Half, tile0, wg_bar, t):
+    def convert_half(Half, tile0, t, bar, Sg_s):
+        # thread t of the 128 converting threads: row t / 2, chunks [8 (t % 2), +8), with its tile's scale (f16:
+        # over the token's largest, Sg_s >= 1e-30; invalid rows are zero bytes with scale 0 -> zeros); ends with
+        # the stores fenced for the async proxy (the wgmma reads)
         rw = t // 2
         part = t % 2
         sc = T.alloc_local([1], f32)
-        sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part)
-        T.sync_threads(wg_bar, 128)  # every scale read before the slots of dims [8, 16) are overwritten
+        if Sg_s is None:
+            sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part)
+        else:
+            sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part) / Sg_s[tile0 + part]
+        T.sync_threads(bar, 128)  # every scale read before the slots of dims [8, 16) are overwritten
         if ablate != "no_convert":
             convert_share(Half, sc, rw, part)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
+
+    @T.macro
+    def first_use(Half, tile0, wg_bar, t):
+        convert_half(Half, tile0, t, wg_bar, None)
         T.sync_threads(wg_bar, 128)  # the whole half converted before this warpgroup's wgmma reads it
 
     @T.macro
     def first_use_f16(Half, tile0, wg_bar, t, Sg_s):
-        rw = t // 2
-        part = t % 2
-        sc = T.alloc_local([1], f32)
-        # invalid rows: zero bytes and scale 0 -> zeros (Sg_s >= 1e-30)
-        sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part) / Sg_s[tile0 + part]
-        T.sync_threads(wg_bar, 128)
-        convert_share(Half, sc, rw, part)
-        T.fence_proxy_async()
+        convert_half(Half, tile0, t, wg_bar, Sg_s)
         T.sync_threads(wg_bar, 128)
 
     if f16 and f16_staging == "producer":
-        return _f16_producer(topk_dim=topk_dim, gather_l=gather_l, gather_r=gather_r, convert_share=convert_share), None
+        return _f16_producer(topk_dim=topk_dim, gather_l=gather_l, gather_r=gather_r, convert_half=convert_half), None
     producer = pp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
                                   gather_l=gather_l, gather_r=gather_r)
     return producer, (first_use_f16 if f16 else first_use)
 
 
-def _f16_producer(*, topk_dim, gather_l, gather_r, convert_share):
+def _f16_producer(*, topk_dim, gather_l, gather_r, convert_half):
     """The ``f16`` build's producer when it converts (``f16_staging="producer"``): per pair it issues a.L and b.R
     (each one commit group), then converts each half tile as soon as its group landed (``cp.async.wait_group``,
     named barrier, scale ratio, conversion, ``fence.proxy.async``) and only then arrives on its ready barrier (128
@@ -254,18 +257,13 @@ def _f16_producer(*, topk_dim, gather_l, gather_r, convert_share):
     b.L, [a.R], [b.L].  Its first conversion waits for ``Sg_s`` (``bar_sg``).  Each ready barrier completes only
     after the producer's arrivals, which follow the frees of the previous pair, so no wait depends on a later one."""
     BI = BLOCK_I
-    f32 = "float32"
     pair_rows = pp.pair_rows_macro(topk_dim, lambda row, kv_src: (row >= 0) & (row < kv_src[3]))
 
     @T.macro
     def convert(Half, tile0, p, Sg_s, rdy, pending):
         T.ptx_wait_group(pending)  # this thread's copies of Half landed (the later halves may still be in flight)
         T.sync_threads(pp.BAR_PROD, 128)  # every producer thread's
-        sc = T.alloc_local([1], f32)
-        sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[p // 2, 8]), tile0 + p % 2) / Sg_s[tile0 + p % 2]
-        T.sync_threads(pp.BAR_PROD, 128)  # every scale read before the slots of dims [8, 16) are overwritten
-        convert_share(Half, sc, p // 2, p % 2)
-        T.fence_proxy_async()  # generic-proxy stores -> the consumers' wgmma (async proxy)
+        convert_half(Half, tile0, p, pp.BAR_PROD, Sg_s)
         T.barrier_arrive(rdy)
 
     @T.macro
