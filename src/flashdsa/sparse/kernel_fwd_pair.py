@@ -578,10 +578,11 @@ def lowering_cases():
     ]
 
 
-def _bench_variants():
+def _bench_variants(rows=None, compile_only=False):
     """Kernel times of timing builds at the prefill H 64 shape and the V4 prefill shape (``python -m
-    flashdsa.sparse.kernel_fwd_pair --variants``): the pipelined kernel, this kernel, and its
-    ``prefetch_rows=False`` / ``ablate`` builds; us per 64-row block and SM."""
+    flashdsa.sparse.kernel_fwd_pair --variants [--rows padded,pair,overlap_qk,...] [--compile-only]``): the
+    pipelined kernel ("padded"), this kernel ("pair"), and its ``overlap_qk`` / ``prefetch_rows=False`` / ``ablate``
+    builds; us per 64-row block and SM.  ``compile_only``: one call each, no timing (warms the TileLang cache)."""
     import torch
 
     from ..bench.harness import time_fn
@@ -592,18 +593,30 @@ def _bench_variants():
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=64, dqk=dqk, topk=topk)
         blocks_per_sm = q.shape[0] * (topk // BLOCK_I) / n_sm
         runs = [("padded", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V, pair=False))]
-        for kw in (dict(), dict(overlap_qk=True), dict(prefetch_rows=False), dict(ablate="no_gather")):
+        for label, kw in (("pair", dict()), ("overlap_qk", dict(overlap_qk=True)),
+                          ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather"))):
             key = tuple(sorted(kw.items()))
-            runs.append((f"pair{kw}", lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
-                                                                       sm_scale=dqk**-0.5, d_v=D_V)))
+            runs.append((label, lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
+                                                                 sm_scale=dqk**-0.5, d_v=D_V)))
+        ref = None
         for label, fn in runs:
+            if rows and label not in rows:
+                continue
+            if compile_only:
+                fn()
+                continue
+            out = fn()
+            ref = out if label == "pair" else ref
+            same = "-" if ref is None or label in ("padded", "pair") else all(map(torch.equal, out, ref))
             ms = time_fn(lambda _, f=fn: f(), [None], q.device, reps=10).ms_median
-            print(f"variant {name} {label}: {ms:.3f} ms, {ms * 1e3 / blocks_per_sm:.2f} us per block and SM",
-                  flush=True)
+            print(f"variant {name} {label}: {ms:.3f} ms, {ms * 1e3 / blocks_per_sm:.2f} us per block and SM"
+                  f" (bitwise equal to pair: {same})", flush=True)
 
 
 if __name__ == "__main__":
     import sys
 
-    if "--variants" in sys.argv[1:]:
-        _bench_variants()
+    args = sys.argv[1:]
+    if "--variants" in args:
+        _bench_variants(args[args.index("--rows") + 1].split(",") if "--rows" in args else None,
+                        "--compile-only" in args)

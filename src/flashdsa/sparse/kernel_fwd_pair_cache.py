@@ -419,16 +419,17 @@ def lowering_cases():
                 heads=128, topk=640, sm_scale=0.04, has_sink=True, f16=True, f16_staging="producer"))]
 
 
-def _bench_variants(tkvs=(8192, 131072)):
+def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
     """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
     [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel, the
     whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing builds (``overlap_qk``, ``f16``
     with either staging and with ``overlap_qk``; ``ABLATIONS``: what an f16 conversion would cost, and none), the
     pipelined fp8-cache kernel; checks each against the bf16 pair kernel bitwise (the f16 builds and the ablations
-    differ by design); then the copy alone."""
+    differ by design); then the copy alone.  ``rows``: labels to run (default all); ``compile_only``: one call each,
+    no timing (warms the TileLang cache: run one process per row in parallel, then time in one process)."""
     from ..bench.harness import time_fn
     from ..quant import dequantize_kv_fp8, quantize_kv_fp8
-    from . import kernel_dequant656, kernel_fwd_pair
+    from . import kernel_dequant656, kernel_fwd, kernel_fwd_pair
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     n_tok, heads, topk, dqk = 4096, 128, 2048, fc.DQK
@@ -440,6 +441,9 @@ def _bench_variants(tkvs=(8192, 131072)):
         sm = dqk**-0.5
         flops = 2 * n_tok * heads * topk * (dqk + D_V)
         runs = {"bf16_pair": lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, idx, sm_scale=sm, d_v=D_V),
+                "bf16_pair_overlap_qk": lambda: kernel_fwd.launch(
+                    lambda *a: kernel_fwd_pair._compiled(*a, (("overlap_qk", True),)), q, kv_deq, idx, sm_scale=sm,
+                    d_v=D_V),
                 "cache_pair": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V),
                 "cache_dequant_once": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     dequant_once=True),
@@ -454,9 +458,16 @@ def _bench_variants(tkvs=(8192, 131072)):
                 "cache_pair_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     ablate="no_convert"),
                 "cache_pipelined": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)}
+        if compile_only:
+            for label in rows or runs:
+                runs[label]()
+            torch.cuda.synchronize()
+            continue
         ref = runs["bf16_pair"]()
         base = None
         for label, fn in runs.items():
+            if rows and label not in rows and label != "bf16_pair":
+                continue
             same = all(torch.equal(a, b) for a, b in zip(fn(), ref))
             ms = time_fn(lambda _, f=fn: f(), [None], q.device, reps=10).ms_median
             base = base or ms
@@ -473,4 +484,5 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if "--variants" in args:
         _bench_variants(tuple(int(x) for x in args[args.index("--skv") + 1].split(",")) if "--skv" in args
-                        else (8192, 131072))
+                        else (8192, 131072), args[args.index("--rows") + 1].split(",") if "--rows" in args else None,
+                        "--compile-only" in args)
