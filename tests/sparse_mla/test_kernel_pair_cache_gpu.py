@@ -101,20 +101,20 @@ def test_sparse_mla_fwd_pair_cache_unsupported():
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
                          ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
-def test_sparse_mla_fwd_pair_cache_overlap_qk(case):
-    """The ``overlap_qk`` timing build (WG0 converts and multiplies a.L while its remote PV runs): bitwise equal to
-    the default build."""
+def test_sparse_mla_fwd_pair_cache_no_overlap_qk(case):
+    """The ``overlap_qk=False`` build (WG0 retires its remote PV before it converts and multiplies a.L; the default
+    overlaps them): bitwise equal to the default build."""
     heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
     kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    got = kmod.run_sparse_mla_fwd(q, kv8, indices, overlap_qk=True, **kw)
-    sync_or_die("kernel_fwd_pair_cache overlap_qk", f"H={heads} Tkv={tkv} topk={topk} T={n_tok}", HANG_S)
+    got = kmod.run_sparse_mla_fwd(q, kv8, indices, overlap_qk=False, **kw)
+    sync_or_die("kernel_fwd_pair_cache overlap_qk=False", f"H={heads} Tkv={tkv} topk={topk} T={n_tok}", HANG_S)
     base = kmod.run_sparse_mla_fwd(q, kv8, indices, **kw)
     sync_or_die("kernel_fwd_pair_cache", "default build", HANG_S)
     for name, a, b in zip(("out", "lse", "max_logits"), got, base):
-        assert torch.equal(a, b), f"{name}: overlap_qk differs from the default build"
+        assert torch.equal(a, b), f"{name}: overlap_qk=False differs from the default build"
 
 
 @_over_cases

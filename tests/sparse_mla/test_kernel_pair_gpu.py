@@ -78,19 +78,19 @@ def test_sparse_mla_fwd_pair_unsupported_heads():
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[4]],
                          ids=["tiny", "odd-blocks", "headline", "d512-topk>tkv"])
-def test_sparse_mla_fwd_pair_overlap_qk(case):
-    """The ``overlap_qk`` timing build (WG0 issues the next QK before its remote PV retires): against the reference
-    and bitwise equal to the default build (same products in the same order)."""
+def test_sparse_mla_fwd_pair_no_overlap_qk(case):
+    """The ``overlap_qk=False`` build (WG0 retires its remote PV before it issues the next QK; the default overlaps
+    them): against the reference and bitwise equal to the default build (same products in the same order)."""
     from flashdsa.sparse import kernel_fwd
 
     dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    got = kernel_fwd.launch(lambda *a: kmod._compiled(*a, (("overlap_qk", True),)), q, kv, indices, **kw)
-    _sync_or_die(f"overlap_qk dqk={dqk} H={heads} Tkv={tkv} topk={topk} T={n_tok}")
+    got = kernel_fwd.launch(lambda *a: kmod._compiled(*a, (("overlap_qk", False),)), q, kv, indices, **kw)
+    _sync_or_die(f"overlap_qk=False dqk={dqk} H={heads} Tkv={tkv} topk={topk} T={n_tok}")
     check_against_reference(*got, q, kv, indices, kw["sm_scale"], topk_length, attn_sink, valid)
     base = kmod.run_sparse_mla_fwd(q, kv, indices, **kw)
     _sync_or_die("default build")
     for name, a, b in zip(("out", "lse", "max_logits"), got, base):
-        assert torch.equal(a, b), f"{name}: overlap_qk differs from the default build"
+        assert torch.equal(a, b), f"{name}: overlap_qk=False differs from the default build"

@@ -79,7 +79,7 @@ _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=False,
+              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True,
               f16_scales=None, producer_scales=False):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
@@ -91,10 +91,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t)``: run by the consumer that
     reads a half tile first (WG0: a.L, a.R; WG1: b.R, b.L) right after its ready barrier, before any wgmma reads
     it (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's named barrier; ``t``:
-    thread index in the warpgroup); it must leave the tile complete for the async proxy.  ``overlap_qk`` (timing
-    build, not yet run on the GPU): WG0 issues the next pair's QK on a.L while its remote PV is still in flight and
+    thread index in the warpgroup); it must leave the tile complete for the async proxy.  ``overlap_qk``
+    (default since session 15): WG0 issues the next pair's QK on a.L while its remote PV is still in flight and
     retires that PV (frees b.L) only then, as FlashMLA's SM90 sparse prefill orders it; same products in the same
-    order.  ``f16_scales`` (timing build for the 656-byte cache, not yet run on the GPU): f16 products.  A macro
+    order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697 ->
+    2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  ``f16_scales`` (timing build for the 656-byte cache, not yet run on the GPU): f16 products.  A macro
     ``f16_scales(kv_src, Indices, tok, lim, tx, Pmx_s, Sg_s)`` run by both consumers (256 threads) first sets
     ``Sg_s[t]`` = the largest scale of 128-dim tile t over the token's valid rows; Q's latent halves and the KV
     half tiles are then f16 (``first_use(Half, tile0, wg_bar, t, Sg_s)`` converts a row's tile as ``f16(e4m3) *
@@ -476,7 +477,7 @@ def build_sparse_mla_fwd(
     ablate: str = "",
     prefetch_rows: bool = True,
     has_order: bool = False,
-    overlap_qk: bool = False,
+    overlap_qk: bool = True,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -486,7 +487,7 @@ def build_sparse_mla_fwd(
     into registers before its free-barrier waits; False: after them.  ``ablate="no_gather"`` (timing only, wrong
     results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``) keeps the protocol but issues no cp.async
     (the tiles keep what shared memory holds).  ``has_order``: one more input Order[T] int32 after Sink, the
-    token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s timing build."""
+    token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10 order)."""
     assert ablate in ("", "no_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -573,15 +574,15 @@ def lowering_cases():
                                                                has_sink=True, has_topk_length=True)),
         ("pair_h128_d576_topk8192_tl_ordered", build_sparse_mla_fwd(heads=128, dqk=576, topk=8192, sm_scale=0.04,
                                                                     has_topk_length=True, has_order=True)),
-        ("pair_h64_d576_topk2048_overlap_qk", build_sparse_mla_fwd(heads=64, dqk=576, topk=2048, sm_scale=0.04,
-                                                                   overlap_qk=True)),  # timing build
+        ("pair_h64_d576_topk2048_no_overlap_qk", build_sparse_mla_fwd(heads=64, dqk=576, topk=2048, sm_scale=0.04,
+                                                                      overlap_qk=False)),  # timing build
     ]
 
 
 def _bench_variants(rows=None, compile_only=False):
     """Kernel times of timing builds at the prefill H 64 shape and the V4 prefill shape (``python -m
-    flashdsa.sparse.kernel_fwd_pair --variants [--rows padded,pair,overlap_qk,...] [--compile-only]``): the
-    pipelined kernel ("padded"), this kernel ("pair"), and its ``overlap_qk`` / ``prefetch_rows=False`` / ``ablate``
+    flashdsa.sparse.kernel_fwd_pair --variants [--rows padded,pair,no_overlap_qk,...] [--compile-only]``): the
+    pipelined kernel ("padded"), this kernel ("pair"), and its ``overlap_qk=False`` / ``prefetch_rows=False`` / ``ablate``
     builds; us per 64-row block and SM.  ``compile_only``: one call each, no timing (warms the TileLang cache)."""
     import torch
 
@@ -593,7 +594,7 @@ def _bench_variants(rows=None, compile_only=False):
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=64, dqk=dqk, topk=topk)
         blocks_per_sm = q.shape[0] * (topk // BLOCK_I) / n_sm
         runs = [("padded", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V, pair=False))]
-        for label, kw in (("pair", dict()), ("overlap_qk", dict(overlap_qk=True)),
+        for label, kw in (("pair", dict()), ("no_overlap_qk", dict(overlap_qk=False)),
                           ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather"))):
             key = tuple(sorted(kw.items()))
             runs.append((label, lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,

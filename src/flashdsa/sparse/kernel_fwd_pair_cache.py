@@ -318,12 +318,12 @@ def _f16_scales_macro():
 
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
-                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = False,
+                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
                                     f16: bool = False, f16_staging: str = "consumer"):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
-    ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s timing build (WG0 then
+    ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s (default; WG0 then
     converts a.L while its remote PV runs); ``f16``: f16 products (``pair_body``'s ``f16_scales``; not yet run on
     the GPU; outputs within the f16 form's documented bound of the bf16 ones, not bitwise); ``f16_staging``:
     "consumer" (the first-reading consumer converts) or "producer" (``_f16_producer``)."""
@@ -369,7 +369,7 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = False, f16: bool = False, f16_staging: str = "consumer"):
+              overlap_qk: bool = True, f16: bool = False, f16_staging: str = "consumer"):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
                                            overlap_qk=overlap_qk, f16=f16, f16_staging=f16_staging)
@@ -385,7 +385,7 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False, ablate: str = "", overlap_qk: bool = False, f16: bool = False,
+                       checked: bool = False, ablate: str = "", overlap_qk: bool = True, f16: bool = False,
                        f16_staging: str = "consumer"):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
     and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk`` (same results), ``f16`` (f16
@@ -422,8 +422,8 @@ def lowering_cases():
 def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
     """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
     [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel, the
-    whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing builds (``overlap_qk``, ``f16``
-    with either staging and with ``overlap_qk``; ``ABLATIONS``: what an f16 conversion would cost, and none), the
+    whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing builds (``overlap_qk=False``,
+    ``f16`` with either staging; ``ABLATIONS``: what an f16 conversion would cost, and none), the
     pipelined fp8-cache kernel; checks each against the bf16 pair kernel bitwise (the f16 builds and the ablations
     differ by design); then the copy alone.  ``rows``: labels to run (default all); ``compile_only``: one call each,
     no timing (warms the TileLang cache: run one process per row in parallel, then time in one process)."""
@@ -441,17 +441,15 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
         sm = dqk**-0.5
         flops = 2 * n_tok * heads * topk * (dqk + D_V)
         runs = {"bf16_pair": lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, idx, sm_scale=sm, d_v=D_V),
-                "bf16_pair_overlap_qk": lambda: kernel_fwd.launch(
-                    lambda *a: kernel_fwd_pair._compiled(*a, (("overlap_qk", True),)), q, kv_deq, idx, sm_scale=sm,
+                "bf16_pair_no_overlap_qk": lambda: kernel_fwd.launch(
+                    lambda *a: kernel_fwd_pair._compiled(*a, (("overlap_qk", False),)), q, kv_deq, idx, sm_scale=sm,
                     d_v=D_V),
                 "cache_pair": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V),
                 "cache_dequant_once": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     dequant_once=True),
-                "cache_pair_overlap_qk": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                    overlap_qk=True),
+                "cache_pair_no_overlap_qk": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                       overlap_qk=False),
                 "cache_pair_f16": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, f16=True),
-                "cache_pair_f16_overlap_qk": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, f16=True,
-                                                                        overlap_qk=True),
                 "cache_pair_f16_producer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, f16=True,
                                                                       f16_staging="producer"),
                 "cache_pair_f16_cost": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, ablate="f16_cost"),
