@@ -1,13 +1,17 @@
 """Host time per call of benchmark cases (run on the GPU host): is a short case launch-bound?
 
-    python scripts/host_time.py SUITE CASE_SUBSTRING [...]
+    python scripts/host_time.py [--profile] SUITE CASE_SUBSTRING [...]
 
 For each matching case of ``flashdsa bench --op SUITE``: N calls issued back to back without synchronising
 (host microseconds per call: the GPU queue is deep enough that the launches do not block while the host is the
 slower side), the same N calls timed to the end of the GPU work (us per call, back to back, L2 not flushed), and
 ``bench.harness.time_fn``'s median (L2 flushed, as the suite times it).  A host time close to or above the GPU
-time per call means the suite's figure for that case includes launch gaps.
+time per call means the suite's figure for that case includes launch gaps.  ``--profile``: then 200 more calls
+under cProfile, the 30 functions with the most own time (where the host time goes).
 """
+
+import cProfile
+import pstats
 
 import sys
 import time
@@ -18,7 +22,7 @@ from flashdsa.bench.harness import time_fn
 from flashdsa.bench.suites import get_cases
 
 
-def main(suite: str, needles: list[str], n: int = 50) -> None:
+def main(suite: str, needles: list[str], n: int = 50, profile: bool = False) -> None:
     dev = torch.device("cuda")
     cases, _ = get_cases(suite, dev)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -38,7 +42,17 @@ def main(suite: str, needles: list[str], n: int = 50) -> None:
         med = time_fn(lambda i: case.run(i, "auto"), [inputs], dev, reps=30).ms_median * 1e3
         print(f"{case.name}: host {host:.1f} us/call, back to back {both:.1f} us/call, time_fn median {med:.1f} us",
               flush=True)
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                case.run(inputs, "auto")
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    flags = [a for a in sys.argv[1:] if a.startswith("--")]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    main(args[0], args[1:], profile="--profile" in flags)

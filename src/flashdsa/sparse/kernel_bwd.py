@@ -96,7 +96,7 @@ def build_sparse_mla_bwd(
     """Return the main backward prim_func.
 
     ``ablate`` (timing only, wrong results): ``"no_atomics"`` drops the dKV stores/atomics (the dKV wgmmas
-    stay), ``"no_dkv"`` drops the dKV wgmmas and stores.  Differences of the times locate the bottleneck.
+    stay), ``"no_dkv"`` drops the dKV wgmmas and stores, ``"half_atomics"`` keeps head group 0's atomics only.  Differences of the times locate the bottleneck.
 
     Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], Indices[T,topk], TopkLen[n_tl], Lse2[T,H] f32,
     Delta[T,H] f32, dQ[T,H,Dqk] bf16, dKV[n_out,Dqk] f32).  ``partials=False``: dKV is the [Tkv, Dqk]
@@ -113,7 +113,7 @@ def build_sparse_mla_bwd(
     n_hblk = heads // BH
     NI = (int(topk) + BI - 1) // BI
     assert sm_scale is not None and sm_scale > 0
-    assert ablate in ("", "no_atomics", "no_dkv"), ablate
+    assert ablate in ("", "no_atomics", "no_dkv", "half_atomics"), ablate
     c_log2 = float(sm_scale) * LOG2E
 
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -125,6 +125,11 @@ def build_sparse_mla_bwd(
     def store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, col0):
         if ablate == "no_atomics":
             pass
+        elif ablate == "half_atomics":  # head group 0 only: the bound of a 2-CTA cluster pre-reduction at H 128
+            if by == 0:
+                for r, d in T.Parallel(BI, DC):
+                    if rows_s[rb, r] >= 0:
+                        T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc_kv[r, d])
         elif partials:  # row (head group, token, slot) of the partial buffer; valid slots only
             for r, d in T.Parallel(BI, DC):
                 if rows_s[rb, r] >= 0:
@@ -467,7 +472,7 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
     tl_arg = idx.new_empty((1,))
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
-    for ablate in ("", "no_atomics", "no_dkv"):
+    for ablate in ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ()):
         kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate)
         ms = _time_ms(lambda: kernel(q, kv, dout, idx, tl_arg, lse2, delta, dq, acc), 10)
         print(f"ablate={ablate or 'none'} S={S} H={H} Dqk={dqk} topk={topk}: main kernel {ms:.3f} ms, "
@@ -479,8 +484,10 @@ def _bench(argv=None):
     import sys
 
     argv = argv if argv is not None else sys.argv[1:]
-    if "--ablate" in argv:  # "--v4": the V4 shape too
+    if "--ablate" in argv:  # "--v4": the V4 shape too; "--h128": H 128 too (with "half_atomics")
         _bench_ablate()
+        if "--h128" in argv:
+            _bench_ablate(H=128)
         if "--v4" in argv:
             _bench_ablate(dqk=512, topk=640)
         return

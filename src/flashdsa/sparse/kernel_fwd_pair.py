@@ -444,7 +444,8 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
 
     @T.macro
     def gather_l(KVl, Rows, kv_src):
-        if ablate != "no_gather":
+        # "half_gather": only even CTAs (head group 0 at H 128) gather; a Python True otherwise
+        if ablate != "no_gather" and (ablate != "half_gather" or T.get_block_binding(0) % 2 == 0):
             KV = kv_src[0]
             for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
                 rk = Rows[r]
@@ -452,7 +453,7 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
 
     @T.macro
     def gather_r(KVr, Kt, Rows, kv_src):
-        if ablate != "no_gather":
+        if ablate != "no_gather" and (ablate != "half_gather" or T.get_block_binding(0) % 2 == 0):
             KV = kv_src[0]
             for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
                 rk = Rows[r]
@@ -486,9 +487,10 @@ def build_sparse_mla_fwd(
     ``prefetch_rows`` (default; session 8: 3.02 -> 2.75 ms at S 4096, H 64): the producer loads a pair's KV rows
     into registers before its free-barrier waits; False: after them.  ``ablate="no_gather"`` (timing only, wrong
     results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``) keeps the protocol but issues no cp.async
-    (the tiles keep what shared memory holds).  ``has_order``: one more input Order[T] int32 after Sink, the
+    (the tiles keep what shared memory holds); ``"half_gather"``: only even CTAs gather (at H 128, the bound of a
+    cluster that gathers each row once for both head groups).  ``has_order``: one more input Order[T] int32 after Sink, the
     token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10 order)."""
-    assert ablate in ("", "no_gather"), ablate
+    assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
@@ -590,12 +592,16 @@ def _bench_variants(rows=None, compile_only=False):
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    for name, dqk, topk in (("prefill_S4096_H64_d576_topk2048", 576, 2048), ("v4_S4096_H64_d512_topk640", 512, 640)):
-        q, kv, idx = kernel_fwd._prefill_inputs(gen, H=64, dqk=dqk, topk=topk)
-        blocks_per_sm = q.shape[0] * (topk // BLOCK_I) / n_sm
+    for name, heads, dqk, topk in (("prefill_S4096_H64_d576_topk2048", 64, 576, 2048),
+                                   ("v4_S4096_H64_d512_topk640", 64, 512, 640),
+                                   ("prefill_S4096_H128_d576_topk2048", 128, 576, 2048)):
+        q, kv, idx = kernel_fwd._prefill_inputs(gen, H=heads, dqk=dqk, topk=topk)
+        blocks_per_sm = q.shape[0] * (heads // BLOCK_H) * (topk // BLOCK_I) / n_sm
+        flops = 2 * q.shape[0] * heads * topk * (dqk + D_V)
         runs = [("padded", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V, pair=False))]
         for label, kw in (("pair", dict()), ("no_overlap_qk", dict(overlap_qk=False)),
-                          ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather"))):
+                          ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather")),
+                          ("half_gather", dict(ablate="half_gather"))):
             key = tuple(sorted(kw.items()))
             runs.append((label, lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                  sm_scale=dqk**-0.5, d_v=D_V)))
@@ -610,7 +616,8 @@ def _bench_variants(rows=None, compile_only=False):
             ref = out if label == "pair" else ref
             same = "-" if ref is None or label in ("padded", "pair") else all(map(torch.equal, out, ref))
             ms = time_fn(lambda _, f=fn: f(), [None], q.device, reps=10).ms_median
-            print(f"variant {name} {label}: {ms:.3f} ms, {ms * 1e3 / blocks_per_sm:.2f} us per block and SM"
+            print(f"variant {name} {label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, {ms * 1e3 / blocks_per_sm:.2f} us"
+                  " per block and SM"
                   f" (bitwise equal to pair: {same})", flush=True)
 
 
