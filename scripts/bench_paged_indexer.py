@@ -14,9 +14,8 @@ For each shape: random fp8 inputs built like the bench suite's ``_indexer_paged`
 Shapes: ``nn1`` / ``nn2`` = the suite's cases (B 128, ctx 32768, H 64, D 128, block 64, next_n 1 / 2); ``ragged``
 (optional) = B 64, random contexts in [1, 32768], block 16, next_n 2, some invalid block ids.
 
-``--sweep 3x1024,4x2048,a6x1024,a6x1024m3,3x1024m5w,...`` additionally times "pipelined" builds (``a`` prefix:
-"pipelined_async" builds, optional ``mN`` suffix: the ``__launch_bounds__`` minimum CTAs per SM, ``w`` suffix:
-the head weights read from shared memory, ``weights_smem``) with other
+``--sweep 3x1024,4x2048,a6x1024,a6x1024m3,...`` additionally times "pipelined" builds (``a`` prefix:
+"pipelined_async" builds, optional ``mN`` suffix: the ``__launch_bounds__`` minimum CTAs per SM) with other
 (stages x chunk) settings (one compile each, ~10-20 s) and checks them bitwise against the "pipelined" output
 (else that of the first of ``--variants``).
 
@@ -93,7 +92,7 @@ def main():
     ap.add_argument("--variants", default="pipelined,sync")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--sweep", default="", help="extra builds, [a]STAGESxCHUNK[mMINCTAS][w] comma list "
+    ap.add_argument("--sweep", default="", help="extra builds, [a]STAGESxCHUNK[mMINCTAS] comma list "
                     "(a: pipelined_async), e.g. 3x1024,4x2048,a4x1024,a6x1024m3")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -154,14 +153,11 @@ def main():
         for cfg in [c for c in args.sweep.split(",") if c]:
             import tilelang
 
-            m = re.fullmatch(r"(a?)(\d+)x(\d+)(?:m(\d+))?(w?)", cfg.lower())
-            assert m, f"bad --sweep entry {cfg!r} (expected [a]STAGESxCHUNK[mMINCTAS][w])"
+            m = re.fullmatch(r"(a?)(\d+)x(\d+)(?:m(\d+))?", cfg.lower())
+            assert m, f"bad --sweep entry {cfg!r} (expected [a]STAGESxCHUNK[mMINCTAS])"
             sv = "pipelined_async" if m[1] else "pipelined"
             st, ch = int(m[2]), int(m[3])
             extra = dict(min_ctas=int(m[4])) if m[4] else {}
-            if m[5]:
-                assert sv == "pipelined", "w (weights in shared memory) is a pipelined build"
-                extra["weights_smem"] = True
             t0 = time.time()
             func = kp.build(sv, heads=H, dim=D, next_n=NN, block_size=inp["k_cache"].shape[1],
                             dtype=kp._TL_DTYPES[inp["q"].dtype], num_stages=st, chunk=ch, **extra)

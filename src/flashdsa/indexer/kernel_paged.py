@@ -294,13 +294,12 @@ def _tile_macros(*, heads: int, next_n: int, block_size: int, chunk: int = CHUNK
 
 def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
                                   chunk: int = CHUNK_P, num_stages: int = PIPE_STAGES, threads: int = THREADS,
-                                  min_ctas: int | None = None, weights_smem: bool = False):
+                                  min_ctas: int | None = None):
     """"pipelined" variant (see the module notes); same prim_func signature as ``build_indexer_paged``:
     ``(Q[B*next_n*H, D], KCache[num_blocks, bs, D], KScale[num_blocks, bs] f32, W[B*next_n*H] f32,
     ContextLens[B] i32, BlockTable[B, max_blocks] i32, Out[B*next_n, L] f32)``; B, num_blocks, max_blocks, L dynamic.
-    Compile with ``_pass_configs("pipelined")``.  ``weights_smem`` (timing build, not yet run on the GPU): the head
-    weights stay in shared memory and the epilogue reads them per tile, freeing the 32 weight registers of next_n 2
-    / H 64 so that 5 CTAs fit an SM (with ``num_stages=3``, ``min_ctas=5``; ncu of the default: latency-bound at 4)."""
+    Compile with ``_pass_configs("pipelined")``.  (Session 15: the head weights read from shared memory instead of
+    registers, 5 CTAs per SM at next_n 2, ran slower, 237.7 vs 225.0 us, and were removed.)"""
     H, D, NN, BS, BN, S = heads, dim, next_n, block_size, BLOCK_N, num_stages
     assert H in SUPPORTED_HEADS and D in SUPPORTED_DIMS and BS in SUPPORTED_BLOCK_SIZES and 1 <= NN <= MAX_NEXT_N
     assert S >= 2 and chunk % BN == 0 and chunk % BS == 0 and threads == 128
@@ -324,7 +323,7 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
             K_s = T.alloc_shared([S, BN, D], dtype)
             ks_s = T.alloc_shared([S, BN], f32)
             bt_s = T.alloc_shared([NPG], i32)
-            w_f = T.alloc_shared([BC], f32) if weights_smem else T.alloc_fragment([BC], f32)
+            w_f = T.alloc_fragment([BC], f32)
             acc = T.alloc_fragment([BN, BC], f32)
             acc3 = T.reshape(acc, [BN, NN, H])
             logit = T.alloc_fragment([BN, NN], f32)
