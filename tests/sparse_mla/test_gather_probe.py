@@ -1,5 +1,5 @@
 """CPU: the gather probe (``sparse/_gather_probe.py``, not dispatched) lowers for sm_90a with the predicated cp.async
-gather and wgmma in both modes.  GPU: both modes match torch (``pytest -m gpu``)."""
+gather and wgmma in both modes (and "deep" with the ``.L2::128B`` hint).  GPU: both modes match torch (``pytest -m gpu``)."""
 
 import pytest
 import torch
@@ -9,14 +9,17 @@ tilelang = pytest.importorskip("tilelang")
 from flashdsa.sparse import _gather_probe as gp  # noqa: E402
 
 
-@pytest.mark.parametrize("case", range(len(gp.MODES)))
+@pytest.mark.parametrize("case", range(len(gp.MODES) + 1))
 def test_gather_probe_lowers(case):
     from flashdsa._tilelang import lower_to_cuda_source
 
-    _, fn, cfg = gp.lowering_cases()[case]
+    name, fn, cfg = gp.lowering_cases()[case]
     src = lower_to_cuda_source(fn, cfg)
     assert "cp_async_gs_conditional" in src
     assert "wgmma_ss" in src
+    # the L2 prefetch build defines the switch before TileLang's headers; the others do not
+    at = src.find(gp.L2_PREFETCH_PRELUDE.strip())
+    assert (0 <= at < src.find("#include <tl_templates")) == name.endswith("_l2pf")
 
 
 @pytest.mark.gpu

@@ -34,8 +34,13 @@ def q_cols(dqk: int, mode: str) -> int:
     return dqk if mode == "cpasync" else 64
 
 
-def build_gather_qk(*, dqk: int, n_blocks: int, mode: str):
-    """Probe prim_func ``(Q[T, 64, q_cols] bf16, KV[Tkv, dqk] bf16, Idx[T, 64 * n_blocks] i32, O[T, 64, 64] f32)``."""
+# TileLang's cp.async helpers add the ``.L2::128B`` prefetch hint when this is defined before its headers
+L2_PREFETCH_PRELUDE = "#define TL_ENABLE_L2_PREFETCH 1\n"
+
+
+def build_gather_qk(*, dqk: int, n_blocks: int, mode: str, l2_prefetch: bool = False):
+    """Probe prim_func ``(Q[T, 64, q_cols] bf16, KV[Tkv, dqk] bf16, Idx[T, 64 * n_blocks] i32, O[T, 64, 64] f32)``;
+    ``l2_prefetch``: the gather's cp.async carry ``.L2::128B``."""
     assert mode in MODES, mode
     QC = q_cols(dqk, mode)
     stages = 2 if mode == "cpasync" else 3
@@ -49,7 +54,7 @@ def build_gather_qk(*, dqk: int, n_blocks: int, mode: str):
         Idx: T.Tensor([n_tok, BI * n_blocks], i32),
         O: T.Tensor([n_tok, BH, BI], f32),
     ):
-        with T.Kernel(n_tok, threads=256) as bx:
+        with T.Kernel(n_tok, threads=256, prelude=L2_PREFETCH_PRELUDE if l2_prefetch else None) as bx:
             Q_s = T.alloc_shared([BH, QC], bf16)
             KV_s = T.alloc_shared([BI, dqk], bf16)
             acc = T.alloc_fragment([BH, BI], f32)
@@ -69,18 +74,18 @@ def pass_configs(mode: str):
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(dqk: int, n_blocks: int, mode: str):
-    return tilelang.compile(build_gather_qk(dqk=dqk, n_blocks=n_blocks, mode=mode), target="cuda",
-                            pass_configs=pass_configs(mode))
+def _compiled(dqk: int, n_blocks: int, mode: str, l2_prefetch: bool = False):
+    return tilelang.compile(build_gather_qk(dqk=dqk, n_blocks=n_blocks, mode=mode, l2_prefetch=l2_prefetch),
+                            target="cuda", pass_configs=pass_configs(mode))
 
 
-def run_gather_qk(q, kv, idx, mode: str):
+def run_gather_qk(q, kv, idx, mode: str, l2_prefetch: bool = False):
     """``O[t] = sum_b Q[t] K_b^T`` with ``K_b`` the rows ``idx[t, 64 b : 64 b + 64]`` (zeros where out of range),
     over the first ``q.shape[-1]`` columns."""
     n_tok, bh, qc = q.shape
     assert bh == BH and idx.shape[1] % BI == 0 and qc == q_cols(kv.shape[1], mode)
     out = torch.empty((n_tok, BH, BI), dtype=torch.float32, device=q.device)
-    _compiled(kv.shape[1], idx.shape[1] // BI, mode)(q, kv, idx, out)
+    _compiled(kv.shape[1], idx.shape[1] // BI, mode, l2_prefetch)(q, kv, idx, out)
     return out
 
 
@@ -94,7 +99,9 @@ def reference_gather_qk(q, kv, idx):
 
 
 def lowering_cases():
-    return [(f"gather_qk_{m}_d576_nb4", build_gather_qk(dqk=576, n_blocks=4, mode=m), pass_configs(m)) for m in MODES]
+    return [(f"gather_qk_{m}_d576_nb4", build_gather_qk(dqk=576, n_blocks=4, mode=m), pass_configs(m)) for m in MODES] + [
+        ("gather_qk_deep_d576_nb4_l2pf", build_gather_qk(dqk=576, n_blocks=4, mode="deep", l2_prefetch=True),
+         pass_configs("deep"))]
 
 
 def _main():
@@ -109,9 +116,12 @@ def _main():
     gathered = S * nb * BI * dqk * 2
     for m in MODES:
         q = (torch.randn(S, BH, q_cols(dqk, m), generator=gen, device="cuda") * 0.1).bfloat16()
-        err = (run_gather_qk(q, kv, idx, m)[:64] - reference_gather_qk(q[:64], kv, idx[:64])).abs().max().item()
-        ms = time_fn(lambda _, m=m, q=q: run_gather_qk(q, kv, idx, m), [None], q.device, reps=20).ms_median
-        print(f"{m}: vs torch max |diff| {err:.2e}; {ms:.3f} ms, gather {gathered / ms / 1e9:.2f} TB/s")
+        for pf in (False, True):
+            err = (run_gather_qk(q, kv, idx, m, pf)[:64] - reference_gather_qk(q[:64], kv, idx[:64])).abs().max().item()
+            ms = time_fn(lambda _, m=m, q=q, pf=pf: run_gather_qk(q, kv, idx, m, pf), [None], q.device,
+                         reps=20).ms_median
+            print(f"{m}{' L2::128B' if pf else ''}: vs torch max |diff| {err:.2e}; {ms:.3f} ms, gather "
+                  f"{gathered / ms / 1e9:.2f} TB/s", flush=True)
 
 
 if __name__ == "__main__":
