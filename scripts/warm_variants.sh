@@ -3,7 +3,7 @@
 # its row once), so that the timing run that follows (one process, rows in sequence) does not compile.
 #
 #   scripts/warm_variants.sh MODULE "EXTRA ARGS" ROW,ROW,...      e.g.
-#   scripts/warm_variants.sh flashdsa.sparse.kernel_fwd_pair_cache "--skv 8192" bf16_pair,cache_pair,cache_pair_f16
+#   scripts/warm_variants.sh flashdsa.sparse.kernel_fwd_pair_cache "--skv 8192" bf16_pair,cache_pair,cache_pair_no_convert
 #
 # Run on the GPU host after `source .gpu/env.sh` with TILELANG_CACHE_DIR set; logs: $OUT/warm_<row>.log.
 set -u

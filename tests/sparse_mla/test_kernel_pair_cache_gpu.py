@@ -17,7 +17,6 @@ pytest.importorskip("tilelang")
 from flashdsa.sparse import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair  # noqa: E402
 from flashdsa.sparse import kernel_fwd_pair_cache as kmod  # noqa: E402
 
-from ._f16_spread import check_f16_spread  # noqa: E402
 from ._hang import sync_or_die  # noqa: E402
 from .test_kernel_fp8cache_gpu import _fp8_cache  # noqa: E402
 from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
@@ -115,46 +114,3 @@ def test_sparse_mla_fwd_pair_cache_no_overlap_qk(case):
     sync_or_die("kernel_fwd_pair_cache", "default build", HANG_S)
     for name, a, b in zip(("out", "lse", "max_logits"), got, base):
         assert torch.equal(a, b), f"{name}: overlap_qk=False differs from the default build"
-
-
-@_over_cases
-def test_sparse_mla_fwd_pair_cache_f16(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride):
-    """The ``f16`` timing build (f16 products: rows scaled by their tile scale over the token's largest, q by the
-    token scales and a per-head power of two): against the reference with the bf16 forward's tolerances, and a
-    second launch bitwise equal."""
-    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
-    kv8, kv_deq = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
-    kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
-    what = f"f16 H={heads} Tkv={tkv} topk={topk} T={n_tok}"
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    out = kmod.run_sparse_mla_fwd(q, kv8, indices, f16=True, **kw)
-    sync_or_die("kernel_fwd_pair_cache f16", what, HANG_S)
-    check_against_reference(*out, q, kv_deq, indices, DQK**-0.5, topk_length, attn_sink, valid)
-    again = kmod.run_sparse_mla_fwd(q, kv8, indices, f16=True, **kw)
-    sync_or_die("kernel_fwd_pair_cache f16", "second launch", HANG_S)
-    for a, b in zip(out, again):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("spread", [4, 10])
-def test_sparse_mla_fwd_pair_cache_f16_scale_spread(spread):
-    """The ``f16`` build over widely spread row and head scales (``_f16_spread``), against the bf16 build."""
-    check_f16_spread(64, spread, lambda *a, **kw: kmod.run_sparse_mla_fwd(*a, f16=True, **kw), kmod.run_sparse_mla_fwd)
-
-
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
-                         ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
-def test_sparse_mla_fwd_pair_cache_f16_producer(case):
-    """The ``f16`` build with the producer converting (``f16_staging="producer"``): the same conversion of the same
-    bytes as the consumers' staging, so bitwise equal to it."""
-    heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
-    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
-    kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
-    kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink, f16=True)
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    got = kmod.run_sparse_mla_fwd(q, kv8, indices, f16_staging="producer", **kw)
-    sync_or_die("kernel_fwd_pair_cache f16 producer", f"H={heads} Tkv={tkv} topk={topk} T={n_tok}", HANG_S)
-    base = kmod.run_sparse_mla_fwd(q, kv8, indices, **kw)
-    sync_or_die("kernel_fwd_pair_cache f16", "consumer staging", HANG_S)
-    for name, a, b in zip(("out", "lse", "max_logits"), got, base):
-        assert torch.equal(a, b), f"{name}: the producer staging differs from the consumer staging"

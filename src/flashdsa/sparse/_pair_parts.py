@@ -1,64 +1,14 @@
 """Pieces shared by the pair-schedule kernels (``kernel_fwd_pair`` and its 656-byte-cache / FP8 relatives): the
-named-barrier ids, the producer's row prefetch and non-blocking gather loop, WG0's step to the pair's common max, and
-the f16-product Q load (``kernel_fwd_pair.pair_body``'s ``f16_scales`` builds).  The module notes of
-``kernel_fwd_pair`` describe the schedule and the protocol."""
+named-barrier ids, the producer's row prefetch and non-blocking gather loop, and WG0's step to the pair's common
+max.  The module notes of ``kernel_fwd_pair`` describe the schedule and the protocol."""
 
 import tilelang.language as T
 
 from . import _tl_common as tc
-from ._tl_common import BLOCK_H, BLOCK_I, D_V, Q_F16_TOP
+from ._tl_common import BLOCK_I
 
 BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128 / 128 / 256 threads); 0 is __syncthreads
 BAR_PROD = 11  # named barrier of the 128 producer threads
-F16_Q_COLS = 64  # f16 Q load: columns per pass of the maximum (the caller's [BH, 64] fp32 fragment: 32 registers)
-
-
-def f16_q_macros(*, BH=BLOCK_H, D=D_V, D_tail, kdt, enabled):
-    """(``load_q_f16``, ``scale_s``) of ``pair_body``'s f16 builds (``enabled``; else ``scale_s`` does nothing).
-
-    * ``load_q_f16(Q, Q_half, Q_t, tok, h0, c0, Sg_s, qf, qm, Ls_own, Ls0, Ls1)``: one consumer's f16 Q half
-      ``f16(q * Sg_s[t] * 2^-e_h)`` (+ WG0: the rope tail ``bf16(q * 2^-e_h)``); the per-head power of two puts
-      the head's largest over both halves into [2^13, 2^14), so the two consumers publish their halves' maxima in
-      Ls0 / Ls1, which stay there (scale_s reads them) until ``finish`` rewrites them.  ``qf`` [BH, F16_Q_COLS] /
-      ``qm`` [BH] fp32 fragments of the calling role.
-    * ``scale_s(acc_s, Ls0, Ls1)``: S was computed as 2^-e_h (q . k): multiply by 2^e_h."""
-    DH = D // 2
-    NQC = F16_Q_COLS
-    BI = BLOCK_I
-    f32, bf16 = "float32", "bfloat16"
-
-    def q_top(Ls0, Ls1, h):
-        # pow2floor of head h's largest |q * Sg| (both halves): 2^e_h * Q_F16_TOP
-        return T.call_extern(f32, "fdsa_pow2_floor", T.max(T.max(Ls0[h], Ls1[h]), T.float32(1e-30)))
-
-    def q_down(Ls0, Ls1, h):
-        return Q_F16_TOP / q_top(Ls0, Ls1, h)  # 2^-e_h
-
-    @T.macro
-    def load_q_f16(Q, Q_half, Q_t, tok, h0, c0, Sg_s, qf, qm, Ls_own, Ls0, Ls1):
-        T.fill(qm, 0)
-        for cc in T.serial(DH // NQC):
-            for h, d in T.Parallel(BH, NQC):
-                qf[h, d] = T.abs(T.cast(Q[tok, h0 + h, c0 + cc * NQC + d], f32)) * Sg_s[(c0 + cc * NQC + d) // 128]
-            T.reduce_max(qf, qm, dim=1, clear=False)
-        T.copy(qm, Ls_own)
-        T.sync_threads(BAR_BOTH, 256)
-        for h, d in T.Parallel(BH, DH):
-            q_scaled = T.cast(Q[tok, h0 + h, c0 + d], f32) * Sg_s[(c0 + d) // 128]
-            Q_half[h, d] = T.cast(q_scaled * q_down(Ls0, Ls1, h), kdt)
-        if Q_t is not None:
-            for h, d in T.Parallel(BH, D_tail):
-                Q_t[h, d] = T.cast(T.cast(Q[tok, h0 + h, D + d], f32) * q_down(Ls0, Ls1, h), bf16)
-        T.fence_proxy_async()
-        T.sync_threads(BAR_BOTH, 256)
-
-    @T.macro
-    def scale_s(acc_s, Ls0, Ls1):
-        if enabled:
-            for h, r in T.Parallel(BH, BI):
-                acc_s[h, r] = acc_s[h, r] * (q_top(Ls0, Ls1, h) * (1.0 / Q_F16_TOP))
-
-    return load_q_f16, scale_s
 
 
 def adopt_max_macro(*, BH, c_log2):

@@ -23,7 +23,7 @@ from .._tilelang import dummy
 
 LOG2E = 1.4426950408889634
 # f16 products over the 656-byte cache: each head's largest |q * token tile scale| is scaled into [2^13, 2^14)
-# (f16 max 65504; kernel_fwd_narrow656_dual's "ring_er_f16", kernel_fwd_pair's f16_scales builds)
+# (f16 max 65504; kernel_fwd_narrow656_dual's "ring_er_f16")
 Q_F16_TOP = 8192.0
 LN2 = 0.6931471805599453
 

@@ -65,7 +65,7 @@ import tilelang.language as T
 
 from . import _tl_common as tc
 from . import kernel_fwd
-from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, F16_Q_COLS, adopt_max_macro, f16_q_macros, gather_producer
+from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, gather_producer
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -79,8 +79,7 @@ _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True,
-              f16_scales=None, producer_scales=False):
+              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -95,16 +94,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     (default since session 15): WG0 issues the next pair's QK on a.L while its remote PV is still in flight and
     retires that PV (frees b.L) only then, as FlashMLA's SM90 sparse prefill orders it; same products in the same
     order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697 ->
-    2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  ``f16_scales`` (timing build for the 656-byte cache, not yet run on the GPU): f16 products.  A macro
-    ``f16_scales(kv_src, Indices, tok, lim, tx, Pmx_s, Sg_s)`` run by both consumers (256 threads) first sets
-    ``Sg_s[t]`` = the largest scale of 128-dim tile t over the token's valid rows; Q's latent halves and the KV
-    half tiles are then f16 (``first_use(Half, tile0, wg_bar, t, Sg_s)`` converts a row's tile as ``f16(e4m3) *
-    (scale / Sg_s[t])``), Q's latent part is stored as ``f16(q * Sg_s[t] * 2^-e_h)`` with one power of two per
-    head (the head's largest into [2^13, 2^14)) and its rope as ``bf16(q * 2^-e_h)`` (the rope tiles stay bf16, in
-    the same accumulator), S is multiplied by ``2^e_h`` after each QK, P is f16, and O's tile t by ``Sg_s[t]`` before
-    the normalisation; the output is staged as bf16.  ``producer_scales`` (with ``f16_scales``): the producer
-    converts (no ``first_use``) and takes two more arguments, ``Sg_s`` and ``bar_sg`` (256 consumer arrivals once
-    ``Sg_s`` is set; wait with parity 0)."""
+    2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617)."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
@@ -123,13 +113,6 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     _, normaliser, _, store_lse = tc.padded_head_macros(BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads,
                                                         c_log2=c_log2, has_sink=has_sink, dtype=bf16)
 
-    f16 = f16_scales is not None
-    kdt = "float16" if f16 else bf16  # latent operands of both products (Q halves, KV half tiles, P)
-    assert not f16 or (dqk == 576 and (first_use is not None) != producer_scales), \
-        "f16 products: the 656-byte cache (Dqk 576), converted by the consumers (first_use) or the producer"
-
-    load_q_f16, scale_s = f16_q_macros(BH=BH, D=D, D_tail=D_tail, kdt=kdt, enabled=f16)
-
     @T.macro
     def load_q(Q, Q_half, Q_t, tok, h0, c0):
         # one consumer warpgroup loads Q[:, c0:c0+256] (+ the rope tail): 16 B per thread and load.  (Loaded by all
@@ -144,14 +127,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     # ------------------------------------------------------------------ consumer pieces
     @T.macro
-    def wait_tile(bar, phase, half, tile0, wg_bar, t, Sg_s):
+    def wait_tile(bar, phase, half, tile0, wg_bar, t):
         T.barrier_wait(bar, phase)
         T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
         if first_use is not None:
-            if f16:
-                first_use(half, tile0, wg_bar, t, Sg_s)
-            else:
-                first_use(half, tile0, wg_bar, t)
+            first_use(half, tile0, wg_bar, t)
 
     @T.macro
     def mask(Rows, acc_s):
@@ -164,20 +144,19 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             T.wgmma_gemm(Qt, Kt, acc_s, transpose_B=True)
 
     @T.macro
-    def qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, phase, tx, Sg_s):
+    def qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, phase, tx):
         # WG0: S_a = mask, then += Q_l K_a[:, :256]^T (issued, not waited)
-        wait_tile(rdy_al, phase, KVa_l, 0, BAR_WG0, tx, Sg_s)
+        wait_tile(rdy_al, phase, KVa_l, 0, BAR_WG0, tx)
         mask(Rows0, acc_s0)
         T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
 
     @T.macro
-    def qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, phase, tx, Sg_s, Ls0, Ls1):
+    def qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, phase, tx):
         # WG0: S_a += Q_r K_a[:, 256:]^T + the rope tail, then wait for every wgmma of the warpgroup
-        wait_tile(rdy_ar, phase, KVa_r, 2, BAR_WG0, tx, Sg_s)
+        wait_tile(rdy_ar, phase, KVa_r, 2, BAR_WG0, tx)
         T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
         qk_tail(Q_t, Ka_t, acc_s0)
         T.wait_wgmma(0)
-        scale_s(acc_s0, Ls0, Ls1)
 
     adopt_max = adopt_max_macro(BH=BH, c_log2=c_log2)
 
@@ -197,12 +176,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             acc_o[h, d] = acc_o[h, d] * alpha[h]
 
     @T.macro
-    def finish(acc_o, l_acc, m_run, inv, Ls_own, Ls0, Ls1, Sink, Stage, Out, tok, h0, c0, own_bar, Sg_s):
+    def finish(acc_o, l_acc, m_run, inv, Ls_own, Ls0, Ls1, Sink, Stage, Out, tok, h0, c0, own_bar):
         # total l = l_0 + l_1 (same operand order in both roles: bit-identical factors), O staged through
         # the dead Q half, written to Out[:, c0:c0+256]
-        if f16:  # O of tile t was accumulated from V / Sg_s[t]
-            for h, d in T.Parallel(BH, DH):
-                acc_o[h, d] = acc_o[h, d] * Sg_s[(c0 + d) // 128]
         T.copy(l_acc, Ls_own)
         T.sync_threads(BAR_BOTH, 256)  # both l halves written; both consumers past every wgmma (Q is dead)
         for h in T.Parallel(BH):
@@ -217,19 +193,19 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     @T.macro
     def body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse, MaxLogits, Order):
         with T.Kernel(n_tok * G, threads=THREADS, prelude=prelude) as bx:
-            Q_l = T.alloc_shared([BH, DH], kdt)
-            Q_r = T.alloc_shared([BH, DH], kdt)
-            KVa_l = T.alloc_shared([BI, DH], kdt)
-            KVa_r = T.alloc_shared([BI, DH], kdt)
-            KVb_l = T.alloc_shared([BI, DH], kdt)
-            KVb_r = T.alloc_shared([BI, DH], kdt)
-            P1 = T.alloc_shared([BH, BI], kdt)
+            Q_l = T.alloc_shared([BH, DH], bf16)
+            Q_r = T.alloc_shared([BH, DH], bf16)
+            KVa_l = T.alloc_shared([BI, DH], bf16)
+            KVa_r = T.alloc_shared([BI, DH], bf16)
+            KVb_l = T.alloc_shared([BI, DH], bf16)
+            KVb_r = T.alloc_shared([BI, DH], bf16)
+            P1 = T.alloc_shared([BH, BI], bf16)
             if D_tail > 0:
                 Q_t = T.alloc_shared([BH, D_tail], bf16)
                 Ka_t = T.alloc_shared([BI, D_tail], bf16)
                 Kb_t = T.alloc_shared([BI, D_tail], bf16)
                 # P of block a lives in a.R's rope tile: dead after WG0's QK, freed with fr_ar
-                P0 = T.view(Ka_t, dtype=kdt) if f16 else Ka_t
+                P0 = Ka_t
             else:
                 Q_t = Q_r  # placeholders, never read
                 Ka_t = KVa_r
@@ -241,15 +217,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             Mb = T.alloc_shared([BH], f32)
             Ls0 = T.alloc_shared([BH], f32)
             Ls1 = T.alloc_shared([BH], f32)
-            Sg_s = Pmx_s = None
-            if f16:  # the output is staged through the dead Q halves as bf16
-                Sg_s = T.alloc_shared([4], f32)
-                Pmx_s = T.alloc_shared([8, 4], f32)
-                Stage0 = T.view(Q_l, dtype=bf16)
-                Stage1 = T.view(Q_r, dtype=bf16)
 
-            if producer_scales:
-                bar_sg = T.alloc_barrier(256)  # Sg_s set (both consumers)
             rdy_al = T.alloc_barrier(ready_counts[0])
             rdy_br = T.alloc_barrier(ready_counts[1])
             rdy_ar = T.alloc_barrier(ready_counts[2])
@@ -266,7 +234,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             # per-role fragments (one fragment shared by two role branches loses code in TileLang 0.1.15)
             acc_o0 = T.alloc_fragment([BH, DH], f32)
             acc_s0 = T.alloc_fragment([BH, BI], f32)
-            p0 = T.alloc_fragment([BH, BI], kdt)
+            p0 = T.alloc_fragment([BH, BI], bf16)
             m_run0 = T.alloc_fragment([BH], f32)
             m_new0 = T.alloc_fragment([BH], f32)
             alpha0 = T.alloc_fragment([BH], f32)
@@ -275,18 +243,13 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             inv0 = T.alloc_fragment([BH], f32)
             acc_o1 = T.alloc_fragment([BH, DH], f32)
             acc_s1 = T.alloc_fragment([BH, BI], f32)
-            p1 = T.alloc_fragment([BH, BI], kdt)
+            p1 = T.alloc_fragment([BH, BI], bf16)
             m_run1 = T.alloc_fragment([BH], f32)
             m_new1 = T.alloc_fragment([BH], f32)
             alpha1 = T.alloc_fragment([BH], f32)
             l1 = T.alloc_fragment([BH], f32)
             lb1 = T.alloc_fragment([BH], f32)
             inv1 = T.alloc_fragment([BH], f32)
-            if f16:  # per role: the f16 Q load's scratch
-                qf0 = T.alloc_fragment([BH, F16_Q_COLS], f32)
-                qm0 = T.alloc_fragment([BH], f32)
-                qf1 = T.alloc_fragment([BH, F16_Q_COLS], f32)
-                qm1 = T.alloc_fragment([BH], f32)
             lim = T.alloc_local([1], i32)
             npair = T.alloc_local([1], i32)
             row_a = T.alloc_local([1], i32)
@@ -305,19 +268,13 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             if tx < 128:
                 # ---------------------------------------------- WG0: QK of blocks 2j, O[:, 0:256]
                 T.set_max_nreg(regs[0], 1)
-                if f16:
-                    f16_scales(kv_src, Indices, tok, lim, tx, Pmx_s, Sg_s)
-                    if producer_scales:
-                        T.barrier_arrive(bar_sg)
-                    load_q_f16(Q, Q_l, Q_t, tok, h0, 0, Sg_s, qf0, qm0, Ls0, Ls0, Ls1)
-                else:
-                    load_q(Q, Q_l, Q_t, tok, h0, 0)
+                load_q(Q, Q_l, Q_t, tok, h0, 0)
                 T.fill(acc_o0, 0)
                 T.fill(l0, 0)
                 T.fill(m_run0, neg_big)
                 if npair[0] > 0:
-                    qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, 0, tx, Sg_s)
-                    qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, 0, tx, Sg_s, Ls0, Ls1)
+                    qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, 0, tx)
+                    qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, 0, tx)
                 for j in T.serial(npair[0]):
                     T.copy(m_run0, m_new0)
                     T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
@@ -332,7 +289,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     # common max m_b: move O_l, l_0 and P_a to it
                     adopt_max(bar_mb, j & 1, Mb, m_new0, m_run0, alpha0, l0)
                     for h, r in T.Parallel(BH, BI):
-                        p0[h, r] = T.cast(acc_s0[h, r] * alpha0[h], kdt)
+                        p0[h, r] = T.cast(acc_s0[h, r] * alpha0[h], bf16)
                     T.sync_threads(BAR_WG0, 128)  # every WG0 warp is past its QK on a.R (P0 = its rope tile)
                     T.copy(p0, P0)
                     T.fence_proxy_async()
@@ -344,10 +301,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     T.wgmma_gemm(P1, KVb_l, acc_o0)
                     if overlap_qk:
                         if j + 1 < npair[0]:
-                            qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, (j + 1) & 1, tx, Sg_s)
+                            qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, (j + 1) & 1, tx)
                             T.wait_wgmma(1)  # the remote PV retired (the QK on a.L may still run): b.L, P1 free
                             T.barrier_arrive(fr_bl)
-                            qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, (j + 1) & 1, tx, Sg_s, Ls0, Ls1)
+                            qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, (j + 1) & 1, tx)
                         else:
                             T.wait_wgmma(0)
                             T.barrier_arrive(fr_bl)
@@ -355,35 +312,25 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
                         T.barrier_arrive(fr_bl)
                         if j + 1 < npair[0]:
-                            qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, (j + 1) & 1, tx, Sg_s)
-                            qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, (j + 1) & 1, tx, Sg_s, Ls0, Ls1)
-                if f16:
-                    finish(acc_o0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Stage0, Out, tok, h0, 0, BAR_WG0, Sg_s)
-                else:
-                    finish(acc_o0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Q_l, Out, tok, h0, 0, BAR_WG0, Sg_s)
+                            qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, (j + 1) & 1, tx)
+                            qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, (j + 1) & 1, tx)
+                finish(acc_o0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Q_l, Out, tok, h0, 0, BAR_WG0)
                 store_lse(l0, m_run0, Lse, MaxLogits, tok, h0)
             elif tx < 256:
                 # ---------------------------------------------- WG1: QK of blocks 2j+1, O[:, 256:512]
                 T.set_max_nreg(regs[1], 1)
-                if f16:
-                    f16_scales(kv_src, Indices, tok, lim, tx, Pmx_s, Sg_s)
-                    if producer_scales:
-                        T.barrier_arrive(bar_sg)
-                    load_q_f16(Q, Q_r, None, tok, h0, DH, Sg_s, qf1, qm1, Ls1, Ls0, Ls1)
-                else:
-                    load_q(Q, Q_r, None, tok, h0, DH)
+                load_q(Q, Q_r, None, tok, h0, DH)
                 T.fill(acc_o1, 0)
                 T.fill(l1, 0)
                 T.fill(m_run1, neg_big)
                 if npair[0] > 0:
-                    wait_tile(rdy_br, 0, KVb_r, 2, BAR_WG1, tx - 128, Sg_s)
+                    wait_tile(rdy_br, 0, KVb_r, 2, BAR_WG1, tx - 128)
                     mask(Rows1, acc_s1)
                     T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
                     qk_tail(Q_t, Kb_t, acc_s1)
-                    wait_tile(rdy_bl, 0, KVb_l, 0, BAR_WG1, tx - 128, Sg_s)
+                    wait_tile(rdy_bl, 0, KVb_l, 0, BAR_WG1, tx - 128)
                     T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                     T.wait_wgmma(0)
-                    scale_s(acc_s1, Ls0, Ls1)
                 for j in T.serial(npair[0]):
                     # m_b = max(m_a, rowmax S_b) >= m_a >= the common max of the last pair
                     T.barrier_wait(bar_ma, j & 1)
@@ -407,28 +354,19 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
                     T.barrier_arrive(fr_ar)
                     if j + 1 < npair[0]:
-                        wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128, Sg_s)
+                        wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128)
                         mask(Rows1, acc_s1)
                         T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
                         qk_tail(Q_t, Kb_t, acc_s1)
-                        wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128, Sg_s)
+                        wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128)
                         T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                         T.wait_wgmma(0)
-                        scale_s(acc_s1, Ls0, Ls1)
-                if f16:
-                    finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Stage1, Out, tok, h0, DH, BAR_WG1, Sg_s)
-                else:
-                    finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1, Sg_s)
+                finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
             else:
                 # ---------------------------------------------- producer
                 T.set_max_nreg(regs[2], 0)
-                if producer_scales:
-                    producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t,
-                             Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, Sg_s,
-                             bar_sg)
-                else:
-                    producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t,
-                             Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)
+                producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t,
+                         Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)
 
     return body
 

@@ -38,7 +38,8 @@ stall most on the mbarrier waits for late half tiles (WG0 waiting for a.R is the
 Session 14 (``--variants`` at 7a8fbbd): this kernel 6.728 / 7.131 ms (0.763x / 0.774x of the bf16 pair kernel's
 5.131 / 5.521); the whole-cache copy + the bf16 pair kernel 5.120 / 5.469 ms (copy alone 18 / 66 us), which
 ``kernel_fwd_fp8cache.run_sparse_mla_fwd`` now picks where rows are reused (``kernel_dequant656``); this kernel
-serves the low-reuse calls (decode over a large paged cache).
+serves the low-reuse calls (decode over a large paged cache).  f16 products (session 14) were measured slower in
+session 15 and removed; see docs/PERFORMANCE.md 'Session 15'.
 """
 
 import functools
@@ -103,58 +104,27 @@ __device__ __forceinline__ void fdsa_e4m3x64_to_bf16(void *l0, void *h0, void *l
 }
 __device__ __forceinline__ float fdsa_ld_f32(const void *p, int i) { return reinterpret_cast<const float *>(p)[i]; }
 """
-_F16_SRC = r"""
-// "f16" builds: in place, four chunks as fdsa_e4m3x64_to_bf16, each value -> f16(e4m3) * r (r = the row's tile scale
-// over the token's largest, <= 1: exact for power-of-two scales while the product stays a normal f16), two
-// instructions a pair (cvt.rn.f16x2.e4m3x2, mul.rn.f16x2); the "f16_cost" timing build calls it with the raw scale
-// for the bf16 wgmma (wrong values, the f16 form's instruction count)
-__device__ __forceinline__ void fdsa_e4m3x64_to_f16(void *l0, void *h0, void *l1, void *h1, void *l2, void *h2,
-                                                    void *l3, void *h3, float s) {
-  void *lo[4] = {l0, l1, l2, l3}, *hi[4] = {h0, h1, h2, h3};
-  uint4 w[4];
-  unsigned r2;
-  asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r2) : "f"(s));
-#pragma unroll
-  for (int c = 0; c < 4; ++c) w[c] = *reinterpret_cast<const uint4 *>(lo[c]);
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const unsigned in[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
-    unsigned o[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        unsigned h2x;
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2x) : "h"((unsigned short)(in[i] >> (16 * k))));
-        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o[2 * i + k]) : "r"(h2x), "r"(r2));
-      }
-    }
-    *reinterpret_cast<uint4 *>(lo[c]) = make_uint4(o[0], o[1], o[2], o[3]);
-    *reinterpret_cast<uint4 *>(hi[c]) = make_uint4(o[4], o[5], o[6], o[7]);
-  }
-}
-"""
 
 
-def convert_share_macro(fn: str = "fdsa_e4m3x64_to_bf16"):
+def convert_share_macro():
     """Macro ``convert_share(Half, sc, rw, part)``: one thread's share of a half tile's in-place conversion: row
     ``rw``, chunks [8 part, 8 part + 8), walked rotated by 2 part (the 8 threads of a quarter warp, rows 4i..4i+3 x
-    parts 0 / 1, then touch 8 different 16-byte bank groups), four chunks per call of the device function ``fn``."""
+    parts 0 / 1, then touch 8 different 16-byte bank groups), four chunks per call of ``fdsa_e4m3x64_to_bf16``."""
 
     @T.macro
     def convert_share(Half, sc, rw, part):
         for g in T.unroll(2):
-            T.call_extern("handle", fn, *[T.address_of(Half[rw, (part * 8 + (g * 4 + i + 2 * part) % 8) * 16 + h * 8])
-                                          for i in range(4) for h in range(2)], sc[0])
+            T.call_extern("handle", "fdsa_e4m3x64_to_bf16",
+                          *[T.address_of(Half[rw, (part * 8 + (g * 4 + i + 2 * part) % 8) * 16 + h * 8])
+                            for i in range(4) for h in range(2)], sc[0])
 
     return convert_share
 
 
-def _raw_gather_macro(hdt: str = "bfloat16"):
+def _raw_gather_macro():
     """Macro ``gather_raw(Half, Kt, Rows, kv_src, chunk0)``: cp.async (no commit, no wait) of one half tile's raw
-    bytes, e4m3 chunk k of a row into the 16-bit slots of dims [16k, 16k + 8), the row's 16 bytes of scales into
-    the slots of dims [8, 16), the rope (``Kt`` not None) into the rope tile; invalid rows zero-filled.  ``hdt``: the
-    half tile's dtype (the latent bytes are read through a view of the cache in it)."""
+    bytes, e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the row's 16 bytes of scales into the
+    slots of dims [8, 16), the rope (``Kt`` not None) into the rope tile; invalid rows zero-filled."""
     BI = BLOCK_I
     DH = D_V // 2
     bf16 = "bfloat16"
@@ -164,19 +134,16 @@ def _raw_gather_macro(hdt: str = "bfloat16"):
         # (the parameter is named KVb: a macro argument takes the parameter's name in the generated code)
         for r, k, v in T.Parallel(BI, DH // 16, 8, annotations=_ASYNC):
             rk = Rows[r]
-            Half[r, k * 16 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + chunk0 + k, v], T.cast(0, hdt))
+            Half[r, k * 16 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + chunk0 + k, v], T.cast(0, bf16))
         for r, v in T.Parallel(BI, 8, annotations=_ASYNC):
             rk = Rows[r]
-            Half[r, 8 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + fc.SCALE_CHUNK, v], T.cast(0, hdt))
+            Half[r, 8 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + fc.SCALE_CHUNK, v], T.cast(0, bf16))
 
     @T.macro
     def gather_raw(Half, Kt, Rows, kv_src, chunk0):
         KVb = kv_src[1]
         rs16 = kv_src[2]
-        if hdt == bf16:
-            latent_raw(Half, KVb, rs16, Rows, chunk0)
-        else:
-            latent_raw(Half, T.view(KVb, dtype=hdt), rs16, Rows, chunk0)
+        latent_raw(Half, KVb, rs16, Rows, chunk0)
         if Kt is not None:
             for r, c, v in T.Parallel(BI, 8, 8, annotations=_ASYNC):
                 rk = Rows[r]
@@ -185,27 +152,23 @@ def _raw_gather_macro(hdt: str = "bfloat16"):
     return gather_raw
 
 
-ABLATIONS = ("", "no_convert", "f16_cost")  # timing builds: conversion skipped / with the f16 form's instructions
+ABLATIONS = ("", "no_convert")  # timing builds: conversion skipped
 
 
-def _dequant_parts(*, topk_dim, ablate="", f16=False, f16_staging="consumer"):
+def _dequant_parts(*, topk_dim, ablate=""):
     """The producer is ``_pair_parts.gather_producer`` (non-blocking, up to four half
     tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
     row's four float32 scales (16 B) into the slots of dims [8, 16) (free until chunk 0 is converted), the rope
     straight into the rope tile.  The consumer that reads a half first converts it in place after its ready
     barrier (thread t: row t / 2, chunks [8 (t % 2), +8)): scale read, warpgroup barrier (the scales sit in slots
     that the conversion overwrites), conversion, ``fence.proxy.async``, warpgroup barrier, then its wgmma.
-    ``ablate`` (timing only, wrong results): "no_convert" leaves the raw bytes (barriers and scale read kept),
-    "f16_cost" converts with the f16 form's two instructions a pair instead of five.  ``f16``: f16 half tiles,
-    each row's tile converted as ``f16(e4m3) * (scale / Sg_s[t])`` (``kernel_fwd_pair.pair_body``'s
-    ``f16_scales``; then ``first_use`` takes ``Sg_s`` as a fifth argument).  Returns (producer, first_use)."""
+    ``ablate`` (timing only, wrong results): "no_convert" leaves the raw bytes (barriers and scale read kept).
+    Returns (producer, first_use)."""
     assert ablate in ABLATIONS, ablate
-    assert not (f16 and ablate), "the ablations are of the bf16 build"
     DH = D_V // 2
     f32 = "float32"
-    gather_raw = _raw_gather_macro("float16" if f16 else "bfloat16")
-    convert_share = convert_share_macro("fdsa_e4m3x64_to_f16" if f16 or ablate == "f16_cost"
-                                        else "fdsa_e4m3x64_to_bf16")
+    gather_raw = _raw_gather_macro()
+    convert_share = convert_share_macro()
 
     @T.macro
     def gather_l(KVl, Rows, kv_src):
@@ -216,17 +179,14 @@ def _dequant_parts(*, topk_dim, ablate="", f16=False, f16_staging="consumer"):
         gather_raw(KVr, Kt, Rows, kv_src, DH // 16)
 
     @T.macro
-    def convert_half(Half, tile0, t, bar, Sg_s):
-        # thread t of the 128 converting threads: row t / 2, chunks [8 (t % 2), +8), with its tile's scale (f16:
-        # over the token's largest, Sg_s >= 1e-30; invalid rows are zero bytes with scale 0 -> zeros); ends with
-        # the stores fenced for the async proxy (the wgmma reads)
+    def convert_half(Half, tile0, t, bar):
+        # thread t of the 128 converting threads: row t / 2, chunks [8 (t % 2), +8), with its tile's scale (invalid
+        # rows are zero bytes with scale 0 -> zeros); ends with the stores fenced for the async proxy (the wgmma
+        # reads)
         rw = t // 2
         part = t % 2
         sc = T.alloc_local([1], f32)
-        if Sg_s is None:
-            sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part)
-        else:
-            sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part) / Sg_s[tile0 + part]
+        sc[0] = T.call_extern(f32, "fdsa_ld_f32", T.address_of(Half[rw, 8]), tile0 + part)
         T.sync_threads(bar, 128)  # every scale read before the slots of dims [8, 16) are overwritten
         if ablate != "no_convert":
             convert_share(Half, sc, rw, part)
@@ -234,115 +194,27 @@ def _dequant_parts(*, topk_dim, ablate="", f16=False, f16_staging="consumer"):
 
     @T.macro
     def first_use(Half, tile0, wg_bar, t):
-        convert_half(Half, tile0, t, wg_bar, None)
+        convert_half(Half, tile0, t, wg_bar)
         T.sync_threads(wg_bar, 128)  # the whole half converted before this warpgroup's wgmma reads it
 
-    @T.macro
-    def first_use_f16(Half, tile0, wg_bar, t, Sg_s):
-        convert_half(Half, tile0, t, wg_bar, Sg_s)
-        T.sync_threads(wg_bar, 128)
-
-    if f16 and f16_staging == "producer":
-        return _f16_producer(topk_dim=topk_dim, gather_l=gather_l, gather_r=gather_r, convert_half=convert_half), None
     producer = pp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
                                   gather_l=gather_l, gather_r=gather_r)
-    return producer, (first_use_f16 if f16 else first_use)
-
-
-def _f16_producer(*, topk_dim, gather_l, gather_r, convert_half):
-    """The ``f16`` build's producer when it converts (``f16_staging="producer"``): per pair it issues a.L and b.R
-    (each one commit group), then converts each half tile as soon as its group landed (``cp.async.wait_group``,
-    named barrier, scale ratio, conversion, ``fence.proxy.async``) and only then arrives on its ready barrier (128
-    ordinary arrivals), issuing a.R and b.L in between as their free barriers allow: a.L, b.R, [a.L], a.R, [b.R],
-    b.L, [a.R], [b.L].  Its first conversion waits for ``Sg_s`` (``bar_sg``).  Each ready barrier completes only
-    after the producer's arrivals, which follow the frees of the previous pair, so no wait depends on a later one."""
-    BI = BLOCK_I
-    pair_rows = pp.pair_rows_macro(topk_dim, lambda row, kv_src: (row >= 0) & (row < kv_src[3]))
-
-    @T.macro
-    def convert(Half, tile0, p, Sg_s, rdy, pending):
-        T.ptx_wait_group(pending)  # this thread's copies of Half landed (the later halves may still be in flight)
-        T.sync_threads(pp.BAR_PROD, 128)  # every producer thread's
-        convert_half(Half, tile0, p, pp.BAR_PROD, Sg_s)
-        T.barrier_arrive(rdy)
-
-    @T.macro
-    def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, Sg_s, bar_sg):
-        p = tx - 256
-        for j in T.serial(npair[0]):
-            pair_rows(Indices, tok, lim, j, p, row_a, row_b, kv_src)
-            T.barrier_wait(fr_al, (j & 1) ^ 1)
-            if p < BI:
-                Rows0[p] = row_a[0]
-            T.sync_threads(pp.BAR_PROD, 128)
-            gather_l(KVa_l, Rows0, kv_src)
-            T.ptx_commit_group()
-            T.barrier_wait(fr_br, (j & 1) ^ 1)
-            if p < BI:
-                Rows1[p] = row_b[0]
-            T.sync_threads(pp.BAR_PROD, 128)
-            gather_r(KVb_r, Kb_t, Rows1, kv_src)
-            T.ptx_commit_group()
-            if j == 0:
-                T.barrier_wait(bar_sg, 0)
-            convert(KVa_l, 0, p, Sg_s, rdy_al, 1)
-            T.barrier_wait(fr_ar, (j & 1) ^ 1)
-            gather_r(KVa_r, Ka_t, Rows0, kv_src)
-            T.ptx_commit_group()
-            convert(KVb_r, 2, p, Sg_s, rdy_br, 1)
-            T.barrier_wait(fr_bl, (j & 1) ^ 1)
-            gather_l(KVb_l, Rows1, kv_src)
-            T.ptx_commit_group()
-            convert(KVa_r, 2, p, Sg_s, rdy_ar, 1)
-            convert(KVb_l, 0, p, Sg_s, rdy_bl, 0)
-
-    return producer
-
-
-def _f16_scales_macro():
-    """``kernel_fwd_pair.pair_body``'s ``f16_scales`` for the 656-byte cache: both consumers (threads 0..255) run
-    ``fdsa_scale_max`` (``kernel_fwd_narrow656_dual``) over the token's valid rows, then ``Sg_s[t]`` = the largest
-    tile-t scale (at least 1e-30)."""
-
-    @T.macro
-    def f16_scales(kv_src, Indices, tok, lim, tx, Pmx_s, Sg_s):
-        T.call_extern("handle", "fdsa_scale_max", T.address_of(Indices[tok, 0]), lim[0], kv_src[3],
-                      T.address_of(kv_src[0][0, 0]), kv_src[2], tx, T.address_of(Pmx_s[tx // 32, 0]))
-        T.sync_threads(pp.BAR_BOTH, 256)
-        if tx < 4:
-            Sg_s[tx] = functools.reduce(T.max, [Pmx_s[w, tx] for w in range(8)], T.float32(1e-30))
-        T.sync_threads(pp.BAR_BOTH, 256)
-
-    return f16_scales
+    return producer, first_use
 
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
-                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
-                                    f16: bool = False, f16_staging: str = "consumer"):
+                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
     ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s (default; WG0 then
-    converts a.L while its remote PV runs); ``f16``: f16 products (``pair_body``'s ``f16_scales``; not yet run on
-    the GPU; outputs within the f16 form's documented bound of the bf16 ones, not bitwise); ``f16_staging``:
-    "consumer" (the first-reading consumer converts) or "producer" (``_f16_producer``)."""
-    assert f16_staging in ("consumer", "producer"), f16_staging
-    by_producer = f16 and f16_staging == "producer"
+    converts a.L while its remote PV runs)."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
-    producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate, f16=f16, f16_staging=f16_staging)
-    prelude = _DEQUANT_SRC + (_F16_SRC if ablate == "f16_cost" else "")
-    if f16:  # the narrow656 helpers (it includes _DEQUANT_SRC) and the dual form's scale pass
-        from .kernel_fwd_narrow656 import _SRC
-        from .kernel_fwd_narrow656_dual import _DUAL_SRC
-
-        prelude = _SRC + _DUAL_SRC + _F16_SRC
+    producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                         has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                        prelude=prelude, first_use=first_use, overlap_qk=overlap_qk,
-                        f16_scales=_f16_scales_macro() if f16 else None, producer_scales=by_producer,
-                        ready_counts=(128, 128, 128, 128) if by_producer else (256, 256, 128, 128))
+                        prelude=_DEQUANT_SRC, first_use=first_use, overlap_qk=overlap_qk)
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
@@ -369,10 +241,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True, f16: bool = False, f16_staging: str = "consumer"):
+              overlap_qk: bool = True):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk, f16=f16, f16_staging=f16_staging)
+                                           overlap_qk=overlap_qk)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -385,11 +257,9 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False, ablate: str = "", overlap_qk: bool = True, f16: bool = False,
-                       f16_staging: str = "consumer"):
+                       checked: bool = False, ablate: str = "", overlap_qk: bool = True):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
-    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk`` (same results), ``f16`` (f16
-    products; ``f16_staging``: who converts)."""
+    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk`` (same results)."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
@@ -401,8 +271,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     indices = indices.contiguous()
     chunks = fc.cache_chunks(kv)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, f16,
-                       f16_staging)
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -412,21 +281,17 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [("pair_cache_h128_topk2048_sink_tl",
              build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, has_sink=True,
-                                             has_topk_length=True)),
-            ("pair_cache_h64_topk2048_f16", build_sparse_mla_fwd_pair_cache(heads=64, topk=2048, sm_scale=0.04,
-                                                                            f16=True)),  # timing builds
-            ("pair_cache_h128_topk640_f16_producer_sink", build_sparse_mla_fwd_pair_cache(
-                heads=128, topk=640, sm_scale=0.04, has_sink=True, f16=True, f16_staging="producer"))]
+                                             has_topk_length=True))]
 
 
 def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
     """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
     [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel, the
-    whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing builds (``overlap_qk=False``,
-    ``f16`` with either staging; ``ABLATIONS``: what an f16 conversion would cost, and none), the
-    pipelined fp8-cache kernel; checks each against the bf16 pair kernel bitwise (the f16 builds and the ablations
-    differ by design); then the copy alone.  ``rows``: labels to run (default all); ``compile_only``: one call each,
-    no timing (warms the TileLang cache: run one process per row in parallel, then time in one process)."""
+    whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing builds (``overlap_qk=False``;
+    ``ABLATIONS``: no conversion), the pipelined fp8-cache kernel; checks each against the bf16 pair kernel bitwise
+    (the ablation differs by design); then the copy alone.  ``rows``: labels to run (default all);
+    ``compile_only``: one call each, no timing (warms the TileLang cache: run one process per row in parallel, then
+    time in one process)."""
     from ..bench.harness import time_fn
     from ..quant import dequantize_kv_fp8, quantize_kv_fp8
     from . import kernel_dequant656, kernel_fwd, kernel_fwd_pair
@@ -449,10 +314,6 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
                                                                     dequant_once=True),
                 "cache_pair_no_overlap_qk": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                        overlap_qk=False),
-                "cache_pair_f16": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, f16=True),
-                "cache_pair_f16_producer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, f16=True,
-                                                                      f16_staging="producer"),
-                "cache_pair_f16_cost": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, ablate="f16_cost"),
                 "cache_pair_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     ablate="no_convert"),
                 "cache_pipelined": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)}
