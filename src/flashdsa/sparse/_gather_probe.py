@@ -34,8 +34,7 @@ def q_cols(dqk: int, mode: str) -> int:
     return dqk if mode == "cpasync" else 64
 
 
-# TileLang's cp.async helpers add the ``.L2::128B`` prefetch hint when this is defined before its headers
-L2_PREFETCH_PRELUDE = "#define TL_ENABLE_L2_PREFETCH 1\n"
+L2_PREFETCH_PRELUDE = tc.L2_PREFETCH_PRELUDE
 
 
 def build_gather_qk(*, dqk: int, n_blocks: int, mode: str, l2_prefetch: bool = False):

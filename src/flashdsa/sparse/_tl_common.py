@@ -248,6 +248,11 @@ def padded_head_macros(*, BH, D, D_tail, dqk, heads, c_log2, has_sink, dtype, sy
     return load_q, normaliser, store_out, store_lse
 
 
+# A kernel prelude (``T.Kernel(..., prelude=...)``, emitted before TileLang's headers): its cp.async helpers then
+# carry the ``.L2::128B`` prefetch hint
+L2_PREFETCH_PRELUDE = "#define TL_ENABLE_L2_PREFETCH 1\n"
+
+
 def plain_pass_configs(extra=None):
     """Pass configs of the hand-scheduled kernels: no TMA lowering, no automatic warp specialisation
     (+ ``extra``)."""

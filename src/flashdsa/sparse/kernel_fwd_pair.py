@@ -417,6 +417,7 @@ def build_sparse_mla_fwd(
     prefetch_rows: bool = True,
     has_order: bool = False,
     overlap_qk: bool = True,
+    l2_prefetch: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -427,7 +428,8 @@ def build_sparse_mla_fwd(
     results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``) keeps the protocol but issues no cp.async
     (the tiles keep what shared memory holds); ``"half_gather"``: only even CTAs gather (at H 128, the bound of a
     cluster that gathers each row once for both head groups).  ``has_order``: one more input Order[T] int32 after Sink, the
-    token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10 order)."""
+    token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10 order).  ``l2_prefetch`` (timing build): the gather's
+    cp.async carry the ``.L2::128B`` hint (``_tl_common.L2_PREFETCH_PRELUDE``)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -435,7 +437,7 @@ def build_sparse_mla_fwd(
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                     overlap_qk=overlap_qk)
+                     overlap_qk=overlap_qk, prelude=tc.L2_PREFETCH_PRELUDE if l2_prefetch else None)
 
     if has_order:
         @T.prim_func
@@ -539,7 +541,7 @@ def _bench_variants(rows=None, compile_only=False):
         runs = [("padded", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V, pair=False))]
         for label, kw in (("pair", dict()), ("no_overlap_qk", dict(overlap_qk=False)),
                           ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather")),
-                          ("half_gather", dict(ablate="half_gather"))):
+                          ("half_gather", dict(ablate="half_gather")), ("l2_prefetch", dict(l2_prefetch=True))):
             key = tuple(sorted(kw.items()))
             runs.append((label, lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                  sm_scale=dqk**-0.5, d_v=D_V)))
