@@ -92,11 +92,15 @@ def build_sparse_mla_bwd(
     block_i: int = BLOCK_I,
     threads: int = 256,
     ablate: str = "",
+    async_prologue: bool = False,
 ):
     """Return the main backward prim_func.
 
     ``ablate`` (timing only, wrong results): ``"no_atomics"`` drops the dKV stores/atomics (the dKV wgmmas
-    stay), ``"no_dkv"`` drops the dKV wgmmas and stores, ``"half_atomics"`` keeps head group 0's atomics only.  Differences of the times locate the bottleneck.
+    stay), ``"no_dkv"`` drops the dKV wgmmas and stores, ``"half_atomics"`` keeps head group 0's atomics only.
+    ``async_prologue`` (timing build, not yet run on the GPU): the Q / dO tiles load by cp.async in the same commit
+    group as block 0's gather instead of synchronous copies before it (one CTA per SM: at topk 640 the prologue is
+    a larger share of a CTA's time).  Differences of the times locate the bottleneck.
 
     Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], Indices[T,topk], TopkLen[n_tl], Lse2[T,H] f32,
     Delta[T,H] f32, dQ[T,H,Dqk] bf16, dKV[n_out,Dqk] f32).  ``partials=False``: dKV is the [Tkv, Dqk]
@@ -196,10 +200,19 @@ def build_sparse_mla_bwd(
             else:
                 lim[0] = topk_dim
 
-            T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s)
-            if D_tail > 0:
-                T.copy(Q[bx, h0 : h0 + BH, D:dqk], Qt_s)
-            T.copy(dO[bx, h0 : h0 + BH, 0:D], dO_s)
+            if async_prologue:  # cp.async, committed with block 0's gather below: their latencies overlap
+                for h, d in T.Parallel(BH, D, annotations=tc.ASYNC_GATHER):
+                    Q_s[h, d] = Q[bx, h0 + h, d]
+                if D_tail > 0:
+                    for h, d in T.Parallel(BH, D_tail, annotations=tc.ASYNC_GATHER):
+                        Qt_s[h, d] = Q[bx, h0 + h, D + d]
+                for h, d in T.Parallel(BH, D, annotations=tc.ASYNC_GATHER):
+                    dO_s[h, d] = dO[bx, h0 + h, d]
+            else:
+                T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s)
+                if D_tail > 0:
+                    T.copy(Q[bx, h0 : h0 + BH, D:dqk], Qt_s)
+                T.copy(dO[bx, h0 : h0 + BH, 0:D], dO_s)
             for h in T.Parallel(BH):
                 lse_s[h] = Lse2[bx, h0 + h]
                 delta_s[h] = Delta[bx, h0 + h]
@@ -314,9 +327,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=32)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_topk_length: bool,
-              partials: bool, ablate: str = ""):
+              partials: bool, ablate: str = "", async_prologue: bool = False):
     func = build_sparse_mla_bwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                has_topk_length=has_topk_length, partials=partials, ablate=ablate)
+                                has_topk_length=has_topk_length, partials=partials, ablate=ablate,
+                                async_prologue=async_prologue)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -371,8 +385,9 @@ def _preprocess(out, dout, lse, attn_sink, dlse):
 
 
 def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: int, topk_length=None,
-                       attn_sink=None, deterministic: bool = False, dlse=None):
-    """Returns (dq [T,H,Dqk] bf16, dkv [Tkv,Dqk] bf16, d_sink [H] f32 or None)."""
+                       attn_sink=None, deterministic: bool = False, dlse=None, async_prologue: bool = False):
+    """Returns (dq [T,H,Dqk] bf16, dkv [Tkv,Dqk] bf16, d_sink [H] f32 or None).  ``async_prologue``: the timing
+    build of ``build_sparse_mla_bwd`` (tests / timing only)."""
     reason = kernel_unsupported(q, kv, indices, out, lse, dout, d_v=d_v, topk_length=topk_length,
                                 attn_sink=attn_sink, dlse=dlse)
     if reason is not None:
@@ -400,11 +415,11 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     topk = indices.shape[1]
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     if not deterministic:
-        kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, False)
+        kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, False, "", async_prologue)
         kernel(q, kv, dout, indices, tl_arg, lse2, delta, dq, acc)
         return dq, acc.to(kv.dtype), d_sink
 
-    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, True)
+    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, True, "", async_prologue)
     reduce = _compiled_reduce(dqk)
     n_hblk = heads // BLOCK_H
     chunk = max(1, min(n_tok, _PARTIAL_ELEMS // (n_hblk * topk * dqk)))
@@ -469,10 +484,12 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
     tl_arg = idx.new_empty((1,))
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
-    for ablate in ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ()):
-        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate)
+    runs = [(a, False) for a in ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ())] + [("", True)]
+    for ablate, early in runs:
+        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate, early)
         ms = _time_ms(lambda: kernel(q, kv, dout, idx, tl_arg, lse2, delta, dq, acc), 10)
-        print(f"ablate={ablate or 'none'} S={S} H={H} Dqk={dqk} topk={topk}: main kernel {ms:.3f} ms, "
+        print(f"ablate={ablate or 'none'}{' async_prologue' if early else ''} S={S} H={H} Dqk={dqk} topk={topk}: "
+              f"main kernel {ms:.3f} ms, "
               f"{flops / ms / 1e9:.1f} TFLOP/s (full-work FLOPs)", flush=True)
 
 
