@@ -76,21 +76,27 @@ def test_sparse_mla_fwd_pair_unsupported_heads():
         kmod.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=D_V)
 
 
+# timing builds that compute the same products in the same order as the default: bitwise equal outputs
+SAME_ORDER_BUILDS = [(("overlap_qk", False),), (("wg1_early_free", True),), (("l2_prefetch", True),)]
+
+
+@pytest.mark.parametrize("build_kw", SAME_ORDER_BUILDS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw))
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[4]],
                          ids=["tiny", "odd-blocks", "headline", "d512-topk>tkv"])
-def test_sparse_mla_fwd_pair_no_overlap_qk(case):
-    """The ``overlap_qk=False`` build (WG0 retires its remote PV before it issues the next QK; the default overlaps
-    them): against the reference and bitwise equal to the default build (same products in the same order)."""
+def test_sparse_mla_fwd_pair_same_order_builds(case, build_kw):
+    """Timing builds with the default's products in the default's order (``overlap_qk=False``: WG0 retires its
+    remote PV before it issues the next QK; ``wg1_early_free``: WG1 frees b.R before it waits for P_a;
+    ``l2_prefetch``: cp.async with the L2 hint): against the reference and bitwise equal to the default build."""
     from flashdsa.sparse import kernel_fwd
 
     dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    got = kernel_fwd.launch(lambda *a: kmod._compiled(*a, (("overlap_qk", False),)), q, kv, indices, **kw)
-    _sync_or_die(f"overlap_qk=False dqk={dqk} H={heads} Tkv={tkv} topk={topk} T={n_tok}")
+    got = kernel_fwd.launch(lambda *a: kmod._compiled(*a, build_kw), q, kv, indices, **kw)
+    _sync_or_die(f"{build_kw} dqk={dqk} H={heads} Tkv={tkv} topk={topk} T={n_tok}")
     check_against_reference(*got, q, kv, indices, kw["sm_scale"], topk_length, attn_sink, valid)
     base = kmod.run_sparse_mla_fwd(q, kv, indices, **kw)
     _sync_or_die("default build")
     for name, a, b in zip(("out", "lse", "max_logits"), got, base):
-        assert torch.equal(a, b), f"{name}: overlap_qk=False differs from the default build"
+        assert torch.equal(a, b), f"{name}: {build_kw} differs from the default build"

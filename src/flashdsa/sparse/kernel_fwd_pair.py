@@ -79,7 +79,8 @@ _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True):
+              ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True,
+              wg1_early_free=False):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -94,7 +95,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     (default since session 15): WG0 issues the next pair's QK on a.L while its remote PV is still in flight and
     retires that PV (frees b.L) only then, as FlashMLA's SM90 sparse prefill orders it; same products in the same
     order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697 ->
-    2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617)."""
+    2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  ``wg1_early_free`` (timing build,
+    not yet run on the GPU): WG1 retires its local PV and frees b.R before it waits for P_a, instead of after issuing
+    the remote PV, so the producer can start b.R of the next pair that much earlier (WG1 needs it first); same
+    products in the same order."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
@@ -346,11 +350,15 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     T.copy(p1, P1)
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_p1)
+                    if wg1_early_free:
+                        T.wait_wgmma(0)  # the local PV retired: b.R free while WG1 waits for P_a
+                        T.barrier_arrive(fr_br)
                     # remote PV: O_r += P_a V_a[:, 256:], P_a already at m_b
                     T.barrier_wait(bar_p0, j & 1)
                     T.wgmma_gemm(P0, KVa_r, acc_o1)
-                    T.wait_wgmma(1)  # the local PV retired: b.R no longer read
-                    T.barrier_arrive(fr_br)
+                    if not wg1_early_free:
+                        T.wait_wgmma(1)  # the local PV retired: b.R no longer read
+                        T.barrier_arrive(fr_br)
                     T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
                     T.barrier_arrive(fr_ar)
                     if j + 1 < npair[0]:
@@ -418,6 +426,7 @@ def build_sparse_mla_fwd(
     has_order: bool = False,
     overlap_qk: bool = True,
     l2_prefetch: bool = False,
+    wg1_early_free: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -429,7 +438,8 @@ def build_sparse_mla_fwd(
     (the tiles keep what shared memory holds); ``"half_gather"``: only even CTAs gather (at H 128, the bound of a
     cluster that gathers each row once for both head groups).  ``has_order``: one more input Order[T] int32 after Sink, the
     token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10 order).  ``l2_prefetch`` (timing build): the gather's
-    cp.async carry the ``.L2::128B`` hint (``_tl_common.L2_PREFETCH_PRELUDE``)."""
+    cp.async carry the ``.L2::128B`` hint (``_tl_common.L2_PREFETCH_PRELUDE``); ``wg1_early_free``: ``pair_body``'s
+    (timing build)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -437,7 +447,8 @@ def build_sparse_mla_fwd(
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                     overlap_qk=overlap_qk, prelude=tc.L2_PREFETCH_PRELUDE if l2_prefetch else None)
+                     overlap_qk=overlap_qk, prelude=tc.L2_PREFETCH_PRELUDE if l2_prefetch else None,
+                     wg1_early_free=wg1_early_free)
 
     if has_order:
         @T.prim_func
@@ -545,7 +556,8 @@ def _bench_variants(rows=None, compile_only=False, topks=()):
         runs = [("padded", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V, pair=False))]
         for label, kw in (("pair", dict()), ("no_overlap_qk", dict(overlap_qk=False)),
                           ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather")),
-                          ("half_gather", dict(ablate="half_gather")), ("l2_prefetch", dict(l2_prefetch=True))):
+                          ("half_gather", dict(ablate="half_gather")), ("l2_prefetch", dict(l2_prefetch=True)),
+                          ("wg1_early_free", dict(wg1_early_free=True))):
             key = tuple(sorted(kw.items()))
             runs.append((label, lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                  sm_scale=dqk**-0.5, d_v=D_V)))
