@@ -20,8 +20,8 @@ tail for Dqk 576).  WG0 computes S_a = Q K_a^T, WG1 S_b (full 64 x 64 x Dqk each
 O[:, :256], WG1 O[:, 256:].  Per pair j:
   WG0: m_a = max(m, rowmax S_a); rescale O_l, l_0; P_a = 2^(S_a c - m_a c); publish m_a (Ma, bar_ma);
        O_l += P_a V_a[:, :256] (RS wgmma: P in registers); retire; free a.L;  wait m_b (Mb, bar_mb); move O_l,
-       l_0, P_a to m_b; P_a -> smem P0 (bar_p0);  wait P1; O_l += P_b V_b[:, :256] (SS); retire (free b.L);
-       QK of block 2j+2 on a.L, a.R, retire.
+       l_0, P_a to m_b; P_a -> smem P0 (bar_p0);  wait P1; O_l += P_b V_b[:, :256] (SS); QK of block 2j+2 on
+       a.L issued; retire the PV (free b.L); QK on a.R, retire (``overlap_qk``, default since session 15).
   WG1: wait m_a; m_b = max(m_a, rowmax S_b); rescale O_r, l_1; P_b; publish m_b; O_r += P_b V_b[:, 256:] (RS);
        P_b -> smem P1 (bar_p1); wait P0; O_r += P_a V_a[:, 256:] (SS); retire the local PV (free b.R), the
        remote PV (free a.R);  QK of block 2j+3 on b.R, b.L, retire.
