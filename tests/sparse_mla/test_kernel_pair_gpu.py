@@ -77,7 +77,8 @@ def test_sparse_mla_fwd_pair_unsupported_heads():
 
 
 # timing builds that compute the same products in the same order as the default: bitwise equal outputs
-SAME_ORDER_BUILDS = [(("overlap_qk", False),), (("wg1_early_free", True),), (("l2_prefetch", True),)]
+SAME_ORDER_BUILDS = [(("overlap_qk", False),), (("wg1_early_free", True),), (("l2_prefetch", True),),
+                     (("persistent", 132),), (("persistent", 7),)]
 
 
 @pytest.mark.parametrize("build_kw", SAME_ORDER_BUILDS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw))
@@ -86,7 +87,9 @@ SAME_ORDER_BUILDS = [(("overlap_qk", False),), (("wg1_early_free", True),), (("l
 def test_sparse_mla_fwd_pair_same_order_builds(case, build_kw):
     """Timing builds with the default's products in the default's order (``overlap_qk=False``: WG0 retires its
     remote PV before it issues the next QK; ``wg1_early_free``: WG1 frees b.R before it waits for P_a;
-    ``l2_prefetch``: cp.async with the L2 hint): against the reference and bitwise equal to the default build."""
+    ``l2_prefetch``: cp.async with the L2 hint; ``persistent``: P CTAs looping over the items, 132 = the H200's SM
+    count, 7: many items per CTA, the phase carry and an uneven last round): against the reference and bitwise
+    equal to the default build."""
     from flashdsa.sparse import kernel_fwd
 
     dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case

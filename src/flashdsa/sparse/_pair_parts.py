@@ -11,6 +11,46 @@ BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128 / 128 / 256 thre
 BAR_PROD = 11  # named barrier of the 128 producer threads
 
 
+def pair_phase(pb, j):
+    """The mbarrier phase parity of pair ``j`` of the current item: ``j & 1`` with one item per CTA (``pb`` None:
+    the default builds' literal expression), else ``(pb[0] + j) & 1``, ``pb`` the local count of the pairs of this
+    role's earlier items (``pair_body``'s ``persistent``: every barrier's phases continue across items)."""
+    return j & 1 if pb is None else (pb[0] + j) & 1
+
+
+def item_parts(*, G, NI, n_tok, persistent, set_lim):
+    """The items of ``pair_body`` (item i: token i // G, or Order[i // G]; head group i % G): one per CTA, or with
+    ``persistent`` = P > 0 CTA bx takes bx, bx + P, ... < n_tok * G.  Returns (n_ctas, ``items(bx)``: the loop over
+    CTA bx's items, a Python 1-tuple with one item per CTA (no loop), ``item_tok(Order, item)``,
+    ``n_pairs(lim)``: the pair count at topk_eff lim[0], macro ``start_item(Order, TopkLen, lim, npair, item)`` ->
+    (tok, h0): an item's token, head offset, topk_eff and pair count, macro ``end_item(pb, npair, own_bar)``: a
+    consumer's item end (warpgroup barrier: its Stage read out before the next load_q; pb += npair))."""
+    BH, BI = tc.BLOCK_H, BLOCK_I
+
+    def items(bx):
+        return T.serial((n_tok * G - bx + persistent - 1) // persistent) if persistent else (0,)
+
+    def item_tok(Order, item):
+        return Order[item // G] if Order is not None else item // G
+
+    def n_pairs(lim):
+        return (T.min((lim[0] + BI - 1) // BI, NI) + 1) // 2
+
+    @T.macro
+    def start_item(Order, TopkLen, lim, npair, item):
+        tok = item_tok(Order, item)
+        set_lim(lim, TopkLen, tok)
+        npair[0] = n_pairs(lim)
+        return tok, (item % G) * BH
+
+    @T.macro
+    def end_item(pb, npair, own_bar):
+        T.sync_threads(own_bar, 128)
+        pb[0] = pb[0] + npair[0]
+
+    return persistent if persistent else n_tok * G, items, item_tok, n_pairs, start_item, end_item
+
+
 def adopt_max_macro(*, BH, c_log2):
     """``adopt_max(bar, phase, M_s, m_new, m_run, alpha, l_acc)``: WG0's step to the pair's common max -- wait for
     WG1's max ``M_s`` on ``bar``, then alpha = 2^((m_run - M) c), m_run = M, l *= alpha (the caller rescales O and
@@ -27,6 +67,12 @@ def adopt_max_macro(*, BH, c_log2):
             l_acc[h] = l_acc[h] * alpha[h]
 
     return adopt_max
+
+
+@T.macro
+def drain():
+    T.ptx_commit_group()
+    T.ptx_wait_group(0)  # nothing in flight when the producer threads exit
 
 
 def pair_rows_macro(topk_dim, row_ok):
@@ -50,7 +96,8 @@ def pair_rows_macro(topk_dim, row_ok):
 def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
     """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
-    arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists."""
+    arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists.  ``pb``: None, or the
+    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop)."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
     pair_rows = pair_rows_macro(topk_dim, row_ok)
@@ -76,27 +123,27 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
 
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar):
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
         for j in T.serial(npair[0]):
             if prefetch_rows:  # this pair's rows into registers before the waits
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
-            T.barrier_wait(fr_al, (j & 1) ^ 1)
+            T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
             T.barrier_arrive(rdy_al)
             gather_l(KVa_l, Rows0, kv_src)
             T.cp_async_barrier_noinc(rdy_al)
-            T.barrier_wait(fr_br, (j & 1) ^ 1)
+            T.barrier_wait(fr_br, pair_phase(pb, j) ^ 1)
             set_rows(Rows1, row_b, Indices, tok, lim, j * 2 + 1, kv_src, tx)
             T.barrier_arrive(rdy_br)
             gather_r(KVb_r, Kb_t, Rows1, kv_src)
             T.cp_async_barrier_noinc(rdy_br)
-            T.barrier_wait(fr_ar, (j & 1) ^ 1)
+            T.barrier_wait(fr_ar, pair_phase(pb, j) ^ 1)
             gather_r(KVa_r, Ka_t, Rows0, kv_src)
             T.cp_async_barrier_noinc(rdy_ar)
-            T.barrier_wait(fr_bl, (j & 1) ^ 1)
+            T.barrier_wait(fr_bl, pair_phase(pb, j) ^ 1)
             gather_l(KVb_l, Rows1, kv_src)
             T.cp_async_barrier_noinc(rdy_bl)
-        T.ptx_commit_group()
-        T.ptx_wait_group(0)  # nothing in flight when the producer threads exit
+        if pb is None:
+            drain()
 
     return producer

@@ -65,7 +65,8 @@ import tilelang.language as T
 
 from . import _tl_common as tc
 from . import kernel_fwd
-from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, gather_producer
+from ._pair_parts import (BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, gather_producer, item_parts,
+                          pair_phase)
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -80,7 +81,7 @@ _ASYNC = tc.ASYNC_GATHER
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
               ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True,
-              wg1_early_free=False):
+              wg1_early_free=False, persistent=0):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -98,7 +99,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  ``wg1_early_free`` (timing build,
     not yet run on the GPU): WG1 retires its local PV and frees b.R before it waits for P_a, instead of after issuing
     the remote PV, so the producer can start b.R of the next pair that much earlier (WG1 needs it first); same
-    products in the same order."""
+    products in the same order.  ``persistent`` = P > 0 (timing build, not yet run on the GPU): P CTAs, CTA bx takes
+    the items (token, head group) bx, bx + P, ... in order, each role looping over them after its ``setmaxnreg``, so
+    the producer gathers the next item's first tiles during the consumers' epilogue and Q load; same products in the
+    same order.  Every mbarrier keeps counting phases across items: with pb the role's count of the pairs of its
+    earlier items, pair j waits parity (pb + j) & 1 (the producer's free waits ((pb + j) & 1) ^ 1).  Between items,
+    the next load_q rewrites the Q halves only after both consumers retired every wgmma (finish's BAR_BOTH) and its
+    own warpgroup read the staged O out (``end_item``'s barrier); see the comment above ``item_parts``'s
+    call for each buffer."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
@@ -180,6 +188,16 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             acc_o[h, d] = acc_o[h, d] * alpha[h]
 
     @T.macro
+    def softmax_local_pv(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk, M_s, bar_m, p, KV):
+        # m_new = max(m_new, rowmax S); softmax step; the new max to M_s (arrive bar_m); the local PV issued
+        T.reduce_max(acc_s, m_new, dim=1, clear=False)
+        exp_and_rescale(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk)
+        T.copy(m_run, M_s)
+        T.barrier_arrive(bar_m)
+        T.copy(acc_s, p)
+        T.wgmma_gemm(p, KV, acc_o)
+
+    @T.macro
     def finish(acc_o, l_acc, m_run, inv, Ls_own, Ls0, Ls1, Sink, Stage, Out, tok, h0, c0, own_bar):
         # total l = l_0 + l_1 (same operand order in both roles: bit-identical factors), O staged through
         # the dead Q half, written to Out[:, c0:c0+256]
@@ -194,9 +212,26 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         T.sync_threads(own_bar, 128)
         T.copy(Stage, Out[tok, h0 : h0 + BH, c0 : c0 + DH])
 
+    # ------------------------------------------------------------------ items (``persistent``: several per CTA)
+    # Why each buffer is free when the next item rewrites it (phases continue: ``pair_phase``; every role counts
+    # the same pairs, as all compute npair from the item's topk_eff):
+    #   Q_l, Q_t (WG0's load_q) and Q_r (WG1's): their wgmma readers (WG0's QK reads Q_l, Q_r, Q_t; WG1's QK Q_r,
+    #   Q_t, Q_l) retired before either warpgroup arrived at finish's BAR_BOTH; the Stage copy-out (Q_l in WG0, Q_r
+    #   in WG1) is read by every thread of that warpgroup only, ordered before the next load_q by ``end_item``'s
+    #   warpgroup barrier.  The new Q is read only after load_q's BAR_BOTH, i.e. once both halves are rewritten.
+    #   Ls0 / Ls1 (finish): the peer reads them before it arrives at the next item's load_q BAR_BOTH, which the
+    #   writer passes before its next finish.
+    #   Ma, Mb, P0, P1, Rows0 / Rows1, the KV halves: as within an item (the pair protocol of the module notes does
+    #   not look at item boundaries: WG0 rewrites Ma after the last pair's bar_p1, WG1 Mb after the next bar_ma, P0
+    #   after the next rdy_ar (the producer waited fr_ar, after WG1's remote PV), P1 after the next rdy_bl (after
+    #   fr_bl, WG0's remote PV)); besides, both consumers retired every wgmma before finish's BAR_BOTH.
+    #   Each item retires the wgmma it issued (no wgmma in flight at the item loop's back edge: no serialisation).
+    n_ctas, items, item_tok, n_pairs, start_item, end_item = item_parts(G=G, NI=NI, n_tok=n_tok,
+                                                                        persistent=persistent, set_lim=set_lim)
+
     @T.macro
     def body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse, MaxLogits, Order):
-        with T.Kernel(n_tok * G, threads=THREADS, prelude=prelude) as bx:
+        with T.Kernel(n_ctas, threads=THREADS, prelude=prelude) as bx:
             Q_l = T.alloc_shared([BH, DH], bf16)
             Q_r = T.alloc_shared([BH, DH], bf16)
             KVa_l = T.alloc_shared([BI, DH], bf16)
@@ -258,123 +293,132 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             npair = T.alloc_local([1], i32)
             row_a = T.alloc_local([1], i32)
             row_b = T.alloc_local([1], i32)
-
-            if Order is not None:
-                tok = Order[bx // G]
+            if persistent:  # each thread's count of the pairs of its role's earlier items (pair_phase)
+                pb = T.alloc_local([1], i32)
+                pb[0] = 0
             else:
-                tok = bx // G
-            h0 = (bx % G) * BH
+                pb = None
+                tok = item_tok(Order, bx)
+                h0 = (bx % G) * BH
             tx = T.get_thread_binding()
 
-            set_lim(lim, TopkLen, tok)
-            npair[0] = (T.min((lim[0] + BI - 1) // BI, NI) + 1) // 2
+            if not persistent:
+                set_lim(lim, TopkLen, tok)
+                npair[0] = n_pairs(lim)
 
             if tx < 128:
                 # ---------------------------------------------- WG0: QK of blocks 2j, O[:, 0:256]
                 T.set_max_nreg(regs[0], 1)
-                load_q(Q, Q_l, Q_t, tok, h0, 0)
-                T.fill(acc_o0, 0)
-                T.fill(l0, 0)
-                T.fill(m_run0, neg_big)
-                if npair[0] > 0:
-                    qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, 0, tx)
-                    qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, 0, tx)
-                for j in T.serial(npair[0]):
-                    T.copy(m_run0, m_new0)
-                    T.reduce_max(acc_s0, m_new0, dim=1, clear=False)
-                    exp_and_rescale(acc_s0, acc_o0, m_run0, m_new0, alpha0, l0, lb0)
-                    T.copy(m_run0, Ma)
-                    T.barrier_arrive(bar_ma)
-                    # local PV: O_l += P_a V_a[:, :256], P from registers
-                    T.copy(acc_s0, p0)
-                    T.wgmma_gemm(p0, KVa_l, acc_o0)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(fr_al)
-                    # common max m_b: move O_l, l_0 and P_a to it
-                    adopt_max(bar_mb, j & 1, Mb, m_new0, m_run0, alpha0, l0)
-                    for h, r in T.Parallel(BH, BI):
-                        p0[h, r] = T.cast(acc_s0[h, r] * alpha0[h], bf16)
-                    T.sync_threads(BAR_WG0, 128)  # every WG0 warp is past its QK on a.R (P0 = its rope tile)
-                    T.copy(p0, P0)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(bar_p0)
-                    for h, d in T.Parallel(BH, DH):
-                        acc_o0[h, d] = acc_o0[h, d] * alpha0[h]
-                    # remote PV: O_l += P_b V_b[:, :256], P_b from WG1 via smem
-                    T.barrier_wait(bar_p1, j & 1)
-                    T.wgmma_gemm(P1, KVb_l, acc_o0)
-                    if overlap_qk:
-                        if j + 1 < npair[0]:
-                            qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, (j + 1) & 1, tx)
-                            T.wait_wgmma(1)  # the remote PV retired (the QK on a.L may still run): b.L, P1 free
-                            T.barrier_arrive(fr_bl)
-                            qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, (j + 1) & 1, tx)
+                for it in items(bx):
+                    if persistent:
+                        tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
+                    load_q(Q, Q_l, Q_t, tok, h0, 0)
+                    T.fill(acc_o0, 0)
+                    T.fill(l0, 0)
+                    T.fill(m_run0, neg_big)
+                    if npair[0] > 0:
+                        qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, 0), tx)
+                        qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, 0), tx)
+                    for j in T.serial(npair[0]):
+                        T.copy(m_run0, m_new0)
+                        # publish m_a; local PV: O_l += P_a V_a[:, :256], P from registers
+                        softmax_local_pv(acc_s0, acc_o0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, p0, KVa_l)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(fr_al)
+                        # common max m_b: move O_l, l_0 and P_a to it
+                        adopt_max(bar_mb, pair_phase(pb, j), Mb, m_new0, m_run0, alpha0, l0)
+                        for h, r in T.Parallel(BH, BI):
+                            p0[h, r] = T.cast(acc_s0[h, r] * alpha0[h], bf16)
+                        T.sync_threads(BAR_WG0, 128)  # every WG0 warp is past its QK on a.R (P0 = its rope tile)
+                        T.copy(p0, P0)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(bar_p0)
+                        for h, d in T.Parallel(BH, DH):
+                            acc_o0[h, d] = acc_o0[h, d] * alpha0[h]
+                        # remote PV: O_l += P_b V_b[:, :256], P_b from WG1 via smem
+                        T.barrier_wait(bar_p1, pair_phase(pb, j))
+                        T.wgmma_gemm(P1, KVb_l, acc_o0)
+                        if overlap_qk:
+                            if j + 1 < npair[0]:
+                                qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
+                                T.wait_wgmma(1)  # the remote PV retired (the QK on a.L may still run): b.L, P1 free
+                                T.barrier_arrive(fr_bl)
+                                qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, j + 1), tx)
+                            else:
+                                T.wait_wgmma(0)
+                                T.barrier_arrive(fr_bl)
                         else:
-                            T.wait_wgmma(0)
+                            T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
                             T.barrier_arrive(fr_bl)
-                    else:
-                        T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
-                        T.barrier_arrive(fr_bl)
-                        if j + 1 < npair[0]:
-                            qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, (j + 1) & 1, tx)
-                            qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, (j + 1) & 1, tx)
-                finish(acc_o0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Q_l, Out, tok, h0, 0, BAR_WG0)
-                store_lse(l0, m_run0, Lse, MaxLogits, tok, h0)
+                            if j + 1 < npair[0]:
+                                qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
+                                qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, j + 1), tx)
+                    finish(acc_o0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Q_l, Out, tok, h0, 0, BAR_WG0)
+                    store_lse(l0, m_run0, Lse, MaxLogits, tok, h0)
+                    if persistent:
+                        end_item(pb, npair, BAR_WG0)
             elif tx < 256:
                 # ---------------------------------------------- WG1: QK of blocks 2j+1, O[:, 256:512]
                 T.set_max_nreg(regs[1], 1)
-                load_q(Q, Q_r, None, tok, h0, DH)
-                T.fill(acc_o1, 0)
-                T.fill(l1, 0)
-                T.fill(m_run1, neg_big)
-                if npair[0] > 0:
-                    wait_tile(rdy_br, 0, KVb_r, 2, BAR_WG1, tx - 128)
-                    mask(Rows1, acc_s1)
-                    T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
-                    qk_tail(Q_t, Kb_t, acc_s1)
-                    wait_tile(rdy_bl, 0, KVb_l, 0, BAR_WG1, tx - 128)
-                    T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
-                    T.wait_wgmma(0)
-                for j in T.serial(npair[0]):
-                    # m_b = max(m_a, rowmax S_b) >= m_a >= the common max of the last pair
-                    T.barrier_wait(bar_ma, j & 1)
-                    for h in T.Parallel(BH):
-                        m_new1[h] = Ma[h]
-                    T.reduce_max(acc_s1, m_new1, dim=1, clear=False)
-                    exp_and_rescale(acc_s1, acc_o1, m_run1, m_new1, alpha1, l1, lb1)
-                    T.copy(m_run1, Mb)
-                    T.barrier_arrive(bar_mb)
-                    # local PV: O_r += P_b V_b[:, 256:], P from registers; P_b to smem for WG0 meanwhile
-                    T.copy(acc_s1, p1)
-                    T.wgmma_gemm(p1, KVb_r, acc_o1)
-                    T.copy(p1, P1)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(bar_p1)
-                    if wg1_early_free:
-                        T.wait_wgmma(0)  # the local PV retired: b.R free while WG1 waits for P_a
-                        T.barrier_arrive(fr_br)
-                    # remote PV: O_r += P_a V_a[:, 256:], P_a already at m_b
-                    T.barrier_wait(bar_p0, j & 1)
-                    T.wgmma_gemm(P0, KVa_r, acc_o1)
-                    if not wg1_early_free:
-                        T.wait_wgmma(1)  # the local PV retired: b.R no longer read
-                        T.barrier_arrive(fr_br)
-                    T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
-                    T.barrier_arrive(fr_ar)
-                    if j + 1 < npair[0]:
-                        wait_tile(rdy_br, (j + 1) & 1, KVb_r, 2, BAR_WG1, tx - 128)
+                for it in items(bx):
+                    if persistent:
+                        tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
+                    load_q(Q, Q_r, None, tok, h0, DH)
+                    T.fill(acc_o1, 0)
+                    T.fill(l1, 0)
+                    T.fill(m_run1, neg_big)
+                    if npair[0] > 0:
+                        wait_tile(rdy_br, pair_phase(pb, 0), KVb_r, 2, BAR_WG1, tx - 128)
                         mask(Rows1, acc_s1)
                         T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
                         qk_tail(Q_t, Kb_t, acc_s1)
-                        wait_tile(rdy_bl, (j + 1) & 1, KVb_l, 0, BAR_WG1, tx - 128)
+                        wait_tile(rdy_bl, pair_phase(pb, 0), KVb_l, 0, BAR_WG1, tx - 128)
                         T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                         T.wait_wgmma(0)
-                finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
+                    for j in T.serial(npair[0]):
+                        # m_b = max(m_a, rowmax S_b) >= m_a >= the common max of the last pair
+                        T.barrier_wait(bar_ma, pair_phase(pb, j))
+                        for h in T.Parallel(BH):
+                            m_new1[h] = Ma[h]
+                        # publish m_b; local PV: O_r += P_b V_b[:, 256:] (P from registers); P_b to smem meanwhile
+                        softmax_local_pv(acc_s1, acc_o1, m_run1, m_new1, alpha1, l1, lb1, Mb, bar_mb, p1, KVb_r)
+                        T.copy(p1, P1)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(bar_p1)
+                        if wg1_early_free:
+                            T.wait_wgmma(0)  # the local PV retired: b.R free while WG1 waits for P_a
+                            T.barrier_arrive(fr_br)
+                        # remote PV: O_r += P_a V_a[:, 256:], P_a already at m_b
+                        T.barrier_wait(bar_p0, pair_phase(pb, j))
+                        T.wgmma_gemm(P0, KVa_r, acc_o1)
+                        if not wg1_early_free:
+                            T.wait_wgmma(1)  # the local PV retired: b.R no longer read
+                            T.barrier_arrive(fr_br)
+                        T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
+                        T.barrier_arrive(fr_ar)
+                        if j + 1 < npair[0]:
+                            wait_tile(rdy_br, pair_phase(pb, j + 1), KVb_r, 2, BAR_WG1, tx - 128)
+                            mask(Rows1, acc_s1)
+                            T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
+                            qk_tail(Q_t, Kb_t, acc_s1)
+                            wait_tile(rdy_bl, pair_phase(pb, j + 1), KVb_l, 0, BAR_WG1, tx - 128)
+                            T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
+                            T.wait_wgmma(0)
+                    finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
+                    if persistent:
+                        end_item(pb, npair, BAR_WG1)
             else:
                 # ---------------------------------------------- producer
                 T.set_max_nreg(regs[2], 0)
-                producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t,
-                         Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)
+                for it in items(bx):
+                    if persistent:
+                        tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
+                    producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t,
+                             Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb)
+                    if persistent:
+                        pb[0] = pb[0] + npair[0]
+                if persistent:
+                    drain()
 
     return body
 
@@ -427,6 +471,7 @@ def build_sparse_mla_fwd(
     overlap_qk: bool = True,
     l2_prefetch: bool = False,
     wg1_early_free: bool = False,
+    persistent: int = 0,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -438,8 +483,8 @@ def build_sparse_mla_fwd(
     (the tiles keep what shared memory holds); ``"half_gather"``: only even CTAs gather (at H 128, the bound of a
     cluster that gathers each row once for both head groups).  ``has_order``: one more input Order[T] int32 after Sink, the
     token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10 order).  ``l2_prefetch`` (timing build): the gather's
-    cp.async carry the ``.L2::128B`` hint (``_tl_common.L2_PREFETCH_PRELUDE``); ``wg1_early_free``: ``pair_body``'s
-    (timing build)."""
+    cp.async carry the ``.L2::128B`` hint (``_tl_common.L2_PREFETCH_PRELUDE``); ``wg1_early_free``, ``persistent``:
+    ``pair_body``'s (timing builds)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -448,7 +493,7 @@ def build_sparse_mla_fwd(
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, prelude=tc.L2_PREFETCH_PRELUDE if l2_prefetch else None,
-                     wg1_early_free=wg1_early_free)
+                     wg1_early_free=wg1_early_free, persistent=persistent)
 
     if has_order:
         @T.prim_func
@@ -529,6 +574,9 @@ def lowering_cases():
                                                                     has_topk_length=True, has_order=True)),
         ("pair_h64_d576_topk2048_no_overlap_qk", build_sparse_mla_fwd(heads=64, dqk=576, topk=2048, sm_scale=0.04,
                                                                       overlap_qk=False)),  # timing build
+        ("pair_h64_d512_topk640_sink_tl_persistent132",  # timing build
+         build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
+                              persistent=132)),
     ]
 
 
@@ -557,7 +605,7 @@ def _bench_variants(rows=None, compile_only=False, topks=()):
         for label, kw in (("pair", dict()), ("no_overlap_qk", dict(overlap_qk=False)),
                           ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather")),
                           ("half_gather", dict(ablate="half_gather")), ("l2_prefetch", dict(l2_prefetch=True)),
-                          ("wg1_early_free", dict(wg1_early_free=True))):
+                          ("wg1_early_free", dict(wg1_early_free=True)), ("persistent", dict(persistent=n_sm))):
             key = tuple(sorted(kw.items()))
             runs.append((label, lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                  sm_scale=dqk**-0.5, d_v=D_V)))
