@@ -18,7 +18,7 @@ def test_gather_probe_lowers(case):
     assert "cp_async_gs_conditional" in src
     assert "wgmma_ss" in src
     # the L2 prefetch build defines the switch before TileLang's headers; the others do not
-    at = src.find(gp.L2_PREFETCH_PRELUDE.strip())
+    at = src.find(gp.tc.L2_PREFETCH_PRELUDE.strip())
     assert (0 <= at < src.find("#include <tl_templates")) == name.endswith("_l2pf")
 
 

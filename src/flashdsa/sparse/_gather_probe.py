@@ -34,9 +34,6 @@ def q_cols(dqk: int, mode: str) -> int:
     return dqk if mode == "cpasync" else 64
 
 
-L2_PREFETCH_PRELUDE = tc.L2_PREFETCH_PRELUDE
-
-
 def build_gather_qk(*, dqk: int, n_blocks: int, mode: str, l2_prefetch: bool = False):
     """Probe prim_func ``(Q[T, 64, q_cols] bf16, KV[Tkv, dqk] bf16, Idx[T, 64 * n_blocks] i32, O[T, 64, 64] f32)``;
     ``l2_prefetch``: the gather's cp.async carry ``.L2::128B``."""
@@ -53,7 +50,7 @@ def build_gather_qk(*, dqk: int, n_blocks: int, mode: str, l2_prefetch: bool = F
         Idx: T.Tensor([n_tok, BI * n_blocks], i32),
         O: T.Tensor([n_tok, BH, BI], f32),
     ):
-        with T.Kernel(n_tok, threads=256, prelude=L2_PREFETCH_PRELUDE if l2_prefetch else None) as bx:
+        with T.Kernel(n_tok, threads=256, prelude=tc.L2_PREFETCH_PRELUDE if l2_prefetch else None) as bx:
             Q_s = T.alloc_shared([BH, QC], bf16)
             KV_s = T.alloc_shared([BI, dqk], bf16)
             acc = T.alloc_fragment([BH, BI], f32)

@@ -98,9 +98,9 @@ def build_sparse_mla_bwd(
 
     ``ablate`` (timing only, wrong results): ``"no_atomics"`` drops the dKV stores/atomics (the dKV wgmmas
     stay), ``"no_dkv"`` drops the dKV wgmmas and stores, ``"half_atomics"`` keeps head group 0's atomics only.
-    ``async_prologue`` (timing build, not yet run on the GPU): the Q / dO tiles load by cp.async in the same commit
-    group as block 0's gather instead of synchronous copies before it (one CTA per SM: at topk 640 the prologue is
-    a larger share of a CTA's time).  Differences of the times locate the bottleneck.
+    Differences of the times locate the bottleneck.  ``async_prologue`` (timing build, not yet run on the GPU): the
+    Q / dO tiles load by cp.async in the same commit group as block 0's gather instead of synchronous copies before
+    it (one CTA per SM: at topk 640 the prologue is a larger share of a CTA's time).
 
     Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], Indices[T,topk], TopkLen[n_tl], Lse2[T,H] f32,
     Delta[T,H] f32, dQ[T,H,Dqk] bf16, dKV[n_out,Dqk] f32).  ``partials=False``: dKV is the [Tkv, Dqk]
@@ -129,16 +129,13 @@ def build_sparse_mla_bwd(
     def store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, col0):
         if ablate == "no_atomics":
             pass
-        elif ablate == "half_atomics":  # head group 0 only: the bound of a 2-CTA cluster pre-reduction at H 128
-            if by == 0:
-                for r, d in T.Parallel(BI, DC):
-                    if rows_s[rb, r] >= 0:
-                        T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc_kv[r, d])
         elif partials:  # row (head group, token, slot) of the partial buffer; valid slots only
             for r, d in T.Parallel(BI, DC):
                 if rows_s[rb, r] >= 0:
                     dKV[(by * n_tok + bx) * topk_dim + it * BI + r, col0 + d] = acc_kv[r, d]
-        else:  # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped
+        # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped ("half_atomics": head group 0 only,
+        # the bound of a 2-CTA cluster pre-reduction at H 128; a Python True otherwise)
+        elif ablate != "half_atomics" or by == 0:
             for r, d in T.Parallel(BI, DC):
                 if rows_s[rb, r] >= 0:
                     T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc_kv[r, d])
@@ -485,10 +482,10 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
     runs = [(a, False) for a in ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ())] + [("", True)]
-    for ablate, early in runs:
-        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate, early)
+    for ablate, async_pro in runs:
+        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate, async_pro)
         ms = _time_ms(lambda: kernel(q, kv, dout, idx, tl_arg, lse2, delta, dq, acc), 10)
-        print(f"ablate={ablate or 'none'}{' async_prologue' if early else ''} S={S} H={H} Dqk={dqk} topk={topk}: "
+        print(f"ablate={ablate or 'none'}{' async_prologue' if async_pro else ''} S={S} H={H} Dqk={dqk} topk={topk}: "
               f"main kernel {ms:.3f} ms, "
               f"{flops / ms / 1e9:.1f} TFLOP/s (full-work FLOPs)", flush=True)
 

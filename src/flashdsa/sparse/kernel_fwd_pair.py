@@ -432,10 +432,13 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
     bf16 = "bfloat16"
     _ok = tc.make_row_ok(n_kv)
 
+    def gathers():
+        # False for "no_gather"; "half_gather": only even CTAs (head group 0 at H 128); a Python True otherwise
+        return ablate != "no_gather" and (ablate != "half_gather" or T.get_block_binding(0) % 2 == 0)
+
     @T.macro
     def gather_l(KVl, Rows, kv_src):
-        # "half_gather": only even CTAs (head group 0 at H 128) gather; a Python True otherwise
-        if ablate != "no_gather" and (ablate != "half_gather" or T.get_block_binding(0) % 2 == 0):
+        if gathers():
             KV = kv_src[0]
             for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
                 rk = Rows[r]
@@ -443,7 +446,7 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
 
     @T.macro
     def gather_r(KVr, Kt, Rows, kv_src):
-        if ablate != "no_gather" and (ablate != "half_gather" or T.get_block_binding(0) % 2 == 0):
+        if gathers():
             KV = kv_src[0]
             for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
                 rk = Rows[r]
