@@ -12,10 +12,13 @@ Math (reference.sparse_mla_bwd_reference is the source of truth):
   ``dS = P * (dP - delta)`` (+ ``exp(s - lse) * dlse``), ``dq = sm_scale dS K``,
   ``dkv[i] += sm_scale dS^T q`` and ``dkv[i, :d_v] += P^T dout``, ``d_sink = -sum_t (1 - g) delta``.
 Design:
-  * Preprocess (torch ops on the device, memory-bound, token chunks of <= 2^26 elements): per (t, h)
-    ``lse2 = (lse + softplus(sink - lse)) * log2(e)`` -- the natural-log lse converted to log2 units with the
-    sink gate folded in (``P = exp2(s * sm_scale * log2e - lse2)``; g = 0 or an empty row give lse2 = +inf,
-    so P = 0 exactly) -- and ``delta`` (minus dlse when given; 0 on empty rows).  d_sink is a torch reduction.
+  * Preprocess, in the main kernel's prologue (``row_stats``; one launch instead of a row-dot kernel and ~20
+    [T, H] torch ops; with the Q / dO tiles by cp.async, session 16: suite V4 3.657 -> 3.502 ms, H 64 11.73 ->
+    11.46, H 128 22.91 -> 22.55): per (t, h) ``lse2 = (lse + softplus(sink -
+    lse)) * log2(e)`` -- the natural-log lse converted to log2 units with the sink gate folded in (``P =
+    exp2(s * sm_scale * log2e - lse2)``; g = 0 or an empty row give lse2 = +inf, so P = 0 exactly) -- and
+    ``delta`` (minus dlse when given; 0 on empty rows), from O and dO read once while the Q / dO tiles and block
+    0's rows arrive by cp.async.  d_sink = the torch sum over T of the kernel's [T, H] rows -(1 - g) delta.
   * Main kernel, grid ``(T, H / 64)``, 256 threads = 2 warpgroups, one CTA per (token, 64-head group).  Q, Q-tail
     and dO tiles stay in shared memory.  A static-trip-count loop over top-k blocks of BI = 64 slots:
       - block i+1's slot rows (``valid ? indices[t, j] : -1``, valid: j < topk_length, 0 <= idx < Tkv) into
@@ -72,7 +75,7 @@ import tilelang
 import tilelang.language as T
 
 from . import _tl_common as tc
-from . import kernel_delta, kernel_fwd
+from . import kernel_fwd
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 DC = 64  # dKV column chunk
@@ -92,20 +95,21 @@ def build_sparse_mla_bwd(
     block_i: int = BLOCK_I,
     threads: int = 256,
     ablate: str = "",
-    async_prologue: bool = False,
+    has_sink: bool = False,
+    has_dlse: bool = False,
 ):
     """Return the main backward prim_func.
 
     ``ablate`` (timing only, wrong results): ``"no_atomics"`` drops the dKV stores/atomics (the dKV wgmmas
     stay), ``"no_dkv"`` drops the dKV wgmmas and stores, ``"half_atomics"`` keeps head group 0's atomics only.
-    Differences of the times locate the bottleneck.  ``async_prologue`` (timing build, not yet run on the GPU): the
-    Q / dO tiles load by cp.async in the same commit group as block 0's gather instead of synchronous copies before
-    it (one CTA per SM: at topk 640 the prologue is a larger share of a CTA's time).
+    Differences of the times locate the bottleneck.
 
-    Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], Indices[T,topk], TopkLen[n_tl], Lse2[T,H] f32,
-    Delta[T,H] f32, dQ[T,H,Dqk] bf16, dKV[n_out,Dqk] f32).  ``partials=False``: dKV is the [Tkv, Dqk]
-    accumulator (fp32 atomics).  ``partials=True``: dKV is [H/64 * T * topk, Dqk], row
-    ``(head_group * T + t) * topk + j`` (valid slots only are written).
+    Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], O[T,H,d_v] bf16, Indices[T,topk], TopkLen[n_tl],
+    Lse[T,H] f32 (natural log, +inf on empty rows), Sink[n_sink] f32 (``has_sink``: [H]), DLse[n_dl,H] f32
+    (``has_dlse``: [T,H]), dQ[T,H,Dqk] bf16, dKV[n_out,Dqk] f32, DSink[n_ds,H] f32 (``has_sink``: [T,H], written
+    -(1 - g) delta, summed over T by the caller)).  ``partials=False``: dKV is the [Tkv, Dqk] accumulator (fp32
+    atomics).  ``partials=True``: dKV is [H/64 * T * topk, Dqk], row ``(head_group * T + t) * topk + j`` (valid
+    slots only are written).
     """
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     assert heads % BLOCK_H == 0 and 1 <= heads // BLOCK_H <= 2, heads
@@ -122,6 +126,7 @@ def build_sparse_mla_bwd(
 
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_out, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_out", "topk")
+    n_sink, n_dl, n_ds = tc.dynamic_dims("n_sink", "n_dl", "n_ds")
     _row = tc.make_slot_row(topk_dim)  # as in kernel_fwd: -1 past topk_eff, the Indices read kept in bounds
     _row_ok = tc.make_row_ok(n_kv)
 
@@ -158,17 +163,64 @@ def build_sparse_mla_bwd(
                 Kt_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), D + d], T.cast(0, bf16))
         T.ptx_commit_group()
 
+    @T.macro
+    def load_out_rows(O, o_reg, bx, h0):
+        # this thread's part of the CTA's out tile into registers (head row tx / 4, 16-byte pieces c * 32 + (tx % 4)
+        # * 8): issued with the prologue's cp.async, so their latencies overlap; 64 registers, dead before the loop
+        tx = T.get_thread_binding()
+        for c in T.unroll(D // 32):
+            for v in T.vectorized(8):
+                o_reg[c * 8 + v] = O[bx, h0 + tx // 4, c * 32 + (tx % 4) * 8 + v]
+
+    @T.macro
+    def row_stats(o_reg, dO_s, Lse, Sink, DLse, DSink, lse_s, delta_s, bx, h0):
+        # The preprocess, per head row h = tx / 4 (4 threads a row; a fixed summation order, so bitwise
+        # repeatable), once dO_s has landed:  delta = out . dout (- dlse), 0 unless lse is finite;  lse2 = (lse +
+        # softplus(sink - lse)) log2(e) (the sink gate folded in; +inf on empty rows, so P = 0);  DSink = -(1 - g)
+        # delta, g = sigmoid(lse - sink).
+        tx = T.get_thread_binding()
+        h = tx // 4
+        g8 = T.alloc_local([8], bf16)
+        dot = T.alloc_local([1], f32)
+        dot[0] = 0
+        for c in T.unroll(D // 32):
+            for v in T.vectorized(8):
+                g8[v] = dO_s[h, c * 32 + (tx % 4) * 8 + v]
+            for v in T.unroll(8):
+                dot[0] = dot[0] + T.cast(o_reg[c * 8 + v], f32) * T.cast(g8[v], f32)
+        dot[0] = dot[0] + T.shfl_xor(dot[0], 1)
+        dot[0] = dot[0] + T.shfl_xor(dot[0], 2)
+        if tx % 4 == 0:
+            lse = Lse[bx, h0 + h]
+            empty = lse == T.infinity(f32)
+            finite = (lse < T.infinity(f32)) & (lse > -T.infinity(f32))  # NaN: neither
+            if has_dlse:
+                dot[0] = dot[0] - DLse[bx, h0 + h]
+            dot[0] = T.if_then_else(finite, dot[0], T.float32(0))
+            delta_s[h] = dot[0]
+            if has_sink:
+                diff = Sink[h0 + h] - lse
+                softplus = T.max(diff, T.float32(0)) + T.log1p(T.exp(-T.abs(diff)))
+                lse_s[h] = T.if_then_else(empty, T.infinity(f32), (lse + softplus) * T.float32(LOG2E))
+                gate = T.if_then_else(empty, T.float32(1), T.sigmoid(-diff))
+                DSink[bx, h0 + h] = -(T.float32(1) - gate) * dot[0]
+            else:
+                lse_s[h] = T.if_then_else(empty, T.infinity(f32), lse * T.float32(LOG2E))
+
     @T.prim_func
     def sparse_mla_bwd(
         Q: T.Tensor([n_tok, heads, dqk], bf16),
         KV: T.Tensor([n_kv, dqk], bf16),
         dO: T.Tensor([n_tok, heads, D], bf16),
+        O: T.Tensor([n_tok, heads, D], bf16),
         Indices: T.Tensor([n_tok, topk_dim], i32),
         TopkLen: T.Tensor([n_tl], i32),
-        Lse2: T.Tensor([n_tok, heads], f32),
-        Delta: T.Tensor([n_tok, heads], f32),
+        Lse: T.Tensor([n_tok, heads], f32),
+        Sink: T.Tensor([n_sink], f32),
+        DLse: T.Tensor([n_dl, heads], f32),
         dQ: T.Tensor([n_tok, heads, dqk], bf16),
         dKV: T.Tensor([n_out, dqk], f32),
+        DSink: T.Tensor([n_ds, heads], f32),
     ):
         with T.Kernel(n_tok, n_hblk, threads=threads) as (bx, by):
             Q_s = T.alloc_shared([BH, D], bf16)
@@ -190,6 +242,7 @@ def build_sparse_mla_bwd(
             acc_dp = T.alloc_fragment([BH, BI], f32)
             acc_kv = T.alloc_fragment([BI, DC], f32)
             lim = T.alloc_local([1], i32)
+            o_reg = T.alloc_local([D // 4], bf16)  # row_stats: this thread's quarter of one out row
 
             h0 = by * BH
             if has_topk_length:
@@ -197,30 +250,26 @@ def build_sparse_mla_bwd(
             else:
                 lim[0] = topk_dim
 
-            if async_prologue:  # cp.async, committed with block 0's gather below: their latencies overlap
-                for h, d in T.Parallel(BH, D, annotations=tc.ASYNC_GATHER):
-                    Q_s[h, d] = Q[bx, h0 + h, d]
-                if D_tail > 0:
-                    for h, d in T.Parallel(BH, D_tail, annotations=tc.ASYNC_GATHER):
-                        Qt_s[h, d] = Q[bx, h0 + h, D + d]
-                for h, d in T.Parallel(BH, D, annotations=tc.ASYNC_GATHER):
-                    dO_s[h, d] = dO[bx, h0 + h, d]
-            else:
-                T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s)
-                if D_tail > 0:
-                    T.copy(Q[bx, h0 : h0 + BH, D:dqk], Qt_s)
-                T.copy(dO[bx, h0 : h0 + BH, 0:D], dO_s)
-            for h in T.Parallel(BH):
-                lse_s[h] = Lse2[bx, h0 + h]
-                delta_s[h] = Delta[bx, h0 + h]
-            T.fill(acc_dq, 0)
+            # Q / dO tiles by cp.async, committed with block 0's gather below, and the out rows into registers: their
+            # latencies overlap (at topk 640 the prologue is a larger share of a CTA's time)
+            for h, d in T.Parallel(BH, D, annotations=tc.ASYNC_GATHER):
+                Q_s[h, d] = Q[bx, h0 + h, d]
             if D_tail > 0:
-                T.fill(acc_dqt, 0)
-
+                for h, d in T.Parallel(BH, D_tail, annotations=tc.ASYNC_GATHER):
+                    Qt_s[h, d] = Q[bx, h0 + h, D + d]
+            for h, d in T.Parallel(BH, D, annotations=tc.ASYNC_GATHER):
+                dO_s[h, d] = dO[bx, h0 + h, d]
             if D_tail > 0:
                 gather(Indices, KV, KV_s, Kt_s, rows_s, 0, bx, lim[0], 0)
             else:
                 gather(Indices, KV, KV_s, KV_s, rows_s, 0, bx, lim[0], 0)
+            load_out_rows(O, o_reg, bx, h0)
+            T.ptx_wait_group(0)
+            T.sync_threads()  # dO_s complete
+            row_stats(o_reg, dO_s, Lse, Sink, DLse, DSink, lse_s, delta_s, bx, h0)
+            T.fill(acc_dq, 0)
+            if D_tail > 0:
+                T.fill(acc_dqt, 0)
 
             for it in T.serial(NI):
                 rb = it % 2
@@ -324,10 +373,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=32)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_topk_length: bool,
-              partials: bool, ablate: str = "", async_prologue: bool = False):
+              partials: bool, has_sink: bool = False, has_dlse: bool = False, ablate: str = ""):
     func = build_sparse_mla_bwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                 has_topk_length=has_topk_length, partials=partials, ablate=ablate,
-                                async_prologue=async_prologue)
+                                has_sink=has_sink, has_dlse=has_dlse)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -362,29 +411,9 @@ def kernel_unsupported(q, kv, indices, out, lse, dout, *, d_v, topk_length=None,
     return None
 
 
-def _preprocess(out, dout, lse, attn_sink, dlse):
-    """(lse2 [T,H] f32: log2-unit lse with the sink gate folded in, delta [T,H] f32, gate g or None)."""
-    lse = lse.float()
-    delta = kernel_delta.row_dot(out, dout)  # one read of out / dout (PyTorch's fp32 copies cost 2.5 ms at H 128)
-    empty = torch.isposinf(lse)
-    lse2 = lse
-    g = None
-    if attn_sink is not None:
-        diff = attn_sink.float().unsqueeze(0) - lse
-        lse2 = lse + torch.nn.functional.softplus(diff)
-        # empty rows (lse = +inf) keep +inf (sink = +inf would give inf - inf)
-        g = torch.where(empty, torch.ones_like(lse), torch.sigmoid(-diff))
-    lse2 = torch.where(empty, torch.full_like(lse, math.inf), lse2 * LOG2E).contiguous()
-    if dlse is not None:  # no sink here: dS = P (dP - delta + dlse)
-        delta = delta - dlse.float()
-    delta = torch.where(torch.isfinite(lse), delta, torch.zeros_like(delta)).contiguous()
-    return lse2, delta, g
-
-
 def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: int, topk_length=None,
-                       attn_sink=None, deterministic: bool = False, dlse=None, async_prologue: bool = False):
-    """Returns (dq [T,H,Dqk] bf16, dkv [Tkv,Dqk] bf16, d_sink [H] f32 or None).  ``async_prologue``: the timing
-    build of ``build_sparse_mla_bwd`` (tests / timing only)."""
+                       attn_sink=None, deterministic: bool = False, dlse=None):
+    """Returns (dq [T,H,Dqk] bf16, dkv [Tkv,Dqk] bf16, d_sink [H] f32 or None)."""
     reason = kernel_unsupported(q, kv, indices, out, lse, dout, d_v=d_v, topk_length=topk_length,
                                 attn_sink=attn_sink, dlse=dlse)
     if reason is not None:
@@ -394,51 +423,46 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     n_tok, heads, dqk = q.shape
     n_kv = kv.shape[0]
     dev = q.device
-    lse2, delta, g = _preprocess(out, dout, lse, attn_sink, dlse)
-    d_sink = None
-    if attn_sink is not None:
-        d_sink = -((1 - g) * delta * torch.isfinite(lse)).sum(0)  # delta has no dlse here (unsupported)
+    has_sink, has_dlse, has_tl = attn_sink is not None, dlse is not None, topk_length is not None
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     acc = torch.zeros((n_kv, dqk), dtype=torch.float32, device=dev)
+    dsink_rows = torch.empty((n_tok, heads) if has_sink else (1, heads), dtype=torch.float32, device=dev)
     if n_tok == 0 or n_kv == 0:
         dq.zero_()
-        return dq, acc.to(kv.dtype), d_sink
-    q = q.contiguous()
-    kv = kv.contiguous()
-    dout = dout.contiguous()
-    indices = indices.contiguous()
-    has_tl = topk_length is not None
+        return dq, acc.to(kv.dtype), (dsink_rows.new_zeros(heads) if has_sink else None)
+    q, kv, dout, out, indices = (x.contiguous() for x in (q, kv, dout, out, indices))
+    lse = lse.contiguous()
+    sink = attn_sink.float().contiguous() if has_sink else lse.new_empty((1,))
+    dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))
     tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
     topk = indices.shape[1]
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
+    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, deterministic, has_sink, has_dlse)
     if not deterministic:
-        kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, False, "", async_prologue)
-        kernel(q, kv, dout, indices, tl_arg, lse2, delta, dq, acc)
-        return dq, acc.to(kv.dtype), d_sink
-
-    kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, True, "", async_prologue)
-    reduce = _compiled_reduce(dqk)
-    n_hblk = heads // BLOCK_H
-    chunk = max(1, min(n_tok, _PARTIAL_ELEMS // (n_hblk * topk * dqk)))
-    pos = torch.arange(topk, device=dev)
-    rows = torch.arange(n_kv + 1, device=dev)
-    part = torch.empty((n_hblk * chunk * topk, dqk), dtype=torch.float32, device=dev)
-    for a in range(0, n_tok, chunk):
-        b = min(n_tok, a + chunk)
-        tc = b - a
-        idx = indices[a:b]
-        valid = (idx >= 0) & (idx < n_kv)
-        if has_tl:
-            valid &= pos.unsqueeze(0) < topk_length[a:b].unsqueeze(1)
-        keys = torch.where(valid, idx.long(), torch.full_like(idx, n_kv, dtype=torch.long))
-        keys = keys.reshape(-1).repeat(n_hblk)  # slot id (g * tc + t) * topk + j
-        skeys, order = torch.sort(keys, stable=True)
-        start = torch.searchsorted(skeys, rows).to(torch.int32)
-        tl_c = tl_arg[a:b] if has_tl else tl_arg
-        pc = part[: n_hblk * tc * topk]
-        kernel(q[a:b], kv, dout[a:b], idx, tl_c, lse2[a:b], delta[a:b], dq[a:b], pc)
-        reduce(pc, order.to(torch.int32), start, acc)
-    return dq, acc.to(kv.dtype), d_sink
+        kernel(q, kv, dout, out, indices, tl_arg, lse, sink, dl, dq, acc, dsink_rows)
+    else:
+        reduce = _compiled_reduce(dqk)
+        n_hblk = heads // BLOCK_H
+        chunk = max(1, min(n_tok, _PARTIAL_ELEMS // (n_hblk * topk * dqk)))
+        pos = torch.arange(topk, device=dev)
+        rows = torch.arange(n_kv + 1, device=dev)
+        part = torch.empty((n_hblk * chunk * topk, dqk), dtype=torch.float32, device=dev)
+        for a in range(0, n_tok, chunk):
+            b = min(n_tok, a + chunk)
+            tc = b - a
+            idx = indices[a:b]
+            valid = (idx >= 0) & (idx < n_kv)
+            if has_tl:
+                valid &= pos.unsqueeze(0) < topk_length[a:b].unsqueeze(1)
+            keys = torch.where(valid, idx.long(), torch.full_like(idx, n_kv, dtype=torch.long))
+            keys = keys.reshape(-1).repeat(n_hblk)  # slot id (g * tc + t) * topk + j
+            skeys, order = torch.sort(keys, stable=True)
+            start = torch.searchsorted(skeys, rows).to(torch.int32)
+            pc = part[: n_hblk * tc * topk]
+            kernel(q[a:b], kv, dout[a:b], out[a:b], idx, tl_arg[a:b] if has_tl else tl_arg, lse[a:b], sink,
+                   dl[a:b] if has_dlse else dl, dq[a:b], pc, dsink_rows[a:b] if has_sink else dsink_rows)
+            reduce(pc, order.to(torch.int32), start, acc)
+    return dq, acc.to(kv.dtype), (dsink_rows.sum(0) if has_sink else None)
 
 
 def lowering_cases():
@@ -475,17 +499,15 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
     dout = (torch.randn(S, H, D_V, generator=gen, device="cuda") * 0.1).bfloat16()
     scale = dqk**-0.5
     out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V)
-    lse2, delta, _ = _preprocess(out, dout, lse, None, None)
     dq = torch.empty_like(q)
     acc = torch.zeros((SKV, dqk), dtype=torch.float32, device="cuda")
-    tl_arg = idx.new_empty((1,))
+    tl_arg, sink, dl, ds = idx.new_empty((1,)), lse.new_empty((1,)), lse.new_empty((1, H)), lse.new_empty((1, H))
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
-    runs = [(a, False) for a in ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ())] + [("", True)]
-    for ablate, async_pro in runs:
-        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate, async_pro)
-        ms = _time_ms(lambda: kernel(q, kv, dout, idx, tl_arg, lse2, delta, dq, acc), 10)
-        print(f"ablate={ablate or 'none'}{' async_prologue' if async_pro else ''} S={S} H={H} Dqk={dqk} topk={topk}: "
+    for ablate in ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ()):
+        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate=ablate)
+        ms = _time_ms(lambda: kernel(q, kv, dout, out, idx, tl_arg, lse, sink, dl, dq, acc, ds), 10)
+        print(f"ablate={ablate or 'none'} S={S} H={H} Dqk={dqk} topk={topk}: "
               f"main kernel {ms:.3f} ms, "
               f"{flops / ms / 1e9:.1f} TFLOP/s (full-work FLOPs)", flush=True)
 

@@ -81,7 +81,7 @@ _ASYNC = tc.ASYNC_GATHER
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
               ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True,
-              wg1_early_free=False, persistent=0):
+              persistent=0):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -96,10 +96,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     (default since session 15): WG0 issues the next pair's QK on a.L while its remote PV is still in flight and
     retires that PV (frees b.L) only then, as FlashMLA's SM90 sparse prefill orders it; same products in the same
     order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697 ->
-    2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  ``wg1_early_free`` (timing build,
-    not yet run on the GPU): WG1 retires its local PV and frees b.R before it waits for P_a, instead of after issuing
-    the remote PV, so the producer can start b.R of the next pair that much earlier (WG1 needs it first); same
-    products in the same order.  ``persistent`` = P > 0 (timing build, not yet run on the GPU): P CTAs, CTA bx takes
+    2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  (Freeing b.R before WG1 waits for
+    P_a did not help: H 64 2.638 -> 2.623 ms, V4 0.880 -> 0.879, H 128 5.185 -> 5.223; removed, session 16.)
+    ``persistent`` = P > 0 (timing build; session 16, P 132: V4 prefill 0.880 -> 0.854 ms, H 64 / Dqk 576 at topk
+    640 0.942 -> 0.916, topk 1024 1.390 -> 1.386, topk 2048 2.615 -> 2.712, H 128 5.185 -> 5.357): P CTAs, CTA bx takes
     the items (token, head group) bx, bx + P, ... in order, each role looping over them after its ``setmaxnreg``, so
     the producer gathers the next item's first tiles during the consumers' epilogue and Q load; same products in the
     same order.  Every mbarrier keeps counting phases across items: with pb the role's count of the pairs of its
@@ -385,15 +385,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         T.copy(p1, P1)
                         T.fence_proxy_async()
                         T.barrier_arrive(bar_p1)
-                        if wg1_early_free:
-                            T.wait_wgmma(0)  # the local PV retired: b.R free while WG1 waits for P_a
-                            T.barrier_arrive(fr_br)
                         # remote PV: O_r += P_a V_a[:, 256:], P_a already at m_b
                         T.barrier_wait(bar_p0, pair_phase(pb, j))
                         T.wgmma_gemm(P0, KVa_r, acc_o1)
-                        if not wg1_early_free:
-                            T.wait_wgmma(1)  # the local PV retired: b.R no longer read
-                            T.barrier_arrive(fr_br)
+                        T.wait_wgmma(1)  # the local PV retired: b.R no longer read
+                        T.barrier_arrive(fr_br)
                         T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
                         T.barrier_arrive(fr_ar)
                         if j + 1 < npair[0]:
@@ -473,7 +469,6 @@ def build_sparse_mla_fwd(
     has_order: bool = False,
     overlap_qk: bool = True,
     l2_prefetch: bool = False,
-    wg1_early_free: bool = False,
     persistent: int = 0,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
@@ -486,8 +481,8 @@ def build_sparse_mla_fwd(
     (the tiles keep what shared memory holds); ``"half_gather"``: only even CTAs gather (at H 128, the bound of a
     cluster that gathers each row once for both head groups).  ``has_order``: one more input Order[T] int32 after Sink, the
     token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10 order).  ``l2_prefetch`` (timing build): the gather's
-    cp.async carry the ``.L2::128B`` hint (``_tl_common.L2_PREFETCH_PRELUDE``); ``wg1_early_free``, ``persistent``:
-    ``pair_body``'s (timing builds)."""
+    cp.async carry the ``.L2::128B`` hint (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``:
+    ``pair_body``'s (timing build)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -496,7 +491,7 @@ def build_sparse_mla_fwd(
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, prelude=tc.L2_PREFETCH_PRELUDE if l2_prefetch else None,
-                     wg1_early_free=wg1_early_free, persistent=persistent)
+                     persistent=persistent)
 
     if has_order:
         @T.prim_func
@@ -608,7 +603,7 @@ def _bench_variants(rows=None, compile_only=False, topks=()):
         for label, kw in (("pair", dict()), ("no_overlap_qk", dict(overlap_qk=False)),
                           ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather")),
                           ("half_gather", dict(ablate="half_gather")), ("l2_prefetch", dict(l2_prefetch=True)),
-                          ("wg1_early_free", dict(wg1_early_free=True)), ("persistent", dict(persistent=n_sm))):
+                          ("persistent", dict(persistent=n_sm))):
             key = tuple(sorted(kw.items()))
             runs.append((label, lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                  sm_scale=dqk**-0.5, d_v=D_V)))
