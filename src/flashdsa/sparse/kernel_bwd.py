@@ -490,7 +490,7 @@ def _time_ms(fn, reps):
     return sorted(times)[len(times) // 2]
 
 
-def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
+def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048, ablates=None):
     """Main-kernel-only times of the fast path and of the ``ablate`` variants (wrong results, timing only)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
@@ -504,7 +504,9 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
     tl_arg, sink, dl, ds = idx.new_empty((1,)), lse.new_empty((1,)), lse.new_empty((1, H)), lse.new_empty((1, H))
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
-    for ablate in ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ()):
+    if ablates is None:
+        ablates = ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ())
+    for ablate in ablates:
         kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, ablate=ablate)
         ms = _time_ms(lambda: kernel(q, kv, dout, out, idx, tl_arg, lse, sink, dl, dq, acc, ds), 10)
         print(f"ablate={ablate or 'none'} S={S} H={H} Dqk={dqk} topk={topk}: "
@@ -517,6 +519,12 @@ def _bench(argv=None):
     import sys
 
     argv = argv if argv is not None else sys.argv[1:]
+    if "--topk" in argv:  # "--topk 320,640,1280": the V4 shape's main kernel at these topk (a fit of time per CTA
+        # = fixed + blocks x per-block separates the prologue / epilogue from the per-block cost), with and
+        # without the atomics
+        for k in argv[argv.index("--topk") + 1].split(","):
+            _bench_ablate(dqk=512, topk=int(k), ablates=("", "no_atomics"))
+        return
     if "--ablate" in argv:  # "--v4": the V4 shape too; "--h128": H 128 too (with "half_atomics")
         _bench_ablate()
         if "--h128" in argv:
