@@ -173,6 +173,16 @@ def narrow_macros(*, BR, BI, D, has_tail, c_log2):
     return qk_t, softmax_pv, softmax_stage
 
 
+def sink_exponent(sink, m, c_log2):
+    """``sink * log2(e) - m * c_log2`` with both products and the difference rounded separately
+    (``__fmul_rn`` / ``__fsub_rn`` are never contracted into an FMA): nvcc otherwise fuses them one way in one
+    loop nest and another way in the next (session 16: the persistent pair grid's ``fma.rn.f32`` vs the one-item
+    kernel's ``mul.f32``), and the sink outputs of two kernels with the same products would differ in the last bit."""
+    f32 = "float32"
+    return T.call_extern(f32, "__fsub_rn", T.call_extern(f32, "__fmul_rn", sink, T.float32(LOG2E)),
+                         T.call_extern(f32, "__fmul_rn", m, T.float32(c_log2)))
+
+
 def padded_head_macros(*, BH, D, D_tail, dqk, heads, c_log2, has_sink, dtype, sync_before_stage=False):
     """Macros of the pipelined forwards (grid (T, ceil(H / 64)), heads padded to 64 rows):
 
@@ -210,11 +220,7 @@ def padded_head_macros(*, BH, D, D_tail, dqk, heads, c_log2, has_sink, dtype, sy
             if has_sink:
                 inv[h] = T.if_then_else(
                     l_i[h] > 0,
-                    1.0
-                    / (
-                        l_i[h]
-                        + T.exp2(Sink[T.min(h0 + h, heads - 1)] * T.float32(LOG2E) - m_i[h] * c_log2)
-                    ),
+                    1.0 / (l_i[h] + T.exp2(sink_exponent(Sink[T.min(h0 + h, heads - 1)], m_i[h], c_log2))),
                     T.float32(0),
                 )
             else:

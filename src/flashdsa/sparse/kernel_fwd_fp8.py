@@ -309,11 +309,7 @@ def build_sparse_mla_fwd_fp8(
                 if has_sink:
                     inv[h] = T.if_then_else(
                         l_i[h] > 0,
-                        u_i[h]
-                        / (
-                            l_i[h]
-                            + T.exp2(Sink[T.min(h0 + h, heads - 1)] * T.float32(LOG2E) - m_i[h] * c_log2)
-                        ),
+                        u_i[h] / (l_i[h] + T.exp2(tc.sink_exponent(Sink[T.min(h0 + h, heads - 1)], m_i[h], c_log2))),
                         T.float32(0),
                     )
                 else:

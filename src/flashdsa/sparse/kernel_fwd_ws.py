@@ -104,7 +104,7 @@ def _ws_macros(*, BH, BI, DH, D, D_tail, dqk, c_log2, has_sink, has_topk_length,
             if has_sink:
                 inv[h] = T.if_then_else(
                     l_i[h] > 0,
-                    1.0 / (l_i[h] + T.exp2(Sink[h0 + h] * T.float32(LOG2E) - m_i[h] * c_log2)),
+                    1.0 / (l_i[h] + T.exp2(tc.sink_exponent(Sink[h0 + h], m_i[h], c_log2))),
                     T.float32(0),
                 )
             else:
