@@ -558,17 +558,6 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def dispatched(q, order=None):
-    """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the build this module runs
-    for ``q``'s device: with ``order``, the ordered one-item-per-CTA build; else the persistent grid up to
-    ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above."""
-    if order is not None:
-        return lambda *a: _compiled(*a, (("has_order", True),))
-    n_sm = 0 if not q.is_cuda else _num_sms(q.device.index if q.device.index is not None
-                                             else torch.cuda.current_device())
-    return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm))
-
-
 def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
     """None if this kernel handles the arguments, else a short reason: the pipelined kernel's rules, and full
     64-head tiles."""
@@ -586,7 +575,13 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"sparse_mla fwd pair kernel: {reason}")
-    return kernel_fwd.launch(dispatched(q, order), q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+    if order is not None:
+        compiled = lambda *a: _compiled(*a, (("has_order", True),))  # noqa: E731
+    else:
+        n_sm = 0 if not q.is_cuda else _num_sms(q.device.index if q.device.index is not None
+                                                 else torch.cuda.current_device())
+        compiled = lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm))  # noqa: E731
+    return kernel_fwd.launch(compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
                              attn_sink=attn_sink, extra=() if order is None else (order,))
 
 
