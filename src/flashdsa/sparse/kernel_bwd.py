@@ -45,8 +45,10 @@ Design:
 Shared memory (Dqk = 576): Q 64x512 + dO 64x512 + KV 64x512 bf16 (3 x 64 KiB) + Q/K tails 2 x 8 KiB + P, dS
   2 x 8 KiB + rows (2 x 64) /lse2/delta = 230,656 B as TileLang lays it out (cap 232,448 B).  Dqk = 512: 214,016 B.
 Registers (per thread, 256 threads): dq 64x512 fp32 = 128, dq_tail 16, S/P 16, dP/dS 16, dKV chunk 64x64 = 16:
-  ~192 live floats + addresses.  ptxas (CUDA 13.0, sm_90a, -O3): 254 registers, 0 spill stores/loads for
-  H128/Dqk576/topk2048/topk_length, H64/Dqk576/partials, H128/Dqk512; segment_reduce: 32 registers.
+  ~192 live floats + addresses; the prologue's out rows (64) are dead before the loop.  ptxas (CUDA 13.0, sm_90a,
+  -O3, session 16): 248-254 registers, 0 spill stores/loads for H64/Dqk576, H128/Dqk576/topk_length (+ sink),
+  H64/Dqk512/sink, H128/Dqk512/dlse; H64/Dqk576/partials (deterministic): 255 registers, 4 bytes of spill;
+  segment_reduce: 32 registers.
 FLOPs: 2 * S * H * topk * (3 * Dqk + 2 * d_v) (QK^T, dS K, dS^T Q over Dqk; dO V^T, P^T dO over d_v).
 Verified: GPU tests (tests/sparse_mla/test_kernel_bwd_gpu.py, test_autograd_gpu.py) and compute-sanitizer memcheck
   (scripts/memcheck_small.py sparse_bwd, sparse_bwd_det) on the H200; host logic against the reference on CPU.
