@@ -434,11 +434,10 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
         return dq, acc.to(kv.dtype), (dsink_rows.new_zeros(heads) if has_sink else None)
     q, kv, dout, out, indices = (x.contiguous() for x in (q, kv, dout, out, indices))
     lse = lse.contiguous()
-    sink = attn_sink.float().contiguous() if has_sink else lse.new_empty((1,))
+    _, _, tl_arg, sink, n_blocks = tc.optional_args(indices, topk_length,
+                                                    attn_sink.float() if has_sink else None, dev)
     dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))
-    tl_arg = topk_length.contiguous() if has_tl else indices.new_empty((1,))
     topk = indices.shape[1]
-    n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
     kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, deterministic, has_sink, has_dlse)
     if not deterministic:
         kernel(q, kv, dout, out, indices, tl_arg, lse, sink, dl, dq, acc, dsink_rows)
@@ -451,16 +450,16 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
         part = torch.empty((n_hblk * chunk * topk, dqk), dtype=torch.float32, device=dev)
         for a in range(0, n_tok, chunk):
             b = min(n_tok, a + chunk)
-            tc = b - a
+            n_c = b - a
             idx = indices[a:b]
             valid = (idx >= 0) & (idx < n_kv)
             if has_tl:
                 valid &= pos.unsqueeze(0) < topk_length[a:b].unsqueeze(1)
             keys = torch.where(valid, idx.long(), torch.full_like(idx, n_kv, dtype=torch.long))
-            keys = keys.reshape(-1).repeat(n_hblk)  # slot id (g * tc + t) * topk + j
+            keys = keys.reshape(-1).repeat(n_hblk)  # slot id (g * n_c + t) * topk + j
             skeys, order = torch.sort(keys, stable=True)
             start = torch.searchsorted(skeys, rows).to(torch.int32)
-            pc = part[: n_hblk * tc * topk]
+            pc = part[: n_hblk * n_c * topk]
             kernel(q[a:b], kv, dout[a:b], out[a:b], idx, tl_arg[a:b] if has_tl else tl_arg, lse[a:b], sink,
                    dl[a:b] if has_dlse else dl, dq[a:b], pc, dsink_rows[a:b] if has_sink else dsink_rows)
             reduce(pc, order.to(torch.int32), start, acc)
@@ -494,6 +493,8 @@ def _time_ms(fn, reps):
 
 def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048, ablates=None):
     """Main-kernel-only times of the fast path and of the ``ablate`` variants (wrong results, timing only)."""
+    from ..bench.flops import sparse_bwd_flops
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
     kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
@@ -505,7 +506,7 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048, ablates=None):
     acc = torch.zeros((SKV, dqk), dtype=torch.float32, device="cuda")
     tl_arg, sink, dl, ds = idx.new_empty((1,)), lse.new_empty((1,)), lse.new_empty((1, H)), lse.new_empty((1, H))
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
-    flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
+    flops = sparse_bwd_flops(H, S * topk, dqk, D_V)  # every index is valid here
     if ablates is None:
         ablates = ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ())
     for ablate in ablates:
@@ -519,6 +520,8 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048, ablates=None):
 def _bench(argv=None):
     """GPU timing of the headline shapes: ``python -m flashdsa.sparse.kernel_bwd [--quick] [--ablate]``."""
     import sys
+
+    from ..bench.flops import sparse_bwd_flops
 
     argv = argv if argv is not None else sys.argv[1:]
     if "--topk" in argv:  # "--topk 320,640,1280": the V4 shape's main kernel at these topk (a fit of time per CTA
@@ -551,7 +554,7 @@ def _bench(argv=None):
         attn_sink = torch.randn(H, generator=gen, device="cuda") if sink else None
         scale = dqk**-0.5
         out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V, attn_sink=attn_sink)
-        flops = 2 * S * H * topk * (3 * dqk + 2 * D_V)
+        flops = sparse_bwd_flops(H, S * topk, dqk, D_V)  # every index is valid here
         for det in (False, True):
             def fn():
                 return run_sparse_mla_bwd(q, kv, idx, out, lse, dout, sm_scale=scale, d_v=D_V, attn_sink=attn_sink,

@@ -98,9 +98,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697 ->
     2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  (Freeing b.R before WG1 waits for
     P_a did not help: H 64 2.638 -> 2.623 ms, V4 0.880 -> 0.879, H 128 5.185 -> 5.223; removed, session 16.)
-    ``persistent`` = P > 0 (timing build; session 16, P 132: V4 prefill 0.880 -> 0.854 ms, H 64 / Dqk 576 at topk
-    640 0.942 -> 0.916, topk 1024 1.390 -> 1.386, topk 2048 2.615 -> 2.712, H 128 5.185 -> 5.357): P CTAs, CTA bx takes
-    the items (token, head group) bx, bx + P, ... in order, each role looping over them after its ``setmaxnreg``, so
+    ``persistent`` = P > 0 (timing build; session 16, P 132: V4 prefill 0.880 -> 0.854 ms, H 64 / Dqk 576 at
+    topk 640 0.942 -> 0.916, topk 1024 1.390 -> 1.386, topk 2048 2.615 -> 2.712, H 128 5.185 -> 5.357): P CTAs,
+    CTA bx takes the items (token, head group) bx, bx + P, ... in order, each role looping over them after its ``setmaxnreg``, so
     the producer gathers the next item's first tiles during the consumers' epilogue and Q load; same products in the
     same order.  Every mbarrier keeps counting phases across items: with pb the role's count of the pairs of its
     earlier items, pair j waits parity (pb + j) & 1 (the producer's free waits ((pb + j) & 1) ^ 1).  Between items,
@@ -479,10 +479,10 @@ def build_sparse_mla_fwd(
     into registers before its free-barrier waits; False: after them.  ``ablate="no_gather"`` (timing only, wrong
     results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``) keeps the protocol but issues no cp.async
     (the tiles keep what shared memory holds); ``"half_gather"``: only even CTAs gather (at H 128, the bound of a
-    cluster that gathers each row once for both head groups).  ``has_order``: one more input Order[T] int32 after Sink, the
-    token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10 order).  ``l2_prefetch`` (timing build): the gather's
-    cp.async carry the ``.L2::128B`` hint (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``:
-    ``pair_body``'s (timing build)."""
+    cluster that gathers each row once for both head groups).  ``has_order``: one more input Order[T] int32 after
+    Sink, the token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10
+    order).  ``l2_prefetch`` (timing build): the gather's cp.async carry the ``.L2::128B`` hint
+    (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (timing build)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -587,6 +587,7 @@ def _bench_variants(rows=None, compile_only=False, topks=()):
     CTA = fixed + blocks x per-block separates the per-CTA prologue / epilogue from the per-block cost)."""
     import torch
 
+    from ..bench.flops import sparse_fwd_flops
     from ..bench.harness import time_fn
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -598,7 +599,7 @@ def _bench_variants(rows=None, compile_only=False, topks=()):
     for name, heads, dqk, topk in shapes:
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=heads, dqk=dqk, topk=topk)
         blocks_per_sm = q.shape[0] * (heads // BLOCK_H) * (topk // BLOCK_I) / n_sm
-        flops = 2 * q.shape[0] * heads * topk * (dqk + D_V)
+        flops = sparse_fwd_flops(heads, idx.numel(), dqk, D_V)  # every index is valid here
         runs = [("padded", lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk**-0.5, d_v=D_V, pair=False))]
         for label, kw in (("pair", dict()), ("no_overlap_qk", dict(overlap_qk=False)),
                           ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather")),

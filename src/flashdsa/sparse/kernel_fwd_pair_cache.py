@@ -292,6 +292,7 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
     (the ablation differs by design); then the copy alone.  ``rows``: labels to run (default all);
     ``compile_only``: one call each, no timing (warms the TileLang cache: run one process per row in parallel, then
     time in one process)."""
+    from ..bench.flops import sparse_fwd_flops
     from ..bench.harness import time_fn
     from ..quant import dequantize_kv_fp8, quantize_kv_fp8
     from . import kernel_dequant656, kernel_fwd, kernel_fwd_pair
@@ -304,7 +305,7 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
         kv_deq = dequantize_kv_fp8(kv8)
         idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk].to(torch.int32)
         sm = dqk**-0.5
-        flops = 2 * n_tok * heads * topk * (dqk + D_V)
+        flops = sparse_fwd_flops(heads, idx.numel(), dqk, D_V)  # every index is valid here
         runs = {"bf16_pair": lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, idx, sm_scale=sm, d_v=D_V),
                 "bf16_pair_no_overlap_qk": lambda: kernel_fwd.launch(
                     lambda *a: kernel_fwd_pair._compiled(*a, (("overlap_qk", False),)), q, kv_deq, idx, sm_scale=sm,

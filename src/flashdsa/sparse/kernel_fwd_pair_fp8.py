@@ -534,6 +534,7 @@ def _bench_variants(tkvs=(8192, 131072)):
     |out - bf16 pair| of each."""
     import torch
 
+    from ..bench.flops import sparse_fwd_flops
     from ..bench.harness import time_fn
     from ..quant import quantize_fp8
     from . import kernel_fwd_pair
@@ -548,7 +549,7 @@ def _bench_variants(tkvs=(8192, 131072)):
         kvd = (kv8.float() * kv_scale.unsqueeze(-1)).bfloat16()
         idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk].to(torch.int32)
         sm = dqk**-0.5
-        flops = 2 * n_tok * heads * topk * (dqk + D_V)
+        flops = sparse_fwd_flops(heads, idx.numel(), dqk, D_V)  # every index is valid here
         kw = dict(q_scale=q_scale, kv_scale=kv_scale, sm_scale=sm, d_v=D_V)
         runs = {"bf16_pair": lambda: kernel_fwd_pair.run_sparse_mla_fwd(qd, kvd, idx, sm_scale=sm, d_v=D_V),
                 "fp8_pair": lambda: run_sparse_mla_fwd_fp8(q8, kv8, idx, **kw),
