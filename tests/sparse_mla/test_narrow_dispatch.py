@@ -134,3 +134,10 @@ def test_cache656_few_head_forms_reject_wide_heads(record, form):
     idx = torch.zeros(3, 100, dtype=torch.int32)
     with pytest.raises(ValueError, match="H=17"):
         kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=form)
+
+
+@pytest.mark.parametrize("n_blocks,n_sm,expect", [(10, 132, (("persistent", 132),)), (1, 78, (("persistent", 78),)),
+                                                   (11, 132, ()), (32, 132, ()), (5, 0, ())])
+def test_pair_grid_rule(n_blocks, n_sm, expect):
+    """The pair kernel's grid: persistent (one CTA per SM looping over the items) up to 10 blocks of 64 slots."""
+    assert kernel_fwd_pair._persistent_kw(n_blocks, n_sm) == expect

@@ -285,7 +285,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     if narrow:
         compiled = kernel_fwd_narrow._compiled
     elif pair:
-        compiled = kernel_fwd_pair._compiled
+        compiled = kernel_fwd_pair.dispatched(q)
     else:
         compiled = _compiled
     return launch(compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
