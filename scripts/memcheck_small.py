@@ -104,12 +104,13 @@ def sparse(form):
     return ok
 
 
-def sparse_bwd(deterministic):
-    """The dispatched sparse MLA backward (fast atomics path / deterministic path), H 64, invalid indices of every
-    kind, an all-invalid row, NaN in unselected KV rows (their gradient must be exactly 0), a sink with +-inf."""
+def sparse_bwd(deterministic, dqk=576):
+    """The dispatched sparse MLA backward (fast atomics path / deterministic path; Dqk 512: the reducer warpgroup),
+    H 64, invalid indices of every kind, an all-invalid row, NaN in unselected KV rows (their gradient must be
+    exactly 0), a sink with +-inf."""
     import flashdsa
 
-    q, kv, idx = _sparse_inputs(37, 64, 600, 200)
+    q, kv, idx = _sparse_inputs(37, 64, 600, 200, dqk=dqk)
     g = torch.Generator(device=DEV).manual_seed(5)
     dout = (torch.randn(37, 64, 512, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
     sink = torch.randn(64, device=DEV, generator=g)
@@ -127,7 +128,7 @@ def sparse_bwd(deterministic):
               "d_sink": _close(ds, rs, 1e-3, 8 / 128), "unreferenced dkv = 0": bool((dkv[300:].float() == 0).all())}
     good = all(checks.values())
     err = (ds.float().cpu() - rs.float()).abs().max().item()
-    print(f"  sparse bwd deterministic={deterministic}: {'ok' if good else 'MISMATCH'} {checks}, d_sink max err {err:.2e}")
+    print(f"  sparse bwd Dqk {dqk} deterministic={deterministic}: {'ok' if good else 'MISMATCH'} {checks}, d_sink max err {err:.2e}")
     return good
 
 
@@ -157,7 +158,8 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "paged_pipelined": lambda: paged("pipelined"), "sparse_bf16": lambda: sparse("bf16"),
            "sparse_cache656": lambda: sparse("cache656"), "sparse_fp8": lambda: sparse("fp8"), "decode": decode,
            "decode_bs16": lambda: decode(16, 1, 16), "decode_ws": lambda: decode(64, 1, 64),
-           "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True)}
+           "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True),
+           "sparse_bwd512": lambda: sparse_bwd(False, 512)}
 
 
 def main():
