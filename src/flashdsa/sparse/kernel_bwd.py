@@ -126,7 +126,7 @@ def build_sparse_mla_bwd(
     issue it; the reducer sends them as 16-byte ``red.global.add.v4.f32``.
 
     ``ablate`` (timing only, wrong results): ``"no_atomics"`` drops the dKV stores/atomics (the dKV wgmmas
-    stay), ``"no_dkv"`` drops the dKV wgmmas and stores, ``"half_atomics"`` keeps head group 0's atomics only.
+    stay; with the reducer: ``"red_skip"``, the hand-over stays), ``"no_dkv"`` drops the dKV wgmmas and stores, ``"half_atomics"`` keeps head group 0's atomics only.
     Differences of the times locate the bottleneck.
 
     Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], O[T,H,d_v] bf16, Indices[T,topk], TopkLen[n_tl],
@@ -146,8 +146,9 @@ def build_sparse_mla_bwd(
     n_hblk = heads // BH
     NI = (int(topk) + BI - 1) // BI
     assert sm_scale is not None and sm_scale > 0
-    assert ablate in ("", "no_atomics", "no_dkv", "half_atomics"), ablate
-    assert not reducer or (D_tail == 0 and not partials and not ablate), "reducer: Dqk 512 fast path only"
+    assert ablate in ("", "no_atomics", "no_dkv", "half_atomics", "red_skip"), ablate
+    assert not reducer or (D_tail == 0 and not partials and ablate in ("", "red_skip")), "reducer: Dqk 512 fast path"
+    assert reducer or ablate != "red_skip", "red_skip: a reducer build"
     NCH = dqk // DC  # dKV chunks per block
     c_log2 = float(sm_scale) * LOG2E
 
@@ -214,7 +215,7 @@ def build_sparse_mla_bwd(
         if half == 1:
             T.barrier_arrive(st_free)
         for i in T.unroll(4):
-            if rr[i] >= 0:
+            if rr[i] >= 0 and ablate != "red_skip":
                 T.call_extern("handle", "fdsa_red_add_v4", T.address_of(dKV[rr[i], c * DC + (t % 16) * 4]),
                               vals[i * 4], vals[i * 4 + 1], vals[i * 4 + 2], vals[i * 4 + 3])
 
@@ -621,8 +622,9 @@ def _bench(argv=None):
             _bench_ablate(dqk=512, topk=int(k), ablates=("", "no_atomics"))
         return
     if "--reducer" in argv:  # the reducer warpgroup against the default build (V4 shape, and H 64 at Dqk 512)
-        for kw in (dict(topk=640), dict(topk=2048)):
-            _bench_ablate(dqk=512, ablates=("", "no_atomics"), builds=(dict(reducer=True),), **kw)
+        for kw in (dict(topk=640), dict(topk=2048), dict(topk=2048, H=128)):
+            _bench_ablate(dqk=512, ablates=("", "no_atomics"),
+                          builds=(dict(reducer=True), dict(reducer=True, ablate="red_skip")), **kw)
         return
     if "--ablate" in argv:  # "--v4": the V4 shape too; "--h128": H 128 too (with "half_atomics")
         _bench_ablate()
