@@ -117,12 +117,8 @@ def build_sparse_mla_bwd(
     has_sink: bool = False,
     has_dlse: bool = False,
     reducer: bool = False,
-    red_overlap: bool = False,
 ):
     """Return the main backward prim_func.
-
-    ``red_overlap`` (fast path, timing build): the dKV stage in 32-column chunks, two accumulators in turn: the
-    atomics of chunk k are issued while the wgmma of chunk k+1 runs (same registers as the 64-column chunks).
 
     ``reducer`` (Dqk 512, fast path): a third warpgroup issues the dK/dV atomics.  The two compute warpgroups
     hand each 64 x 64 fp32 dKV chunk over through a shared stage (mbarriers ``st_full`` / ``st_free``) and go on
@@ -154,8 +150,6 @@ def build_sparse_mla_bwd(
     assert not reducer or (D_tail == 0 and not partials and ablate in ("", "red_skip")), "reducer: Dqk 512 fast path"
     assert reducer or ablate != "red_skip", "red_skip: a reducer build"
     NCH = dqk // DC  # dKV chunks per block
-    assert not red_overlap or (not reducer and not partials and not ablate), "red_overlap: fast path"
-    DC2 = DC // 2  # red_overlap's chunk width
     c_log2 = float(sm_scale) * LOG2E
 
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -208,44 +202,6 @@ def build_sparse_mla_bwd(
                 ok = _row_ok(rr)
                 Kt_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), D + d], T.cast(0, bf16))
         T.ptx_commit_group()
-
-    @T.macro
-    def red_chunk(dKV, acc, rows_s, rb, col0):
-        for r, d in T.Parallel(BI, DC2):
-            if rows_s[rb, r] >= 0:
-                T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc[r, d])
-
-    @T.macro
-    def issue_chunk(dS_s, P_s, Q_s, dO_s, acc, k):
-        # acc = dS^T Q[:, 32 k ..] + P^T dO[:, 32 k ..], issued (not waited)
-        T.wgmma_gemm(dS_s, Q_s[:, k * DC2 : k * DC2 + DC2], acc, transpose_A=True, clear_accum=True,
-                     policy=T.GemmWarpPolicy.FullRow)
-        T.wgmma_gemm(P_s, dO_s[:, k * DC2 : k * DC2 + DC2], acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-
-    @T.macro
-    def dkv_overlapped(dKV, dS_s, P_s, Q_s, dO_s, Qt_s, acc_a, acc_b, rows_s, rb):
-        # chunks 2 k2 (acc_a) and 2 k2 + 1 (acc_b): each chunk's atomics go out while the next chunk's wgmma runs;
-        # every wgmma is retired inside the iteration that issued it
-        for k2 in T.unroll(D // DC2 // 2):
-            issue_chunk(dS_s, P_s, Q_s, dO_s, acc_a, 2 * k2)
-            if k2 > 0:
-                red_chunk(dKV, acc_b, rows_s, rb, (2 * k2 - 1) * DC2)
-            T.wait_wgmma(0)
-            issue_chunk(dS_s, P_s, Q_s, dO_s, acc_b, 2 * k2 + 1)
-            red_chunk(dKV, acc_a, rows_s, rb, 2 * k2 * DC2)
-            T.wait_wgmma(0)
-        if D_tail > 0:  # the rope columns: dS^T Q_tail only
-            T.wgmma_gemm(dS_s, Qt_s[:, 0:DC2], acc_a, transpose_A=True, clear_accum=True,
-                         policy=T.GemmWarpPolicy.FullRow)
-            red_chunk(dKV, acc_b, rows_s, rb, D - DC2)
-            T.wait_wgmma(0)
-            T.wgmma_gemm(dS_s, Qt_s[:, DC2:DC], acc_b, transpose_A=True, clear_accum=True,
-                         policy=T.GemmWarpPolicy.FullRow)
-            red_chunk(dKV, acc_a, rows_s, rb, D)
-            T.wait_wgmma(0)
-            red_chunk(dKV, acc_b, rows_s, rb, D + DC2)
-        else:
-            red_chunk(dKV, acc_b, rows_s, rb, D - DC2)
 
     @T.macro
     def reduce_half(dKV, Stage, rows_s, rb, c, t, half, vals, rr, st_free):
@@ -353,9 +309,6 @@ def build_sparse_mla_bwd(
                 rr = T.alloc_local([4], i32)
             else:
                 Stage = st_full = st_free = None
-            if red_overlap:
-                acc_a = T.alloc_fragment([BI, DC2], f32)
-                acc_b = T.alloc_fragment([BI, DC2], f32)
 
             tx = T.get_thread_binding()
             if tx < threads:  # the compute warpgroups (every thread without the reducer)
@@ -424,12 +377,7 @@ def build_sparse_mla_bwd(
                             gather(Indices, KV, KV_s, KV_s, rows_s, 1 - rb, bx, lim[0], it + 1)
 
                     # ---- dKV rows of this block, 64 columns at a time ----
-                    if red_overlap:
-                        if D_tail > 0:
-                            dkv_overlapped(dKV, dS_s, P_s, Q_s, dO_s, Qt_s, acc_a, acc_b, rows_s, rb)
-                        else:
-                            dkv_overlapped(dKV, dS_s, P_s, Q_s, dO_s, Q_s, acc_a, acc_b, rows_s, rb)
-                    elif ablate != "no_dkv":
+                    if ablate != "no_dkv":
                         for c in T.unroll(D // DC):
                             T.gemm(dS_s, Q_s[:, c * DC : c * DC + DC], acc_kv, transpose_A=True, clear_accum=True,
                                    policy=T.GemmWarpPolicy.FullRow)
@@ -504,10 +452,10 @@ def _pass_configs():
 @functools.lru_cache(maxsize=32)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_topk_length: bool,
               partials: bool, has_sink: bool = False, has_dlse: bool = False, ablate: str = "",
-              reducer: bool = False, red_overlap: bool = False):
+              reducer: bool = False):
     func = build_sparse_mla_bwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                 has_topk_length=has_topk_length, partials=partials, ablate=ablate,
-                                has_sink=has_sink, has_dlse=has_dlse, reducer=reducer, red_overlap=red_overlap)
+                                has_sink=has_sink, has_dlse=has_dlse, reducer=reducer)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -672,11 +620,6 @@ def _bench(argv=None):
         # without the atomics
         for k in argv[argv.index("--topk") + 1].split(","):
             _bench_ablate(dqk=512, topk=int(k), ablates=("", "no_atomics"))
-        return
-    if "--overlap" in argv:  # red_overlap against the default build (H 64 / 128 at Dqk 576; V4 with the reducer too)
-        _bench_ablate(ablates=("",), builds=(dict(red_overlap=True),))
-        _bench_ablate(H=128, ablates=("",), builds=(dict(red_overlap=True),))
-        _bench_ablate(dqk=512, topk=640, ablates=("",), builds=(dict(red_overlap=True), dict(reducer=True)))
         return
     if "--reducer" in argv:  # the reducer warpgroup against the default build (V4 shape, and H 64 at Dqk 512)
         for kw in (dict(topk=640), dict(topk=2048), dict(topk=2048, H=128)):
