@@ -97,6 +97,42 @@ __device__ __forceinline__ void fdsa_red_add_v4(float *ptr, float a, float b, fl
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(a), "f"(b), "f"(c), "f"(d)
                : "memory");
 }
+
+// reducer=2: the stage is two [64][32] fp32 halves (half h = columns 32 h.. of the chunk, written by compute
+// warpgroup h); 16-byte piece q of row r lives at piece q ^ (r & 7) (conflict-free writes and reads)
+__device__ __forceinline__ void fdsa_stage_put(float *stage, int r, int d, float v) {
+  const int c = d & 31;
+  stage[(d >> 5) * 2048 + r * 32 + ((((c >> 2) ^ r) & 7) << 2) + (c & 3)] = v;
+}
+
+// 64 reducer threads u of one half: rows u / 8 + 8 p, piece u % 8.  Rows 0-31 are read and reduced, rows 32-63
+// read, the half freed (mbarrier arrive: every read of the stage and of rows is done), then reduced.
+__device__ __forceinline__ void fdsa_reduce_half(const float *half, const int *rows, float *dkv, int ld, int col0,
+                                                 int u, void *free_bar, int do_red) {
+  const int q = u & 7;
+  float4 v[4];
+  int rr[4];
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int r = (u >> 3) + 8 * (4 * pass + p);
+      rr[p] = rows[r];
+      v[p] = *reinterpret_cast<const float4 *>(half + r * 32 + ((q ^ (r & 7)) << 2));
+    }
+    if (pass == 1) {
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(
+                       static_cast<unsigned>(__cvta_generic_to_shared(free_bar)))
+                   : "memory");
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      if (do_red && rr[p] >= 0) {
+        fdsa_red_add_v4(dkv + static_cast<long long>(rr[p]) * ld + col0 + q * 4, v[p].x, v[p].y, v[p].z, v[p].w);
+      }
+    }
+  }
+}
 """
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 _PARTIAL_ELEMS = 1 << 28  # deterministic mode: partial buffer <= 1 GiB fp32
@@ -168,7 +204,13 @@ def build_sparse_mla_bwd(
 
     @T.macro
     def store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, col0, Stage, st_full, st_free):
-        if reducer:  # hand the chunk to the reducer once it has taken the previous one
+        if reducer == 2:  # each compute warpgroup hands its 32 columns over once the reducer took its previous ones
+            wg = T.get_thread_binding() // 128
+            T.barrier_wait(st_free[wg], ((it * NCH + col0 // DC) % 2) ^ 1)
+            for r, d in T.Parallel(BI, DC):  # through an extern: TileLang adds no CTA-wide barrier for it
+                T.call_extern("handle", "fdsa_stage_put", T.address_of(Stage[0]), r, d, acc_kv[r, d])
+            T.barrier_arrive(st_full[wg])
+        elif reducer:  # hand the chunk to the reducer once it has taken the previous one
             T.barrier_wait(st_free, ((it * NCH + col0 // DC) % 2) ^ 1)
             T.copy(acc_kv, Stage)
             T.barrier_arrive(st_full)
@@ -300,7 +342,11 @@ def build_sparse_mla_bwd(
             acc_kv = T.alloc_fragment([BI, DC], f32)
             lim = T.alloc_local([1], i32)
             o_reg = T.alloc_local([D // 4], bf16)  # row_stats: this thread's quarter of one out row
-            if reducer:
+            if reducer == 2:
+                Stage = T.alloc_shared([BI * DC], f32)
+                st_full = T.alloc_barrier([128, 128])
+                st_free = T.alloc_barrier([64, 64])
+            elif reducer:
                 Stage = T.alloc_shared([BI, DC], f32)
                 T.annotate_layout({Stage: tilelang.layout.make_swizzled_layout(Stage)})
                 st_full = T.alloc_barrier(threads)
@@ -395,7 +441,17 @@ def build_sparse_mla_bwd(
                     T.copy(acc_dqt, Qt_s)
                     T.copy(Qt_s, dQ[bx, h0 : h0 + BH, D:dqk])
             else:  # the reducer warpgroup: the dKV chunks of every block, in the compute order
-                if reducer:
+                if reducer == 2:
+                    T.set_max_nreg(REGS_REDUCER, 0)
+                    u = tx - threads
+                    for it in T.serial(NI):
+                        for c in T.serial(NCH):
+                            T.barrier_wait(st_full[u // 64], (it * NCH + c) % 2)
+                            T.call_extern("handle", "fdsa_reduce_half", T.address_of(Stage[(u // 64) * BI * 32]),
+                                          T.address_of(rows_s[it % 2, 0]), T.address_of(dKV[0, 0]), dqk,
+                                          c * DC + (u // 64) * 32, u % 64, T.address_of(st_free[u // 64]),
+                                          0 if ablate == "red_skip" else 1)
+                elif reducer:
                     T.set_max_nreg(REGS_REDUCER, 0)
                     for it in T.serial(NI):
                         for c in T.serial(NCH):
@@ -516,7 +572,7 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))
     topk = indices.shape[1]
     kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, deterministic, has_sink, has_dlse,
-                       reducer=dqk == d_v and not deterministic)
+                       reducer=2 if dqk == d_v and not deterministic else 0)
     if not deterministic:
         kernel(q, kv, dout, out, indices, tl_arg, lse, sink, dl, dq, acc, dsink_rows)
     else:
@@ -622,9 +678,9 @@ def _bench(argv=None):
             _bench_ablate(dqk=512, topk=int(k), ablates=("", "no_atomics"))
         return
     if "--reducer" in argv:  # the reducer warpgroup against the default build (V4 shape, and H 64 at Dqk 512)
-        for kw in (dict(topk=640), dict(topk=2048), dict(topk=2048, H=128)):
+        for kw in (dict(topk=640), dict(topk=2048)):
             _bench_ablate(dqk=512, ablates=("", "no_atomics"),
-                          builds=(dict(reducer=True), dict(reducer=True, ablate="red_skip")), **kw)
+                          builds=tuple(dict(reducer=v, ablate=a) for v in (1, 2) for a in ("", "red_skip")), **kw)
         return
     if "--ablate" in argv:  # "--v4": the V4 shape too; "--h128": H 128 too (with "half_atomics")
         _bench_ablate()
