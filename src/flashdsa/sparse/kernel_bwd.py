@@ -39,12 +39,15 @@ Design:
     by construction (every sum has a fixed order); slower: the partials cost 2 x 4 B x Dqk per (slot, head
     group) of extra HBM traffic (~77 GB at the headline H = 128 shape, ~18 ms) -- likely > 2x the fast path.
   * Dqk 512 (K = V, DeepSeek-V4), fast path: a third warpgroup (the reducer, ``reducer=True``) issues the
-    atomics.  The compute warpgroups write each 64 x 64 fp32 dKV chunk into a swizzled shared stage (16 KiB;
-    mbarriers ``st_full`` / ``st_free``, one phase per chunk) and go on; the reducer reads the chunk and its rows,
-    frees the stage and sends 16-byte ``red.global.add.v4.f32``, so the reductions overlap the tensor work
-    instead of stalling the warps that issue wgmma (session 17, V4 main kernel 3.475 -> 3.316 ms, H 64 / topk
-    2048 10.53 -> 9.98; dq bitwise equal, dkv within 5e-8).  setmaxnreg 232 / 232 / 40.  Dqk 576 has no 16 KiB
-    left for the stage.
+    atomics.  Each compute warpgroup writes its 32 columns of a 64 x 64 fp32 dKV chunk into its half of a
+    16 KiB shared stage (``fdsa_stage_put``, an extern, so TileLang adds no CTA-wide barrier per chunk; XOR
+    swizzle, conflict-free) and arrives on that half's ``st_full``; two reducer warps per half read the rows and
+    values, arrive on ``st_free`` and send 16-byte ``red.global.add.v4.f32``.  The reductions then overlap the
+    tensor work instead of stalling the warps that issue wgmma.  Session 17, V4 main kernel 3.48 -> 3.32 ms,
+    H 64 / Dqk 512 / topk 2048 10.61 -> 9.98 (dq bitwise equal to the default build, dkv within 6e-8); without
+    the reductions (``red_skip``) 2.78 against 1.82 with no atomics at all: the hand-over through shared memory
+    costs about as much as it saves (a first form with one 64-column stage and a CTA-wide barrier per chunk:
+    3.37 / 2.92).  setmaxnreg 232 / 232 / 40.  Dqk 576 has no 16 KiB left for the stage.
   * dkv = fp32 accumulator .to(bf16); dq is written once, bf16, through the Q tile (no atomics).
   * T, Tkv and the indices width are dynamic symbols; the trip count ceil(topk / 64) is static (TileLang
     0.1.15 pitfalls, see kernel_fwd.py): kernels are cached per (H, Dqk, n_blocks, sm_scale, topk_length,
@@ -98,7 +101,7 @@ __device__ __forceinline__ void fdsa_red_add_v4(float *ptr, float a, float b, fl
                : "memory");
 }
 
-// reducer=2: the stage is two [64][32] fp32 halves (half h = columns 32 h.. of the chunk, written by compute
+// the reducer's stage: two [64][32] fp32 halves (half h = columns 32 h.. of the chunk, written by compute
 // warpgroup h); 16-byte piece q of row r lives at piece q ^ (r & 7) (conflict-free writes and reads)
 __device__ __forceinline__ void fdsa_stage_put(float *stage, int r, int d, float v) {
   const int c = d & 31;
@@ -156,13 +159,13 @@ def build_sparse_mla_bwd(
 ):
     """Return the main backward prim_func.
 
-    ``reducer`` (Dqk 512, fast path): a third warpgroup issues the dK/dV atomics.  The two compute warpgroups
-    hand each 64 x 64 fp32 dKV chunk over through a shared stage (mbarriers ``st_full`` / ``st_free``) and go on
-    with the next product, so the reductions into L2 overlap the tensor work instead of stalling the warps that
-    issue it; the reducer sends them as 16-byte ``red.global.add.v4.f32``.
+    ``reducer`` (Dqk 512, fast path): a third warpgroup issues the dK/dV atomics (module notes): each compute
+    warpgroup hands its 32 columns of every 64 x 64 fp32 dKV chunk over through its half of a shared stage
+    (mbarriers ``st_full`` / ``st_free`` per half) and goes on with the next product.
 
     ``ablate`` (timing only, wrong results): ``"no_atomics"`` drops the dKV stores/atomics (the dKV wgmmas
-    stay; with the reducer: ``"red_skip"``, the hand-over stays), ``"no_dkv"`` drops the dKV wgmmas and stores, ``"half_atomics"`` keeps head group 0's atomics only.
+    stay; with the reducer: ``"red_skip"``, the hand-over stays), ``"no_dkv"`` drops the dKV wgmmas and stores,
+    ``"half_atomics"`` keeps head group 0's atomics only.
     Differences of the times locate the bottleneck.
 
     Signature: (Q[T,H,Dqk], KV[Tkv,Dqk], dO[T,H,d_v], O[T,H,d_v] bf16, Indices[T,topk], TopkLen[n_tl],
@@ -204,16 +207,12 @@ def build_sparse_mla_bwd(
 
     @T.macro
     def store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, col0, Stage, st_full, st_free):
-        if reducer == 2:  # each compute warpgroup hands its 32 columns over once the reducer took its previous ones
+        if reducer:  # each compute warpgroup hands its 32 columns over once the reducer took its previous ones
             wg = T.get_thread_binding() // 128
             T.barrier_wait(st_free[wg], ((it * NCH + col0 // DC) % 2) ^ 1)
             for r, d in T.Parallel(BI, DC):  # through an extern: TileLang adds no CTA-wide barrier for it
                 T.call_extern("handle", "fdsa_stage_put", T.address_of(Stage[0]), r, d, acc_kv[r, d])
             T.barrier_arrive(st_full[wg])
-        elif reducer:  # hand the chunk to the reducer once it has taken the previous one
-            T.barrier_wait(st_free, ((it * NCH + col0 // DC) % 2) ^ 1)
-            T.copy(acc_kv, Stage)
-            T.barrier_arrive(st_full)
         elif ablate == "no_atomics":
             pass
         elif partials:  # row (head group, token, slot) of the partial buffer; valid slots only
@@ -244,22 +243,6 @@ def build_sparse_mla_bwd(
                 ok = _row_ok(rr)
                 Kt_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), D + d], T.cast(0, bf16))
         T.ptx_commit_group()
-
-    @T.macro
-    def reduce_half(dKV, Stage, rows_s, rb, c, t, half, vals, rr, st_free):
-        # rows 8 i + t / 16 (i = 4 half .. 4 half + 3) of the staged chunk, columns (t % 16) * 4 ..+ 4: read, then
-        # (second half) free the stage, then one 16-byte reduction per valid row
-        for i in T.unroll(4):
-            r = t // 16 + 8 * (half * 4 + i)
-            rr[i] = rows_s[rb, r]
-            for v in T.vectorized(4):
-                vals[i * 4 + v] = Stage[r, (t % 16) * 4 + v]
-        if half == 1:
-            T.barrier_arrive(st_free)
-        for i in T.unroll(4):
-            if rr[i] >= 0 and ablate != "red_skip":
-                T.call_extern("handle", "fdsa_red_add_v4", T.address_of(dKV[rr[i], c * DC + (t % 16) * 4]),
-                              vals[i * 4], vals[i * 4 + 1], vals[i * 4 + 2], vals[i * 4 + 3])
 
     @T.macro
     def load_out_rows(O, o_reg, bx, h0):
@@ -342,17 +325,10 @@ def build_sparse_mla_bwd(
             acc_kv = T.alloc_fragment([BI, DC], f32)
             lim = T.alloc_local([1], i32)
             o_reg = T.alloc_local([D // 4], bf16)  # row_stats: this thread's quarter of one out row
-            if reducer == 2:
+            if reducer:  # the stage (layout: the prelude's fdsa_stage_put) and one full / free barrier per half
                 Stage = T.alloc_shared([BI * DC], f32)
                 st_full = T.alloc_barrier([128, 128])
                 st_free = T.alloc_barrier([64, 64])
-            elif reducer:
-                Stage = T.alloc_shared([BI, DC], f32)
-                T.annotate_layout({Stage: tilelang.layout.make_swizzled_layout(Stage)})
-                st_full = T.alloc_barrier(threads)
-                st_free = T.alloc_barrier(128)
-                vals = T.alloc_local([16], f32)
-                rr = T.alloc_local([4], i32)
             else:
                 Stage = st_full = st_free = None
 
@@ -366,8 +342,8 @@ def build_sparse_mla_bwd(
                 else:
                     lim[0] = topk_dim
 
-                # Q / dO tiles by cp.async, committed with block 0's gather below, and the out rows into registers: their
-                # latencies overlap (at topk 640 the prologue is a larger share of a CTA's time)
+                # Q / dO tiles by cp.async, committed with block 0's gather below, and the out rows into registers:
+                # their latencies overlap (at topk 640 the prologue is a larger share of a CTA's time)
                 for h, d in T.Parallel(BH, D, annotations=tc.ASYNC_GATHER):
                     Q_s[h, d] = Q[bx, h0 + h, d]
                 if D_tail > 0:
@@ -431,7 +407,8 @@ def build_sparse_mla_bwd(
                                    policy=T.GemmWarpPolicy.FullRow)
                             store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, c * DC, Stage, st_full, st_free)
                         if D_tail > 0:
-                            T.gemm(dS_s, Qt_s, acc_kv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                            T.gemm(dS_s, Qt_s, acc_kv, transpose_A=True, clear_accum=True,
+                                   policy=T.GemmWarpPolicy.FullRow)
                             store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, D, Stage, st_full, st_free)
 
                 # ---- epilogue: dq (already scaled) through the Q tile ----
@@ -441,7 +418,7 @@ def build_sparse_mla_bwd(
                     T.copy(acc_dqt, Qt_s)
                     T.copy(Qt_s, dQ[bx, h0 : h0 + BH, D:dqk])
             else:  # the reducer warpgroup: the dKV chunks of every block, in the compute order
-                if reducer == 2:
+                if reducer:  # 64 threads per stage half
                     T.set_max_nreg(REGS_REDUCER, 0)
                     u = tx - threads
                     for it in T.serial(NI):
@@ -451,13 +428,6 @@ def build_sparse_mla_bwd(
                                           T.address_of(rows_s[it % 2, 0]), T.address_of(dKV[0, 0]), dqk,
                                           c * DC + (u // 64) * 32, u % 64, T.address_of(st_free[u // 64]),
                                           0 if ablate == "red_skip" else 1)
-                elif reducer:
-                    T.set_max_nreg(REGS_REDUCER, 0)
-                    for it in T.serial(NI):
-                        for c in T.serial(NCH):
-                            T.barrier_wait(st_full, (it * NCH + c) % 2)
-                            reduce_half(dKV, Stage, rows_s, it % 2, c, tx - threads, 0, vals, rr, st_free)
-                            reduce_half(dKV, Stage, rows_s, it % 2, c, tx - threads, 1, vals, rr, st_free)
 
     return sparse_mla_bwd
 
@@ -572,7 +542,7 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))
     topk = indices.shape[1]
     kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, deterministic, has_sink, has_dlse,
-                       reducer=2 if dqk == d_v and not deterministic else 0)
+                       reducer=dqk == d_v and not deterministic)
     if not deterministic:
         kernel(q, kv, dout, out, indices, tl_arg, lse, sink, dl, dq, acc, dsink_rows)
     else:
@@ -612,110 +582,7 @@ def combine_lowering_cases():
     return [("segment_reduce_d576", build_segment_reduce(dqk=576))]
 
 
-def _time_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+if __name__ == "__main__":  # the timing tools: python -m flashdsa.sparse.kernel_bwd [--ablate | --topk | --reducer]
+    from ._bwd_timing import main
 
-
-def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048, ablates=None, builds=()):
-    """Main-kernel-only times of the fast path and of the ``ablate`` variants (wrong results, timing only);
-    ``builds``: also these ``_compiled`` keyword sets, with their dq / dkv difference from the default build."""
-    from ..bench.flops import sparse_bwd_flops
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-    kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-    idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
-    dout = (torch.randn(S, H, D_V, generator=gen, device="cuda") * 0.1).bfloat16()
-    scale = dqk**-0.5
-    out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V)
-    dq = torch.empty_like(q)
-    acc = torch.zeros((SKV, dqk), dtype=torch.float32, device="cuda")
-    tl_arg, sink, dl, ds = idx.new_empty((1,)), lse.new_empty((1,)), lse.new_empty((1, H)), lse.new_empty((1, H))
-    n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
-    flops = sparse_bwd_flops(H, S * topk, dqk, D_V)  # every index is valid here
-    if ablates is None:
-        ablates = ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ())
-    ref = None
-    for kw in [dict(ablate=a) for a in ablates] + list(builds):
-        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, **kw)
-        diff = ""
-        if not kw.get("ablate"):
-            acc.zero_()
-            kernel(q, kv, dout, out, idx, tl_arg, lse, sink, dl, dq, acc, ds)
-            if ref is None:
-                ref = (dq.float().clone(), acc.clone())
-            else:
-                diff = (f" max|ddq| {(dq.float() - ref[0]).abs().max().item():.3g}"
-                        f" max|ddkv| {(acc - ref[1]).abs().max().item():.3g} (|dkv| {ref[1].abs().max().item():.3g})")
-        ms = _time_ms(lambda: kernel(q, kv, dout, out, idx, tl_arg, lse, sink, dl, dq, acc, ds), 10)
-        name = ",".join(f"{k}={v}" for k, v in kw.items() if v) or "none"
-        print(f"{name}{diff} S={S} H={H} Dqk={dqk} topk={topk}: "
-              f"main kernel {ms:.3f} ms, "
-              f"{flops / ms / 1e9:.1f} TFLOP/s (full-work FLOPs)", flush=True)
-
-
-def _bench(argv=None):
-    """GPU timing of the headline shapes: ``python -m flashdsa.sparse.kernel_bwd [--quick] [--ablate]``."""
-    import sys
-
-    from ..bench.flops import sparse_bwd_flops
-
-    argv = argv if argv is not None else sys.argv[1:]
-    if "--topk" in argv:  # "--topk 320,640,1280": the V4 shape's main kernel at these topk (a fit of time per CTA
-        # = fixed + blocks x per-block separates the prologue / epilogue from the per-block cost), with and
-        # without the atomics
-        for k in argv[argv.index("--topk") + 1].split(","):
-            _bench_ablate(dqk=512, topk=int(k), ablates=("", "no_atomics"))
-        return
-    if "--reducer" in argv:  # the reducer warpgroup against the default build (V4 shape, and H 64 at Dqk 512)
-        for kw in (dict(topk=640), dict(topk=2048)):
-            _bench_ablate(dqk=512, ablates=("", "no_atomics"),
-                          builds=tuple(dict(reducer=v, ablate=a) for v in (1, 2) for a in ("", "red_skip")), **kw)
-        return
-    if "--ablate" in argv:  # "--v4": the V4 shape too; "--h128": H 128 too (with "half_atomics")
-        _bench_ablate()
-        if "--h128" in argv:
-            _bench_ablate(H=128)
-        if "--v4" in argv:
-            _bench_ablate(dqk=512, topk=640)
-        return
-    quick = "--quick" in argv
-    shapes = [  # (S, SKV, H, Dqk, topk, sink)
-        (4096, 8192, 64, 576, 2048, False),
-        (4096, 8192, 128, 576, 2048, False),
-        (4096, 8192, 64, 512, 640, True),
-    ]
-    if quick:
-        shapes = shapes[:1]
-    for S, SKV, H, dqk, topk, sink in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-        kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-        idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
-        dout = (torch.randn(S, H, D_V, generator=gen, device="cuda") * 0.1).bfloat16()
-        attn_sink = torch.randn(H, generator=gen, device="cuda") if sink else None
-        scale = dqk**-0.5
-        out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V, attn_sink=attn_sink)
-        flops = sparse_bwd_flops(H, S * topk, dqk, D_V)  # every index is valid here
-        for det in (False, True):
-            def fn():
-                return run_sparse_mla_bwd(q, kv, idx, out, lse, dout, sm_scale=scale, d_v=D_V, attn_sink=attn_sink,
-                                          deterministic=det)
-
-            ms = _time_ms(fn, 3 if quick else 10)
-            print(f"S={S} SKV={SKV} H={H} Dqk={dqk} topk={topk} sink={sink} deterministic={det}: "
-                  f"{ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
-
-
-if __name__ == "__main__":
-    _bench()
+    main()

@@ -1,0 +1,122 @@
+"""GPU timing tools of the sparse MLA backward's main kernel (``python -m flashdsa.sparse.kernel_bwd ...``):
+``--ablate`` (without the atomics / the dK/dV stage), ``--topk`` (the V4 shape over topk), ``--reducer`` (the
+reducer warpgroup and its hand-over), and the headline shapes through ``run_sparse_mla_bwd``."""
+
+import torch
+
+from . import kernel_fwd
+from ._tl_common import BLOCK_I, D_V
+from .kernel_bwd import _compiled, run_sparse_mla_bwd
+
+
+def _time_ms(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048, ablates=None, builds=()):
+    """Main-kernel-only times of the fast path and of the ``ablate`` variants (wrong results, timing only);
+    ``builds``: also these ``_compiled`` keyword sets, with their dq / dkv difference from the default build."""
+    from ..bench.flops import sparse_bwd_flops
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+    kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+    idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
+    dout = (torch.randn(S, H, D_V, generator=gen, device="cuda") * 0.1).bfloat16()
+    scale = dqk**-0.5
+    out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V)
+    dq = torch.empty_like(q)
+    acc = torch.zeros((SKV, dqk), dtype=torch.float32, device="cuda")
+    tl_arg, sink, dl, ds = idx.new_empty((1,)), lse.new_empty((1,)), lse.new_empty((1, H)), lse.new_empty((1, H))
+    n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
+    flops = sparse_bwd_flops(H, S * topk, dqk, D_V)  # every index is valid here
+    if ablates is None:
+        ablates = ("", "no_atomics", "no_dkv") + (("half_atomics",) if H > 64 else ())
+    ref = None
+    for kw in [dict(ablate=a) for a in ablates] + list(builds):
+        kernel = _compiled(H, dqk, D_V, n_blocks, float(scale), False, False, **kw)
+        diff = ""
+        if not kw.get("ablate"):
+            acc.zero_()
+            kernel(q, kv, dout, out, idx, tl_arg, lse, sink, dl, dq, acc, ds)
+            if ref is None:
+                ref = (dq.float().clone(), acc.clone())
+            else:
+                diff = (f" max|ddq| {(dq.float() - ref[0]).abs().max().item():.3g}"
+                        f" max|ddkv| {(acc - ref[1]).abs().max().item():.3g} (|dkv| {ref[1].abs().max().item():.3g})")
+        ms = _time_ms(lambda: kernel(q, kv, dout, out, idx, tl_arg, lse, sink, dl, dq, acc, ds), 10)
+        name = ",".join(f"{k}={v}" for k, v in kw.items() if v) or "none"
+        print(f"{name}{diff} S={S} H={H} Dqk={dqk} topk={topk}: "
+              f"main kernel {ms:.3f} ms, "
+              f"{flops / ms / 1e9:.1f} TFLOP/s (full-work FLOPs)", flush=True)
+
+
+def _bench(argv=None):
+    """GPU timing of the headline shapes: ``python -m flashdsa.sparse.kernel_bwd [--quick] [--ablate]``."""
+    import sys
+
+    from ..bench.flops import sparse_bwd_flops
+
+    argv = argv if argv is not None else sys.argv[1:]
+    if "--topk" in argv:  # "--topk 320,640,1280": the V4 shape's main kernel at these topk (a fit of time per CTA
+        # = fixed + blocks x per-block separates the prologue / epilogue from the per-block cost), with and
+        # without the atomics
+        for k in argv[argv.index("--topk") + 1].split(","):
+            _bench_ablate(dqk=512, topk=int(k), ablates=("", "no_atomics"))
+        return
+    if "--reducer" in argv:  # the reducer warpgroup against the default build (V4 shape, and H 64 at Dqk 512)
+        for kw in (dict(topk=640), dict(topk=2048)):
+            _bench_ablate(dqk=512, ablates=("", "no_atomics"),
+                          builds=(dict(reducer=True), dict(reducer=True, ablate="red_skip")), **kw)
+        return
+    if "--ablate" in argv:  # "--v4": the V4 shape too; "--h128": H 128 too (with "half_atomics")
+        _bench_ablate()
+        if "--h128" in argv:
+            _bench_ablate(H=128)
+        if "--v4" in argv:
+            _bench_ablate(dqk=512, topk=640)
+        return
+    quick = "--quick" in argv
+    shapes = [  # (S, SKV, H, Dqk, topk, sink)
+        (4096, 8192, 64, 576, 2048, False),
+        (4096, 8192, 128, 576, 2048, False),
+        (4096, 8192, 64, 512, 640, True),
+    ]
+    if quick:
+        shapes = shapes[:1]
+    for S, SKV, H, dqk, topk, sink in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+        kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+        idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
+        dout = (torch.randn(S, H, D_V, generator=gen, device="cuda") * 0.1).bfloat16()
+        attn_sink = torch.randn(H, generator=gen, device="cuda") if sink else None
+        scale = dqk**-0.5
+        out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V, attn_sink=attn_sink)
+        flops = sparse_bwd_flops(H, S * topk, dqk, D_V)  # every index is valid here
+        for det in (False, True):
+            def fn():
+                return run_sparse_mla_bwd(q, kv, idx, out, lse, dout, sm_scale=scale, d_v=D_V, attn_sink=attn_sink,
+                                          deterministic=det)
+
+            ms = _time_ms(fn, 3 if quick else 10)
+            print(f"S={S} SKV={SKV} H={H} Dqk={dqk} topk={topk} sink={sink} deterministic={det}: "
+                  f"{ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+
+
+def main():
+    _bench()
+
+
+if __name__ == "__main__":
+    main()
