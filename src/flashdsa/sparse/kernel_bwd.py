@@ -598,7 +598,7 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))
     topk = indices.shape[1]
     kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, deterministic, has_sink, has_dlse,
-                       reducer=dqk == d_v and not deterministic)
+                       reducer=2 if dqk == d_v and not deterministic else 0)
     if not deterministic:
         kernel(q, kv, dout, out, indices, tl_arg, lse, sink, dl, dq, acc, dsink_rows)
     else:
