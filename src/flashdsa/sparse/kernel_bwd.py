@@ -136,37 +136,6 @@ __device__ __forceinline__ void fdsa_reduce_half(const float *half, const int *r
     }
   }
 }
-
-// reducer=2: four [64][16] fp32 pieces (piece 2 w + p = columns 32 w + 16 p.. of the chunk, written by compute
-// warpgroup w); 16-byte piece q of row r at q ^ ((r >> 1) & 3) (2 wavefronts per float2-wide write, conflict-free
-// reads).  Piece p of every chunk uses buffer p: a write waits for the read of the piece two back.
-__device__ __forceinline__ void fdsa_piece_put(float *stage, int r, int d, float v) {
-  const int c = d & 15;
-  stage[(d >> 4) * 1024 + r * 16 + ((((c >> 2) ^ (r >> 1)) & 3) << 2) + (c & 3)] = v;
-}
-
-// 64 reducer threads u of one warpgroup's pieces: rows u / 4 + 16 i, 16-byte piece u % 4; read, free, reduce
-__device__ __forceinline__ void fdsa_reduce_piece(const float *piece, const int *rows, float *dkv, int ld, int col0,
-                                                  int u, void *free_bar, int do_red) {
-  const int q = u & 3;
-  float4 v[4];
-  int rr[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = (u >> 2) + 16 * i;
-    rr[i] = rows[r];
-    v[i] = *reinterpret_cast<const float4 *>(piece + r * 16 + ((q ^ ((r >> 1) & 3)) << 2));
-  }
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];"
-               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(free_bar)))
-               : "memory");
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (do_red && rr[i] >= 0) {
-      fdsa_red_add_v4(dkv + static_cast<long long>(rr[i]) * ld + col0 + q * 4, v[i].x, v[i].y, v[i].z, v[i].w);
-    }
-  }
-}
 """
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 _PARTIAL_ELEMS = 1 << 28  # deterministic mode: partial buffer <= 1 GiB fp32
@@ -238,15 +207,7 @@ def build_sparse_mla_bwd(
 
     @T.macro
     def store_dkv(dKV, acc_kv, rows_s, rb, bx, by, it, col0, Stage, st_full, st_free):
-        if reducer == 2:  # two 16-column pieces per warpgroup, double-buffered (piece p in buffer 2 wg + p)
-            wg = T.get_thread_binding() // 128
-            for p in T.unroll(2):
-                T.barrier_wait(st_free[wg * 2 + p], ((it * NCH + col0 // DC) % 2) ^ 1)
-                for r, d in T.Parallel(BI, DC):
-                    if (d % 32) // 16 == p:
-                        T.call_extern("handle", "fdsa_piece_put", T.address_of(Stage[0]), r, d, acc_kv[r, d])
-                T.barrier_arrive(st_full[wg * 2 + p])
-        elif reducer:  # each compute warpgroup hands its 32 columns over once the reducer took its previous ones
+        if reducer:  # each compute warpgroup hands its 32 columns over once the reducer took its previous ones
             wg = T.get_thread_binding() // 128
             T.barrier_wait(st_free[wg], ((it * NCH + col0 // DC) % 2) ^ 1)
             for r, d in T.Parallel(BI, DC):  # through an extern: TileLang adds no CTA-wide barrier for it
@@ -364,11 +325,7 @@ def build_sparse_mla_bwd(
             acc_kv = T.alloc_fragment([BI, DC], f32)
             lim = T.alloc_local([1], i32)
             o_reg = T.alloc_local([D // 4], bf16)  # row_stats: this thread's quarter of one out row
-            if reducer == 2:  # four pieces (fdsa_piece_put), a full / free barrier each
-                Stage = T.alloc_shared([BI * DC], f32)
-                st_full = T.alloc_barrier([128, 128, 128, 128])
-                st_free = T.alloc_barrier([64, 64, 64, 64])
-            elif reducer:  # the stage (layout: the prelude's fdsa_stage_put) and one full / free barrier per half
+            if reducer:  # the stage (layout: the prelude's fdsa_stage_put) and one full / free barrier per half
                 Stage = T.alloc_shared([BI * DC], f32)
                 st_full = T.alloc_barrier([128, 128])
                 st_free = T.alloc_barrier([64, 64])
@@ -461,20 +418,7 @@ def build_sparse_mla_bwd(
                     T.copy(acc_dqt, Qt_s)
                     T.copy(Qt_s, dQ[bx, h0 : h0 + BH, D:dqk])
             else:  # the reducer warpgroup: the dKV chunks of every block, in the compute order
-                if reducer == 2:  # 64 threads per warpgroup's pieces
-                    T.set_max_nreg(REGS_REDUCER, 0)
-                    u = tx - threads
-                    for it in T.serial(NI):
-                        for c in T.serial(NCH):
-                            for p in T.unroll(2):
-                                T.barrier_wait(st_full[(u // 64) * 2 + p], (it * NCH + c) % 2)
-                                T.call_extern("handle", "fdsa_reduce_piece",
-                                              T.address_of(Stage[((u // 64) * 2 + p) * BI * 16]),
-                                              T.address_of(rows_s[it % 2, 0]), T.address_of(dKV[0, 0]), dqk,
-                                              c * DC + (u // 64) * 32 + p * 16, u % 64,
-                                              T.address_of(st_free[(u // 64) * 2 + p]),
-                                              0 if ablate == "red_skip" else 1)
-                elif reducer:  # 64 threads per stage half
+                if reducer:  # 64 threads per stage half
                     T.set_max_nreg(REGS_REDUCER, 0)
                     u = tx - threads
                     for it in T.serial(NI):
@@ -534,7 +478,7 @@ def _pass_configs():
 @functools.lru_cache(maxsize=32)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_topk_length: bool,
               partials: bool, has_sink: bool = False, has_dlse: bool = False, ablate: str = "",
-              reducer: int = 0):
+              reducer: bool = False):
     func = build_sparse_mla_bwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                 has_topk_length=has_topk_length, partials=partials, ablate=ablate,
                                 has_sink=has_sink, has_dlse=has_dlse, reducer=reducer)
@@ -598,7 +542,7 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))
     topk = indices.shape[1]
     kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, deterministic, has_sink, has_dlse,
-                       reducer=2 if dqk == d_v and not deterministic else 0)
+                       reducer=dqk == d_v and not deterministic)
     if not deterministic:
         kernel(q, kv, dout, out, indices, tl_arg, lse, sink, dl, dq, acc, dsink_rows)
     else:
