@@ -10,17 +10,11 @@ from .kernel_bwd import _compiled, run_sparse_mla_bwd
 
 
 def _time_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    """Median ms of ``fn()`` (bench.harness.time_fn without the L2 flush: the main kernel back to back, as the
+    session 5-17 rows in docs/PERFORMANCE.md were timed)."""
+    from ..bench.harness import time_fn
+
+    return time_fn(lambda _: fn(), [None], torch.device("cuda"), reps=reps, flush_l2=False).ms_median
 
 
 def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048, ablates=None, builds=()):
