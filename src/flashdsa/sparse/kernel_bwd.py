@@ -45,9 +45,9 @@ Design:
     values, arrive on ``st_free`` and send 16-byte ``red.global.add.v4.f32``.  The reductions then overlap the
     tensor work instead of stalling the warps that issue wgmma.  Session 17, V4 main kernel 3.48 -> 3.32 ms,
     H 64 / Dqk 512 / topk 2048 10.61 -> 9.98 (dq bitwise equal to the default build, dkv within 6e-8); without
-    the reductions (``red_skip``) 2.78 against 1.82 with no atomics at all: the hand-over through shared memory
-    costs about as much as it saves (a first form with one 64-column stage and a CTA-wide barrier per chunk:
-    3.37 / 2.92).  setmaxnreg 232 / 232 / 40.  Dqk 576 has no 16 KiB left for the stage.
+    the reductions (``red_skip``) 2.78 against 1.82 with no atomics at all: decoupled, the reductions cost 0.54 ms
+    instead of 1.66, but the hand-over through shared memory costs 0.96 (a first form with one 64-column stage
+    and a CTA-wide barrier per chunk: 3.37 / 2.92; a double-buffered one in 16-column pieces: 3.49 / 2.79).  setmaxnreg 232 / 232 / 40.  Dqk 576 has no 16 KiB left for the stage.
   * dkv = fp32 accumulator .to(bf16); dq is written once, bf16, through the Q tile (no atomics).
   * T, Tkv and the indices width are dynamic symbols; the trip count ceil(topk / 64) is static (TileLang
     0.1.15 pitfalls, see kernel_fwd.py): kernels are cached per (H, Dqk, n_blocks, sm_scale, topk_length,
