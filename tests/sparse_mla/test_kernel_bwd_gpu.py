@@ -57,6 +57,7 @@ CASES = [
     (576, 64, 8192, 250, 213, False, True),
     (512, 128, 592, 250, 62, False, False),  # K = V (V4 sparse_attn shape)
     (512, 128, 4096, 256, 213, True, False),
+    (512, 64, 1840, 200, 62, True, True),  # the reducer warpgroup (Dqk 512) with topk_length and a sink
 ]
 
 
