@@ -128,7 +128,8 @@ def sparse_bwd(deterministic, dqk=576):
               "d_sink": _close(ds, rs, 1e-3, 8 / 128), "unreferenced dkv = 0": bool((dkv[300:].float() == 0).all())}
     good = all(checks.values())
     err = (ds.float().cpu() - rs.float()).abs().max().item()
-    print(f"  sparse bwd Dqk {dqk} deterministic={deterministic}: {'ok' if good else 'MISMATCH'} {checks}, d_sink max err {err:.2e}")
+    print(f"  sparse bwd Dqk {dqk} deterministic={deterministic}: {'ok' if good else 'MISMATCH'} {checks}, "
+          f"d_sink max err {err:.2e}")
     return good
 
 

@@ -59,6 +59,12 @@ def device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    """The SM count of CUDA device ``index`` (the persistent grids and split plans size themselves with it)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 @functools.lru_cache(maxsize=1)
 def tilelang_import_error() -> Optional[str]:
     """None when ``import tilelang`` works, else the reason (cached: imported at most once)."""

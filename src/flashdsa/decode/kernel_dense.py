@@ -97,6 +97,7 @@ import torch
 from . import _pair_path
 from ._tl_common import D_ROPE, D_V, DQK, LN2, LOG2E, combine_row_macro, partial_prim_func, partial_sizes
 from .._tilelang import direct_launcher, dummy
+from .. import _dispatch
 
 BLOCK_M = 64  # query rows (s_q * H) per tile: the wgmma M
 BLOCK_N = 32  # cache positions per tile (64 needs 233472 B of smem, over the 232448 B cap)
@@ -360,9 +361,7 @@ def _compiled_combine(heads, s_q, has_sink):
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+_num_sms = _dispatch.sm_count
 
 
 def max_items(batch: int, n_mt: int, num_sms: int) -> int:

@@ -68,6 +68,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from .. import _dispatch
 from .._tilelang import direct_launcher
 from . import _tl_common as tc
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401  (re-exported: LN2, LOG2E)
@@ -342,7 +343,7 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048):
 
     q, kv, idx = _prefill_inputs(torch.Generator(device="cuda").manual_seed(0), S, SKV, H, dqk, topk)
     n_blocks = (topk + BLOCK_I - 1) // BLOCK_I
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    n_sm = _dispatch.sm_count(0)
     blocks_per_sm = S * ((H + BLOCK_H - 1) // BLOCK_H) * n_blocks / n_sm
     for ablate in ("", "no_gather", "no_softmax", "no_pv"):
         ms = time_fn(lambda _, a=ablate: _launch_build(q, kv, idx, ablate=a), [None], q.device, reps=10).ms_median

@@ -65,6 +65,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from .. import _dispatch
 from . import _tl_common as tc
 from . import kernel_fwd
 from ._pair_parts import (BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, gather_producer, item_parts,
@@ -100,15 +101,15 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697 ->
     2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  (Freeing b.R before WG1 waits for
     P_a did not help: H 64 2.638 -> 2.623 ms, V4 0.880 -> 0.879, H 128 5.185 -> 5.223; removed, session 16.)
-    ``persistent`` = P > 0 (timing build; session 16, P 132: V4 prefill 0.880 -> 0.854 ms, H 64 / Dqk 576 at
-    topk 640 0.942 -> 0.916, topk 1024 1.390 -> 1.386, topk 2048 2.615 -> 2.712, H 128 5.185 -> 5.357): P CTAs,
-    CTA bx takes the items (token, head group) bx, bx + P, ... in order, each role looping over them after its ``setmaxnreg``, so
-    the producer gathers the next item's first tiles during the consumers' epilogue and Q load; same products in the
-    same order.  Every mbarrier keeps counting phases across items: with pb the role's count of the pairs of its
-    earlier items, pair j waits parity (pb + j) & 1 (the producer's free waits ((pb + j) & 1) ^ 1).  Between items,
-    the next load_q rewrites the Q halves only after both consumers retired every wgmma (finish's BAR_BOTH) and its
-    own warpgroup read the staged O out (``end_item``'s barrier); see the comment above ``item_parts``'s
-    call for each buffer."""
+    ``persistent`` = P > 0 (``dispatched`` up to ``PERSISTENT_MAX_BLOCKS``; session 16, P 132: V4 prefill 0.880 ->
+    0.854 ms, H 64 / Dqk 576 at topk 640 0.942 -> 0.916, topk 1024 1.390 -> 1.386, topk 2048 2.615 -> 2.712, H 128
+    5.185 -> 5.357): P CTAs, CTA bx takes the items (token, head group) bx, bx + P, ... in order, each role looping
+    over them after its ``setmaxnreg``, so the producer gathers the next item's first tiles during the consumers'
+    epilogue and Q load; same products in the same order.  Every mbarrier keeps counting phases across items: with
+    pb the role's count of the pairs of its earlier items, pair j waits parity (pb + j) & 1 (the producer's free
+    waits ((pb + j) & 1) ^ 1).  Between items, the next load_q rewrites the Q halves only after both consumers
+    retired every wgmma (finish's BAR_BOTH) and its own warpgroup read the staged O out (``end_item``'s barrier);
+    see the comment above ``item_parts``'s call for each buffer."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
@@ -484,7 +485,7 @@ def build_sparse_mla_fwd(
     cluster that gathers each row once for both head groups).  ``has_order``: one more input Order[T] int32 after
     Sink, the token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10
     order).  ``l2_prefetch`` (timing build): the gather's cp.async carry the ``.L2::128B`` hint
-    (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (timing build)."""
+    (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (``dispatched`` picks it)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -553,19 +554,14 @@ def _persistent_kw(n_blocks: int, n_sm: int) -> tuple:
     return (("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ()
 
 
-@functools.lru_cache(maxsize=16)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def dispatched(q, order=None):
     """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the build this module runs
     for ``q``'s device: with ``order``, the ordered one-item-per-CTA build; else the persistent grid up to
     ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above."""
     if order is not None:
         return lambda *a: _compiled(*a, (("has_order", True),))
-    n_sm = 0 if not q.is_cuda else _num_sms(q.device.index if q.device.index is not None
-                                             else torch.cuda.current_device())
+    n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
+                                                      else torch.cuda.current_device())
     return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm))
 
 
@@ -586,8 +582,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"sparse_mla fwd pair kernel: {reason}")
-    return kernel_fwd.launch(dispatched(q, order), q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
-                             attn_sink=attn_sink, extra=() if order is None else (order,))
+    return kernel_fwd.launch(dispatched(q, order), q, kv, indices, sm_scale=sm_scale, d_v=d_v,
+                             topk_length=topk_length, attn_sink=attn_sink, extra=() if order is None else (order,))
 
 
 def lowering_cases():
@@ -600,7 +596,7 @@ def lowering_cases():
                                                                     has_topk_length=True, has_order=True)),
         ("pair_h64_d576_topk2048_no_overlap_qk", build_sparse_mla_fwd(heads=64, dqk=576, topk=2048, sm_scale=0.04,
                                                                       overlap_qk=False)),  # timing build
-        ("pair_h64_d512_topk640_sink_tl_persistent132",  # timing build
+        ("pair_h64_d512_topk640_sink_tl_persistent132",  # the dispatched grid at V4's topk
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
                               persistent=132)),
     ]
@@ -617,7 +613,7 @@ def _bench_variants(rows=None, compile_only=False, topks=()):
     from ..bench.harness import time_fn
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    n_sm = _dispatch.sm_count(0)
     shapes = (("prefill_S4096_H64_d576_topk2048", 64, 576, 2048), ("v4_S4096_H64_d512_topk640", 64, 512, 640),
               ("prefill_S4096_H128_d576_topk2048", 128, 576, 2048))
     if topks:

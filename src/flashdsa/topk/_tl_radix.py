@@ -21,10 +21,11 @@ Host side: the int32 dummy for absent starts/ends, the SM count, the common star
 allocation, empty shapes, canonical strides) and the starts/ends/flags arguments.
 """
 
-import functools
 import types
 
 import torch
+
+from .. import _dispatch
 
 HBINS = 2048  # 11-bit digits; pass 2 uses the low 10 bits
 _SHIFTS = (21, 10, 0)
@@ -358,9 +359,7 @@ def cached_dummy(dev):
     return t
 
 
-@functools.lru_cache(maxsize=16)
-def sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+sm_count = _dispatch.sm_count
 
 
 def new_output(scores, k):
