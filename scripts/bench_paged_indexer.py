@@ -14,8 +14,9 @@ For each shape: random fp8 inputs built like the bench suite's ``_indexer_paged`
 Shapes: ``nn1`` / ``nn2`` = the suite's cases (B 128, ctx 32768, H 64, D 128, block 64, next_n 1 / 2); ``ragged``
 (optional) = B 64, random contexts in [1, 32768], block 16, next_n 2, some invalid block ids.
 
-``--sweep 3x1024,4x2048,a6x1024,a6x1024m3,...`` additionally times "pipelined" builds (``a`` prefix:
-"pipelined_async" builds, optional ``mN`` suffix: the ``__launch_bounds__`` minimum CTAs per SM) with other
+``--sweep 3x1024,4x2048,a6x1024,a6x1024m3,4x1024:no_epilogue,...`` additionally times "pipelined" builds (``a``
+prefix: "pipelined_async" builds, optional ``mN`` suffix: the ``__launch_bounds__`` minimum CTAs per SM, optional
+``:ABLATE``: a timing build of ``kernel_paged._tile_macros``, wrong results, expected to differ) with other
 (stages x chunk) settings (one compile each, ~10-20 s) and checks them bitwise against the "pipelined" output
 (else that of the first of ``--variants``).
 
@@ -153,11 +154,13 @@ def main():
         for cfg in [c for c in args.sweep.split(",") if c]:
             import tilelang
 
-            m = re.fullmatch(r"(a?)(\d+)x(\d+)(?:m(\d+))?", cfg.lower())
-            assert m, f"bad --sweep entry {cfg!r} (expected [a]STAGESxCHUNK[mMINCTAS])"
+            m = re.fullmatch(r"(a?)(\d+)x(\d+)(?:m(\d+))?(?::(\w+))?", cfg.lower())
+            assert m, f"bad --sweep entry {cfg!r} (expected [a]STAGESxCHUNK[mMINCTAS][:ABLATE])"
             sv = "pipelined_async" if m[1] else "pipelined"
             st, ch = int(m[2]), int(m[3])
             extra = dict(min_ctas=int(m[4])) if m[4] else {}
+            if m[5]:
+                extra["ablate"] = m[5]
             t0 = time.time()
             func = kp.build(sv, heads=H, dim=D, next_n=NN, block_size=inp["k_cache"].shape[1],
                             dtype=kp._TL_DTYPES[inp["q"].dtype], num_stages=st, chunk=ch, **extra)
@@ -173,7 +176,7 @@ def main():
             same = None if base is None else torch.equal(o.view(torch.int32), base.view(torch.int32))
             tm = time_fn(lambda a: kernel(*a), [kargs], dev, warmup=5, reps=args.reps, max_seconds=30.0)
             tbs = nbytes / (tm.ms_median * 1e-3) / 1e12
-            if same is False:
+            if same is False and not m[5]:
                 ok_all = False
             results.append(dict(shape=name, variant=f"{sv}_{cfg}", params=p, keys=keys, bytes=nbytes,
                                 ms_median=tm.ms_median, ms_p10=tm.ms_p10, ms_p90=tm.ms_p90, reps=tm.reps, tb_s=tbs,

@@ -237,7 +237,12 @@ def _paged_inputs(B, next_n, H, D, bs, lens, dtype, seed=0, extra_blocks=3):
     (FP8, 64, 128, 2, 16, [4097, 2, 33, 0]),
     (FP8, 32, 64, 4, 128, [300, 4, 2049]),
     (BF16, 64, 128, 1, 32, [1000, 0, 77]),
-], ids=["fp8-h64-nn1-bs64", "fp8-h64-nn2-bs16", "fp8-h32-d64-nn4-bs128", "bf16-h64-nn1-bs32"])
+    (FP8, 64, 128, 2, 64, [3000, 65, 1, 0, 129]),
+    (FP8, 8, 128, 3, 32, [700, 3, 96]),
+    (FP8, 16, 64, 4, 16, [250, 4, 0, 1100]),
+    (BF16, 32, 128, 2, 128, [900, 2, 257]),
+], ids=["fp8-h64-nn1-bs64", "fp8-h64-nn2-bs16", "fp8-h32-d64-nn4-bs128", "bf16-h64-nn1-bs32", "fp8-h64-nn2-bs64",
+        "fp8-h8-nn3-bs32", "fp8-h16-d64-nn4-bs16", "bf16-h32-nn2-bs128"])
 def test_paged(dtype, H, D, next_n, bs, lens):
     pytest.importorskip("tilelang")
     from flashdsa.indexer import kernel_paged

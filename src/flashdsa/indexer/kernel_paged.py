@@ -38,6 +38,9 @@ Variants (``run_indexer_logits_paged(..., variant=)``, else ``$FLASHDSA_PAGED_VA
   Shared memory (fp8, D=128): Q next_n*H x 128 + 4 x 8 KiB K + 4 x 256 B scales + bt_s = 42 KiB (next_n 1),
   51 KiB (next_n 2). Registers (ptxas 13.0 on the CPU box, 0 spills): 64 (nn1 H64), 128 (nn2 H64 / nn4 H32),
   230 (nn4 H64 -> 2 CTAs/SM), 32 (nn1 H8), bf16 nn1 H64 72.
+  Session 18 (docs/PERFORMANCE.md): at next_n 2 the loads + wgmma alone take 148 us (``ablate="no_epilogue"``),
+  the full kernel 208-216; the epilogue's arithmetic form does not matter (tf32 wgmma head sum, explicit FFMA, relu
+  as x + |x| on the FMA pipe: all as fast or slower, removed): the per-tile chain of each CTA is latency-bound.
   Verified: lowering + ptxas on CPU only; generated CUDA read (cp_async_gs_conditional<16> of pages, one
   commit per tile, cp_async_wait<S-2> + one __syncthreads per tile, stage-offset wgmma descriptors,
   no other barrier in the loop). GPU (H200): the default; 3.69 / 3.03 TB/s at next_n 1 / 2.
@@ -219,9 +222,11 @@ def min_ctas_per_sm_async(heads: int, next_n: int) -> int:
     return 3 if heads * next_n <= 64 else 2
 
 
-def _tile_macros(*, heads: int, next_n: int, block_size: int, chunk: int = CHUNK_P):
+def _tile_macros(*, heads: int, next_n: int, block_size: int, chunk: int = CHUNK_P, ablate: str = ""):
     """Macros shared by the cp.async-ring variants (module notes): issue, epilogue, validate_pages, fill_tail,
-    start_ring."""
+    start_ring.  ``ablate`` (timing builds, wrong results): "no_relu_w" skips relu and the weights (the head sum
+    stays), "no_epilogue" also the head sum (logits = 0 * k_scale)."""
+    assert ablate in ("", "no_relu_w", "no_epilogue"), ablate
     H, NN, BS, BN = heads, next_n, block_size, BLOCK_N
     BC = NN * H
     PPS = max(1, BN // BS)  # page segments per tile
@@ -244,9 +249,13 @@ def _tile_macros(*, heads: int, next_n: int, block_size: int, chunk: int = CHUNK
         # logits of tile it (ring stage st, first position p0) from its accumulator S[key, j*H + h]; columns
         # >= L are not stored (the parameter keeps the name L: a macro argument's variable takes the parameter's
         # name in the generated code)
-        for n, c in T.Parallel(BN, BC):
-            acc[n, c] = T.max(acc[n, c], 0) * w_f[c]
-        T.reduce_sum(acc3, logit, dim=2)
+        if ablate == "":
+            for n, c in T.Parallel(BN, BC):
+                acc[n, c] = T.max(acc[n, c], 0) * w_f[c]
+        if ablate != "no_epilogue":
+            T.reduce_sum(acc3, logit, dim=2)
+        else:
+            T.clear(logit)
         for n, j in T.Parallel(BN, NN):
             logit[n, j] = T.if_then_else((p0 + n < ctx_m - NN + 1 + j) & (bt_s[(it * BN + n) // BS] >= 0),
                                          logit[n, j] * ks_s[st, n], -T.infinity(f32))
@@ -294,11 +303,12 @@ def _tile_macros(*, heads: int, next_n: int, block_size: int, chunk: int = CHUNK
 
 def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
                                   chunk: int = CHUNK_P, num_stages: int = PIPE_STAGES, threads: int = THREADS,
-                                  min_ctas: int | None = None):
+                                  min_ctas: int | None = None, ablate: str = ""):
     """"pipelined" variant (see the module notes); same prim_func signature as ``build_indexer_paged``:
     ``(Q[B*next_n*H, D], KCache[num_blocks, bs, D], KScale[num_blocks, bs] f32, W[B*next_n*H] f32,
     ContextLens[B] i32, BlockTable[B, max_blocks] i32, Out[B*next_n, L] f32)``; B, num_blocks, max_blocks, L dynamic.
-    Compile with ``_pass_configs("pipelined")``.  (Session 15: the head weights read from shared memory instead of
+    Compile with ``_pass_configs("pipelined")``; ``ablate``: ``_tile_macros``'s (timing builds, ``--sweep
+    4x1024:no_epilogue`` in scripts/bench_paged_indexer.py).  (Session 15: the head weights read from shared memory instead of
     registers, 5 CTAs per SM at next_n 2, ran slower, 237.7 vs 225.0 us, and were removed.)"""
     H, D, NN, BS, BN, S = heads, dim, next_n, block_size, BLOCK_N, num_stages
     assert H in SUPPORTED_HEADS and D in SUPPORTED_DIMS and BS in SUPPORTED_BLOCK_SIZES and 1 <= NN <= MAX_NEXT_N
@@ -309,7 +319,7 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
     assert NPG <= threads
     n_tile_chunk = chunk // BN
     f32, i32 = "float32", "int32"
-    M = _tile_macros(heads=H, next_n=NN, block_size=BS, chunk=chunk)
+    M = _tile_macros(heads=H, next_n=NN, block_size=BS, chunk=chunk, ablate=ablate)
     validate_pages = M.validate_pages
     kw = dict(heads=H, dim=D, next_n=NN, block_size=BS, num_stages=S, threads=threads, macros=M)
     pipelined_loop = _pipelined_loop_macro(**kw)
