@@ -90,6 +90,19 @@ def test_sparse_mla_fwd_pair_same_order_builds(case, build_kw):
     before it issues the next QK; ``l2_prefetch``: cp.async with the L2 hint; ``persistent``: P CTAs looping over
     the items, 132 = the H200's SM count, 7: many items per CTA, the phase carry and an uneven last round): against
     the reference and bitwise equal to the default build."""
+    _same_as_default(case, build_kw)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] == 128],
+                         ids=lambda c: f"d{c[0]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}-{c[7]}")
+def test_sparse_mla_fwd_pair_cluster(case):
+    """The 2-CTA cluster build at H 128 (each head group's CTA gathers half of every block's rows and sends them to
+    its peer): against the reference and bitwise equal to the default build (same products in the same order)."""
+    _same_as_default(case, (("cluster", True),))
+
+
+def _same_as_default(case, build_kw):
+    """``build_kw``'s build against the reference and bitwise equal to the one-CTA-per-item default build."""
     from flashdsa.sparse import kernel_fwd
 
     dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
@@ -104,23 +117,3 @@ def test_sparse_mla_fwd_pair_same_order_builds(case, build_kw):
     _sync_or_die("default build")
     for name, a, b in zip(("out", "lse", "max_logits"), got, base):
         assert torch.equal(a, b), f"{name}: {build_kw} differs from the default build"
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c[1] == 128],
-                         ids=lambda c: f"d{c[0]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}-{c[7]}")
-def test_sparse_mla_fwd_pair_cluster(case):
-    """The 2-CTA cluster build at H 128 (each head group's CTA gathers half of every block's rows and sends them to
-    its peer): against the reference and bitwise equal to the default build (same products in the same order)."""
-    from flashdsa.sparse import kernel_fwd
-
-    dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
-    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
-    kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    got = kernel_fwd.launch(lambda *a: kmod._compiled(*a, (("cluster", True),)), q, kv, indices, **kw)
-    _sync_or_die(f"cluster dqk={dqk} Tkv={tkv} topk={topk} T={n_tok}")
-    check_against_reference(*got, q, kv, indices, kw["sm_scale"], topk_length, attn_sink, valid)
-    base = kernel_fwd.launch(kmod._compiled, q, kv, indices, **kw)
-    _sync_or_die("default build")
-    for name, a, b in zip(("out", "lse", "max_logits"), got, base):
-        assert torch.equal(a, b), f"{name}: the cluster build differs from the default build"
