@@ -308,8 +308,8 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
     ``(Q[B*next_n*H, D], KCache[num_blocks, bs, D], KScale[num_blocks, bs] f32, W[B*next_n*H] f32,
     ContextLens[B] i32, BlockTable[B, max_blocks] i32, Out[B*next_n, L] f32)``; B, num_blocks, max_blocks, L dynamic.
     Compile with ``_pass_configs("pipelined")``; ``ablate``: ``_tile_macros``'s (timing builds, ``--sweep
-    4x1024:no_epilogue`` in scripts/bench_paged_indexer.py).  (Session 15: the head weights read from shared memory instead of
-    registers, 5 CTAs per SM at next_n 2, ran slower, 237.7 vs 225.0 us, and were removed.)"""
+    4x1024:no_epilogue`` in scripts/bench_paged_indexer.py).  (Session 15: the head weights read from shared memory
+    instead of registers, 5 CTAs per SM at next_n 2, ran slower, 237.7 vs 225.0 us, and were removed.)"""
     H, D, NN, BS, BN, S = heads, dim, next_n, block_size, BLOCK_N, num_stages
     assert H in SUPPORTED_HEADS and D in SUPPORTED_DIMS and BS in SUPPORTED_BLOCK_SIZES and 1 <= NN <= MAX_NEXT_N
     assert S >= 2 and chunk % BN == 0 and chunk % BS == 0 and threads == 128
