@@ -33,7 +33,11 @@ half tiles a.L, b.R, a.R, b.L, each right after ITS consumer freed it, as zero-f
 (``cp.async.mbarrier.arrive.noinc``): no wait per tile, up to four half tiles (144 KiB) in flight.  Before
 a.L / b.R it writes the block's rows (``Rows0`` / ``Rows1``: KV row or -1, loaded into registers before the pair's
 first wait: ``prefetch_rows``) and publishes them with an ordinary arrival on the same barrier (count 256 = 128
-deferred + 128 ordinary); the consumers build their -inf masks from them.
+deferred + 128 ordinary); the consumers build their -inf masks from them.  Since session 18 the one-CTA-per-item
+grid issues each half tile's copies by rows (``row_gather``: 8 threads per 128-byte row segment, one row lookup
+per row instead of one per copy): the producer had been the bottleneck (ncu: its time on row lookups; the consumers
+waiting on ready barriers 45% of theirs); S 4096 / SKV 8192 / topk 2048 H 128 5.26 -> 4.18 ms (559 TFLOP/s), H 64
+2.66 -> 2.17 (539), outputs bitwise equal.
 Q is loaded by the consumers, each warpgroup its own half (+ WG0 the rope tail): copied by all 384 threads the
 64 x 256 tile lowered to 2-byte loads (not a multiple of 384 x 8 elements), ~45 us per CTA.
 Barriers (mbarriers, one phase per pair, waiters use parity j & 1; the producer waits ``free`` with parity
@@ -70,7 +74,8 @@ from . import _tl_common as tc
 from . import kernel_fwd
 from ._pair_cluster import (CLUSTER_FREE_COUNT, CLUSTER_GATHERERS, CLUSTER_PRELUDE, CLUSTER_READY_COUNTS,
                             cluster_producer)
-from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, gather_producer, item_parts, pair_phase
+from ._pair_parts import (BAR_BOTH, BAR_WG0, BAR_WG1, ROW_GATHER_PRELUDE, adopt_max_macro, drain, gather_producer,
+                          item_parts, pair_phase)
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -453,7 +458,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     return body
 
 
-def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
+def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False):
     """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
     D = D_V
     DH = D // 2
@@ -467,8 +472,16 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
         return ablate != "no_gather" and (ablate != "half_gather" or T.get_block_binding(0) % 2 == 0)
 
     @T.macro
+    def gather_rows(KVh, Kt, rope, Rows, kv_src, col0):
+        KV = kv_src[0]
+        T.call_extern("handle", "fdsa_gather_half", T.address_of(KVh[0, 0]), T.address_of(Kt[0, 0]), 1 if rope else 0,
+                      T.address_of(KV[0, 0]), dqk, col0, T.address_of(Rows[0]), T.get_thread_binding() - 256)
+
+    @T.macro
     def gather_l(KVl, Rows, kv_src):
-        if gathers():
+        if row_gather:
+            gather_rows(KVl, KVl, False, Rows, kv_src, 0)
+        elif gathers():
             KV = kv_src[0]
             for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
                 rk = Rows[r]
@@ -476,7 +489,9 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate):
 
     @T.macro
     def gather_r(KVr, Kt, Rows, kv_src):
-        if gathers():
+        if row_gather:
+            gather_rows(KVr, Kt, D_tail > 0, Rows, kv_src, DH)
+        elif gathers():
             KV = kv_src[0]
             for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
                 rk = Rows[r]
@@ -505,6 +520,7 @@ def build_sparse_mla_fwd(
     l2_prefetch: bool = False,
     persistent: int = 0,
     cluster: bool = False,
+    row_gather: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -519,7 +535,8 @@ def build_sparse_mla_fwd(
     order).  ``l2_prefetch`` (timing build): the gather's cp.async carry the ``.L2::128B`` hint
     (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (``dispatched`` picks it); ``cluster`` (H 128,
     timing build, slower: 6.61 vs 5.24 ms, session 18): the two head-group CTAs of a token gather half of every
-    block's rows each and send them to each other (``_pair_cluster``)."""
+    block's rows each and send them to each other (``_pair_cluster``); ``row_gather``: the producer gathers by rows
+    (``ROW_GATHER_PRELUDE``; dispatched for the one-CTA-per-item grid, session 18)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -528,12 +545,15 @@ def build_sparse_mla_fwd(
         assert not (ablate or l2_prefetch or persistent or has_order) and prefetch_rows, "cluster: the default build"
         producer = cluster_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim)
     else:
-        producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate)
+        assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
+        producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
+                                  row_gather=row_gather)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent, cluster=cluster,
                      ready_counts=CLUSTER_READY_COUNTS if cluster else (256, 256, 128, 128),
-                     prelude=CLUSTER_PRELUDE if cluster else tc.L2_PREFETCH_PRELUDE if l2_prefetch else None)
+                     prelude=(CLUSTER_PRELUDE if cluster else tc.L2_PREFETCH_PRELUDE if l2_prefetch
+                              else ROW_GATHER_PRELUDE if row_gather else None))
 
     if has_order:
         @T.prim_func
@@ -587,16 +607,22 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
 PERSISTENT_MAX_BLOCKS = 10
 
 
+# the one-CTA-per-item build gathers by rows (``row_gather``, session 18: S 4096 / topk 2048 H 64 2.658 -> 2.168 ms,
+# H 128 5.261 -> 4.178, bitwise equal outputs); the persistent grid keeps the T.Parallel gather until its
+# combination with ``row_gather`` has run on the GPU (it lowers; docs/ROADMAP.md, first call)
+ROW_GATHER_KW = (("row_gather", True),)
+
+
 def _persistent_kw(n_blocks: int, n_sm: int) -> tuple:
-    """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``PERSISTENT_MAX_BLOCKS`` blocks
-    (``n_sm`` 0: not on a GPU, one CTA per item)."""
-    return (("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ()
+    """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``PERSISTENT_MAX_BLOCKS`` blocks, else
+    one CTA per item with ``ROW_GATHER_KW`` (``n_sm`` 0: not on a GPU, one CTA per item)."""
+    return (("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ROW_GATHER_KW
 
 
 def dispatched(q, order=None):
     """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the build this module runs
     for ``q``'s device: with ``order``, the ordered one-item-per-CTA build; else the persistent grid up to
-    ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above."""
+    ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item gathering by rows above."""
     if order is not None:
         return lambda *a: _compiled(*a, (("has_order", True),))
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
@@ -638,6 +664,11 @@ def lowering_cases():
                                                                     has_topk_length=True, has_order=True)),
         ("pair_h64_d576_topk2048_no_overlap_qk", build_sparse_mla_fwd(heads=64, dqk=576, topk=2048, sm_scale=0.04,
                                                                       overlap_qk=False)),  # timing build
+        ("pair_h128_d576_topk2048_row_gather", build_sparse_mla_fwd(heads=128, dqk=576, topk=2048, sm_scale=0.04,
+                                                                    row_gather=True)),  # dispatched above 10 blocks
+        ("pair_h64_d512_topk640_sink_tl_persistent132_row_gather",  # not dispatched yet (not run on the GPU)
+         build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
+                              persistent=132, row_gather=True)),
         ("pair_h64_d512_topk640_sink_tl_persistent132",  # the dispatched grid at V4's topk
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
                               persistent=132)),
@@ -668,7 +699,9 @@ def _bench_variants(rows=None, compile_only=False, topks=()):
         for label, kw in (("pair", dict()), ("no_overlap_qk", dict(overlap_qk=False)),
                           ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather")),
                           ("half_gather", dict(ablate="half_gather")), ("l2_prefetch", dict(l2_prefetch=True)),
-                          ("persistent", dict(persistent=n_sm)), ("cluster", dict(cluster=True))):
+                          ("persistent", dict(persistent=n_sm)), ("cluster", dict(cluster=True)),
+                          ("row_gather", dict(row_gather=True)),
+                          ("row_gather_persistent", dict(row_gather=True, persistent=n_sm))):
             if label == "cluster" and heads != 2 * BLOCK_H:
                 continue
             key = tuple(sorted(kw.items()))
