@@ -136,8 +136,12 @@ def test_cache656_few_head_forms_reject_wide_heads(record, form):
         kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=form)
 
 
+_ROWS = (("row_gather", True),)
+
+
 @pytest.mark.parametrize("n_blocks,n_sm,expect", [(10, 132, (("persistent", 132),)), (1, 78, (("persistent", 78),)),
-                                                   (11, 132, ()), (32, 132, ()), (5, 0, ())])
+                                                   (11, 132, _ROWS), (32, 132, _ROWS), (5, 0, _ROWS)])
 def test_pair_grid_rule(n_blocks, n_sm, expect):
-    """The pair kernel's grid: persistent (one CTA per SM looping over the items) up to 10 blocks of 64 slots."""
+    """The pair kernel's grid: persistent (one CTA per SM looping over the items) up to 10 blocks of 64 slots, else
+    one CTA per item gathering by rows."""
     assert kernel_fwd_pair._persistent_kw(n_blocks, n_sm) == expect
