@@ -17,7 +17,7 @@ pytest.importorskip("tilelang")
 from flashdsa.sparse import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair  # noqa: E402
 from flashdsa.sparse import kernel_fwd_pair_cache as kmod  # noqa: E402
 
-from ._hang import sync_or_die  # noqa: E402
+from ._hang import assert_same_as_default, sync_or_die  # noqa: E402
 from .test_kernel_fp8cache_gpu import _fp8_cache  # noqa: E402
 from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
 
@@ -108,9 +108,5 @@ def test_sparse_mla_fwd_pair_cache_no_overlap_qk(case):
     kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
     kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    got = kmod.run_sparse_mla_fwd(q, kv8, indices, overlap_qk=False, **kw)
-    sync_or_die("kernel_fwd_pair_cache overlap_qk=False", f"H={heads} Tkv={tkv} topk={topk} T={n_tok}", HANG_S)
-    base = kmod.run_sparse_mla_fwd(q, kv8, indices, **kw)
-    sync_or_die("kernel_fwd_pair_cache", "default build", HANG_S)
-    for name, a, b in zip(("out", "lse", "max_logits"), got, base):
-        assert torch.equal(a, b), f"{name}: overlap_qk=False differs from the default build"
+    assert_same_as_default("kernel_fwd_pair_cache", lambda **v: kmod.run_sparse_mla_fwd(q, kv8, indices, **kw, **v),
+                           dict(overlap_qk=False), f"H={heads} Tkv={tkv} topk={topk} T={n_tok}", HANG_S)

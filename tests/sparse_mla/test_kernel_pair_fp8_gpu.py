@@ -16,7 +16,7 @@ pytest.importorskip("tilelang")
 
 from flashdsa.sparse import kernel_fwd_fp8, kernel_fwd_pair_fp8 as kmod  # noqa: E402
 
-from ._hang import sync_or_die  # noqa: E402
+from ._hang import assert_same_as_default, sync_or_die  # noqa: E402
 from .test_kernel_fp8_gpu import _check, _fp8_inputs  # noqa: E402
 from .test_kernel_gpu import _poison_allocator  # noqa: E402
 
@@ -59,6 +59,20 @@ def test_sparse_mla_fwd_pair_fp8(dqk, heads, tkv, topk, n_tok, sink, use_tl, lay
     sync_or_die("kernel_fwd_pair_fp8", what + " (second launch)", HANG_S)
     for name, a, b in zip(("out", "lse", "max_logits"), out, again):
         assert torch.equal(a, b), f"{name}: a second launch differs"
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[5]],
+                         ids=["tiny", "topk>tkv", "headline", "d512"])
+def test_sparse_mla_fwd_pair_fp8_row_gather(case):
+    """The producer's gather by rows (``row_gather``, same bytes and layout): bitwise equal to the default build."""
+    dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
+    q8, q_scale, kv8, kv_scale, indices, topk_length, attn_sink, valid = _fp8_inputs(
+        dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    kw = dict(q_scale=q_scale, kv_scale=kv_scale, sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length,
+              attn_sink=attn_sink)
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    assert_same_as_default("kernel_fwd_pair_fp8", lambda **v: kmod.run_sparse_mla_fwd_fp8(q8, kv8, indices, **kw, **v),
+                           dict(row_gather=True), f"dqk={dqk} H={heads} topk={topk}", HANG_S)
 
 
 def test_sparse_mla_fwd_pair_fp8_unsupported():

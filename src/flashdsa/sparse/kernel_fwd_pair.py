@@ -474,8 +474,9 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
     @T.macro
     def gather_rows(KVh, Kt, rope, Rows, kv_src, col0):
         KV = kv_src[0]
-        T.call_extern("handle", "fdsa_gather_half", T.address_of(KVh[0, 0]), T.address_of(Kt[0, 0]), 1 if rope else 0,
-                      T.address_of(KV[0, 0]), dqk, col0, T.address_of(Rows[0]), T.get_thread_binding() - 256)
+        T.call_extern("handle", "fdsa_gather_half<2>", T.address_of(KVh[0, 0]), T.address_of(Kt[0, 0]),
+                      1 if rope else 0, T.address_of(KV[0, 0]), dqk, col0, T.address_of(Rows[0]),
+                      T.get_thread_binding() - 256)
 
     @T.macro
     def gather_l(KVl, Rows, kv_src):

@@ -62,7 +62,7 @@ from . import _tl_common as tc
 from . import kernel_fwd_fp8 as f8
 from . import _pair_parts as pp
 from . import kernel_fwd_pair as kp
-from ._pair_parts import BAR_BOTH, BAR_PROD, BAR_WG0, BAR_WG1
+from ._pair_parts import BAR_BOTH, BAR_PROD, BAR_WG0, BAR_WG1, ROW_GATHER_PRELUDE
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 SUPPORTED_H = kp.SUPPORTED_H
@@ -75,13 +75,15 @@ REGS = {576: (200, 200, 104), 512: (208, 208, 88)}
 
 
 def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: float, has_sink: bool = False,
-                                  has_topk_length: bool = False, regs=None, ablate: str = ""):
+                                  has_topk_length: bool = False, regs=None, ablate: str = "", row_gather: bool = False):
     """Return the TileLang prim_func; signature as ``kernel_fwd_fp8.build_sparse_mla_fwd_fp8`` (Q[T,H,Dqk] e4m3,
     QScale[T,H] f32, KV[Tkv,Dqk] e4m3, KVScale[Tkv] f32, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink]
     f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``regs``: setmaxnreg of (WG0, WG1, producer),
     default ``REGS[dqk]``.  ``ablate`` (timing builds, wrong results; ``--variants``): "no_lo" (one e4m3 P per
     PV), "no_transpose" (the producer signals V^T without transposing)."""
     assert ablate in ("", "no_lo", "no_transpose"), ablate
+    # row_gather (opt-in, session 18, not yet run on the GPU): the producer's copies by rows
+    # (``_pair_parts.ROW_GATHER_PRELUDE``'s fdsa_gather_half<1>), as the bf16 pair kernel dispatches
     assert dqk in tc.SUPPORTED_DQK and heads in SUPPORTED_H, (dqk, heads)
     regs = regs or REGS[dqk]
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
@@ -199,8 +201,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
         T.sync_threads(BAR_PROD, 128)  # the rows are read by every producer thread's gather
 
     @T.macro
-    def gather(KV, Kh, Kt, Rows, slot, c0):
-        # one K half (dims [c0, c0 + 256)) + for the R half (c0 > 0) the rope tile: cp.async, no commit, no wait
+    def gather_parallel(KV, Kh, Kt, Rows, slot, c0):
         for r, c, d in T.Parallel(BI, 2, 128, annotations=_ASYNC):
             rk = Rows[slot, r]
             Kh[r, c * 128 + d] = T.if_then_else(rk >= 0, KV[rk, c0 + c * 128 + d], T.cast(0, fp8))
@@ -208,6 +209,16 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
             for r, d in T.Parallel(BI, D_tail, annotations=_ASYNC):
                 rk = Rows[slot, r]
                 Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, fp8))
+
+    @T.macro
+    def gather(KV, Kh, Kt, Rows, slot, c0):
+        # one K half (dims [c0, c0 + 256)) + for the R half (c0 > 0) the rope tile: cp.async, no commit, no wait
+        if row_gather:
+            T.call_extern("handle", "fdsa_gather_half<1>", T.address_of(Kh[0, 0]), T.address_of(Kt[0, 0]),
+                          1 if (D_tail > 0 and c0 > 0) else 0, T.address_of(KV[0, 0]), dqk, c0,
+                          T.address_of(Rows[slot, 0]), T.get_thread_binding() - 256)
+        else:
+            gather_parallel(KV, Kh, Kt, Rows, slot, c0)
 
     @T.macro
     def transpose(Kh, Vt, rdy, vt, vf, phase, pt):
@@ -232,7 +243,8 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok * G, threads=THREADS, prelude=f8._TRANSPOSE_SRC) as bx:
+        with T.Kernel(n_tok * G, threads=THREADS,
+                      prelude=f8._TRANSPOSE_SRC + (ROW_GATHER_PRELUDE if row_gather else "")) as bx:
             Q_l = T.alloc_shared([BH, DH], fp8)
             Q_r = T.alloc_shared([BH, DH], fp8)
             Ka_l = T.alloc_shared([BI, DH], fp8)
@@ -481,9 +493,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, dqk: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              ablate: str = ""):
+              ablate: str = "", row_gather: bool = False):
     func = build_sparse_mla_fwd_pair_fp8(heads=heads, dqk=dqk, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
-                                         has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate)
+                                         has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
+                                         row_gather=row_gather)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -497,9 +510,10 @@ def kernel_unsupported(q, kv, indices, *, q_scale, kv_scale, d_v, topk_length=No
 
 
 def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float, d_v: int, topk_length=None,
-                           attn_sink=None, checked: bool = False, ablate: str = ""):
+                           attn_sink=None, checked: bool = False, ablate: str = "", row_gather: bool = False):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32) of the forward on
-    q * q_scale[..., None], kv * kv_scale[:, None].  ``ablate``: see ``build_sparse_mla_fwd_pair_fp8``."""
+    q * q_scale[..., None], kv * kv_scale[:, None].  ``ablate`` / ``row_gather``: see
+    ``build_sparse_mla_fwd_pair_fp8``."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, q_scale=q_scale, kv_scale=kv_scale, d_v=d_v,
                                     topk_length=topk_length, attn_sink=attn_sink)
@@ -510,7 +524,7 @@ def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float
         return out, lse, max_logits
     _, heads, dqk = q.shape
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(heads, dqk, n_blocks, float(sm_scale), has_sink, has_tl, ablate)
+    kernel = _compiled(heads, dqk, n_blocks, float(sm_scale), has_sink, has_tl, ablate, row_gather)
     direct_launcher(kernel)(q.contiguous(), q_scale.contiguous(), kv.contiguous(), kv_scale.contiguous(),
                             indices.contiguous(), tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -524,6 +538,8 @@ def lowering_cases():
                                        has_topk_length=True)),
         ("pair_fp8_h64_d512_topk640", build_sparse_mla_fwd_pair_fp8(heads=64, dqk=512, topk=640,
                                                                      sm_scale=512**-0.5)),
+        ("pair_fp8_h128_d576_topk2048_row_gather",  # opt-in, not yet run on the GPU
+         build_sparse_mla_fwd_pair_fp8(heads=128, dqk=576, topk=2048, sm_scale=576**-0.5, row_gather=True)),
     ]
 
 
