@@ -11,59 +11,6 @@ BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128 / 128 / 256 thre
 BAR_PROD = 11  # named barrier of the 128 producer threads
 
 
-# ``row_gather``: the producer's gather of one half tile by an extern with a row-major thread mapping.  TileLang's
-# mapping of the T.Parallel gather gives each thread 16 different rows per half tile (a warp copies one 512-byte
-# row segment per instruction), so every 16-byte cp.async needs its own Rows[] load, validity check and address
-# (ncu, session 18: the producer's samples are 35% short-scoreboard waits on those loads and 47% ISETP / LEA; the
-# consumers wait on ready barriers 45% of the time).  Here 8 threads share a 128-byte row segment: thread t takes
-# rows g, g + 16, g + 32, g + 48 (g = t / 8) and 16-byte piece q = t % 8 of each 64-column chunk: one Rows[] load
-# and one address per row, 4 (+1 rope) cp.async per row; same bytes, same 128B-swizzled layout (chunk c at c * 8 KiB,
-# row r at r * 128 B, piece q at (q ^ (r & 7)) * 16 B), invalid rows (-1) zero-filled without a read.
-ROW_GATHER_PRELUDE = r"""
-// EB: bytes per element (2: bf16, kernel_fwd_pair; 1: e4m3, kernel_fwd_pair_fp8); NC = 256 / (64 EB) 128-byte
-// chunks per half row.  The rope tile [64, 64]: bf16 rows are 128 bytes (one piece per thread and row, as the half
-// tile); e4m3 rows are 64 bytes with the 64B swizzle (piece q at q ^ ((r >> 1) & 3)): thread t copies piece t % 4
-// of rows t / 4 and t / 4 + 32.
-template <int EB>
-__device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has_rope, const void *kv, int ld,
-                                                 int col0, const int *rows, int t) {
-  constexpr int NC = 256 / (64 * EB);
-  const int g = t >> 3, q = t & 7;
-  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
-  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int r = g + 16 * k;
-    const int row = rows[r];
-    const int sz = row >= 0 ? 16 : 0;
-    const char *base = static_cast<const char *>(kv) + static_cast<long long>(row >= 0 ? row : 0) * ld * EB;
-    const char *src = base + col0 * EB + q * 16;
-    const unsigned off = r * 128 + ((q ^ (r & 7)) << 4);
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tile_s + c * 8192 + off), "l"(src + c * 128),
-                   "r"(sz) : "memory");
-    }
-    if (EB == 2 && has_rope) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(rope_s + off), "l"(base + 512 * 2 + q * 16),
-                   "r"(sz) : "memory");
-    }
-  }
-  if (EB == 1 && has_rope) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int r = (t >> 2) + 32 * j, q4 = t & 3;
-      const int row = rows[r];
-      const char *src = static_cast<const char *>(kv) + static_cast<long long>(row >= 0 ? row : 0) * ld + 512 + q4 * 16;
-      const unsigned dst = rope_s + r * 64 + ((q4 ^ ((r >> 1) & 3)) << 4);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(row >= 0 ? 16 : 0)
-                   : "memory");
-    }
-  }
-}
-"""
-
-
 def pair_phase(pb, j):
     """The mbarrier phase parity of pair ``j`` of the current item: ``j & 1`` with one item per CTA (``pb`` None:
     the default builds' literal expression), else ``(pb[0] + j) & 1``, ``pb`` the local count of the pairs of this

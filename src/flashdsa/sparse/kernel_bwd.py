@@ -156,6 +156,7 @@ def build_sparse_mla_bwd(
     has_sink: bool = False,
     has_dlse: bool = False,
     reducer: bool = False,
+    row_gather: bool = False,
 ):
     """Return the main backward prim_func.
 
@@ -186,6 +187,10 @@ def build_sparse_mla_bwd(
     NI = (int(topk) + BI - 1) // BI
     assert sm_scale is not None and sm_scale > 0
     assert ablate in ("", "no_atomics", "no_dkv", "half_atomics", "red_skip"), ablate
+    # row_gather (opt-in, session 18, not yet run on the GPU): the block gather by rows (``_tl_common``'s
+    # fdsa_gather_bwd: 2 row lookups per thread instead of one Indices load and check per 16-byte copy)
+    assert not row_gather or threads == 256, "row_gather maps 256 compute threads"
+    prelude = ((RED_V4_PRELUDE if reducer else "") + (tc.ROW_GATHER_PRELUDE if row_gather else "")) or None
     assert not reducer or (D_tail == 0 and not partials and ablate in ("", "red_skip")), "reducer: Dqk 512 fast path"
     assert reducer or ablate != "red_skip", "red_skip: a reducer build"
     NCH = dqk // DC  # dKV chunks per block
@@ -227,12 +232,7 @@ def build_sparse_mla_bwd(
                     T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc_kv[r, d])
 
     @T.macro
-    def gather(Indices, KV, KV_s, Kt_s, rows_s, rb, tok, lim, blk):
-        # slot rows (-1 = invalid) of block blk into rows_s[rb], and the predicated cp.async gather of its KV rows
-        # (src-size 0 for invalid slots: zero fill, nothing read); one commit per block
-        for r in T.Parallel(BI):
-            rr = _row(Indices, tok, lim, blk * BI + r)
-            rows_s[rb, r] = T.if_then_else(_row_ok(rr), rr, -1)
+    def gather_parallel(Indices, KV, KV_s, Kt_s, tok, lim, blk):
         for r, d in T.Parallel(BI, D, annotations=tc.ASYNC_GATHER):
             rr = _row(Indices, tok, lim, blk * BI + r)
             ok = _row_ok(rr)
@@ -242,6 +242,23 @@ def build_sparse_mla_bwd(
                 rr = _row(Indices, tok, lim, blk * BI + r)
                 ok = _row_ok(rr)
                 Kt_s[r, d] = T.if_then_else(ok, KV[T.if_then_else(ok, rr, 0), D + d], T.cast(0, bf16))
+
+    @T.macro
+    def gather(Indices, KV, KV_s, Kt_s, rows_s, rb, tok, lim, blk):
+        # slot rows (-1 = invalid) of block blk into rows_s[rb], and the predicated cp.async gather of its KV rows
+        # (src-size 0 for invalid slots: zero fill, nothing read); one commit per block
+        for r in T.Parallel(BI):
+            rr = _row(Indices, tok, lim, blk * BI + r)
+            rows_s[rb, r] = T.if_then_else(_row_ok(rr), rr, -1)
+        if row_gather:
+            t = T.get_thread_binding()
+            r0 = _row(Indices, tok, lim, blk * BI + t // 8)
+            r1 = _row(Indices, tok, lim, blk * BI + t // 8 + 32)
+            T.call_extern("handle", "fdsa_gather_bwd", T.address_of(KV_s[0, 0]), T.address_of(Kt_s[0, 0]),
+                          1 if D_tail > 0 else 0, T.address_of(KV[0, 0]), dqk, T.if_then_else(_row_ok(r0), r0, -1),
+                          T.if_then_else(_row_ok(r1), r1, -1), t)
+        else:
+            gather_parallel(Indices, KV, KV_s, Kt_s, tok, lim, blk)
         T.ptx_commit_group()
 
     @T.macro
@@ -304,7 +321,7 @@ def build_sparse_mla_bwd(
         DSink: T.Tensor([n_ds, heads], f32),
     ):
         with T.Kernel(n_tok, n_hblk, threads=threads + (128 if reducer else 0),
-                      prelude=RED_V4_PRELUDE if reducer else None) as (bx, by):
+                      prelude=prelude) as (bx, by):
             Q_s = T.alloc_shared([BH, D], bf16)
             dO_s = T.alloc_shared([BH, D], bf16)
             KV_s = T.alloc_shared([BI, D], bf16)
@@ -478,10 +495,10 @@ def _pass_configs():
 @functools.lru_cache(maxsize=32)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_topk_length: bool,
               partials: bool, has_sink: bool = False, has_dlse: bool = False, ablate: str = "",
-              reducer: bool = False):
+              reducer: bool = False, row_gather: bool = False):
     func = build_sparse_mla_bwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                 has_topk_length=has_topk_length, partials=partials, ablate=ablate,
-                                has_sink=has_sink, has_dlse=has_dlse, reducer=reducer)
+                                has_sink=has_sink, has_dlse=has_dlse, reducer=reducer, row_gather=row_gather)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -517,8 +534,9 @@ def kernel_unsupported(q, kv, indices, out, lse, dout, *, d_v, topk_length=None,
 
 
 def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: int, topk_length=None,
-                       attn_sink=None, deterministic: bool = False, dlse=None):
-    """Returns (dq [T,H,Dqk] bf16, dkv [Tkv,Dqk] bf16, d_sink [H] f32 or None)."""
+                       attn_sink=None, deterministic: bool = False, dlse=None, row_gather: bool = False):
+    """Returns (dq [T,H,Dqk] bf16, dkv [Tkv,Dqk] bf16, d_sink [H] f32 or None).  ``row_gather``: the opt-in build
+    of ``build_sparse_mla_bwd`` (same outputs)."""
     reason = kernel_unsupported(q, kv, indices, out, lse, dout, d_v=d_v, topk_length=topk_length,
                                 attn_sink=attn_sink, dlse=dlse)
     if reason is not None:
@@ -542,7 +560,7 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))
     topk = indices.shape[1]
     kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, deterministic, has_sink, has_dlse,
-                       reducer=dqk == d_v and not deterministic)
+                       reducer=dqk == d_v and not deterministic, row_gather=row_gather)
     if not deterministic:
         kernel(q, kv, dout, out, indices, tl_arg, lse, sink, dl, dq, acc, dsink_rows)
     else:
@@ -574,7 +592,9 @@ def lowering_cases():
     """The CPU lowering test's cases (lowering is slow): H 128, Dqk 576, topk_length; the Dqk 512 reducer build."""
     fn = build_sparse_mla_bwd(heads=128, dqk=576, d_v=D_V, topk=2048, sm_scale=576**-0.5, has_topk_length=True)
     red = build_sparse_mla_bwd(heads=64, dqk=512, d_v=D_V, topk=640, sm_scale=512**-0.5, has_sink=True, reducer=True)
-    return [("h128_d576_topk2048_tl", fn), ("h64_d512_topk640_sink_reducer", red)]
+    rows = build_sparse_mla_bwd(heads=64, dqk=576, d_v=D_V, topk=256, sm_scale=576**-0.5, has_topk_length=True,
+                                row_gather=True)  # opt-in, not yet run on the GPU
+    return [("h128_d576_topk2048_tl", fn), ("h64_d512_topk640_sink_reducer", red), ("h64_d576_topk256_tl_rows", rows)]
 
 
 def combine_lowering_cases():

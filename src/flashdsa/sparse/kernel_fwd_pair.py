@@ -74,8 +74,7 @@ from . import _tl_common as tc
 from . import kernel_fwd
 from ._pair_cluster import (CLUSTER_FREE_COUNT, CLUSTER_GATHERERS, CLUSTER_PRELUDE, CLUSTER_READY_COUNTS,
                             cluster_producer)
-from ._pair_parts import (BAR_BOTH, BAR_WG0, BAR_WG1, ROW_GATHER_PRELUDE, adopt_max_macro, drain, gather_producer,
-                          item_parts, pair_phase)
+from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, gather_producer, item_parts, pair_phase
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -537,7 +536,7 @@ def build_sparse_mla_fwd(
     (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (``dispatched`` picks it); ``cluster`` (H 128,
     timing build, slower: 6.61 vs 5.24 ms, session 18): the two head-group CTAs of a token gather half of every
     block's rows each and send them to each other (``_pair_cluster``); ``row_gather``: the producer gathers by rows
-    (``ROW_GATHER_PRELUDE``; dispatched for the one-CTA-per-item grid, session 18)."""
+    (``_tl_common.ROW_GATHER_PRELUDE``; dispatched for the one-CTA-per-item grid, session 18)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -554,7 +553,7 @@ def build_sparse_mla_fwd(
                      overlap_qk=overlap_qk, persistent=persistent, cluster=cluster,
                      ready_counts=CLUSTER_READY_COUNTS if cluster else (256, 256, 128, 128),
                      prelude=(CLUSTER_PRELUDE if cluster else tc.L2_PREFETCH_PRELUDE if l2_prefetch
-                              else ROW_GATHER_PRELUDE if row_gather else None))
+                              else tc.ROW_GATHER_PRELUDE if row_gather else None))
 
     if has_order:
         @T.prim_func

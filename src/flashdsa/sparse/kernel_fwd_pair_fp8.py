@@ -62,7 +62,7 @@ from . import _tl_common as tc
 from . import kernel_fwd_fp8 as f8
 from . import _pair_parts as pp
 from . import kernel_fwd_pair as kp
-from ._pair_parts import BAR_BOTH, BAR_PROD, BAR_WG0, BAR_WG1, ROW_GATHER_PRELUDE
+from ._pair_parts import BAR_BOTH, BAR_PROD, BAR_WG0, BAR_WG1
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 SUPPORTED_H = kp.SUPPORTED_H
@@ -83,7 +83,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
     PV), "no_transpose" (the producer signals V^T without transposing)."""
     assert ablate in ("", "no_lo", "no_transpose"), ablate
     # row_gather (opt-in, session 18, not yet run on the GPU): the producer's copies by rows
-    # (``_pair_parts.ROW_GATHER_PRELUDE``'s fdsa_gather_half<1>), as the bf16 pair kernel dispatches
+    # (``_tl_common.ROW_GATHER_PRELUDE``'s fdsa_gather_half<1>), as the bf16 pair kernel dispatches
     assert dqk in tc.SUPPORTED_DQK and heads in SUPPORTED_H, (dqk, heads)
     regs = regs or REGS[dqk]
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
@@ -244,7 +244,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
         with T.Kernel(n_tok * G, threads=THREADS,
-                      prelude=f8._TRANSPOSE_SRC + (ROW_GATHER_PRELUDE if row_gather else "")) as bx:
+                      prelude=f8._TRANSPOSE_SRC + (tc.ROW_GATHER_PRELUDE if row_gather else "")) as bx:
             Q_l = T.alloc_shared([BH, DH], fp8)
             Q_r = T.alloc_shared([BH, DH], fp8)
             Ka_l = T.alloc_shared([BI, DH], fp8)
