@@ -25,12 +25,13 @@ def sync_or_die(kernel: str, what: str, timeout_s: float) -> None:
     torch.cuda.synchronize()
 
 
-def assert_same_as_default(kernel: str, run, variant: dict, what: str, timeout_s: float) -> None:
+def assert_same_as_default(kernel: str, run, variant: dict, what: str, timeout_s: float):
     """``run(**variant)`` (a timing or alternative build) and ``run()`` (the default build) give bitwise equal
-    (out, lse, max_logits); each launch is hang-guarded."""
+    (out, lse, max_logits); each launch is hang-guarded.  Returns the variant's outputs."""
     got = run(**variant)
     sync_or_die(kernel, f"{variant} {what}", timeout_s)
     base = run()
     sync_or_die(kernel, f"default build {what}", timeout_s)
     for name, a, b in zip(("out", "lse", "max_logits"), got, base):
         assert torch.equal(a, b), f"{name}: {variant} differs from the default build"
+    return got

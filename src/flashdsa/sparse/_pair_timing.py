@@ -17,7 +17,9 @@ def bench_variants(rows=None, compile_only=False, topks=()):
     CTA = fixed + blocks x per-block separates the per-CTA prologue / epilogue from the per-block cost)."""
     from ..bench.flops import sparse_fwd_flops
     from ..bench.harness import time_fn
-    from .kernel_fwd_pair import BLOCK_H, BLOCK_I, D_V, _compiled, kernel_fwd
+    from . import kernel_fwd
+    from ._tl_common import BLOCK_H, BLOCK_I, D_V
+    from .kernel_fwd_pair import _compiled
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     n_sm = _dispatch.sm_count(0)

@@ -350,53 +350,53 @@ def optional_args(indices, topk_length, attn_sink, dev):
 # and one address per row, 4 (+1 rope) cp.async per row; same bytes, same 128B-swizzled layout (chunk c at c * 8 KiB,
 # row r at r * 128 B, piece q at (q ^ (r & 7)) * 16 B), invalid rows (-1) zero-filled without a read.
 ROW_GATHER_PRELUDE = r"""
+__device__ __forceinline__ void fdsa_cp16(unsigned dst, const char *src, int sz) {  // sz 0: zero fill, no read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(sz) : "memory");
+}
+// byte offset of 16-byte piece q of row r: 128-byte rows with the 128B swizzle / 64-byte rows with the 64B swizzle
+__device__ __forceinline__ unsigned fdsa_swz128(int r, int q) { return r * 128 + ((q ^ (r & 7)) << 4); }
+__device__ __forceinline__ unsigned fdsa_swz64(int r, int q) { return r * 64 + ((q ^ ((r >> 1) & 3)) << 4); }
+// the global row (-1: the tensor base, never read: the copies get size 0)
+__device__ __forceinline__ const char *fdsa_row_ptr(const void *kv, int row, int row_bytes) {
+  return static_cast<const char *>(kv) + static_cast<long long>(row >= 0 ? row : 0) * row_bytes;
+}
+// piece src .. src + 15 of each of NC consecutive 128-byte global chunks into chunks 8 KiB apart in shared memory
+template <int NC>
+__device__ __forceinline__ void fdsa_cp_chunks(unsigned dst, const char *src, int sz) {
+#pragma unroll
+  for (int c = 0; c < NC; ++c) fdsa_cp16(dst + c * 8192, src + c * 128, sz);
+}
+
 // The forward's half tiles (kernel_fwd_pair, kernel_fwd_pair_fp8), 128 producer threads.
-// EB: bytes per element (2: bf16, kernel_fwd_pair; 1: e4m3, kernel_fwd_pair_fp8); NC = 256 / (64 EB) 128-byte
-// chunks per half row.  The rope tile [64, 64]: bf16 rows are 128 bytes (one piece per thread and row, as the half
-// tile); e4m3 rows are 64 bytes with the 64B swizzle (piece q at q ^ ((r >> 1) & 3)): thread t copies piece t % 4
-// of rows t / 4 and t / 4 + 32.
+// EB: bytes per element (2: bf16, kernel_fwd_pair; 1: e4m3, kernel_fwd_pair_fp8); 256 / (64 EB) 128-byte chunks per
+// half row.  The rope tile [64, 64]: bf16 rows are 128 bytes (one piece per thread and row, as the half tile); e4m3
+// rows are 64 bytes with the 64B swizzle: thread t copies piece t % 4 of rows t / 4 and t / 4 + 32.
 template <int EB>
 __device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has_rope, const void *kv, int ld,
                                                  int col0, const int *rows, int t) {
-  constexpr int NC = 256 / (64 * EB);
   const int g = t >> 3, q = t & 7;
   const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
   const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const int r = g + 16 * k;
-    const int row = rows[r];
-    const int sz = row >= 0 ? 16 : 0;
-    const char *base = static_cast<const char *>(kv) + static_cast<long long>(row >= 0 ? row : 0) * ld * EB;
-    const char *src = base + col0 * EB + q * 16;
-    const unsigned off = r * 128 + ((q ^ (r & 7)) << 4);
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tile_s + c * 8192 + off), "l"(src + c * 128),
-                   "r"(sz) : "memory");
-    }
-    if (EB == 2 && has_rope) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(rope_s + off), "l"(base + 512 * 2 + q * 16),
-                   "r"(sz) : "memory");
-    }
+    const int r = g + 16 * k, row = rows[r], sz = row >= 0 ? 16 : 0;
+    const char *base = fdsa_row_ptr(kv, row, ld * EB);
+    fdsa_cp_chunks<256 / (64 * EB)>(tile_s + fdsa_swz128(r, q), base + col0 * EB + q * 16, sz);
+    if (EB == 2 && has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 512 * 2 + q * 16, sz);
   }
   if (EB == 1 && has_rope) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int r = (t >> 2) + 32 * j, q4 = t & 3;
-      const int row = rows[r];
-      const char *src = static_cast<const char *>(kv) + static_cast<long long>(row >= 0 ? row : 0) * ld + 512 + q4 * 16;
-      const unsigned dst = rope_s + r * 64 + ((q4 ^ ((r >> 1) & 3)) << 4);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(row >= 0 ? 16 : 0)
-                   : "memory");
+      const int r = (t >> 2) + 32 * j, q4 = t & 3, row = rows[r];
+      fdsa_cp16(rope_s + fdsa_swz64(r, q4), fdsa_row_ptr(kv, row, ld) + 512 + q4 * 16, row >= 0 ? 16 : 0);
     }
   }
 }
 
 // The backward's block tile (kernel_bwd ``row_gather``, 256 compute threads): KV_s [64, 512] bf16 = 8 chunks of 64
 // columns (8 KiB, 128-byte rows, 128B swizzle); Kt_s [64, 64] = 2 halves of 32 columns (4 KiB, 64-byte rows, 64B
-// swizzle: piece q at q ^ ((r >> 1) & 3)).  Thread t: rows t / 8 and t / 8 + 32 (KV rows row0 / row1, -1 invalid:
-// zero fill, nothing read), piece t % 8 of each chunk and of the rope row.
+// swizzle).  Thread t: rows t / 8 and t / 8 + 32 (KV rows row0 / row1, -1 invalid: zero fill, nothing read), piece
+// t % 8 of each chunk and of the rope row.
 __device__ __forceinline__ void fdsa_gather_bwd(void *kv_s, void *kt_s, int has_rope, const void *kv, int ld,
                                                 int row0, int row1, int t) {
   const int g = t >> 3, q = t & 7;
@@ -404,19 +404,10 @@ __device__ __forceinline__ void fdsa_gather_bwd(void *kv_s, void *kt_s, int has_
   const unsigned kt_sa = static_cast<unsigned>(__cvta_generic_to_shared(kt_s));
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    const int r = g + 32 * k, row = k ? row1 : row0;
-    const int sz = row >= 0 ? 16 : 0;
-    const char *src = static_cast<const char *>(kv) + static_cast<long long>(row >= 0 ? row : 0) * ld * 2 + q * 16;
-    const unsigned off = r * 128 + ((q ^ (r & 7)) << 4);
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(kv_sa + c * 8192 + off), "l"(src + c * 128),
-                   "r"(sz) : "memory");
-    }
-    if (has_rope) {
-      const unsigned dst = kt_sa + (q >> 2) * 4096 + r * 64 + (((q & 3) ^ ((r >> 1) & 3)) << 4);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src + 1024), "r"(sz) : "memory");
-    }
+    const int r = g + 32 * k, row = k ? row1 : row0, sz = row >= 0 ? 16 : 0;
+    const char *src = fdsa_row_ptr(kv, row, ld * 2) + q * 16;
+    fdsa_cp_chunks<8>(kv_sa + fdsa_swz128(r, q), src, sz);
+    if (has_rope) fdsa_cp16(kt_sa + (q >> 2) * 4096 + fdsa_swz64(r, q & 3), src + 1024, sz);
   }
 }
 """
