@@ -231,18 +231,18 @@ def test_sparse_mla_bwd_kernel_deterministic(tkv, n_tok):
 @pytest.mark.parametrize("dqk,heads,tkv,topk,n_tok", [(576, 64, 1840, 256, 213), (576, 128, 128, 130, 30),
                                                       (512, 64, 1840, 192, 62)])
 def test_sparse_mla_bwd_kernel_row_gather(dqk, heads, tkv, topk, n_tok):
-    """The opt-in gather by rows (``row_gather``): the same gathered tiles, so the deterministic path is bitwise
-    equal to the default build (dq, dkv, d_sink) and the fast path's dq too (its dkv sums by atomics)."""
+    """The dispatched gather by rows (``row_gather``) against the ``T.Parallel`` gather: the same gathered tiles, so
+    the deterministic path is bitwise equal (dq, dkv, d_sink) and the fast path's dq too (its dkv sums by atomics)."""
     q, kv, indices, tl, sink_t, valid, sm_scale, out, lse, dout = _bwd_inputs(dqk, heads, tkv, topk, n_tok, True,
                                                                              True, seed=13)
     kw = dict(sm_scale=sm_scale, d_v=D_V, topk_length=tl, attn_sink=sink_t)
     for det in (True, False):
         base = kernel_bwd.run_sparse_mla_bwd(q, kv, indices, out, lse, dout, deterministic=det, **kw)
         _poison_allocator((n_tok, heads, dqk), (tkv, dqk))
-        got = kernel_bwd.run_sparse_mla_bwd(q, kv, indices, out, lse, dout, deterministic=det, row_gather=True, **kw)
+        got = kernel_bwd.run_sparse_mla_bwd(q, kv, indices, out, lse, dout, deterministic=det, row_gather=False, **kw)
         names = ("dq", "dkv", "d_sink") if det else ("dq",)
         for name, a, b in zip(names, got, base):
-            assert torch.equal(a, b), f"{name} (deterministic={det}): the row gather differs from the default build"
+            assert torch.equal(a, b), f"{name} (deterministic={det}): the T.Parallel gather differs from the row gather"
 
 
 @_timeout

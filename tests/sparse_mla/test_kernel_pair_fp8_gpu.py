@@ -64,7 +64,8 @@ def test_sparse_mla_fwd_pair_fp8(dqk, heads, tkv, topk, n_tok, sink, use_tl, lay
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[5]],
                          ids=["tiny", "topk>tkv", "headline", "d512"])
 def test_sparse_mla_fwd_pair_fp8_row_gather(case):
-    """The producer's gather by rows (``row_gather``, same bytes and layout): bitwise equal to the default build."""
+    """The producer's ``T.Parallel`` gather (``row_gather=False``) and the dispatched gather by rows (same bytes and
+    layout): bitwise equal."""
     dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
     q8, q_scale, kv8, kv_scale, indices, topk_length, attn_sink, valid = _fp8_inputs(
         dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
@@ -72,7 +73,7 @@ def test_sparse_mla_fwd_pair_fp8_row_gather(case):
               attn_sink=attn_sink)
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     assert_same_as_default("kernel_fwd_pair_fp8", lambda **v: kmod.run_sparse_mla_fwd_fp8(q8, kv8, indices, **kw, **v),
-                           dict(row_gather=True), f"dqk={dqk} H={heads} topk={topk}", HANG_S)
+                           dict(row_gather=False), f"dqk={dqk} H={heads} topk={topk}", HANG_S)
 
 
 def test_sparse_mla_fwd_pair_fp8_unsupported():

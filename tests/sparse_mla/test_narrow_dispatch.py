@@ -139,9 +139,10 @@ def test_cache656_few_head_forms_reject_wide_heads(record, form):
 _ROWS = (("row_gather", True),)
 
 
-@pytest.mark.parametrize("n_blocks,n_sm,expect", [(10, 132, (("persistent", 132),)), (1, 78, (("persistent", 78),)),
+@pytest.mark.parametrize("n_blocks,n_sm,expect", [(10, 132, (("persistent", 132),) + _ROWS),
+                                                   (1, 78, (("persistent", 78),) + _ROWS),
                                                    (11, 132, _ROWS), (32, 132, _ROWS), (5, 0, _ROWS)])
 def test_pair_grid_rule(n_blocks, n_sm, expect):
     """The pair kernel's grid: persistent (one CTA per SM looping over the items) up to 10 blocks of 64 slots, else
-    one CTA per item gathering by rows."""
+    one CTA per item; both gather by rows."""
     assert kernel_fwd_pair._persistent_kw(n_blocks, n_sm) == expect

@@ -368,8 +368,8 @@ __device__ __forceinline__ void fdsa_cp_chunks(unsigned dst, const char *src, in
 }
 
 // The forward's half tiles (kernel_fwd_pair, kernel_fwd_pair_fp8), 128 producer threads.
-// EB: bytes per element (2: bf16, kernel_fwd_pair; 1: e4m3, kernel_fwd_pair_fp8); 256 / (64 EB) 128-byte chunks per
-// half row.  The rope tile [64, 64]: bf16 rows are 128 bytes (one piece per thread and row, as the half tile); e4m3
+// EB: bytes per element (2: bf16, kernel_fwd_pair; 1: e4m3, kernel_fwd_pair_fp8); a half row is 256 EB bytes = 2 EB
+// 128-byte chunks.  The rope tile [64, 64]: bf16 rows are 128 bytes (one piece per thread and row, as the half tile); e4m3
 // rows are 64 bytes with the 64B swizzle: thread t copies piece t % 4 of rows t / 4 and t / 4 + 32.
 template <int EB>
 __device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has_rope, const void *kv, int ld,
@@ -381,7 +381,7 @@ __device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has
   for (int k = 0; k < 4; ++k) {
     const int r = g + 16 * k, row = rows[r], sz = row >= 0 ? 16 : 0;
     const char *base = fdsa_row_ptr(kv, row, ld * EB);
-    fdsa_cp_chunks<256 / (64 * EB)>(tile_s + fdsa_swz128(r, q), base + col0 * EB + q * 16, sz);
+    fdsa_cp_chunks<2 * EB>(tile_s + fdsa_swz128(r, q), base + col0 * EB + q * 16, sz);
     if (EB == 2 && has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 512 * 2 + q * 16, sz);
   }
   if (EB == 1 && has_rope) {

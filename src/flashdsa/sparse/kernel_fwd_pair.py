@@ -33,11 +33,11 @@ half tiles a.L, b.R, a.R, b.L, each right after ITS consumer freed it, as zero-f
 (``cp.async.mbarrier.arrive.noinc``): no wait per tile, up to four half tiles (144 KiB) in flight.  Before
 a.L / b.R it writes the block's rows (``Rows0`` / ``Rows1``: KV row or -1, loaded into registers before the pair's
 first wait: ``prefetch_rows``) and publishes them with an ordinary arrival on the same barrier (count 256 = 128
-deferred + 128 ordinary); the consumers build their -inf masks from them.  Since session 18 the one-CTA-per-item
-grid issues each half tile's copies by rows (``row_gather``: 8 threads per 128-byte row segment, one row lookup
-per row instead of one per copy): the producer had been the bottleneck (ncu: its time on row lookups; the consumers
-waiting on ready barriers 45% of theirs); S 4096 / SKV 8192 / topk 2048 H 128 5.26 -> 4.18 ms (559 TFLOP/s), H 64
-2.66 -> 2.17 (539), outputs bitwise equal.
+deferred + 128 ordinary); the consumers build their -inf masks from them.  The dispatched builds issue each half
+tile's copies by rows (``row_gather``, sessions 18-19: 8 threads per 128-byte row segment, one row lookup per row
+instead of one per copy): the producer had been the bottleneck (ncu: its time on row lookups; the consumers
+waiting on ready barriers 45% of theirs); S 4096 / SKV 8192 / topk 2048 H 128 5.21 -> 4.16 ms (561 TFLOP/s), H 64
+2.66 -> 2.17 (539), V4 0.875 -> 0.733, outputs bitwise equal.
 Q is loaded by the consumers, each warpgroup its own half (+ WG0 the rope tail): copied by all 384 threads the
 64 x 256 tile lowered to 2-byte loads (not a multiple of 384 x 8 elements), ~45 us per CTA.
 Barriers (mbarriers, one phase per pair, waiters use parity j & 1; the producer waits ``free`` with parity
@@ -536,7 +536,7 @@ def build_sparse_mla_fwd(
     (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (``dispatched`` picks it); ``cluster`` (H 128,
     timing build, slower: 6.61 vs 5.24 ms, session 18): the two head-group CTAs of a token gather half of every
     block's rows each and send them to each other (``_pair_cluster``); ``row_gather``: the producer gathers by rows
-    (``_tl_common.ROW_GATHER_PRELUDE``; dispatched for the one-CTA-per-item grid, session 18)."""
+    (``_tl_common.ROW_GATHER_PRELUDE``; dispatched for both grids, session 19)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -607,22 +607,23 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
 PERSISTENT_MAX_BLOCKS = 10
 
 
-# the one-CTA-per-item build gathers by rows (``row_gather``, session 18: S 4096 / topk 2048 H 64 2.658 -> 2.168 ms,
-# H 128 5.261 -> 4.178, bitwise equal outputs); the persistent grid keeps the T.Parallel gather until its
-# combination with ``row_gather`` has run on the GPU (it lowers; docs/ROADMAP.md, first call)
+# every dispatched grid gathers by rows (``row_gather``; outputs bitwise equal to the T.Parallel gather).  Session 19
+# kernel times at S 4096 / SKV 8192 (T.Parallel gather -> rows): topk 2048 H 64 2.656 -> 2.165 ms, H 128 5.210 ->
+# 4.163 (one CTA per item; persistent + rows 2.155 / 4.242); V4 topk 640 0.875 (persistent) -> 0.733 (persistent +
+# rows; one CTA per item + rows 0.740)
 ROW_GATHER_KW = (("row_gather", True),)
 
 
 def _persistent_kw(n_blocks: int, n_sm: int) -> tuple:
     """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``PERSISTENT_MAX_BLOCKS`` blocks, else
-    one CTA per item with ``ROW_GATHER_KW`` (``n_sm`` 0: not on a GPU, one CTA per item)."""
-    return (("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ROW_GATHER_KW
+    one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item); both gather by rows (``ROW_GATHER_KW``)."""
+    return ((("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ()) + ROW_GATHER_KW
 
 
 def dispatched(q, order=None):
     """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the build this module runs
     for ``q``'s device: with ``order``, the ordered one-item-per-CTA build; else the persistent grid up to
-    ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item gathering by rows above."""
+    ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; both gather by rows."""
     if order is not None:
         return lambda *a: _compiled(*a, (("has_order", True),))
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
@@ -666,12 +667,9 @@ def lowering_cases():
                                                                       overlap_qk=False)),  # timing build
         ("pair_h128_d576_topk2048_row_gather", build_sparse_mla_fwd(heads=128, dqk=576, topk=2048, sm_scale=0.04,
                                                                     row_gather=True)),  # dispatched above 10 blocks
-        ("pair_h64_d512_topk640_sink_tl_persistent132_row_gather",  # not dispatched yet (not run on the GPU)
+        ("pair_h64_d512_topk640_sink_tl_persistent132_row_gather",  # the dispatched grid at V4's topk
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
                               persistent=132, row_gather=True)),
-        ("pair_h64_d512_topk640_sink_tl_persistent132",  # the dispatched grid at V4's topk
-         build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
-                              persistent=132)),
     ]
 
 

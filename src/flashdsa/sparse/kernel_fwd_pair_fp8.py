@@ -82,8 +82,9 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
     default ``REGS[dqk]``.  ``ablate`` (timing builds, wrong results; ``--variants``): "no_lo" (one e4m3 P per
     PV), "no_transpose" (the producer signals V^T without transposing)."""
     assert ablate in ("", "no_lo", "no_transpose"), ablate
-    # row_gather (opt-in, session 18, not yet run on the GPU): the producer's copies by rows
-    # (``_tl_common.ROW_GATHER_PRELUDE``'s fdsa_gather_half<1>), as the bf16 pair kernel dispatches
+    # row_gather (dispatched since session 19: S 4096 / SKV 8192 / H 128 / topk 2048 5.330 -> 5.026 ms, bitwise
+    # equal): the producer's copies by rows (``_tl_common.ROW_GATHER_PRELUDE``'s fdsa_gather_half<1>), as the bf16
+    # pair kernel's
     assert dqk in tc.SUPPORTED_DQK and heads in SUPPORTED_H, (dqk, heads)
     regs = regs or REGS[dqk]
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
@@ -510,10 +511,10 @@ def kernel_unsupported(q, kv, indices, *, q_scale, kv_scale, d_v, topk_length=No
 
 
 def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float, d_v: int, topk_length=None,
-                           attn_sink=None, checked: bool = False, ablate: str = "", row_gather: bool = False):
+                           attn_sink=None, checked: bool = False, ablate: str = "", row_gather: bool = True):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32) of the forward on
-    q * q_scale[..., None], kv * kv_scale[:, None].  ``ablate`` / ``row_gather``: see
-    ``build_sparse_mla_fwd_pair_fp8``."""
+    q * q_scale[..., None], kv * kv_scale[:, None].  ``ablate`` / ``row_gather`` (False: the ``T.Parallel``
+    gather, same outputs): see ``build_sparse_mla_fwd_pair_fp8``."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, q_scale=q_scale, kv_scale=kv_scale, d_v=d_v,
                                     topk_length=topk_length, attn_sink=attn_sink)
@@ -533,21 +534,21 @@ def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [
-        ("pair_fp8_h128_d576_topk2048_sink_tl",
+        ("pair_fp8_h128_d576_topk2048_sink_tl_row_gather",
          build_sparse_mla_fwd_pair_fp8(heads=128, dqk=576, topk=2048, sm_scale=576**-0.5, has_sink=True,
-                                       has_topk_length=True)),
-        ("pair_fp8_h64_d512_topk640", build_sparse_mla_fwd_pair_fp8(heads=64, dqk=512, topk=640,
-                                                                     sm_scale=512**-0.5)),
-        ("pair_fp8_h128_d576_topk2048_row_gather",  # opt-in, not yet run on the GPU
-         build_sparse_mla_fwd_pair_fp8(heads=128, dqk=576, topk=2048, sm_scale=576**-0.5, row_gather=True)),
+                                       has_topk_length=True, row_gather=True)),
+        ("pair_fp8_h64_d512_topk640_row_gather", build_sparse_mla_fwd_pair_fp8(heads=64, dqk=512, topk=640,
+                                                                               sm_scale=512**-0.5, row_gather=True)),
+        ("pair_fp8_h128_d576_topk2048",  # the T.Parallel gather (timing build)
+         build_sparse_mla_fwd_pair_fp8(heads=128, dqk=576, topk=2048, sm_scale=576**-0.5)),
     ]
 
 
-def _bench_variants(tkvs=(8192, 131072)):
+def _bench_variants(tkvs=(8192, 131072), rows=None):
     """Kernel times at S 4096, H 128, Dqk 576, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_fp8
     --variants [--skv 8192,...]``): the bf16 pair kernel on the dequantized inputs (the reference point), this
     kernel, its ablations (timing only: their outputs are wrong), the pipelined FP8 kernel (``pair=False``); max
-    |out - bf16 pair| of each."""
+    |out - bf16 pair| of each; ``rows``: only these labels (and the reference point)."""
     import torch
 
     from ..bench.flops import sparse_fwd_flops
@@ -571,10 +572,13 @@ def _bench_variants(tkvs=(8192, 131072)):
                 "fp8_pair": lambda: run_sparse_mla_fwd_fp8(q8, kv8, idx, **kw),
                 "fp8_pair_no_lo": lambda: run_sparse_mla_fwd_fp8(q8, kv8, idx, ablate="no_lo", **kw),
                 "fp8_pair_no_transpose": lambda: run_sparse_mla_fwd_fp8(q8, kv8, idx, ablate="no_transpose", **kw),
+                "fp8_pair_parallel_gather": lambda: run_sparse_mla_fwd_fp8(q8, kv8, idx, row_gather=False, **kw),
                 "fp8_pipelined": lambda: f8.run_sparse_mla_fwd_fp8(q8, kv8, idx, pair=False, **kw)}
         ref = runs["bf16_pair"]()[0].float()
         base = None
         for label, fn in runs.items():
+            if rows and label not in rows and label != "bf16_pair":
+                continue
             err = (fn()[0].float() - ref).abs().max().item()
             ms = time_fn(lambda _, f=fn: f(), [None], q8.device, reps=10).ms_median
             base = base or ms
@@ -588,4 +592,4 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if "--variants" in args:
         _bench_variants(tuple(int(x) for x in args[args.index("--skv") + 1].split(",")) if "--skv" in args
-                        else (8192, 131072))
+                        else (8192, 131072), args[args.index("--rows") + 1].split(",") if "--rows" in args else None)
