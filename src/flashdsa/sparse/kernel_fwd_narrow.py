@@ -101,9 +101,12 @@ def _epilogue_macro(*, BR, D, heads, normaliser, store_lse, bar=None):
 
 
 def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False):
+                                has_topk_length: bool = False, row_gather: bool = False):
     """prim_func with ``kernel_fwd.build_sparse_mla_fwd``'s signature (Q[T,H,Dqk], KV[Tkv,Dqk], Indices[T,topk],
-    TopkLen[n_tl], Sink[n_sink], Out[T,H,d_v], Lse[T,H], MaxLogits[T,H]); any topk (dynamic trip count)."""
+    TopkLen[n_tl], Sink[n_sink], Out[T,H,d_v], Lse[T,H], MaxLogits[T,H]); any topk (dynamic trip count).
+    ``row_gather`` (session 19, opt-in until measured): each thread looks up 4 rows and copies 8 (+1 rope) 16-byte
+    pieces of each (``_tl_common``'s fdsa_gather_narrow) instead of one Indices load and check per copy; same
+    bytes and swizzled layout, so the same outputs bitwise."""
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     BR = rows_tile(heads)
     BI, D, DT = BLOCK_I, d_v, dqk - d_v
@@ -120,9 +123,8 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
     start = _prologue_macro(BI=BI, topk_dim=topk_dim, has_topk_length=has_topk_length, load_q=load_q)
 
     @T.macro
-    def gather(KV, Indices, tok, lim, blk, KV_b, Kt_b):
-        # cp.async (no commit, no wait) of block blk's rows; invalid slots: src-size 0 (zero fill, nothing read)
-        # (row / ok / src bound once per element: repeating the Indices expression makes lowering take minutes)
+    def gather_parallel(KV, Indices, tok, lim, blk, KV_b, Kt_b):
+        # row / ok / src bound once per element: repeating the Indices expression makes lowering take minutes
         for r, d in T.Parallel(BI, D, annotations=tc.ASYNC_GATHER):
             row = _row(Indices, tok, lim, blk * BI + r)
             ok = _ok(row)
@@ -134,6 +136,24 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
                 ok = _ok(row)
                 src = T.if_then_else(ok, row, 0)
                 Kt_b[r, d] = T.if_then_else(ok, KV[src, D + d], T.cast(0, bf16))
+
+    @T.macro
+    def gather_rows(KV, Indices, tok, lim, blk, KV_b, Kt_b, rows_l):
+        tx = T.get_thread_binding()
+        for k in T.unroll(4):
+            row = _row(Indices, tok, lim, blk * BI + tx // 8 + 16 * k)
+            rows_l[k] = T.if_then_else(_ok(row), row, -1)
+        T.call_extern("handle", "fdsa_gather_narrow", T.address_of(KV_b[0, 0]),
+                      T.address_of((Kt_b if DT > 0 else KV_b)[0, 0]), 1 if DT > 0 else 0, T.address_of(KV[0, 0]),
+                      dqk, rows_l[0], rows_l[1], rows_l[2], rows_l[3], tx)
+
+    @T.macro
+    def gather(KV, Indices, tok, lim, blk, KV_b, Kt_b, rows_l):
+        # cp.async (no commit, no wait) of block blk's rows; invalid slots: src-size 0 (zero fill, nothing read)
+        if row_gather:
+            gather_rows(KV, Indices, tok, lim, blk, KV_b, Kt_b, rows_l)
+        else:
+            gather_parallel(KV, Indices, tok, lim, blk, KV_b, Kt_b)
 
     @T.macro
     def attend(Indices, tok, lim, blk, KV_b, Kt_b, Q_s, Qt_s, ST_s, P_s, Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev,
@@ -155,7 +175,7 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=THREADS) as bx:
+        with T.Kernel(n_tok, threads=THREADS, prelude=tc.ROW_GATHER_PRELUDE if row_gather else None) as bx:
             Q_s = T.alloc_shared([BR, D], bf16)
             KV_0 = T.alloc_shared([BI, D], bf16)
             KV_1 = T.alloc_shared([BI, D], bf16)
@@ -180,18 +200,19 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
             inv = T.alloc_fragment([BR], f32)
             lim = T.alloc_local([1], i32)
             nblk = T.alloc_local([1], i32)
+            rows_l = T.alloc_local([4], i32)  # row_gather: this thread's 4 rows of the block
 
             start(TopkLen, Q, Q_s, Qt_s, lim, nblk, acc_ot, l_i, m_i, bx)
             if nblk[0] > 0:
-                gather(KV, Indices, bx, lim[0], 0, KV_0, Kt_0)
+                gather(KV, Indices, bx, lim[0], 0, KV_0, Kt_0, rows_l)
                 T.ptx_commit_group()
             for it in T.serial(nblk[0]):
                 # gather block it + 1 into the buffer block it - 1 released, then wait for block it only
                 if it + 1 < nblk[0]:
                     if it % 2 == 0:
-                        gather(KV, Indices, bx, lim[0], it + 1, KV_1, Kt_1)
+                        gather(KV, Indices, bx, lim[0], it + 1, KV_1, Kt_1, rows_l)
                     else:
-                        gather(KV, Indices, bx, lim[0], it + 1, KV_0, Kt_0)
+                        gather(KV, Indices, bx, lim[0], it + 1, KV_0, Kt_0, rows_l)
                     T.ptx_commit_group()
                     T.ptx_wait_group(1)
                 else:
@@ -214,15 +235,16 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
-def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
+              row_gather: bool = False):
     # n_blocks is not a build parameter (the trip count is dynamic): one kernel per (H, Dqk, sink, topk_length)
-    return _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length)
+    return _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather)
 
 
 @functools.lru_cache(maxsize=64)
-def _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length):
+def _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather=False):
     func = build_sparse_mla_fwd_narrow(heads=heads, dqk=dqk, d_v=d_v, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length)
+                                       has_topk_length=has_topk_length, row_gather=row_gather)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -232,4 +254,40 @@ def lowering_cases():
         ("h16_d576_sink_tl", build_sparse_mla_fwd_narrow(heads=16, dqk=576, sm_scale=576 ** -0.5, has_sink=True,
                                                          has_topk_length=True)),
         ("h9_d512", build_sparse_mla_fwd_narrow(heads=9, dqk=512, sm_scale=512 ** -0.5)),
+        ("h16_d576_sink_tl_row_gather", build_sparse_mla_fwd_narrow(heads=16, dqk=576, sm_scale=576 ** -0.5,
+                                                                    has_sink=True, has_topk_length=True,
+                                                                    row_gather=True)),  # opt-in
     ]
+
+
+def _bench_variants():
+    """Kernel times at S 4096 / SKV 8192 / topk 2048 for H 16 and 32, Dqk 576 (``python -m
+    flashdsa.sparse.kernel_fwd_narrow --variants``): the default build and ``row_gather``, outputs compared."""
+    import torch
+
+    from ..bench.flops import sparse_fwd_flops
+    from ..bench.harness import time_fn
+    from . import kernel_fwd
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for heads in (16, 32):
+        q, kv, idx = kernel_fwd._prefill_inputs(gen, H=heads, topk=2048)
+        flops = sparse_fwd_flops(heads, idx.numel(), 576, D_V)  # every index is valid here
+        ref = None
+        for label, rows in (("narrow", False), ("narrow_row_gather", True)):
+            def fn(rg=rows):
+                return kernel_fwd.launch(lambda *a: _compiled(*a, rg), q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
+
+            out = fn()
+            ref = out if ref is None else ref
+            same = all(map(torch.equal, out, ref))
+            ms = time_fn(lambda _: fn(), [None], q.device, reps=10).ms_median
+            print(f"variant H {heads} {label}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s (bitwise equal to narrow:"
+                  f" {same})", flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--variants" in sys.argv[1:]:
+        _bench_variants()
