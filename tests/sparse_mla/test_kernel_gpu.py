@@ -180,14 +180,14 @@ def test_sparse_mla_fwd_kernel(dqk, heads, tkv, topk, n_tok, sink, use_tl, layou
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] <= 32],
                          ids=lambda c: f"d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}-{c[7]}")
 def test_sparse_mla_fwd_narrow_row_gather(case):
-    """The narrow kernel's gather by rows (``row_gather``: 4 row lookups per thread, same bytes and layout):
-    bitwise equal to its ``T.Parallel`` gather."""
+    """The narrow kernel's dispatched gather by rows (``row_gather``: 4 row lookups per thread, same bytes and
+    layout): bitwise equal to its ``T.Parallel`` gather."""
     from flashdsa.sparse import kernel_fwd_narrow
 
     dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
-    base = kernel_fwd.launch(kernel_fwd_narrow._compiled, q, kv, indices, **kw)
+    base = kernel_fwd.launch(lambda *a: kernel_fwd_narrow._compiled(*a, False), q, kv, indices, **kw)
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     got = kernel_fwd.launch(lambda *a: kernel_fwd_narrow._compiled(*a, True), q, kv, indices, **kw)
     for name, a, b in zip(("out", "lse", "max_logits"), got, base):
