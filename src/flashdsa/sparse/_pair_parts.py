@@ -147,3 +147,59 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
             drain()
 
     return producer
+
+
+# ready-barrier arrivals of ``warp_stream_producer``: a.L / b.R 32 noinc + 32 ordinary (the rows), a.R / b.L 32
+WARP_STREAM_READY_COUNTS = (64, 64, 32, 32)
+
+
+def warp_stream_producer(*, topk_dim, row_ok, gather_warp, col_r):
+    """The producer as four independent streams (timing build ``split_producer``, session 19): warp w of the
+    producer warpgroup owns one half tile -- w 0 a.L, 1 b.R, 2 a.R, 3 b.L -- and loops over the pairs waiting only
+    on that half's free barrier, so a late free of one half no longer holds back the other three (ncu, session 19:
+    the in-order producer waits on ``fr_al`` 29% of its time while WG1 waits on ``rdy_ar`` 19% of its own).  Lane l
+    loads the rows of slots l and l + 32 of its block before the wait; warps 0 / 1 publish them in ``Rows0`` /
+    ``Rows1`` (one ordinary arrival per lane: ``WARP_STREAM_READY_COUNTS``).  Rows0 is rewritten after ``fr_al``,
+    which WG0 arrives only after its QK waited both halves of the block, i.e. after warp 2 issued a.R (which reads
+    its own registers, not Rows0); Rows1 likewise.  ``gather_warp(tile, rope, has_rope, kv_src, col0, r_lo, r_hi,
+    lane)``: one warp's copies of a half tile; ``col_r``: the first column of the R halves."""
+    BI = BLOCK_I
+    _row = tc.make_slot_row(topk_dim)
+
+    @T.macro
+    def stream(kv_src, Indices, tok, lim, npair, lane, Rows, tile, rope, has_rope, col0, odd, rdy, fr, publish, pb,
+               r_lo, r_hi):
+        for j in T.serial(npair[0]):
+            r_lo[0] = _row(Indices, tok, lim[0], (j * 2 + odd) * BI + lane)
+            r_lo[0] = T.if_then_else(row_ok(r_lo[0], kv_src), r_lo[0], -1)
+            r_hi[0] = _row(Indices, tok, lim[0], (j * 2 + odd) * BI + 32 + lane)
+            r_hi[0] = T.if_then_else(row_ok(r_hi[0], kv_src), r_hi[0], -1)
+            T.barrier_wait(fr, pair_phase(pb, j) ^ 1)
+            if publish:
+                Rows[lane] = r_lo[0]
+                Rows[lane + 32] = r_hi[0]
+                T.barrier_arrive(rdy)
+            gather_warp(tile, rope, has_rope, kv_src, col0, r_lo[0], r_hi[0], lane)
+            T.cp_async_barrier_noinc(rdy)
+
+    @T.macro
+    def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
+        w = (tx - 256) // 32
+        lane = (tx - 256) % 32
+        if w == 0:
+            stream(kv_src, Indices, tok, lim, npair, lane, Rows0, KVa_l, KVa_l, False, 0, 0, rdy_al, fr_al, True,
+                   pb, row_a, row_b)
+        elif w == 1:
+            stream(kv_src, Indices, tok, lim, npair, lane, Rows1, KVb_r, Kb_t, True, col_r, 1, rdy_br, fr_br, True,
+                   pb, row_a, row_b)
+        elif w == 2:
+            stream(kv_src, Indices, tok, lim, npair, lane, Rows0, KVa_r, Ka_t, True, col_r, 0, rdy_ar, fr_ar, False,
+                   pb, row_a, row_b)
+        else:
+            stream(kv_src, Indices, tok, lim, npair, lane, Rows1, KVb_l, KVb_l, False, 0, 1, rdy_bl, fr_bl, False,
+                   pb, row_a, row_b)
+        if pb is None:
+            drain()
+
+    return producer

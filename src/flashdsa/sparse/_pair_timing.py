@@ -37,7 +37,9 @@ def bench_variants(rows=None, compile_only=False, topks=()):
                           ("half_gather", dict(ablate="half_gather")), ("l2_prefetch", dict(l2_prefetch=True)),
                           ("persistent", dict(persistent=n_sm)), ("cluster", dict(cluster=True)),
                           ("row_gather", dict(row_gather=True)),
-                          ("row_gather_persistent", dict(row_gather=True, persistent=n_sm))):
+                          ("row_gather_persistent", dict(row_gather=True, persistent=n_sm)),
+                          ("split_producer", dict(row_gather=True, split_producer=True)),
+                          ("split_producer_persistent", dict(row_gather=True, split_producer=True, persistent=n_sm))):
             if label == "cluster" and heads != 2 * BLOCK_H:
                 continue
             key = tuple(sorted(kw.items()))

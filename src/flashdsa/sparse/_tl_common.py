@@ -393,6 +393,23 @@ __device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has
   }
 }
 
+// One warp's copies of a bf16 half tile (kernel_fwd_pair ``split_producer``: one producer warp per half tile): lane
+// l holds the KV rows of slots l (r_lo) and l + 32 (r_hi), -1 invalid; rows g + 4 k (g = lane / 8) come by shuffle,
+// piece lane % 8 of the half row's 4 chunks from column col0 (and of the rope row into the rope tile).
+__device__ __forceinline__ void fdsa_gather_half_warp(void *tile, void *rope, int has_rope, const void *kv, int ld,
+                                                      int col0, int r_lo, int r_hi, int lane) {
+  const int g = lane >> 3, q = lane & 7;
+  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    const int r = g + 4 * k, row = __shfl_sync(0xffffffffu, k < 8 ? r_lo : r_hi, r & 31), sz = row >= 0 ? 16 : 0;
+    const char *base = fdsa_row_ptr(kv, row, ld * 2) + q * 16;
+    fdsa_cp_chunks<4>(tile_s + fdsa_swz128(r, q), base + col0 * 2, sz);
+    if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 1024, sz);
+  }
+}
+
 // The narrow forward's block tile (kernel_fwd_narrow ``row_gather``, 128 threads): KV_b [64, 512] bf16 = 8 chunks
 // of 64 columns, Kt_b [64, 64] one chunk (both 128-byte rows, 128B swizzle).  Thread t: rows t / 8 + 16 k (KV rows
 // r0 .. r3, -1 invalid: zero fill, nothing read), piece t % 8 of each chunk and of the rope row.
