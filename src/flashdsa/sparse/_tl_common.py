@@ -366,6 +366,14 @@ __device__ __forceinline__ void fdsa_cp_chunks(unsigned dst, const char *src, in
 #pragma unroll
   for (int c = 0; c < NC; ++c) fdsa_cp16(dst + c * 8192, src + c * 128, sz);
 }
+// row r of a 128B-swizzled tile: piece q of NC chunks of the global row from byte col_b, and (has_rope) of the bf16
+// rope (bytes 1024 .. 1151 of the row) into the rope tile
+template <int NC>
+__device__ __forceinline__ void fdsa_row_swz128(unsigned tile_s, unsigned rope_s, int has_rope, const char *row,
+                                                int col_b, int r, int q, int sz) {
+  fdsa_cp_chunks<NC>(tile_s + fdsa_swz128(r, q), row + col_b + q * 16, sz);
+  if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), row + 1024 + q * 16, sz);
+}
 
 // The forward's half tiles (kernel_fwd_pair, kernel_fwd_pair_fp8), 128 producer threads.
 // EB: bytes per element (2: bf16, kernel_fwd_pair; 1: e4m3, kernel_fwd_pair_fp8); a half row is 256 EB bytes = 2 EB
@@ -380,9 +388,7 @@ __device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int r = g + 16 * k, row = rows[r], sz = row >= 0 ? 16 : 0;
-    const char *base = fdsa_row_ptr(kv, row, ld * EB);
-    fdsa_cp_chunks<2 * EB>(tile_s + fdsa_swz128(r, q), base + col0 * EB + q * 16, sz);
-    if (EB == 2 && has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 512 * 2 + q * 16, sz);
+    fdsa_row_swz128<2 * EB>(tile_s, rope_s, EB == 2 && has_rope, fdsa_row_ptr(kv, row, ld * EB), col0 * EB, r, q, sz);
   }
   if (EB == 1 && has_rope) {
 #pragma unroll
@@ -404,9 +410,7 @@ __device__ __forceinline__ void fdsa_gather_half_warp(void *tile, void *rope, in
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
     const int r = g + 4 * k, row = __shfl_sync(0xffffffffu, k < 8 ? r_lo : r_hi, r & 31), sz = row >= 0 ? 16 : 0;
-    const char *base = fdsa_row_ptr(kv, row, ld * 2) + q * 16;
-    fdsa_cp_chunks<4>(tile_s + fdsa_swz128(r, q), base + col0 * 2, sz);
-    if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 1024, sz);
+    fdsa_row_swz128<4>(tile_s, rope_s, has_rope, fdsa_row_ptr(kv, row, ld * 2), col0 * 2, r, q, sz);
   }
 }
 
@@ -421,8 +425,8 @@ __device__ __forceinline__ void fdsa_gather_narrow(void *tile, void *rope, int h
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int r = g + 16 * k, sz = rows[k] >= 0 ? 16 : 0;
-    const char *src = fdsa_row_ptr(kv, rows[k], ld * 2) + q * 16;
-    fdsa_cp_chunks<8>(tile_s + fdsa_swz128(r, q), src, sz);
+    const char *src = fdsa_row_ptr(kv, rows[k], ld * 2) + q * 16;  // (as it ran on the GPU; fdsa_row_swz128 orders
+    fdsa_cp_chunks<8>(tile_s + fdsa_swz128(r, q), src, sz);        // the rope address differently)
     if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), src + 1024, sz);
   }
 }
