@@ -9,9 +9,7 @@ One process per case (all at once): it builds the case's inputs on the GPU and r
 ``source .gpu/env.sh``.
 """
 
-import subprocess
 import sys
-import time
 
 
 def _run_case(suite: str, index: int) -> None:
@@ -32,22 +30,11 @@ def main(argv: list[str]) -> int:
     import torch
 
     from flashdsa.bench import get_cases
+    from warm_cache import run_parallel  # this script's folder is on sys.path
 
-    t0 = time.time()
-    procs = []
-    for suite in argv:
-        for i, case in enumerate(get_cases(suite, torch.device("cuda"))[0]):
-            procs.append((f"{suite}/{case.name}", subprocess.Popen(
-                [sys.executable, __file__, "--case", suite, str(i)], stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE, text=True)))
-    bad = 0
-    for name, p in procs:
-        err = p.communicate()[1]
-        if p.returncode != 0:
-            bad += 1
-            print(f"FAILED {name}: {err.strip().splitlines()[-1] if err.strip() else p.returncode}", flush=True)
-    print(f"warmed {len(procs) - bad} of {len(procs)} cases in {time.time() - t0:.0f} s", flush=True)
-    return 1 if bad else 0
+    jobs = [(f"{suite}/{case.name}", [sys.executable, __file__, "--case", suite, str(i)])
+            for suite in argv for i, case in enumerate(get_cases(suite, torch.device("cuda"))[0])]
+    return 1 if run_parallel(jobs, " cases") else 0
 
 
 if __name__ == "__main__":
