@@ -97,14 +97,6 @@ def test_sparse_mla_fwd_pair_same_order_builds(case, build_kw):
     _same_as_default(case, build_kw)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[1] == 128],
-                         ids=lambda c: f"d{c[0]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}-{c[7]}")
-def test_sparse_mla_fwd_pair_cluster(case):
-    """The 2-CTA cluster build at H 128 (each head group's CTA gathers half of every block's rows and sends them to
-    its peer): against the reference and bitwise equal to the default build (same products in the same order)."""
-    _same_as_default(case, (("cluster", True),))
-
-
 def _same_as_default(case, build_kw):
     """``build_kw``'s build bitwise equal to the one-CTA-per-item default build, and against the reference (the
     run_sparse_mla_fwd dispatch picks the persistent grid or the row gather, so the base is ``kmod._compiled``)."""

@@ -35,13 +35,11 @@ def bench_variants(rows=None, compile_only=False, topks=()):
         for label, kw in (("pair", dict()), ("no_overlap_qk", dict(overlap_qk=False)),
                           ("no_prefetch_rows", dict(prefetch_rows=False)), ("no_gather", dict(ablate="no_gather")),
                           ("half_gather", dict(ablate="half_gather")), ("l2_prefetch", dict(l2_prefetch=True)),
-                          ("persistent", dict(persistent=n_sm)), ("cluster", dict(cluster=True)),
+                          ("persistent", dict(persistent=n_sm)),
                           ("row_gather", dict(row_gather=True)),
                           ("row_gather_persistent", dict(row_gather=True, persistent=n_sm)),
                           ("split_producer", dict(row_gather=True, split_producer=True)),
                           ("split_producer_persistent", dict(row_gather=True, split_producer=True, persistent=n_sm))):
-            if label == "cluster" and heads != 2 * BLOCK_H:
-                continue
             key = tuple(sorted(kw.items()))
             runs.append((label, lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                  sm_scale=dqk**-0.5, d_v=D_V)))

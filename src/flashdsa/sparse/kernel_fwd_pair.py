@@ -72,8 +72,6 @@ import tilelang.language as T
 from .. import _dispatch
 from . import _tl_common as tc
 from . import kernel_fwd
-from ._pair_cluster import (CLUSTER_FREE_COUNT, CLUSTER_GATHERERS, CLUSTER_PRELUDE, CLUSTER_READY_COUNTS,
-                            cluster_producer)
 from ._pair_parts import (BAR_BOTH, BAR_WG0, BAR_WG1, WARP_STREAM_READY_COUNTS, adopt_max_macro, drain,
                           gather_producer, item_parts, pair_phase, warp_stream_producer)
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
@@ -90,7 +88,7 @@ _ASYNC = tc.ASYNC_GATHER
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
               ready_counts=(256, 256, 128, 128), prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True,
-              persistent=0, cluster=False):
+              persistent=0):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -115,12 +113,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     pb the role's count of the pairs of its earlier items, pair j waits parity (pb + j) & 1 (the producer's free
     waits ((pb + j) & 1) ^ 1).  Between items, the next load_q rewrites the Q halves only after both consumers
     retired every wgmma (finish's BAR_BOTH) and its own warpgroup read the staged O out (``end_item``'s barrier);
-    see the comment above ``item_parts``'s call for each buffer.  ``cluster``: the 2-CTA timing build of
-    ``_pair_cluster`` (H 128, one item per CTA; ``producer`` is then its (gather, forward) pair)."""
+    see the comment above ``item_parts``'s call for each buffer."""
     assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
-    # cluster: the two head groups of a token share the gather (``_pair_cluster``); one item per CTA
-    assert not cluster or (heads == 2 * BLOCK_H and not persistent and ready_counts == CLUSTER_READY_COUNTS), cluster
-    free_count = CLUSTER_FREE_COUNT if cluster else 128
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
     assert sm_scale is not None and sm_scale > 0
@@ -186,14 +180,6 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     adopt_max = adopt_max_macro(BH=BH, c_log2=c_log2)
 
     @T.macro
-    def free(bar):
-        # a consumer is done with a half tile: its own producer may refill it and (cluster) the peer's may send
-        # its rows into it
-        T.barrier_arrive(bar)
-        if cluster:
-            T.call_extern("handle", "fdsa_arrive_peer", T.address_of(bar[0]), 1 - T.block_rank_in_cluster())
-
-    @T.macro
     def exp_and_rescale(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk):
         # m_new = the new running max (raw score units): O and l move from m_run to m_new, P = 2^(S c - m_new c)
         # in place (invalid -inf -> 0), l += rowsum(P)
@@ -252,7 +238,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     @T.macro
     def body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse, MaxLogits, Order):
-        with T.Kernel(n_ctas, threads=THREADS, prelude=prelude, cluster_dims=2 if cluster else None) as bx:
+        with T.Kernel(n_ctas, threads=THREADS, prelude=prelude) as bx:
             Q_l = T.alloc_shared([BH, DH], bf16)
             Q_r = T.alloc_shared([BH, DH], bf16)
             KVa_l = T.alloc_shared([BI, DH], bf16)
@@ -282,16 +268,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             rdy_br = T.alloc_barrier(ready_counts[1])
             rdy_ar = T.alloc_barrier(ready_counts[2])
             rdy_bl = T.alloc_barrier(ready_counts[3])
-            fr_al = T.alloc_barrier(free_count)
-            fr_bl = T.alloc_barrier(free_count)
-            fr_br = T.alloc_barrier(free_count)
-            fr_ar = T.alloc_barrier(free_count)
+            fr_al = T.alloc_barrier(128)
+            fr_bl = T.alloc_barrier(128)
+            fr_br = T.alloc_barrier(128)
+            fr_ar = T.alloc_barrier(128)
             bar_ma = T.alloc_barrier(128)
             bar_mb = T.alloc_barrier(128)
             bar_p0 = T.alloc_barrier(128)
             bar_p1 = T.alloc_barrier(128)
-            # cluster: this CTA's rows of each half landed (a.L, b.R, a.R, b.L), for the forwarder
-            landed = [T.alloc_barrier(CLUSTER_GATHERERS) for _ in range(4)] if cluster else None
 
             # per-role fragments (one fragment shared by two role branches loses code in TileLang 0.1.15)
             acc_o0 = T.alloc_fragment([BH, DH], f32)
@@ -324,8 +308,6 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 tok = item_tok(Order, bx)
                 h0 = (bx % G) * BH
             tx = T.get_thread_binding()
-            if cluster:
-                T.call_extern("handle", "fdsa_cluster_sync")
 
             if not persistent:
                 set_lim(lim, TopkLen, tok)
@@ -349,7 +331,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         # publish m_a; local PV: O_l += P_a V_a[:, :256], P from registers
                         softmax_local_pv(acc_s0, acc_o0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, p0, KVa_l)
                         T.wait_wgmma(0)
-                        free(fr_al)
+                        T.barrier_arrive(fr_al)
                         # common max m_b: move O_l, l_0 and P_a to it
                         adopt_max(bar_mb, pair_phase(pb, j), Mb, m_new0, m_run0, alpha0, l0)
                         for h, r in T.Parallel(BH, BI):
@@ -367,14 +349,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                             if j + 1 < npair[0]:
                                 qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
                                 T.wait_wgmma(1)  # the remote PV retired (the QK on a.L may still run): b.L, P1 free
-                                free(fr_bl)
+                                T.barrier_arrive(fr_bl)
                                 qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, j + 1), tx)
                             else:
                                 T.wait_wgmma(0)
-                                free(fr_bl)
+                                T.barrier_arrive(fr_bl)
                         else:
                             T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
-                            free(fr_bl)
+                            T.barrier_arrive(fr_bl)
                             if j + 1 < npair[0]:
                                 qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
                                 qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, j + 1), tx)
@@ -382,8 +364,6 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     store_lse(l0, m_run0, Lse, MaxLogits, tok, h0)
                     if persistent:
                         end_item(pb, npair, BAR_WG0)
-                if cluster:
-                    T.call_extern("handle", "fdsa_cluster_sync")
             elif tx < 256:
                 # ---------------------------------------------- WG1: QK of blocks 2j+1, O[:, 256:512]
                 T.set_max_nreg(regs[1], 1)
@@ -416,9 +396,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         T.barrier_wait(bar_p0, pair_phase(pb, j))
                         T.wgmma_gemm(P0, KVa_r, acc_o1)
                         T.wait_wgmma(1)  # the local PV retired: b.R no longer read
-                        free(fr_br)
+                        T.barrier_arrive(fr_br)
                         T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
-                        free(fr_ar)
+                        T.barrier_arrive(fr_ar)
                         if j + 1 < npair[0]:
                             wait_tile(rdy_br, pair_phase(pb, j + 1), KVb_r, 2, BAR_WG1, tx - 128)
                             mask(Rows1, acc_s1)
@@ -430,18 +410,6 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
                     if persistent:
                         end_item(pb, npair, BAR_WG1)
-                if cluster:
-                    T.call_extern("handle", "fdsa_cluster_sync")
-            elif cluster:
-                # ---------------------------------------------- producer: gatherers + forwarder (``_pair_cluster``)
-                T.set_max_nreg(regs[2], 0)
-                gather, forward = producer
-                if tx < 256 + CLUSTER_GATHERERS:
-                    gather(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                           row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, landed)
-                elif tx < 256 + CLUSTER_GATHERERS + 32:
-                    forward(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, rdy_al, rdy_br, rdy_ar, rdy_bl, landed)
-                T.call_extern("handle", "fdsa_cluster_sync")
             else:
                 # ---------------------------------------------- producer
                 T.set_max_nreg(regs[2], 0)
@@ -530,7 +498,6 @@ def build_sparse_mla_fwd(
     overlap_qk: bool = True,
     l2_prefetch: bool = False,
     persistent: int = 0,
-    cluster: bool = False,
     row_gather: bool = False,
     split_producer: bool = False,
 ):
@@ -545,9 +512,8 @@ def build_sparse_mla_fwd(
     cluster that gathers each row once for both head groups).  ``has_order``: one more input Order[T] int32 after
     Sink, the token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10
     order).  ``l2_prefetch`` (timing build): the gather's cp.async carry the ``.L2::128B`` hint
-    (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (``dispatched`` picks it); ``cluster`` (H 128,
-    timing build, slower: 6.61 vs 5.24 ms, session 18): the two head-group CTAs of a token gather half of every
-    block's rows each and send them to each other (``_pair_cluster``); ``row_gather``: the producer gathers by rows
+    (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (``dispatched`` picks it); ``row_gather``: the
+    producer gathers by rows
     (``_tl_common.ROW_GATHER_PRELUDE``; dispatched for both grids, session 19); ``split_producer`` (timing build
     with ``row_gather``, session 19, not yet run on the GPU): one producer warp per half tile, each waiting only on
     its own free barrier (``_pair_parts.warp_stream_producer``)."""
@@ -555,21 +521,16 @@ def build_sparse_mla_fwd(
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
-    if cluster:
-        assert not (ablate or l2_prefetch or persistent or has_order) and prefetch_rows, "cluster: the default build"
-        producer = cluster_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim)
-    else:
-        assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
-        assert row_gather or not split_producer, "split_producer: a row_gather build"
-        producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
-                                  row_gather=row_gather, split_producer=split_producer)
+    assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
+    assert row_gather or not split_producer, "split_producer: a row_gather build"
+    producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
+                              row_gather=row_gather, split_producer=split_producer)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                     overlap_qk=overlap_qk, persistent=persistent, cluster=cluster,
-                     ready_counts=(CLUSTER_READY_COUNTS if cluster else WARP_STREAM_READY_COUNTS if split_producer
-                                   else (256, 256, 128, 128)),
-                     prelude=(CLUSTER_PRELUDE if cluster else tc.L2_PREFETCH_PRELUDE if l2_prefetch
-                              else tc.ROW_GATHER_PRELUDE if row_gather else None))
+                     overlap_qk=overlap_qk, persistent=persistent,
+                     ready_counts=WARP_STREAM_READY_COUNTS if split_producer else (256, 256, 128, 128),
+                     prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.ROW_GATHER_PRELUDE if row_gather
+                              else None))
 
     if has_order:
         @T.prim_func
@@ -672,9 +633,6 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [
         ("pair_h128_d576_topk2048", build_sparse_mla_fwd(heads=128, dqk=576, topk=2048, sm_scale=576**-0.5)),
-        ("pair_h128_d576_topk256_sink_tl_cluster", build_sparse_mla_fwd(heads=128, dqk=576, topk=256, sm_scale=0.04,
-                                                                         has_sink=True, has_topk_length=True,
-                                                                         cluster=True)),  # timing build
         ("pair_h64_d512_topk640_sink_tl", build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5,
                                                                has_sink=True, has_topk_length=True)),
         ("pair_h128_d576_topk8192_tl_ordered", build_sparse_mla_fwd(heads=128, dqk=576, topk=8192, sm_scale=0.04,
