@@ -1,7 +1,7 @@
 """GPU timing tools of the sparse MLA backward's main kernel (``python -m flashdsa.sparse.kernel_bwd ...``):
 ``--ablate`` (without the atomics / the dK/dV stage), ``--topk`` (the V4 shape over topk), ``--reducer`` (the
-reducer warpgroup and its hand-over), ``--rows`` (the opt-in gather by rows), and the headline shapes through
-``run_sparse_mla_bwd``."""
+reducer warpgroup and its hand-over), ``--rows`` (the dispatched gather by rows against the T.Parallel gather),
+and the headline shapes through ``run_sparse_mla_bwd``."""
 
 import torch
 
@@ -74,7 +74,7 @@ def _bench(argv=None):
             _bench_ablate(dqk=512, ablates=("", "no_atomics"),
                           builds=(dict(reducer=True), dict(reducer=True, ablate="red_skip")), **kw)
         return
-    if "--rows" in argv:  # the opt-in gather by rows against the default build (H 64 / 128 at Dqk 576; V4 reducer)
+    if "--rows" in argv:  # the dispatched row gather vs the T.Parallel one (H 64 / 128 at Dqk 576; V4 reducer)
         _bench_ablate(ablates=("", "no_atomics"), builds=(dict(row_gather=True),))
         _bench_ablate(H=128, ablates=("",), builds=(dict(row_gather=True),))
         _bench_ablate(dqk=512, topk=640, ablates=(), builds=(dict(reducer=True), dict(reducer=True, row_gather=True)))
