@@ -341,6 +341,22 @@ def optional_args(indices, topk_length, attn_sink, dev):
     return has_sink, has_tl, tl_arg, sink_arg, n_blocks
 
 
+# 2^x as one MUFU.EX2 (ex2.approx.ftz): exp2f without fast math adds a range test and two scalings per element for
+# subnormal results, which softmax probabilities below 2^-126 do not need (they flush to +0; 2^-inf = +0).
+FAST_EXP2_PRELUDE = r"""
+__device__ __forceinline__ float fdsa_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+
+
+def ex2(x):
+    """2^x through ``FAST_EXP2_PRELUDE`` (the kernel's prelude must include it)."""
+    return T.call_extern("float32", "fdsa_ex2", x)
+
+
 # ``row_gather``: the producer's gather of one half tile by an extern with a row-major thread mapping.  TileLang's
 # mapping of the T.Parallel gather gives each thread 16 different rows per half tile (a warp copies one 512-byte
 # row segment per instruction), so every 16-byte cp.async needs its own Rows[] load, validity check and address
