@@ -98,14 +98,12 @@ def test_sparse_mla_fwd_pair_cache_unsupported():
                                 d_v=D_V)
 
 
-@pytest.mark.parametrize("variant", [dict(overlap_qk=False), dict(row_gather=True)],
-                         ids=["no_overlap_qk", "row_gather"])
+@pytest.mark.parametrize("variant", [dict(overlap_qk=False)], ids=["no_overlap_qk"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
                          ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
 def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
-    """Builds with the default's products in its order, bitwise equal to the default build: ``overlap_qk=False``
-    (WG0 retires its remote PV before it converts and multiplies a.L; the default overlaps them) and
-    ``row_gather`` (the raw copies by rows: same bytes at the same places; padded row strides included)."""
+    """A build with the default's products in its order, bitwise equal to the default build: ``overlap_qk=False``
+    (WG0 retires its remote PV before it converts and multiplies a.L; the default overlaps them)."""
     heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))

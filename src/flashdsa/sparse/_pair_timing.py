@@ -37,9 +37,7 @@ def bench_variants(rows=None, compile_only=False, topks=()):
                           ("half_gather", dict(ablate="half_gather")), ("l2_prefetch", dict(l2_prefetch=True)),
                           ("persistent", dict(persistent=n_sm)),
                           ("row_gather", dict(row_gather=True)),
-                          ("row_gather_persistent", dict(row_gather=True, persistent=n_sm)),
-                          ("split_producer", dict(row_gather=True, split_producer=True)),
-                          ("split_producer_persistent", dict(row_gather=True, split_producer=True, persistent=n_sm))):
+                          ("row_gather_persistent", dict(row_gather=True, persistent=n_sm))):
             key = tuple(sorted(kw.items()))
             runs.append((label, lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                  sm_scale=dqk**-0.5, d_v=D_V)))
@@ -55,8 +53,8 @@ def bench_variants(rows=None, compile_only=False, topks=()):
             same = "-" if ref is None or label in ("padded", "pair") else all(map(torch.equal, out, ref))
             ms = time_fn(lambda _, f=fn: f(), [None], q.device, reps=10).ms_median
             ctas_per_sm = q.shape[0] * (heads // BLOCK_H) / n_sm
-            print(f"variant {name} {label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, {ms * 1e3 / blocks_per_sm:.2f} us"
-                  f" per block and SM, {ms * 1e3 / ctas_per_sm:.1f} us per CTA"
+            print(f"variant {name} {label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s,"
+                  f" {ms * 1e3 / blocks_per_sm:.2f} us per block and SM, {ms * 1e3 / ctas_per_sm:.1f} us per CTA"
                   f" (bitwise equal to pair: {same})", flush=True)
 
 

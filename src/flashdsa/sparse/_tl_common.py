@@ -393,8 +393,8 @@ __device__ __forceinline__ void fdsa_row_swz128(unsigned tile_s, unsigned rope_s
 
 // The forward's half tiles (kernel_fwd_pair, kernel_fwd_pair_fp8), 128 producer threads.
 // EB: bytes per element (2: bf16, kernel_fwd_pair; 1: e4m3, kernel_fwd_pair_fp8); a half row is 256 EB bytes = 2 EB
-// 128-byte chunks.  The rope tile [64, 64]: bf16 rows are 128 bytes (one piece per thread and row, as the half tile); e4m3
-// rows are 64 bytes with the 64B swizzle: thread t copies piece t % 4 of rows t / 4 and t / 4 + 32.
+// 128-byte chunks.  The rope tile [64, 64]: bf16 rows are 128 bytes (one piece per thread and row, as the half
+// tile); e4m3 rows are 64 bytes with the 64B swizzle: thread t copies piece t % 4 of rows t / 4 and t / 4 + 32.
 template <int EB>
 __device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has_rope, const void *kv, int ld,
                                                  int col0, const int *rows, int t) {
@@ -412,21 +412,6 @@ __device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has
       const int r = (t >> 2) + 32 * j, q4 = t & 3, row = rows[r];
       fdsa_cp16(rope_s + fdsa_swz64(r, q4), fdsa_row_ptr(kv, row, ld) + 512 + q4 * 16, row >= 0 ? 16 : 0);
     }
-  }
-}
-
-// One warp's copies of a bf16 half tile (kernel_fwd_pair ``split_producer``: one producer warp per half tile): lane
-// l holds the KV rows of slots l (r_lo) and l + 32 (r_hi), -1 invalid; rows g + 4 k (g = lane / 8) come by shuffle,
-// piece lane % 8 of the half row's 4 chunks from column col0 (and of the rope row into the rope tile).
-__device__ __forceinline__ void fdsa_gather_half_warp(void *tile, void *rope, int has_rope, const void *kv, int ld,
-                                                      int col0, int r_lo, int r_hi, int lane) {
-  const int g = lane >> 3, q = lane & 7;
-  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
-  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
-#pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    const int r = g + 4 * k, row = __shfl_sync(0xffffffffu, k < 8 ? r_lo : r_hi, r & 31), sz = row >= 0 ? 16 : 0;
-    fdsa_row_swz128<4>(tile_s, rope_s, has_rope, fdsa_row_ptr(kv, row, ld * 2), col0 * 2, r, q, sz);
   }
 }
 

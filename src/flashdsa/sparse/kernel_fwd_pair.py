@@ -72,8 +72,7 @@ import tilelang.language as T
 from .. import _dispatch
 from . import _tl_common as tc
 from . import kernel_fwd
-from ._pair_parts import (BAR_BOTH, BAR_WG0, BAR_WG1, WARP_STREAM_READY_COUNTS, adopt_max_macro, drain,
-                          gather_producer, item_parts, pair_phase, warp_stream_producer)
+from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, gather_producer, item_parts, pair_phase
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -426,9 +425,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     return body
 
 
-def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False, split_producer=False):
-    """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,).  ``split_producer``: one
-    warp per half tile (``_pair_parts.warp_stream_producer``)."""
+def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False):
+    """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
     D = D_V
     DH = D // 2
     D_tail = dqk - D
@@ -470,15 +468,6 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
                     if c == 0:
                         Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
 
-    @T.macro
-    def gather_warp(tile, rope, has_rope, kv_src, col0, r_lo, r_hi, lane):
-        KV = kv_src[0]
-        T.call_extern("handle", "fdsa_gather_half_warp", T.address_of(tile[0, 0]), T.address_of(rope[0, 0]),
-                      1 if has_rope and D_tail > 0 else 0, T.address_of(KV[0, 0]), dqk, col0, r_lo, r_hi, lane)
-
-    if split_producer:
-        return warp_stream_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: _ok(row), gather_warp=gather_warp,
-                                    col_r=DH)
     return gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: _ok(row), gather_l=gather_l,
                            gather_r=gather_r, prefetch_rows=prefetch_rows)
 
@@ -499,7 +488,6 @@ def build_sparse_mla_fwd(
     l2_prefetch: bool = False,
     persistent: int = 0,
     row_gather: bool = False,
-    split_producer: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -513,22 +501,17 @@ def build_sparse_mla_fwd(
     Sink, the token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10
     order).  ``l2_prefetch`` (timing build): the gather's cp.async carry the ``.L2::128B`` hint
     (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (``dispatched`` picks it); ``row_gather``: the
-    producer gathers by rows
-    (``_tl_common.ROW_GATHER_PRELUDE``; dispatched for both grids, session 19); ``split_producer`` (timing build
-    with ``row_gather``, session 19, not yet run on the GPU): one producer warp per half tile, each waiting only on
-    its own free barrier (``_pair_parts.warp_stream_producer``)."""
+    producer gathers by rows (``_tl_common.ROW_GATHER_PRELUDE``; dispatched for both grids, session 19)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
-    assert row_gather or not split_producer, "split_producer: a row_gather build"
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
-                              row_gather=row_gather, split_producer=split_producer)
+                              row_gather=row_gather)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent,
-                     ready_counts=WARP_STREAM_READY_COUNTS if split_producer else (256, 256, 128, 128),
                      prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.ROW_GATHER_PRELUDE if row_gather
                               else None))
 
@@ -641,9 +624,6 @@ def lowering_cases():
                                                                       overlap_qk=False)),  # timing build
         ("pair_h128_d576_topk2048_row_gather", build_sparse_mla_fwd(heads=128, dqk=576, topk=2048, sm_scale=0.04,
                                                                     row_gather=True)),  # dispatched above 10 blocks
-        ("pair_h128_d576_topk2048_sink_tl_split_producer",  # timing build, not yet run on the GPU
-         build_sparse_mla_fwd(heads=128, dqk=576, topk=2048, sm_scale=0.04, has_sink=True, has_topk_length=True,
-                              row_gather=True, split_producer=True)),
         ("pair_h64_d512_topk640_sink_tl_persistent132_row_gather",  # the dispatched grid at V4's topk
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
                               persistent=132, row_gather=True)),

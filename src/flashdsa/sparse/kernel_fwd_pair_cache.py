@@ -106,36 +106,6 @@ __device__ __forceinline__ float fdsa_ld_f32(const void *p, int i) { return rein
 """
 
 
-# ``row_gather`` (opt-in, session 19, not yet run on the GPU): the raw half tile by rows, 8 threads per row as the
-# bf16 pair kernel's gather (``_tl_common.ROW_GATHER_PRELUDE``), instead of TileLang's mapping of the parallel
-# loops (one row lookup per copy; the scales as two 8-byte copies).  Same bytes at the same places.
-_ROW_RAW_SRC = r"""
-// The raw half tile (128 producer threads): e4m3 chunk k of a row (16 bytes, dims 16k .. 16k + 15 of the half) into
-// the slots of dims [16k, 16k + 8) (chunk k / 4, piece 2 (k % 4) of the 128B-swizzled bf16 half), the row's 16 bytes
-// of scales (byte 512) into dims [8, 16) (piece 1 of chunk 0), the bf16 rope (bytes 528 .. 655) into the rope tile.
-// Thread t: rows t / 8 + 16 j (-1 invalid: zero fill, nothing read), chunks t % 8 and t % 8 + 8 from chunk0, rope
-// piece t % 8, the scales on t % 8 == 0.
-__device__ __forceinline__ void fdsa_gather_raw656(void *tile, void *rope, int has_rope, const void *kv,
-                                                   int row_bytes, int chunk0, const int *rows, int t) {
-  const int g = t >> 3, q = t & 7;
-  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
-  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = g + 16 * j, row = rows[r], sz = row >= 0 ? 16 : 0;
-    const char *base = fdsa_row_ptr(kv, row, row_bytes);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int k = q + 8 * h;
-      fdsa_cp16(tile_s + (k >> 2) * 8192 + fdsa_swz128(r, 2 * (k & 3)), base + (chunk0 + k) * 16, sz);
-    }
-    if (q == 0) fdsa_cp16(tile_s + fdsa_swz128(r, 1), base + 512, sz);
-    if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
-  }
-}
-"""
-
-
 def convert_share_macro():
     """Macro ``convert_share(Half, sc, rw, part)``: one thread's share of a half tile's in-place conversion: row
     ``rw``, chunks [8 part, 8 part + 8), walked rotated by 2 part (the 8 threads of a quarter warp, rows 4i..4i+3 x
@@ -151,11 +121,10 @@ def convert_share_macro():
     return convert_share
 
 
-def _raw_gather_macro(row_gather=False):
+def _raw_gather_macro():
     """Macro ``gather_raw(Half, Kt, Rows, kv_src, chunk0)``: cp.async (no commit, no wait) of one half tile's raw
     bytes, e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the row's 16 bytes of scales into the
-    slots of dims [8, 16), the rope (``Kt`` not None) into the rope tile; invalid rows zero-filled.  ``row_gather``:
-    the same copies by rows (``_ROW_RAW_SRC``)."""
+    slots of dims [8, 16), the rope (``Kt`` not None) into the rope tile; invalid rows zero-filled."""
     BI = BLOCK_I
     DH = D_V // 2
     bf16 = "bfloat16"
@@ -171,7 +140,7 @@ def _raw_gather_macro(row_gather=False):
             Half[r, 8 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + fc.SCALE_CHUNK, v], T.cast(0, bf16))
 
     @T.macro
-    def gather_parallel(Half, Kt, Rows, kv_src, chunk0):
+    def gather_raw(Half, Kt, Rows, kv_src, chunk0):
         KVb = kv_src[1]
         rs16 = kv_src[2]
         latent_raw(Half, KVb, rs16, Rows, chunk0)
@@ -180,28 +149,13 @@ def _raw_gather_macro(row_gather=False):
                 rk = Rows[r]
                 Kt[r, c * 8 + v] = T.if_then_else(rk >= 0, KVb[rk * rs16 + fc.ROPE_CHUNK0 + c, v], T.cast(0, bf16))
 
-    @T.macro
-    def gather_rows(Half, Kt, Rows, kv_src, chunk0):
-        KVb = kv_src[1]
-        T.call_extern("handle", "fdsa_gather_raw656", T.address_of(Half[0, 0]),
-                      T.address_of((Kt if Kt is not None else Half)[0, 0]), 0 if Kt is None else 1,
-                      T.address_of(KVb[0, 0]), kv_src[2] * fc.CHUNK, chunk0, T.address_of(Rows[0]),
-                      T.get_thread_binding() - 256)
-
-    @T.macro
-    def gather_raw(Half, Kt, Rows, kv_src, chunk0):
-        if row_gather:
-            gather_rows(Half, Kt, Rows, kv_src, chunk0)
-        else:
-            gather_parallel(Half, Kt, Rows, kv_src, chunk0)
-
     return gather_raw
 
 
 ABLATIONS = ("", "no_convert")  # timing builds: conversion skipped
 
 
-def _dequant_parts(*, topk_dim, ablate="", row_gather=False):
+def _dequant_parts(*, topk_dim, ablate=""):
     """The producer is ``_pair_parts.gather_producer`` (non-blocking, up to four half
     tiles in flight) copying raw bytes: e4m3 chunk k of a row into the bf16 slots of dims [16k, 16k + 8), the
     row's four float32 scales (16 B) into the slots of dims [8, 16) (free until chunk 0 is converted), the rope
@@ -213,7 +167,7 @@ def _dequant_parts(*, topk_dim, ablate="", row_gather=False):
     assert ablate in ABLATIONS, ablate
     DH = D_V // 2
     f32 = "float32"
-    gather_raw = _raw_gather_macro(row_gather)
+    gather_raw = _raw_gather_macro()
     convert_share = convert_share_macro()
 
     @T.macro
@@ -249,21 +203,18 @@ def _dequant_parts(*, topk_dim, ablate="", row_gather=False):
 
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
-                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
-                                    row_gather: bool = False):
+                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
     ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s (default; WG0 then
-    converts a.L while its remote PV runs); ``row_gather`` (opt-in, not yet run on the GPU): the raw copies by rows
-    (``_ROW_RAW_SRC``)."""
+    converts a.L while its remote PV runs)."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
-    producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate, row_gather=row_gather)
+    producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
     body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                         has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                        prelude=_DEQUANT_SRC + (tc.ROW_GATHER_PRELUDE + _ROW_RAW_SRC if row_gather else ""),
-                        first_use=first_use, overlap_qk=overlap_qk)
+                        prelude=_DEQUANT_SRC, first_use=first_use, overlap_qk=overlap_qk)
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
@@ -290,10 +241,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True, row_gather: bool = False):
+              overlap_qk: bool = True):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk, row_gather=row_gather)
+                                           overlap_qk=overlap_qk)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -306,10 +257,9 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False, ablate: str = "", overlap_qk: bool = True, row_gather: bool = False):
+                       checked: bool = False, ablate: str = "", overlap_qk: bool = True):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
-    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk``, ``row_gather`` (same
-    results)."""
+    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk``."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
@@ -321,7 +271,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     indices = indices.contiguous()
     chunks = fc.cache_chunks(kv)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, row_gather)
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -331,9 +281,7 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [("pair_cache_h128_topk2048_sink_tl",
              build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, has_sink=True,
-                                             has_topk_length=True)),
-            ("pair_cache_h64_topk2048_row_gather",  # opt-in, not yet run on the GPU
-             build_sparse_mla_fwd_pair_cache(heads=64, topk=2048, sm_scale=576**-0.5, row_gather=True))]
+                                             has_topk_length=True))]
 
 
 def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
@@ -369,8 +317,6 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
                                                                        overlap_qk=False),
                 "cache_pair_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     ablate="no_convert"),
-                "cache_pair_row_gather": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                    row_gather=True),
                 "cache_pipelined": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)}
         if compile_only:
             for label in rows or runs:
