@@ -92,14 +92,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
     Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
     rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)`` in the third warpgroup.  ``kv_src``: whatever the
-    producer reads (a tuple of buffers / scalars).  Ready barriers: rdy_al / rdy_br 256 arrivals per phase
-    (128 noinc cp.async + 128 ordinary: the producer publishes Rows0 / Rows1 before them), rdy_ar / rdy_bl 128.
-    ``regs``: setmaxnreg of (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t)``: run
-    by the consumer that reads a half tile first (WG0: a.L, a.R; WG1: b.R, b.L) right after its ready barrier,
-    before any wgmma reads it (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's
-    named barrier; ``t``: thread index in the warpgroup); it must leave the tile complete for the async proxy.
-    ``overlap_qk`` (default since session 15): WG0 issues the next pair's QK on a.L while its remote PV is still in flight and
-    retires that PV (frees b.L) only then, as FlashMLA's SM90 sparse prefill orders it; same products in the same
+    producer reads (a tuple of buffers / scalars).  Ready barriers: rdy_al / rdy_br 256 arrivals per phase (128
+    noinc cp.async + 128 ordinary: the producer publishes Rows0 / Rows1 before them), rdy_ar / rdy_bl 128.  ``regs``:
+    setmaxnreg of (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t)``: run by the
+    consumer that reads a half tile first (WG0: a.L, a.R; WG1: b.R, b.L) right after its ready barrier, before any
+    wgmma reads it (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's named barrier;
+    ``t``: thread index in the warpgroup); it must leave the tile complete for the async proxy.
+    ``overlap_qk`` (default since session 15): WG0 issues the next pair's QK on a.L while its remote PV is still in
+    flight and retires that PV (frees b.L) only then, as FlashMLA's SM90 sparse prefill orders it; same products in the same
     order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697 ->
     2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  (Freeing b.R before WG1 waits for
     P_a did not help: H 64 2.638 -> 2.623 ms, V4 0.880 -> 0.879, H 128 5.185 -> 5.223; removed, session 16.)
