@@ -99,9 +99,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     wgmma reads it (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's named barrier;
     ``t``: thread index in the warpgroup); it must leave the tile complete for the async proxy.
     ``overlap_qk`` (default since session 15): WG0 issues the next pair's QK on a.L while its remote PV is still in
-    flight and retires that PV (frees b.L) only then, as FlashMLA's SM90 sparse prefill orders it; same products in the same
-    order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697 ->
-    2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  (Freeing b.R before WG1 waits for
+    flight and retires that PV (frees b.L) only then, as FlashMLA's SM90 sparse prefill orders it; same products in
+    the same order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697
+    -> 2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  (Freeing b.R before WG1 waits for
     P_a did not help: H 64 2.638 -> 2.623 ms, V4 0.880 -> 0.879, H 128 5.185 -> 5.223; removed, session 16.)
     ``persistent`` = P > 0 (``dispatched`` up to ``PERSISTENT_MAX_BLOCKS``; session 16, P 132: V4 prefill 0.880 ->
     0.854 ms, H 64 / Dqk 576 at topk 640 0.942 -> 0.916, topk 1024 1.390 -> 1.386, topk 2048 2.615 -> 2.712, H 128
