@@ -86,7 +86,7 @@ _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0):
+              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -111,8 +111,18 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     pb the role's count of the pairs of its earlier items, pair j waits parity (pb + j) & 1 (the producer's free
     waits ((pb + j) & 1) ^ 1).  Between items, the next load_q rewrites the Q halves only after both consumers
     retired every wgmma (finish's BAR_BOTH) and its own warpgroup read the staged O out (``end_item``'s barrier);
-    see the comment above ``item_parts``'s call for each buffer."""
-    assert sum(regs) <= 3 * ((65536 // THREADS) // 8 * 8) and all(r % 8 == 0 for r in regs), regs
+    see the comment above ``item_parts``'s call for each buffer.
+
+    ``converter`` (the 656-byte cache's converter staging): a fourth warpgroup (threads 384-511, 512 in all) runs
+    ``converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
+    pb)`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the ready
+    barriers above), the converter turns each landed half into what the consumers read and arrives on its ready
+    barrier (count 128); ``regs`` then has four entries (at most 512 in all), and each PV is two m64n128 wgmmas
+    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128)."""
+    n_wg = 3 if converter is None else 4
+    threads = 128 * n_wg
+    assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
+    assert all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
     assert sm_scale is not None and sm_scale > 0
@@ -177,6 +187,31 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     adopt_max = adopt_max_macro(BH=BH, c_log2=c_log2)
 
+    # O_l / O_r as n_o fragments of DO columns: one, or with a converter two (each PV then two m64n128 wgmmas:
+    # at 512 threads ptxas checks every instruction against the launch's 128 registers per thread, and an
+    # m64n256 wgmma needs ~158)
+    n_o = 1 if converter is None else 2
+    DO = DH // n_o
+
+    @T.macro
+    def o_mul(acc_o, f):
+        # O *= f per head (acc_o: the tuple of fragments)
+        # (no Python name is bound to a fragment here: TileLang names a buffer after its latest binding)
+        for h, d in T.Parallel(BH, DO):
+            acc_o[0][h, d] = acc_o[0][h, d] * f[h]
+        if n_o == 2:
+            for h, d in T.Parallel(BH, DO):
+                acc_o[1][h, d] = acc_o[1][h, d] * f[h]
+
+    @T.macro
+    def pv(P, KV, acc_o):
+        # O += P V
+        if n_o == 1:
+            T.wgmma_gemm(P, KV, acc_o[0])
+        else:
+            T.wgmma_gemm(P, KV[:, 0:DO], acc_o[0])
+            T.wgmma_gemm(P, KV[:, DO:DH], acc_o[1])
+
     @T.macro
     def exp_and_rescale(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk):
         # m_new = the new running max (raw score units): O and l move from m_run to m_new, P = 2^(S c - m_new c)
@@ -189,8 +224,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         T.reduce_sum(acc_s, l_blk, dim=1)
         for h in T.Parallel(BH):
             l_acc[h] = l_acc[h] * alpha[h] + l_blk[h]
-        for h, d in T.Parallel(BH, DH):
-            acc_o[h, d] = acc_o[h, d] * alpha[h]
+        o_mul(acc_o, alpha)
 
     @T.macro
     def softmax_local_pv(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk, M_s, bar_m, p, KV):
@@ -200,7 +234,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         T.copy(m_run, M_s)
         T.barrier_arrive(bar_m)
         T.copy(acc_s, p)
-        T.wgmma_gemm(p, KV, acc_o)
+        pv(p, KV, acc_o)
 
     @T.macro
     def finish(acc_o, l_acc, m_run, inv, Ls_own, Ls0, Ls1, Sink, Stage, Out, tok, h0, c0, own_bar):
@@ -211,9 +245,12 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         for h in T.Parallel(BH):
             l_acc[h] = Ls0[h] + Ls1[h]
         normaliser(inv, l_acc, m_run, Sink, h0)
-        for h, d in T.Parallel(BH, DH):
-            acc_o[h, d] = acc_o[h, d] * inv[h]
-        T.copy(acc_o, Stage)
+        o_mul(acc_o, inv)
+        if n_o == 1:
+            T.copy(acc_o[0], Stage)
+        else:
+            T.copy(acc_o[0], Stage[:, 0:DO])
+            T.copy(acc_o[1], Stage[:, DO:DH])
         T.sync_threads(own_bar, 128)
         T.copy(Stage, Out[tok, h0 : h0 + BH, c0 : c0 + DH])
 
@@ -235,8 +272,24 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                                                                         persistent=persistent, set_lim=set_lim)
 
     @T.macro
+    def produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok, h0, Rows0, Rows1, KVa_l, KVa_r,
+                      KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar,
+                      pb):
+        # the producer warpgroup (threads 256-383); its arrivals go to ld_* (the ready barriers without a converter)
+        T.set_max_nreg(regs[2], 0)
+        for it in items(bx):
+            if persistent:
+                tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
+            producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                     row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb)
+            if persistent:
+                pb[0] = pb[0] + npair[0]
+        if persistent:
+            drain()
+
+    @T.macro
     def body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse, MaxLogits, Order):
-        with T.Kernel(n_ctas, threads=THREADS, prelude=prelude) as bx:
+        with T.Kernel(n_ctas, threads=threads, prelude=prelude) as bx:
             Q_l = T.alloc_shared([BH, DH], bf16)
             Q_r = T.alloc_shared([BH, DH], bf16)
             KVa_l = T.alloc_shared([BI, DH], bf16)
@@ -262,10 +315,20 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             Ls0 = T.alloc_shared([BH], f32)
             Ls1 = T.alloc_shared([BH], f32)
 
-            rdy_al = T.alloc_barrier(256)
-            rdy_br = T.alloc_barrier(256)
-            rdy_ar = T.alloc_barrier(128)
-            rdy_bl = T.alloc_barrier(128)
+            if converter is None:
+                rdy_al = T.alloc_barrier(256)
+                rdy_br = T.alloc_barrier(256)
+                rdy_ar = T.alloc_barrier(128)
+                rdy_bl = T.alloc_barrier(128)
+            else:
+                ld_al = T.alloc_barrier(256)
+                ld_br = T.alloc_barrier(256)
+                ld_ar = T.alloc_barrier(128)
+                ld_bl = T.alloc_barrier(128)
+                rdy_al = T.alloc_barrier(128)
+                rdy_br = T.alloc_barrier(128)
+                rdy_ar = T.alloc_barrier(128)
+                rdy_bl = T.alloc_barrier(128)
             fr_al = T.alloc_barrier(128)
             fr_bl = T.alloc_barrier(128)
             fr_br = T.alloc_barrier(128)
@@ -276,7 +339,16 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             bar_p1 = T.alloc_barrier(128)
 
             # per-role fragments (one fragment shared by two role branches loses code in TileLang 0.1.15)
-            acc_o0 = T.alloc_fragment([BH, DH], f32)
+            if n_o == 1:
+                acc_o0 = T.alloc_fragment([BH, DH], f32)
+                acc_o1 = T.alloc_fragment([BH, DH], f32)
+                O0, O1 = (acc_o0,), (acc_o1,)
+            else:
+                acc_o0a = T.alloc_fragment([BH, DO], f32)
+                acc_o0b = T.alloc_fragment([BH, DO], f32)
+                acc_o1a = T.alloc_fragment([BH, DO], f32)
+                acc_o1b = T.alloc_fragment([BH, DO], f32)
+                O0, O1 = (acc_o0a, acc_o0b), (acc_o1a, acc_o1b)
             acc_s0 = T.alloc_fragment([BH, BI], f32)
             p0 = T.alloc_fragment([BH, BI], bf16)
             m_run0 = T.alloc_fragment([BH], f32)
@@ -285,7 +357,6 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             l0 = T.alloc_fragment([BH], f32)
             lb0 = T.alloc_fragment([BH], f32)
             inv0 = T.alloc_fragment([BH], f32)
-            acc_o1 = T.alloc_fragment([BH, DH], f32)
             acc_s1 = T.alloc_fragment([BH, BI], f32)
             p1 = T.alloc_fragment([BH, BI], bf16)
             m_run1 = T.alloc_fragment([BH], f32)
@@ -318,7 +389,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
                     load_q(Q, Q_l, Q_t, tok, h0, 0)
-                    T.fill(acc_o0, 0)
+                    T.fill(O0[0], 0)
+                    if n_o == 2:
+                        T.fill(O0[1], 0)
                     T.fill(l0, 0)
                     T.fill(m_run0, neg_big)
                     if npair[0] > 0:
@@ -327,7 +400,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     for j in T.serial(npair[0]):
                         T.copy(m_run0, m_new0)
                         # publish m_a; local PV: O_l += P_a V_a[:, :256], P from registers
-                        softmax_local_pv(acc_s0, acc_o0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, p0, KVa_l)
+                        softmax_local_pv(acc_s0, O0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, p0, KVa_l)
                         T.wait_wgmma(0)
                         T.barrier_arrive(fr_al)
                         # common max m_b: move O_l, l_0 and P_a to it
@@ -338,11 +411,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         T.copy(p0, P0)
                         T.fence_proxy_async()
                         T.barrier_arrive(bar_p0)
-                        for h, d in T.Parallel(BH, DH):
-                            acc_o0[h, d] = acc_o0[h, d] * alpha0[h]
+                        o_mul(O0, alpha0)
                         # remote PV: O_l += P_b V_b[:, :256], P_b from WG1 via smem
                         T.barrier_wait(bar_p1, pair_phase(pb, j))
-                        T.wgmma_gemm(P1, KVb_l, acc_o0)
+                        pv(P1, KVb_l, O0)
                         if overlap_qk:
                             if j + 1 < npair[0]:
                                 qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
@@ -358,7 +430,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                             if j + 1 < npair[0]:
                                 qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
                                 qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, j + 1), tx)
-                    finish(acc_o0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Q_l, Out, tok, h0, 0, BAR_WG0)
+                    finish(O0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Q_l, Out, tok, h0, 0, BAR_WG0)
                     store_lse(l0, m_run0, Lse, MaxLogits, tok, h0)
                     if persistent:
                         end_item(pb, npair, BAR_WG0)
@@ -369,7 +441,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
                     load_q(Q, Q_r, None, tok, h0, DH)
-                    T.fill(acc_o1, 0)
+                    T.fill(O1[0], 0)
+                    if n_o == 2:
+                        T.fill(O1[1], 0)
                     T.fill(l1, 0)
                     T.fill(m_run1, neg_big)
                     if npair[0] > 0:
@@ -386,14 +460,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         for h in T.Parallel(BH):
                             m_new1[h] = Ma[h]
                         # publish m_b; local PV: O_r += P_b V_b[:, 256:] (P from registers); P_b to smem meanwhile
-                        softmax_local_pv(acc_s1, acc_o1, m_run1, m_new1, alpha1, l1, lb1, Mb, bar_mb, p1, KVb_r)
+                        softmax_local_pv(acc_s1, O1, m_run1, m_new1, alpha1, l1, lb1, Mb, bar_mb, p1, KVb_r)
                         T.copy(p1, P1)
                         T.fence_proxy_async()
                         T.barrier_arrive(bar_p1)
                         # remote PV: O_r += P_a V_a[:, 256:], P_a already at m_b
                         T.barrier_wait(bar_p0, pair_phase(pb, j))
-                        T.wgmma_gemm(P0, KVa_r, acc_o1)
-                        T.wait_wgmma(1)  # the local PV retired: b.R no longer read
+                        pv(P0, KVa_r, O1)
+                        T.wait_wgmma(n_o)  # the local PV retired: b.R no longer read
                         T.barrier_arrive(fr_br)
                         T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
                         T.barrier_arrive(fr_ar)
@@ -405,21 +479,29 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                             wait_tile(rdy_bl, pair_phase(pb, j + 1), KVb_l, 0, BAR_WG1, tx - 128)
                             T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
                             T.wait_wgmma(0)
-                    finish(acc_o1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
+                    finish(O1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
                     if persistent:
                         end_item(pb, npair, BAR_WG1)
             else:
-                # ---------------------------------------------- producer
-                T.set_max_nreg(regs[2], 0)
-                for it in items(bx):
-                    if persistent:
-                        tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-                    producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t,
-                             Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb)
-                    if persistent:
-                        pb[0] = pb[0] + npair[0]
-                if persistent:
-                    drain()
+                tok0, h00 = (None, None) if persistent else (tok, h0)  # (persistent: set per item by start_item)
+                if converter is None:
+                    produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok0, h00, Rows0, Rows1, KVa_l,
+                                  KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al,
+                                  fr_bl, fr_br, fr_ar, pb)
+                elif tx < 384:
+                    produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok0, h00, Rows0, Rows1, KVa_l,
+                                  KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al,
+                                  fr_bl, fr_br, fr_ar, pb)
+                else:
+                    # ------------------------------------------ converter (``converter`` builds)
+                    T.set_max_nreg(regs[3], 0)
+                    for it in items(bx):
+                        if persistent:
+                            tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
+                        converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br,
+                                  rdy_ar, rdy_bl, pb)
+                        if persistent:
+                            pb[0] = pb[0] + npair[0]
 
     return body
 

@@ -16,7 +16,12 @@ reading them, so no thread can clobber another's raw data.  Thread t of the 128 
 dims [128 (t % 2), +128) of the half (one 128-dim scale tile); part 1 walks its chunks rotated by two so the 8
 threads of a quarter warp touch 8 different 16-byte bank groups.
 
-Who converts: the producer is ``_pair_parts.gather_producer`` (the bf16 kernel's non-blocking
+Who converts (``staging``).  "converter" (the default since session 21): a fourth warpgroup (512 threads; setmaxnreg
+216 / 216 / 24 / 56) waits on "landed" barriers, converts each half in place (``fdsa_convert_half``), fences it and
+arrives on the consumers' ready barrier, so the consumers run the bf16 kernel's protocol unchanged; the producer
+copies the raw bytes by rows (``fdsa_gather_raw656``).  At 512 threads ptxas checks each instruction against the
+launch's 128 registers per thread, so ``pair_body`` splits each PV into two m64n128 wgmmas.  "consumer":
+the producer is ``_pair_parts.gather_producer`` (the bf16 kernel's non-blocking
     protocol, up to four half tiles in flight) copying raw bytes, plus each row's 16 bytes of scales into the
     slots of dims [8, 16) (free until chunk 0 is converted).  The consumer that reads a half first (WG0: a.L,
     a.R; WG1: b.R, b.L) converts it after its ready barrier: scale read, warpgroup barrier, conversion,
@@ -40,9 +45,15 @@ Session 14 (``--variants`` at 7a8fbbd): this kernel 6.728 / 7.131 ms (0.763x / 0
 ``kernel_fwd_fp8cache.run_sparse_mla_fwd`` now picks where rows are reused (``kernel_dequant656``); this kernel
 serves the low-reuse calls (decode over a large paged cache).  f16 products (session 14) were measured slower in
 session 15 and removed; see docs/PERFORMANCE.md 'Session 15'.
+Session 21 (``--variants``, S 4096 / H 128 / topk 2048; docs/PERFORMANCE.md 'Session 21'): SKV 8192 bf16 pair 3.96
+ms, "consumer" 6.56, "converter" 6.62 -- without any conversion (``ablate="no_convert"``) 5.36 / 5.21, so the raw
+path itself, not the conversion alone, keeps this kernel from the bf16 kernel's speed; SKV 131072 bf16 4.59,
+"consumer" 7.23, "converter" 6.82.  Sparse FP8 decode suite rows: H 128 s_q 2 0.473 -> 0.460 ms, H 64 0.135 ->
+0.129 with the converter.
 """
 
 import functools
+import os
 
 import torch
 
@@ -106,6 +117,69 @@ __device__ __forceinline__ float fdsa_ld_f32(const void *p, int i) { return rein
 """
 
 
+# The converter staging (``staging="converter"``, session 21): a fourth warpgroup converts each landed half tile
+# in place while the consumers run the bf16 pair kernel's protocol unchanged, and the producer copies the raw
+# bytes by rows (8 threads per row, as the bf16 kernel's ``row_gather``).
+_CONVERTER_SRC = r"""
+// The raw half tile (128 producer threads): e4m3 chunk k of a row (16 bytes, dims 16k .. 16k + 15 of the half) into
+// the slots of dims [16k, 16k + 8) (chunk k / 4, piece 2 (k % 4) of the 128B-swizzled bf16 half), the row's 16 bytes
+// of scales (byte 512) into dims [8, 16) (piece 1 of chunk 0), the bf16 rope (bytes 528 .. 655) into the rope tile.
+// Thread t: rows t / 8 + 16 j (-1 invalid: zero fill, nothing read), chunks t % 8 and t % 8 + 8 from chunk0, rope
+// piece t % 8, the scales on t % 8 == 0.
+__device__ __forceinline__ void fdsa_gather_raw656(void *tile, void *rope, int has_rope, const void *kv,
+                                                   int row_bytes, int chunk0, const int *rows, int t) {
+  const int g = t >> 3, q = t & 7;
+  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int r = g + 16 * j, row = rows[r], sz = row >= 0 ? 16 : 0;
+    const char *base = fdsa_row_ptr(kv, row, row_bytes);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = q + 8 * h;
+      fdsa_cp16(tile_s + (k >> 2) * 8192 + fdsa_swz128(r, 2 * (k & 3)), base + (chunk0 + k) * 16, sz);
+    }
+    if (q == 0) fdsa_cp16(tile_s + fdsa_swz128(r, 1), base + 512, sz);
+    if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
+  }
+}
+// The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
+// chunks [8 p, 8 p + 8) (p = t % 2: the row's 128-dim scale tile tile0 + p), two chunks per step with both loads
+// before the stores (four spill at the converter's 56 registers); part 1 walks its chunks rotated by two, so the
+// 8 threads of a quarter warp (rows 4i .. 4i + 3 x both parts) touch 8 different 16-byte bank groups.  Both threads
+// of a row read their scale before the warp barrier: part 0's chunk 0 overwrites the scale slots.
+__device__ __forceinline__ void fdsa_convert_half(void *half, int tile0, int t) {
+  const int r = t >> 1, p = t & 1;
+  const unsigned row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
+  float s;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(s) : "r"(row_s + ((1 ^ (r & 7)) << 4) + 4 * (tile0 + p)) : "memory");
+  __syncwarp();
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    unsigned lo[2], w[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int k = 8 * p + ((2 * g + i + 2 * p) & 7);
+      lo[i] = row_s + (k >> 2) * 8192 + ((((k & 3) * 2) ^ (r & 7)) << 4);
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(w[i][0]), "=r"(w[i][1]), "=r"(w[i][2]), "=r"(w[i][3]) : "r"(lo[i]) : "memory");
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      unsigned o[8];
+      fdsa_cvt_e4m3x16(w[i], o, s);
+      const unsigned hi = lo[i] ^ 16u;  // piece 2 (k % 4) + 1: the swizzle XOR keeps the pair of pieces together
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo[i]), "r"(o[0]), "r"(o[1]), "r"(o[2]),
+                   "r"(o[3]) : "memory");
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(hi), "r"(o[4]), "r"(o[5]), "r"(o[6]),
+                   "r"(o[7]) : "memory");
+    }
+  }
+}
+"""
+
+
 def convert_share_macro():
     """Macro ``convert_share(Half, sc, rw, part)``: one thread's share of a half tile's in-place conversion: row
     ``rw``, chunks [8 part, 8 part + 8), walked rotated by 2 part (the 8 threads of a quarter warp, rows 4i..4i+3 x
@@ -153,6 +227,59 @@ def _raw_gather_macro():
 
 
 ABLATIONS = ("", "no_convert")  # timing builds: conversion skipped
+STAGINGS = ("consumer", "converter")
+# the default since session 21: the sparse FP8 decode rows 3-5% faster (H 128 s_q 2 0.473 -> 0.460 ms, H 64 0.135 ->
+# 0.129), the kernel at S 4096 / SKV 131072 6.82 vs 7.23 ms, at SKV 8192 6.62 vs 6.55
+DEFAULT_STAGING = "converter"
+STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
+# setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
+CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in the converter)
+
+
+def _converter_parts(*, topk_dim, ablate=""):
+    """The converter staging: the producer (``gather_producer``) copies the raw bytes by rows
+    (``fdsa_gather_raw656``: the same bytes at the same places as ``_raw_gather_macro``) with its arrivals on the
+    "landed" barriers; the fourth warpgroup waits each half in the producer's order (a.L, b.R, a.R, b.L), converts it
+    in place (``fdsa_convert_half``), fences it for the async proxy and arrives on the consumers' ready barrier.
+    Returns (producer, converter)."""
+    assert ablate in ABLATIONS, ablate
+    DH = D_V // 2
+
+    @T.macro
+    def gather_rows(Half, Kt, rope, Rows, kv_src, chunk0):
+        KVb = kv_src[1]
+        T.call_extern("handle", "fdsa_gather_raw656", T.address_of(Half[0, 0]), T.address_of(Kt[0, 0]), rope,
+                      T.address_of(KVb[0, 0]), kv_src[2] * fc.CHUNK, chunk0, T.address_of(Rows[0]),
+                      T.get_thread_binding() - 256)
+
+    @T.macro
+    def gather_l(KVl, Rows, kv_src):
+        gather_rows(KVl, KVl, 0, Rows, kv_src, 0)
+
+    @T.macro
+    def gather_r(KVr, Kt, Rows, kv_src):
+        gather_rows(KVr, Kt, 1, Rows, kv_src, DH // 16)
+
+    @T.macro
+    def convert_one(Half, tile0, ld, rdy, phase, tx):
+        T.barrier_wait(ld, phase)
+        if ablate != "no_convert":
+            T.call_extern("handle", "fdsa_convert_half", T.address_of(Half[0, 0]), tile0, tx - 384)
+        T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
+        T.barrier_arrive(rdy)
+
+    @T.macro
+    def converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
+                  pb):
+        for j in T.serial(npair[0]):
+            convert_one(KVa_l, 0, ld_al, rdy_al, pp.pair_phase(pb, j), tx)
+            convert_one(KVb_r, 2, ld_br, rdy_br, pp.pair_phase(pb, j), tx)
+            convert_one(KVa_r, 2, ld_ar, rdy_ar, pp.pair_phase(pb, j), tx)
+            convert_one(KVb_l, 0, ld_bl, rdy_bl, pp.pair_phase(pb, j), tx)
+
+    producer = pp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
+                                  gather_l=gather_l, gather_r=gather_r)
+    return producer, converter
 
 
 def _dequant_parts(*, topk_dim, ablate=""):
@@ -203,18 +330,26 @@ def _dequant_parts(*, topk_dim, ablate=""):
 
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
-                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True):
+                                    has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
+                                    staging: str = "converter"):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
     ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s (default; WG0 then
-    converts a.L while its remote PV runs)."""
+    converts a.L while its remote PV runs); ``staging``: who converts, one of ``STAGINGS`` ("consumer":
+    ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``)."""
+    assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
-    producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
-    body = kp.pair_body(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
-                        has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                        prelude=_DEQUANT_SRC, first_use=first_use, overlap_qk=overlap_qk)
+    common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
+                  has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
+    if staging == "converter":
+        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate)
+        body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
+                            prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
+    else:
+        producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
+        body = kp.pair_body(**common, producer=producer, prelude=_DEQUANT_SRC, first_use=first_use)
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
@@ -241,10 +376,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True):
+              overlap_qk: bool = True, staging: str = "converter"):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk)
+                                           overlap_qk=overlap_qk, staging=staging)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -257,7 +392,7 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False, ablate: str = "", overlap_qk: bool = True):
+                       checked: bool = False, ablate: str = "", overlap_qk: bool = True, staging: str | None = None):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
     and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk``."""
     if not checked:
@@ -271,7 +406,10 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     indices = indices.contiguous()
     chunks = fc.cache_chunks(kv)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk)
+    staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
+    if staging not in STAGINGS:
+        raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -281,14 +419,18 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [("pair_cache_h128_topk2048_sink_tl",
              build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, has_sink=True,
-                                             has_topk_length=True))]
+                                             has_topk_length=True)),
+            ("pair_cache_h64_topk700_tl_consumer",
+             build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_topk_length=True,
+                                             staging="consumer"))]
 
 
 def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
     """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
-    [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel, the
-    whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing builds (``overlap_qk=False``;
-    ``ABLATIONS``: no conversion), the pipelined fp8-cache kernel; checks each against the bf16 pair kernel bitwise
+    [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel (default
+    staging, and "consumer"), the whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing
+    builds (``overlap_qk=False``; ``ABLATIONS``: no conversion), the pipelined fp8-cache kernel; checks each against
+    the bf16 pair kernel bitwise
     (the ablation differs by design); then the copy alone.  ``rows``: labels to run (default all);
     ``compile_only``: one call each, no timing (warms the TileLang cache: run one process per row in parallel, then
     time in one process)."""
@@ -317,6 +459,9 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
                                                                        overlap_qk=False),
                 "cache_pair_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     ablate="no_convert"),
+                "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
+                "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                        staging="consumer", ablate="no_convert"),
                 "cache_pipelined": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)}
         if compile_only:
             for label in rows or runs:
