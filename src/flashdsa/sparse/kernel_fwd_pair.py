@@ -82,6 +82,7 @@ THREADS = 384
 # 3 x 168 = 504 (setmaxnreg.inc waits forever for registers the pool cannot give)
 PAIR_REGS = (216, 216, 72)
 assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
+HOP_REGS = (216, 216, 56, 24)  # the ``hop`` timing build: 512 threads, the producer's 72 cut to 56
 _ASYNC = tc.ASYNC_GATHER
 
 
@@ -553,6 +554,28 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
                            gather_r=gather_r, prefetch_rows=prefetch_rows)
 
 
+def _hop_converter():
+    """The ``hop`` timing build's fourth warpgroup: the converter staging's barrier hop with nothing to convert (wait
+    each half's landed barrier in the producer's order, fence, arrive on its ready barrier)."""
+
+    @T.macro
+    def hop(ld, rdy, phase):
+        T.barrier_wait(ld, phase)
+        T.fence_proxy_async()
+        T.barrier_arrive(rdy)
+
+    @T.macro
+    def converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
+                  pb):
+        for j in T.serial(npair[0]):
+            hop(ld_al, rdy_al, pair_phase(pb, j))
+            hop(ld_br, rdy_br, pair_phase(pb, j))
+            hop(ld_ar, rdy_ar, pair_phase(pb, j))
+            hop(ld_bl, rdy_bl, pair_phase(pb, j))
+
+    return converter
+
+
 def build_sparse_mla_fwd(
     *,
     heads: int,
@@ -569,6 +592,7 @@ def build_sparse_mla_fwd(
     l2_prefetch: bool = False,
     persistent: int = 0,
     row_gather: bool = False,
+    hop: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -582,7 +606,10 @@ def build_sparse_mla_fwd(
     Sink, the token of each CTA row (``pair_body``).  ``overlap_qk``: ``pair_body``'s (False: the session-10
     order).  ``l2_prefetch`` (timing build): the gather's cp.async carry the ``.L2::128B`` hint
     (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (``dispatched`` picks it); ``row_gather``: the
-    producer gathers by rows (``_tl_common.ROW_GATHER_PRELUDE``; dispatched for both grids, session 19)."""
+    producer gathers by rows (``_tl_common.ROW_GATHER_PRELUDE``; dispatched for both grids, session 19).  ``hop``
+    (timing build, with ``row_gather``): the 656-byte cache kernel's converter warpgroup with nothing to convert
+    (``_hop_converter``; 512 threads, each PV two m64n128 wgmmas): what the converter staging's structure costs on
+    bf16 tiles (outputs bitwise equal)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -593,6 +620,7 @@ def build_sparse_mla_fwd(
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent,
+                     **(dict(converter=_hop_converter(), regs=HOP_REGS) if hop else {}),
                      prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.ROW_GATHER_PRELUDE if row_gather
                               else None))
 

@@ -449,6 +449,9 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
         sm = dqk**-0.5
         flops = sparse_fwd_flops(heads, idx.numel(), dqk, D_V)  # every index is valid here
         runs = {"bf16_pair": lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, idx, sm_scale=sm, d_v=D_V),
+                "bf16_pair_hop": lambda: kernel_fwd.launch(
+                    lambda *a: kernel_fwd_pair._compiled(*a, (("hop", True), ("row_gather", True))), q, kv_deq, idx,
+                    sm_scale=sm, d_v=D_V),
                 "bf16_pair_no_overlap_qk": lambda: kernel_fwd.launch(
                     lambda *a: kernel_fwd_pair._compiled(*a, (("overlap_qk", False),)), q, kv_deq, idx, sm_scale=sm,
                     d_v=D_V),
