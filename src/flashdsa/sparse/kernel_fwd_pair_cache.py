@@ -425,7 +425,7 @@ def lowering_cases():
                                              staging="consumer"))]
 
 
-def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
+def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_latent=False):
     """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
     [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel (default
     staging, and "consumer"), the whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing
@@ -433,7 +433,9 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
     the bf16 pair kernel bitwise
     (the ablation differs by design); then the copy alone.  ``rows``: labels to run (default all);
     ``compile_only``: one call each, no timing (warms the TileLang cache: run one process per row in parallel, then
-    time in one process)."""
+    time in one process); ``zero_latent`` (``--zero-latent``, a diagnostic, not a benchmark): latent dims 0 in
+    the cache, so the ``no_convert`` ablation's tiles hold zeros where the conversion would write, and every row
+    draws the power of near-zero operands."""
     from ..bench.flops import sparse_fwd_flops
     from ..bench.harness import time_fn
     from ..quant import dequantize_kv_fp8, quantize_kv_fp8
@@ -443,7 +445,10 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False):
     n_tok, heads, topk, dqk = 4096, 128, 2048, fc.DQK
     for tkv in tkvs:
         q = (torch.randn(n_tok, heads, dqk, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
-        kv8 = quantize_kv_fp8((torch.randn(tkv, dqk, generator=gen, device="cuda") * 0.1).to(torch.bfloat16))
+        kv = torch.randn(tkv, dqk, generator=gen, device="cuda") * 0.1
+        if zero_latent:
+            kv[:, :D_V] = 0
+        kv8 = quantize_kv_fp8(kv.to(torch.bfloat16))
         kv_deq = dequantize_kv_fp8(kv8)
         idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk].to(torch.int32)
         sm = dqk**-0.5
@@ -493,4 +498,4 @@ if __name__ == "__main__":
     if "--variants" in args:
         _bench_variants(tuple(int(x) for x in args[args.index("--skv") + 1].split(",")) if "--skv" in args
                         else (8192, 131072), args[args.index("--rows") + 1].split(",") if "--rows" in args else None,
-                        "--compile-only" in args)
+                        "--compile-only" in args, "--zero-latent" in args)
