@@ -425,7 +425,7 @@ def lowering_cases():
                                              staging="consumer"))]
 
 
-def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_latent=False):
+def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_latent=False, row_stride=None):
     """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
     [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel (default
     staging, and "consumer"), the whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing
@@ -435,7 +435,8 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
     ``compile_only``: one call each, no timing (warms the TileLang cache: run one process per row in parallel, then
     time in one process); ``zero_latent`` (``--zero-latent``, a diagnostic, not a benchmark): latent dims 0 in
     the cache, so the ``no_convert`` ablation's tiles hold zeros where the conversion would write, and every row
-    draws the power of near-zero operands."""
+    draws the power of near-zero operands; ``row_stride`` (``--row-stride B``, a diagnostic): the cache rows B bytes
+    apart (e.g. 768: every row 128-byte aligned)."""
     from ..bench.flops import sparse_fwd_flops
     from ..bench.harness import time_fn
     from ..quant import dequantize_kv_fp8, quantize_kv_fp8
@@ -449,6 +450,9 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
         if zero_latent:
             kv[:, :D_V] = 0
         kv8 = quantize_kv_fp8(kv.to(torch.bfloat16))
+        if row_stride:
+            kv8 = torch.zeros(tkv, row_stride, dtype=torch.uint8, device="cuda").copy_(
+                torch.nn.functional.pad(kv8, (0, row_stride - fc.ROW_BYTES)))[:, : fc.ROW_BYTES]
         kv_deq = dequantize_kv_fp8(kv8)
         idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk].to(torch.int32)
         sm = dqk**-0.5
@@ -498,4 +502,5 @@ if __name__ == "__main__":
     if "--variants" in args:
         _bench_variants(tuple(int(x) for x in args[args.index("--skv") + 1].split(",")) if "--skv" in args
                         else (8192, 131072), args[args.index("--rows") + 1].split(",") if "--rows" in args else None,
-                        "--compile-only" in args, "--zero-latent" in args)
+                        "--compile-only" in args, "--zero-latent" in args,
+                        int(args[args.index("--row-stride") + 1]) if "--row-stride" in args else None)
