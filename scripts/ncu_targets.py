@@ -7,7 +7,9 @@ registers, ``kernel_radix_regs``),
 paged_nn2 / paged_nn1 (pipelined paged indexer, B 128, ctx 32768, H 64, D 128, block 64), decode_mem (dense bf16
 decode B 64, H 16, s_q 1, cache 8192: the issue's memory-bound case), sparse_pair / sparse_pair_cache (the pair
 forward on bf16 rows / the 656-byte FP8 cache: S 1056 = 8 waves, H 128, SKV 8192, topk 2048), sparse_pair_fp8 (the
-FP8-compute pair forward, same shape), decode_sparse_fp8_h16 (sparse decode over the 656-byte cache, B 128, H 16,
+FP8-compute pair forward, same shape), sparse_pair_hop (the bf16 pair kernel through the converter warpgroup's
+hop: ``kernel_fwd_pair`` ``hop=True``), sparse_pair_cache_no_convert (the 656-byte cache kernel without the
+conversion, wrong results), decode_sparse_fp8_h16 (sparse decode over the 656-byte cache, B 128, H 16,
 s_q 1, topk 2048, cache 32768: the issue's 3.0 TB/s case).
 """
 
@@ -53,7 +55,7 @@ def main():
         idx = torch.argsort(torch.rand(1056, 8192, generator=g, device=dev), dim=1)[:, :2048].to(torch.int32)
         fn = lambda: kernel_fwd_pair_fp8.run_sparse_mla_fwd_fp8(q8, kv8, idx, q_scale=qs[..., 0], kv_scale=ks[..., 0],  # noqa
                                                                  sm_scale=576**-0.5, d_v=512)
-    elif name in ("sparse_pair", "sparse_pair_cache"):
+    elif name in ("sparse_pair", "sparse_pair_cache", "sparse_pair_hop", "sparse_pair_cache_no_convert"):
         from flashdsa.quant import dequantize_kv_fp8, quantize_kv_fp8
         from flashdsa.sparse import kernel_fwd_pair, kernel_fwd_pair_cache
 
@@ -62,11 +64,19 @@ def main():
         q = (torch.randn(n_tok, 128, 576, generator=g, device=dev) * 0.1).to(torch.bfloat16)
         kv8 = quantize_kv_fp8((torch.randn(tkv, 576, generator=g, device=dev) * 0.1).to(torch.bfloat16))
         idx = torch.argsort(torch.rand(n_tok, tkv, generator=g, device=dev), dim=1)[:, :2048].to(torch.int32)
+        kw = dict(sm_scale=576**-0.5, d_v=512)
         if name == "sparse_pair":
             kv = dequantize_kv_fp8(kv8)
-            fn = lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv, idx, sm_scale=576**-0.5, d_v=512)  # noqa: E731
+            fn = lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv, idx, **kw)  # noqa: E731
+        elif name == "sparse_pair_hop":
+            from flashdsa.sparse import kernel_fwd
+
+            kv = dequantize_kv_fp8(kv8)
+            build = lambda *a: kernel_fwd_pair._compiled(*a, (("hop", True), ("row_gather", True)))  # noqa: E731
+            fn = lambda: kernel_fwd.launch(build, q, kv, idx, **kw)  # noqa: E731
         else:
-            fn = lambda: kernel_fwd_pair_cache.run_sparse_mla_fwd(q, kv8, idx, sm_scale=576**-0.5, d_v=512)  # noqa
+            ablate = "no_convert" if name.endswith("no_convert") else ""
+            fn = lambda: kernel_fwd_pair_cache.run_sparse_mla_fwd(q, kv8, idx, ablate=ablate, **kw)  # noqa: E731
     else:
         sys.path.insert(0, "scripts")
         from bench_paged_indexer import SHAPES, build_inputs
