@@ -9,7 +9,8 @@ decode B 64, H 16, s_q 1, cache 8192: the issue's memory-bound case), sparse_pai
 forward on bf16 rows / the 656-byte FP8 cache: S 1056 = 8 waves, H 128, SKV 8192, topk 2048), sparse_pair_fp8 (the
 FP8-compute pair forward, same shape), sparse_pair_hop (the bf16 pair kernel through the converter warpgroup's
 hop: ``kernel_fwd_pair`` ``hop=True``), sparse_pair_cache_no_convert (the 656-byte cache kernel without the
-conversion, wrong results), decode_sparse_fp8_h16 (sparse decode over the 656-byte cache, B 128, H 16,
+conversion, wrong results), sparse_pair_cache_contig_no_convert (the same with the raw bytes landing contiguously),
+decode_sparse_fp8_h16 (sparse decode over the 656-byte cache, B 128, H 16,
 s_q 1, topk 2048, cache 32768: the issue's 3.0 TB/s case).
 """
 
@@ -55,7 +56,8 @@ def main():
         idx = torch.argsort(torch.rand(1056, 8192, generator=g, device=dev), dim=1)[:, :2048].to(torch.int32)
         fn = lambda: kernel_fwd_pair_fp8.run_sparse_mla_fwd_fp8(q8, kv8, idx, q_scale=qs[..., 0], kv_scale=ks[..., 0],  # noqa
                                                                  sm_scale=576**-0.5, d_v=512)
-    elif name in ("sparse_pair", "sparse_pair_cache", "sparse_pair_hop", "sparse_pair_cache_no_convert"):
+    elif name in ("sparse_pair", "sparse_pair_cache", "sparse_pair_hop", "sparse_pair_cache_no_convert",
+                  "sparse_pair_cache_contig_no_convert"):
         from flashdsa.quant import dequantize_kv_fp8, quantize_kv_fp8
         from flashdsa.sparse import kernel_fwd_pair, kernel_fwd_pair_cache
 
@@ -75,7 +77,7 @@ def main():
             build = lambda *a: kernel_fwd_pair._compiled(*a, (("hop", True), ("row_gather", True)))  # noqa: E731
             fn = lambda: kernel_fwd.launch(build, q, kv, idx, **kw)  # noqa: E731
         else:
-            ablate = "no_convert" if name.endswith("no_convert") else ""
+            ablate = name[len("sparse_pair_cache_"):]
             fn = lambda: kernel_fwd_pair_cache.run_sparse_mla_fwd(q, kv8, idx, ablate=ablate, **kw)  # noqa: E731
     else:
         sys.path.insert(0, "scripts")

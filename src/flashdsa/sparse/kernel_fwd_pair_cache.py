@@ -144,6 +144,25 @@ __device__ __forceinline__ void fdsa_gather_raw656(void *tile, void *rope, int h
     if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
   }
 }
+// Timing build "contig_no_convert" (wrong results): the same copies landing contiguously (a row's 256 raw bytes in
+// the bf16 slots of dims [0, 128): 8 lanes fill one 128-byte swizzled row as the bf16 gather does), the scales at
+// dims [128, 136), no conversion.  It asks whether the in-place layout (every other 16-byte slot) is what makes the
+// raw copies slow (ncu, session 21: 32 L2 sectors per copy instruction against 16 ideal).
+__device__ __forceinline__ void fdsa_gather_raw656_contig(void *tile, void *rope, int has_rope, const void *kv,
+                                                          int row_bytes, int chunk0, const int *rows, int t) {
+  const int g = t >> 3, q = t & 7;
+  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int r = g + 16 * j, row = rows[r], sz = row >= 0 ? 16 : 0;
+    const char *base = fdsa_row_ptr(kv, row, row_bytes);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) fdsa_cp16(tile_s + h * 8192 + fdsa_swz128(r, q), base + (chunk0 + q + 8 * h) * 16, sz);
+    if (q == 0) fdsa_cp16(tile_s + 2 * 8192 + fdsa_swz128(r, 0), base + 512, sz);
+    if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
+  }
+}
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
 // chunks [8 p, 8 p + 8) (p = t % 2: the row's 128-dim scale tile tile0 + p), two chunks per step with both loads
 // before the stores (four spill at the converter's 56 registers); part 1 walks its chunks rotated by two, so the
@@ -226,7 +245,7 @@ def _raw_gather_macro():
     return gather_raw
 
 
-ABLATIONS = ("", "no_convert")  # timing builds: conversion skipped
+ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
 STAGINGS = ("consumer", "converter")
 # the default since session 21: the sparse FP8 decode rows 3-5% faster (H 128 s_q 2 0.473 -> 0.460 ms, H 64 0.135 ->
 # 0.129), the kernel at S 4096 / SKV 131072 6.82 vs 7.23 ms, at SKV 8192 6.62 vs 6.55
@@ -248,7 +267,8 @@ def _converter_parts(*, topk_dim, ablate=""):
     @T.macro
     def gather_rows(Half, Kt, rope, Rows, kv_src, chunk0):
         KVb = kv_src[1]
-        T.call_extern("handle", "fdsa_gather_raw656", T.address_of(Half[0, 0]), T.address_of(Kt[0, 0]), rope,
+        T.call_extern("handle", "fdsa_gather_raw656" + ("_contig" if ablate == "contig_no_convert" else ""),
+                      T.address_of(Half[0, 0]), T.address_of(Kt[0, 0]), rope,
                       T.address_of(KVb[0, 0]), kv_src[2] * fc.CHUNK, chunk0, T.address_of(Rows[0]),
                       T.get_thread_binding() - 256)
 
@@ -263,7 +283,7 @@ def _converter_parts(*, topk_dim, ablate=""):
     @T.macro
     def convert_one(Half, tile0, ld, rdy, phase, tx):
         T.barrier_wait(ld, phase)
-        if ablate != "no_convert":
+        if not ablate:
             T.call_extern("handle", "fdsa_convert_half", T.address_of(Half[0, 0]), tile0, tx - 384)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
         T.barrier_arrive(rdy)
@@ -291,7 +311,7 @@ def _dequant_parts(*, topk_dim, ablate=""):
     that the conversion overwrites), conversion, ``fence.proxy.async``, warpgroup barrier, then its wgmma.
     ``ablate`` (timing only, wrong results): "no_convert" leaves the raw bytes (barriers and scale read kept).
     Returns (producer, first_use)."""
-    assert ablate in ABLATIONS, ablate
+    assert ablate in ("", "no_convert"), ablate
     DH = D_V // 2
     f32 = "float32"
     gather_raw = _raw_gather_macro()
@@ -471,6 +491,8 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                                                                        overlap_qk=False),
                 "cache_pair_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                     ablate="no_convert"),
+                "cache_pair_contig_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                           ablate="contig_no_convert"),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
