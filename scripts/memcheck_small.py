@@ -155,9 +155,9 @@ def decode(H=16, s_q=2, bs=64):
     return good
 
 
-def sparse_cache_converter():
-    """``kernel_fwd_pair_cache`` with the converter staging (a fourth warpgroup converts the raw half tiles) on the
-    656-byte cache, with invalid indices of every kind and NaN in unselected rows."""
+def sparse_cache_converter(staging="converter"):
+    """``kernel_fwd_pair_cache`` with a converter staging (a fourth warpgroup converts the raw half tiles; also
+    "converter_contig") on the 656-byte cache, with invalid indices of every kind and NaN in unselected rows."""
     import flashdsa
     from flashdsa.quant import quantize_kv_fp8
     from flashdsa.sparse import kernel_fwd_pair_cache
@@ -167,10 +167,10 @@ def sparse_cache_converter():
         q, kv, idx = _sparse_inputs(37, H, 600, topk)
         kvc = quantize_kv_fp8(kv)
         out, lse, _ = kernel_fwd_pair_cache.run_sparse_mla_fwd(q, kvc, idx, sm_scale=576**-0.5, d_v=512,
-                                                               staging="converter")
+                                                               staging=staging)
         ro, rl = flashdsa.sparse_mla_fwd(q.cpu(), kvc.cpu(), idx.cpu(), sm_scale=576**-0.5, backend="reference")
         good = _close(out, ro, 8e-4, 3 / 128) and bool(torch.equal(torch.isinf(lse.cpu()), torch.isinf(rl)))
-        print(f"  sparse cache656 converter H {H} topk {topk}: {'ok' if good else 'MISMATCH'}")
+        print(f"  sparse cache656 {staging} H {H} topk {topk}: {'ok' if good else 'MISMATCH'}")
         ok &= good
     return ok
 
@@ -180,7 +180,8 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "sparse_cache656": lambda: sparse("cache656"), "sparse_fp8": lambda: sparse("fp8"), "decode": decode,
            "decode_bs16": lambda: decode(16, 1, 16), "decode_ws": lambda: decode(64, 1, 64),
            "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True),
-           "sparse_bwd512": lambda: sparse_bwd(False, 512), "sparse_cache656_converter": sparse_cache_converter}
+           "sparse_bwd512": lambda: sparse_bwd(False, 512), "sparse_cache656_converter": sparse_cache_converter,
+           "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig")}
 
 
 def main():

@@ -98,29 +98,31 @@ def test_sparse_mla_fwd_pair_cache_unsupported():
                                 d_v=D_V)
 
 
+@pytest.mark.parametrize("staging", ["consumer", "converter_contig"])
 @_over_cases
-def test_sparse_mla_fwd_pair_cache_consumer(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride):
-    """The consumer staging (the first-reading consumer converts; the default before session 21) against the
-    reference on the dequantized cache (bitwise against the default build:
-    ``test_sparse_mla_fwd_pair_cache_same_order_builds``)."""
+def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride, staging):
+    """The other stagings against the reference on the dequantized cache (bitwise against the default build:
+    ``test_sparse_mla_fwd_pair_cache_same_order_builds``): "consumer" (the first-reading consumer converts; the
+    default before session 21), "converter_contig" (raw rows landing contiguously, converted in phases)."""
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, kv_deq = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
     sm_scale = DQK**-0.5
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     out = kmod.run_sparse_mla_fwd(q, kv8, indices, sm_scale=sm_scale, d_v=D_V, topk_length=topk_length,
-                                  attn_sink=attn_sink, staging="consumer")
-    sync_or_die("kernel_fwd_pair_cache consumer", f"H={heads} Tkv={tkv} topk={topk} T={n_tok}", HANG_S)
+                                  attn_sink=attn_sink, staging=staging)
+    sync_or_die(f"kernel_fwd_pair_cache {staging}", f"H={heads} Tkv={tkv} topk={topk} T={n_tok}", HANG_S)
     check_against_reference(*out, q, kv_deq, indices, sm_scale, topk_length, attn_sink, valid)
 
 
-@pytest.mark.parametrize("variant", [dict(overlap_qk=False), dict(staging="consumer")],
-                         ids=["no_overlap_qk", "consumer"])
+@pytest.mark.parametrize("variant", [dict(overlap_qk=False), dict(staging="consumer"),
+                                     dict(staging="converter_contig")],
+                         ids=["no_overlap_qk", "consumer", "converter_contig"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
                          ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
 def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
     """A build with the default's products in its order, bitwise equal to the default build: ``overlap_qk=False``
     (the consumers retire their remote PV before the next QK); the consumer staging (the default converter
-    staging splits each PV by columns: the same products per output column)."""
+    staging splits each PV by columns: the same products per output column); converter_contig (same products)."""
     heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))

@@ -144,10 +144,12 @@ __device__ __forceinline__ void fdsa_gather_raw656(void *tile, void *rope, int h
     if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
   }
 }
-// Timing build "contig_no_convert" (wrong results): the same copies landing contiguously (a row's 256 raw bytes in
-// the bf16 slots of dims [0, 128): 8 lanes fill one 128-byte swizzled row as the bf16 gather does), the scales at
-// dims [128, 136), no conversion.  It asks whether the in-place layout (every other 16-byte slot) is what makes the
-// raw copies slow (ncu, session 21: 32 L2 sectors per copy instruction against 16 ideal).
+// The contiguous raw half tile (staging "converter_contig"; timing build "contig_no_convert"): the same copies, a
+// row's 256 raw bytes landing in order in the row's first 256 bytes (raw chunk k at bytes [16k, 16k + 16): chunk
+// k / 8, piece k % 8; 8 lanes fill one 128-byte swizzled row as the bf16 gather does), the scales at bytes [256,
+// 272) (chunk 2, piece 0).  Session 21: the in-place layout's every-other-slot destinations cost the raw copies 32
+// L2 sectors per instruction against 16 ideal; landing contiguously, the kernel without conversion ran 4.04 ms
+// against 5.24 (S 4096 / SKV 8192 / H 128).
 __device__ __forceinline__ void fdsa_gather_raw656_contig(void *tile, void *rope, int has_rope, const void *kv,
                                                           int row_bytes, int chunk0, const int *rows, int t) {
   const int g = t >> 3, q = t & 7;
@@ -161,6 +163,63 @@ __device__ __forceinline__ void fdsa_gather_raw656_contig(void *tile, void *rope
     for (int h = 0; h < 2; ++h) fdsa_cp16(tile_s + h * 8192 + fdsa_swz128(r, q), base + (chunk0 + q + 8 * h) * 16, sz);
     if (q == 0) fdsa_cp16(tile_s + 2 * 8192 + fdsa_swz128(r, 0), base + 512, sz);
     if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
+  }
+}
+// byte address of 16-byte piece q of chunk c of row r (row_s = tile + r * 128) in a 128B-swizzled half tile
+__device__ __forceinline__ unsigned fdsa_piece(unsigned row_s, int r, int c, int q) {
+  return row_s + c * 8192 + ((q ^ (r & 7)) << 4);
+}
+__device__ __forceinline__ void fdsa_ld16(unsigned a, unsigned w[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a)
+               : "memory");
+}
+// raw chunk (16 e4m3, loaded) -> its 32 bf16 bytes at piece address lo (dims 16k .. 16k + 7) and lo ^ 16 (the
+// piece after it: the swizzle XOR keeps the pair of pieces 2m, 2m + 1 together)
+__device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], float s) {
+  unsigned o[8];
+  fdsa_cvt_e4m3x16(w, o, s);
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
+               : "memory");
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo ^ 16u), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7])
+               : "memory");
+}
+// The converter's share of one contiguous raw half tile, expanded in place (128 converter threads, named barrier
+// bar): output chunk k (bytes [32k, 32k + 32)) overwrites raw chunks 2k and 2k + 1 (and, k = 8, the scales), so
+// the chunks go in phases, each reading only raw bytes no earlier phase overwrote: scales read; barrier; k = 8..15
+// (raw bytes 128..255 -> 256..511); barrier; k = 4..7 (64..127 -> 128..255); barrier; k = 0..3, where both threads
+// of a row load their raw chunks before the warp barrier (part 0's outputs overwrite part 1's raw chunks 2, 3).
+// Thread t: row r = t / 2, part p = t % 2 (the row's chunks split between lanes t, t ^ 1); part 1 walks its
+// phase-1 chunks rotated by two so a quarter warp's stores hit 8 different 16-byte bank groups.  The dims
+// [0, 128) of the half take scale s0 (tile tile0), [128, 256) s1.
+__device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t, int bar) {
+  const int r = t >> 1, p = t & 1;
+  const unsigned row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
+  float s0, s1;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s0), "=f"(s1) : "r"(fdsa_piece(row_s, r, 2, 0) + 4 * tile0)
+               : "memory");
+  asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // k = 8..15: part 0 8..11, part 1 14, 15, 12, 13
+    const int k = 8 + 4 * p + ((i + 2 * p) & 3);
+    unsigned w[4];
+    fdsa_ld16(fdsa_piece(row_s, r, 1, k - 8), w);
+    fdsa_st_cvt(fdsa_piece(row_s, r, k >> 2, 2 * (k & 3)), w, s1);
+  }
+  asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {  // k = 4..7: part 0 4, 5, part 1 6, 7
+    unsigned w[4];
+    fdsa_ld16(fdsa_piece(row_s, r, 0, 4 + 2 * p + i), w);
+    fdsa_st_cvt(fdsa_piece(row_s, r, 1, 2 * (2 * p + i)), w, s0);
+  }
+  asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+  {  // k = 0..3: part 0 0, 1, part 1 2, 3
+    unsigned w[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) fdsa_ld16(fdsa_piece(row_s, r, 0, 2 * p + i), w[i]);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) fdsa_st_cvt(fdsa_piece(row_s, r, 0, 2 * (2 * p + i)), w[i], s0);
   }
 }
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
@@ -246,28 +305,33 @@ def _raw_gather_macro():
 
 
 ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
-STAGINGS = ("consumer", "converter")
+STAGINGS = ("consumer", "converter", "converter_contig")  # converter_contig: opt-in, not yet run on the GPU
 # the default since session 21: the sparse FP8 decode rows 3-5% faster (H 128 s_q 2 0.473 -> 0.460 ms, H 64 0.135 ->
 # 0.129), the kernel at S 4096 / SKV 131072 6.82 vs 7.23 ms, at SKV 8192 6.62 vs 6.55
 DEFAULT_STAGING = "converter"
+BAR_CONV = 12  # named barrier of the 128 converter threads (converter_contig's phases)
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in the converter)
 
 
-def _converter_parts(*, topk_dim, ablate=""):
+def _converter_parts(*, topk_dim, ablate="", contig=False):
     """The converter staging: the producer (``gather_producer``) copies the raw bytes by rows
-    (``fdsa_gather_raw656``: the same bytes at the same places as ``_raw_gather_macro``) with its arrivals on the
-    "landed" barriers; the fourth warpgroup waits each half in the producer's order (a.L, b.R, a.R, b.L), converts it
-    in place (``fdsa_convert_half``), fences it for the async proxy and arrives on the consumers' ready barrier.
+    (``fdsa_gather_raw656``: the same bytes at the same places as ``_raw_gather_macro``; ``contig``:
+    ``fdsa_gather_raw656_contig``, a row's raw bytes in order) with its arrivals on the "landed" barriers; the
+    fourth warpgroup waits each half in the producer's order (a.L, b.R, a.R, b.L), converts it in place
+    (``fdsa_convert_half``; ``contig``: ``fdsa_convert_half_contig``, in phases separated by the converter's named
+    barrier ``BAR_CONV``), fences it for the async proxy and arrives on the consumers' ready barrier.
     Returns (producer, converter)."""
     assert ablate in ABLATIONS, ablate
+    assert not (contig and ablate == "no_convert"), "contig: its timing build is ablate='contig_no_convert'"
     DH = D_V // 2
+    contig = contig or ablate == "contig_no_convert"
 
     @T.macro
     def gather_rows(Half, Kt, rope, Rows, kv_src, chunk0):
         KVb = kv_src[1]
-        T.call_extern("handle", "fdsa_gather_raw656" + ("_contig" if ablate == "contig_no_convert" else ""),
+        T.call_extern("handle", "fdsa_gather_raw656" + ("_contig" if contig else ""),
                       T.address_of(Half[0, 0]), T.address_of(Kt[0, 0]), rope,
                       T.address_of(KVb[0, 0]), kv_src[2] * fc.CHUNK, chunk0, T.address_of(Rows[0]),
                       T.get_thread_binding() - 256)
@@ -284,7 +348,11 @@ def _converter_parts(*, topk_dim, ablate=""):
     def convert_one(Half, tile0, ld, rdy, phase, tx):
         T.barrier_wait(ld, phase)
         if not ablate:
-            T.call_extern("handle", "fdsa_convert_half", T.address_of(Half[0, 0]), tile0, tx - 384)
+            if contig:
+                T.call_extern("handle", "fdsa_convert_half_contig", T.address_of(Half[0, 0]), tile0, tx - 384,
+                              BAR_CONV)
+            else:
+                T.call_extern("handle", "fdsa_convert_half", T.address_of(Half[0, 0]), tile0, tx - 384)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
         T.barrier_arrive(rdy)
 
@@ -363,8 +431,8 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
-    if staging == "converter":
-        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate)
+    if staging.startswith("converter"):
+        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
     else:
@@ -442,7 +510,9 @@ def lowering_cases():
                                              has_topk_length=True)),
             ("pair_cache_h64_topk700_tl_consumer",
              build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_topk_length=True,
-                                             staging="consumer"))]
+                                             staging="consumer")),
+            ("pair_cache_h128_topk2048_converter_contig",
+             build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, staging="converter_contig"))]
 
 
 def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_latent=False, row_stride=None):
@@ -493,6 +563,8 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                                                                     ablate="no_convert"),
                 "cache_pair_contig_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                            ablate="contig_no_convert"),
+                "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                     staging="converter_contig"),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
