@@ -20,7 +20,10 @@ Who converts (``staging``).  "converter" (the default since session 21): a fourt
 216 / 216 / 24 / 56) waits on "landed" barriers, converts each half in place (``fdsa_convert_half``), fences it and
 arrives on the consumers' ready barrier, so the consumers run the bf16 kernel's protocol unchanged; the producer
 copies the raw bytes by rows (``fdsa_gather_raw656``).  At 512 threads ptxas checks each instruction against the
-launch's 128 registers per thread, so ``pair_body`` splits each PV into two m64n128 wgmmas.  "consumer":
+launch's 128 registers per thread, so ``pair_body`` splits each PV into two m64n128 wgmmas.  "converter_contig"
+(opt-in, built in session 21, not yet run on the GPU): the raw bytes land contiguously (``fdsa_gather_raw656_contig``;
+the in-place slot layout's scattered 16-byte pieces double the copies' L2 sectors) and the converter expands each
+row in place in phases (``fdsa_convert_half_contig``).  "consumer":
 the producer is ``_pair_parts.gather_producer`` (the bf16 kernel's non-blocking
     protocol, up to four half tiles in flight) copying raw bytes, plus each row's 16 bytes of scales into the
     slots of dims [8, 16) (free until chunk 0 is converted).  The consumer that reads a half first (WG0: a.L,
