@@ -147,3 +147,26 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
             drain()
 
     return producer
+
+
+def hop_converter():
+    """The fourth warpgroup of ``kernel_fwd_pair``'s ``hop`` timing build: the converter staging's barrier hop with
+    nothing to convert (wait each half's landed barrier in the producer's order, fence, arrive on its ready
+    barrier)."""
+
+    @T.macro
+    def hop(ld, rdy, phase):
+        T.barrier_wait(ld, phase)
+        T.fence_proxy_async()
+        T.barrier_arrive(rdy)
+
+    @T.macro
+    def converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
+                  pb):
+        for j in T.serial(npair[0]):
+            hop(ld_al, rdy_al, pair_phase(pb, j))
+            hop(ld_br, rdy_br, pair_phase(pb, j))
+            hop(ld_ar, rdy_ar, pair_phase(pb, j))
+            hop(ld_bl, rdy_bl, pair_phase(pb, j))
+
+    return converter

@@ -72,7 +72,8 @@ import tilelang.language as T
 from .. import _dispatch
 from . import _tl_common as tc
 from . import kernel_fwd
-from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, gather_producer, item_parts, pair_phase
+from ._pair_parts import (BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, gather_producer, hop_converter,
+                          item_parts, pair_phase)
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -554,28 +555,6 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
                            gather_r=gather_r, prefetch_rows=prefetch_rows)
 
 
-def _hop_converter():
-    """The ``hop`` timing build's fourth warpgroup: the converter staging's barrier hop with nothing to convert (wait
-    each half's landed barrier in the producer's order, fence, arrive on its ready barrier)."""
-
-    @T.macro
-    def hop(ld, rdy, phase):
-        T.barrier_wait(ld, phase)
-        T.fence_proxy_async()
-        T.barrier_arrive(rdy)
-
-    @T.macro
-    def converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
-                  pb):
-        for j in T.serial(npair[0]):
-            hop(ld_al, rdy_al, pair_phase(pb, j))
-            hop(ld_br, rdy_br, pair_phase(pb, j))
-            hop(ld_ar, rdy_ar, pair_phase(pb, j))
-            hop(ld_bl, rdy_bl, pair_phase(pb, j))
-
-    return converter
-
-
 def build_sparse_mla_fwd(
     *,
     heads: int,
@@ -608,8 +587,9 @@ def build_sparse_mla_fwd(
     (``_tl_common.L2_PREFETCH_PRELUDE``); ``persistent``: ``pair_body``'s (``dispatched`` picks it); ``row_gather``: the
     producer gathers by rows (``_tl_common.ROW_GATHER_PRELUDE``; dispatched for both grids, session 19).  ``hop``
     (timing build, with ``row_gather``): the 656-byte cache kernel's converter warpgroup with nothing to convert
-    (``_hop_converter``; 512 threads, each PV two m64n128 wgmmas): what the converter staging's structure costs on
-    bf16 tiles (outputs bitwise equal)."""
+    (``_pair_parts.hop_converter``; 512 threads, each PV two m64n128 wgmmas): what the converter staging's
+    structure costs on bf16 tiles (outputs bitwise equal; session 21: 3.917 -> 4.110 ms at S 4096 / SKV 8192 /
+    H 128)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert dqk in _SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -620,7 +600,7 @@ def build_sparse_mla_fwd(
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent,
-                     **(dict(converter=_hop_converter(), regs=HOP_REGS) if hop else {}),
+                     **(dict(converter=hop_converter(), regs=HOP_REGS) if hop else {}),
                      prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.ROW_GATHER_PRELUDE if row_gather
                               else None))
 
