@@ -1,6 +1,6 @@
 """CPU: the data movement of ``kernel_fwd_pair_cache``'s "converter_contig" staging, emulated on the byte image of
 one 128B-swizzled half tile [64 rows, 256 bf16 dims] (4 chunks of 8 KiB, 128-byte rows, 16-byte piece q of row r
-at chunk * 8192 + r * 128 + (q ^ (r & 7)) * 16), with the index formulas of ``fdsa_gather_raw656_contig`` and
+at chunk * 8192 + r * 128 + (q ^ (r & 7)) * 16), with the index formulas of ``fdsa_gather_raw656<1>`` and
 ``fdsa_convert_half_contig`` transcribed.  The tile starts as garbage; the raw rows land in order; then the
 converter's phases run.  Checked: every raw chunk a phase loads is still the cache's bytes (no earlier phase
 overwrote it), phases 1 and 2 write no byte that any thread of the same phase reads (so any interleaving of the
@@ -29,7 +29,7 @@ def _cvt(raw16: bytes, s: float) -> bytes:
 
 def _emulate_half(cache: np.ndarray, rows, chunk0: int, tile0: int, rng) -> np.ndarray:
     tile = rng.integers(0, 256, 4 * 8192, dtype=np.uint8)  # stale shared memory
-    # fdsa_gather_raw656_contig: raw chunk k -> chunk k / 8, piece k % 8; the scales -> chunk 2, piece 0;
+    # fdsa_gather_raw656<1>: raw chunk k -> chunk k / 8, piece k % 8; the scales -> chunk 2, piece 0;
     # invalid rows (-1) zero-filled
     for r in range(ROWS):
         src = cache[rows[r]] if rows[r] >= 0 else np.zeros(cache.shape[1], np.uint8)

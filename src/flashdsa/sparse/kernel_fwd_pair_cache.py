@@ -19,9 +19,9 @@ threads of a quarter warp touch 8 different 16-byte bank groups.
 Who converts (``staging``).  "converter" (the default since session 21): a fourth warpgroup (512 threads; setmaxnreg
 216 / 216 / 24 / 56) waits on "landed" barriers, converts each half in place (``fdsa_convert_half``), fences it and
 arrives on the consumers' ready barrier, so the consumers run the bf16 kernel's protocol unchanged; the producer
-copies the raw bytes by rows (``fdsa_gather_raw656``).  At 512 threads ptxas checks each instruction against the
+copies the raw bytes by rows (``fdsa_gather_raw656<0>``).  At 512 threads ptxas checks each instruction against the
 launch's 128 registers per thread, so ``pair_body`` splits each PV into two m64n128 wgmmas.  "converter_contig"
-(opt-in, built in session 21, not yet run on the GPU): the raw bytes land contiguously (``fdsa_gather_raw656_contig``;
+(opt-in, built in session 21, not yet run on the GPU): the raw bytes land contiguously (``fdsa_gather_raw656<1>``;
 the in-place slot layout's scattered 16-byte pieces double the copies' L2 sectors) and the converter expands each
 row in place in phases (``fdsa_convert_half_contig``).  "consumer":
 the producer is ``_pair_parts.gather_producer`` (the bf16 kernel's non-blocking
@@ -124,11 +124,17 @@ __device__ __forceinline__ float fdsa_ld_f32(const void *p, int i) { return rein
 # in place while the consumers run the bf16 pair kernel's protocol unchanged, and the producer copies the raw
 # bytes by rows (8 threads per row, as the bf16 kernel's ``row_gather``).
 _CONVERTER_SRC = r"""
-// The raw half tile (128 producer threads): e4m3 chunk k of a row (16 bytes, dims 16k .. 16k + 15 of the half) into
-// the slots of dims [16k, 16k + 8) (chunk k / 4, piece 2 (k % 4) of the 128B-swizzled bf16 half), the row's 16 bytes
-// of scales (byte 512) into dims [8, 16) (piece 1 of chunk 0), the bf16 rope (bytes 528 .. 655) into the rope tile.
-// Thread t: rows t / 8 + 16 j (-1 invalid: zero fill, nothing read), chunks t % 8 and t % 8 + 8 from chunk0, rope
-// piece t % 8, the scales on t % 8 == 0.
+// The raw half tile (128 producer threads).  In place (CONTIG 0, staging "converter"): e4m3 chunk k of a row (16
+// bytes, dims 16k .. 16k + 15 of the half) into the slots of dims [16k, 16k + 8) (chunk k / 4, piece 2 (k % 4) of
+// the 128B-swizzled bf16 half), the row's 16 bytes of scales (byte 512) into dims [8, 16) (piece 1 of chunk 0).
+// Contiguous (CONTIG 1, staging "converter_contig", timing build "contig_no_convert"): a row's 256 raw bytes in order
+// in the row's first 256 bytes (raw chunk k: chunk k / 8, piece k % 8; 8 lanes fill one 128-byte swizzled row as the
+// bf16 gather does), the scales at bytes [256, 272) (chunk 2, piece 0).  Session 21: the in-place layout's
+// every-other-slot destinations cost the raw copies 32 L2 sectors per instruction against 16 ideal; landing
+// contiguously, the kernel without conversion ran 4.04 ms against 5.24 (S 4096 / SKV 8192 / H 128).  Both: the bf16
+// rope (bytes 528 .. 655) into the rope tile; thread t: rows t / 8 + 16 j (-1 invalid: zero fill, nothing read),
+// chunks t % 8 and t % 8 + 8 from chunk0, rope piece t % 8, the scales on t % 8 == 0.
+template <int CONTIG>
 __device__ __forceinline__ void fdsa_gather_raw656(void *tile, void *rope, int has_rope, const void *kv,
                                                    int row_bytes, int chunk0, const int *rows, int t) {
   const int g = t >> 3, q = t & 7;
@@ -141,30 +147,10 @@ __device__ __forceinline__ void fdsa_gather_raw656(void *tile, void *rope, int h
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int k = q + 8 * h;
-      fdsa_cp16(tile_s + (k >> 2) * 8192 + fdsa_swz128(r, 2 * (k & 3)), base + (chunk0 + k) * 16, sz);
+      const unsigned dst = CONTIG ? h * 8192 + fdsa_swz128(r, q) : (k >> 2) * 8192 + fdsa_swz128(r, 2 * (k & 3));
+      fdsa_cp16(tile_s + dst, base + (chunk0 + k) * 16, sz);
     }
-    if (q == 0) fdsa_cp16(tile_s + fdsa_swz128(r, 1), base + 512, sz);
-    if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
-  }
-}
-// The contiguous raw half tile (staging "converter_contig"; timing build "contig_no_convert"): the same copies, a
-// row's 256 raw bytes landing in order in the row's first 256 bytes (raw chunk k at bytes [16k, 16k + 16): chunk
-// k / 8, piece k % 8; 8 lanes fill one 128-byte swizzled row as the bf16 gather does), the scales at bytes [256,
-// 272) (chunk 2, piece 0).  Session 21: the in-place layout's every-other-slot destinations cost the raw copies 32
-// L2 sectors per instruction against 16 ideal; landing contiguously, the kernel without conversion ran 4.04 ms
-// against 5.24 (S 4096 / SKV 8192 / H 128).
-__device__ __forceinline__ void fdsa_gather_raw656_contig(void *tile, void *rope, int has_rope, const void *kv,
-                                                          int row_bytes, int chunk0, const int *rows, int t) {
-  const int g = t >> 3, q = t & 7;
-  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
-  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = g + 16 * j, row = rows[r], sz = row >= 0 ? 16 : 0;
-    const char *base = fdsa_row_ptr(kv, row, row_bytes);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) fdsa_cp16(tile_s + h * 8192 + fdsa_swz128(r, q), base + (chunk0 + q + 8 * h) * 16, sz);
-    if (q == 0) fdsa_cp16(tile_s + 2 * 8192 + fdsa_swz128(r, 0), base + 512, sz);
+    if (q == 0) fdsa_cp16(tile_s + (CONTIG ? 2 * 8192 + fdsa_swz128(r, 0) : fdsa_swz128(r, 1)), base + 512, sz);
     if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
   }
 }
@@ -234,7 +220,7 @@ __device__ __forceinline__ void fdsa_convert_half(void *half, int tile0, int t) 
   const int r = t >> 1, p = t & 1;
   const unsigned row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
   float s;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(s) : "r"(row_s + ((1 ^ (r & 7)) << 4) + 4 * (tile0 + p)) : "memory");
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(s) : "r"(fdsa_piece(row_s, r, 0, 1) + 4 * (tile0 + p)) : "memory");
   __syncwarp();
 #pragma unroll
   for (int g = 0; g < 4; ++g) {
@@ -242,20 +228,11 @@ __device__ __forceinline__ void fdsa_convert_half(void *half, int tile0, int t) 
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int k = 8 * p + ((2 * g + i + 2 * p) & 7);
-      lo[i] = row_s + (k >> 2) * 8192 + ((((k & 3) * 2) ^ (r & 7)) << 4);
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(w[i][0]), "=r"(w[i][1]), "=r"(w[i][2]), "=r"(w[i][3]) : "r"(lo[i]) : "memory");
+      lo[i] = fdsa_piece(row_s, r, k >> 2, 2 * (k & 3));
+      fdsa_ld16(lo[i], w[i]);
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      unsigned o[8];
-      fdsa_cvt_e4m3x16(w[i], o, s);
-      const unsigned hi = lo[i] ^ 16u;  // piece 2 (k % 4) + 1: the swizzle XOR keeps the pair of pieces together
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo[i]), "r"(o[0]), "r"(o[1]), "r"(o[2]),
-                   "r"(o[3]) : "memory");
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(hi), "r"(o[4]), "r"(o[5]), "r"(o[6]),
-                   "r"(o[7]) : "memory");
-    }
+    for (int i = 0; i < 2; ++i) fdsa_st_cvt(lo[i], w[i], s);
   }
 }
 """
@@ -320,8 +297,8 @@ CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in
 
 def _converter_parts(*, topk_dim, ablate="", contig=False):
     """The converter staging: the producer (``gather_producer``) copies the raw bytes by rows
-    (``fdsa_gather_raw656``: the same bytes at the same places as ``_raw_gather_macro``; ``contig``:
-    ``fdsa_gather_raw656_contig``, a row's raw bytes in order) with its arrivals on the "landed" barriers; the
+    (``fdsa_gather_raw656<0>``: the same bytes at the same places as ``_raw_gather_macro``; ``contig``:
+    ``fdsa_gather_raw656<1>``, a row's raw bytes in order) with its arrivals on the "landed" barriers; the
     fourth warpgroup waits each half in the producer's order (a.L, b.R, a.R, b.L), converts it in place
     (``fdsa_convert_half``; ``contig``: ``fdsa_convert_half_contig``, in phases separated by the converter's named
     barrier ``BAR_CONV``), fences it for the async proxy and arrives on the consumers' ready barrier.
@@ -334,7 +311,7 @@ def _converter_parts(*, topk_dim, ablate="", contig=False):
     @T.macro
     def gather_rows(Half, Kt, rope, Rows, kv_src, chunk0):
         KVb = kv_src[1]
-        T.call_extern("handle", "fdsa_gather_raw656" + ("_contig" if contig else ""),
+        T.call_extern("handle", f"fdsa_gather_raw656<{int(contig)}>",
                       T.address_of(Half[0, 0]), T.address_of(Kt[0, 0]), rope,
                       T.address_of(KVb[0, 0]), kv_src[2] * fc.CHUNK, chunk0, T.address_of(Rows[0]),
                       T.get_thread_binding() - 256)
