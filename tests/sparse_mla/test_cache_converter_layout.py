@@ -1,12 +1,11 @@
 """CPU: the data movement of ``kernel_fwd_pair_cache``'s "converter_contig" staging, emulated on the byte image of
 one 128B-swizzled half tile [64 rows, 256 bf16 dims] (4 chunks of 8 KiB, 128-byte rows, 16-byte piece q of row r
 at chunk * 8192 + r * 128 + (q ^ (r & 7)) * 16), with the index formulas of ``fdsa_gather_raw656<1>`` and
-``fdsa_convert_half_contig`` transcribed.  The tile starts as garbage; the raw rows land in order; then the
-converter's phases run.  Checked: every raw chunk a phase loads is still the cache's bytes (no earlier phase
-overwrote it), phases 1 and 2 write no byte that any thread of the same phase reads (so any interleaving of the
-128 threads is safe), phase 3 writes only its own row (the two lanes of a row are ordered by the warp barrier), and
-the final bf16 slots equal ``dequantize_kv_fp8`` of the rows, for both halves of a row (scale tiles 0 / 1 and 2 / 3)
-and for invalid rows (zero bytes, scale 0)."""
+``fdsa_convert_half_contig`` transcribed.  The tile starts as garbage; the raw rows land in order; every
+converter thread loads its raw chunks and scales (all before the named barrier), then the stores run in a random
+thread order.  Checked: each load finds the cache's bytes, no two stores write the same byte and together they
+cover the half tile, and the final bf16 slots equal ``dequantize_kv_fp8`` of the rows, for both halves of a row
+(scale tiles 0 / 1 and 2 / 3) and for invalid rows (zero bytes, scale 0)."""
 
 import numpy as np
 import pytest
@@ -39,65 +38,33 @@ def _emulate_half(cache: np.ndarray, rows, chunk0: int, tile0: int, rng) -> np.n
         a = _piece(r, 2, 0)
         tile[a:a + 16] = src[512:528]
 
-    def raw_of(r, k):  # what raw chunk k of row r must hold when a phase loads it
+    def raw_of(r, k):  # what raw chunk k of row r must hold when it is loaded
         src = cache[rows[r]] if rows[r] >= 0 else np.zeros(cache.shape[1], np.uint8)
         return src[(chunk0 + k) * 16:(chunk0 + k + 1) * 16]
 
-    # phase 0: the scales
-    scales = {}
-    for t in range(128):
-        r = t >> 1
-        a = _piece(r, 2, 0) + 4 * tile0
-        scales[t] = tuple(np.frombuffer(tile[a:a + 8].tobytes(), dtype=np.float32))
-
-    def run_phase(jobs):
-        # jobs: per thread, a list of (load address, raw chunk k, store address lo, scale); every load checked against
-        # the cache, then the stores (the device code loads each chunk before storing it; phases 1 / 2: no write of
-        # the phase hits a byte any thread of the phase reads, so their order does not matter)
-        reads, writes = set(), set()
-        for t, lst in jobs.items():
-            for la, k, sa, _ in lst:
-                reads.update(range(la, la + 16))
-                writes.update(range(sa, sa + 16))
-                writes.update(range(sa ^ 16, (sa ^ 16) + 16))
-        loaded = {}
-        for t, lst in jobs.items():
-            r = t >> 1
-            for la, k, sa, s in lst:
-                got = tile[la:la + 16].copy()
-                assert np.array_equal(got, raw_of(r, k)), f"row {r} raw chunk {k} overwritten before its load"
-                loaded[(t, k)] = got
-        order = list(jobs)
-        rng.shuffle(order)
-        for t in order:
-            for la, k, sa, s in jobs[t]:
-                out = np.frombuffer(_cvt(loaded[(t, k)].tobytes(), s), dtype=np.uint8)
-                tile[sa:sa + 16] = out[:16]
-                tile[(sa ^ 16):(sa ^ 16) + 16] = out[16:]
-        return reads, writes
-
-    # phase 1: k = 8..15 (part 0: 8..11, part 1: 14, 15, 12, 13), scale s1
-    jobs = {}
+    # fdsa_convert_half_contig: every thread loads its scales and eight raw chunks (before the named barrier,
+    # i.e. before any store of any thread), then the stores in any order
+    loaded, written = {}, set()
     for t in range(128):
         r, p = t >> 1, t & 1
-        jobs[t] = []
-        for i in range(4):
-            k = 8 + 4 * p + ((i + 2 * p) & 3)
-            jobs[t].append((_piece(r, 1, k - 8), k, _piece(r, k >> 2, 2 * (k & 3)), scales[t][1]))
-    reads, writes = run_phase(jobs)
-    assert not reads & writes, "phase 1 writes bytes that phase 1 reads"
-    # phase 2: k = 4..7 (part 0: 4, 5, part 1: 6, 7), scale s0
-    jobs = {t: [(_piece(t >> 1, 0, 4 + 2 * (t & 1) + i), 4 + 2 * (t & 1) + i,
-                 _piece(t >> 1, 1, 2 * (2 * (t & 1) + i)), scales[t][0]) for i in range(2)] for t in range(128)}
-    reads, writes = run_phase(jobs)
-    assert not reads & writes, "phase 2 writes bytes that phase 2 reads"
-    # phase 3: k = 0..3 (part 0: 0, 1, part 1: 2, 3): both lanes of a row load, warp barrier, both store; a row's
-    # stores must stay inside the row (the other rows' lanes are not ordered with it)
-    for r in rng.permutation(ROWS):
-        jobs = {t: [(_piece(r, 0, 2 * (t & 1) + i), 2 * (t & 1) + i, _piece(r, 0, 2 * (2 * (t & 1) + i)),
-                     scales[t][0]) for i in range(2)] for t in (2 * r, 2 * r + 1)}
-        _, writes = run_phase(jobs)
-        assert all((a % 8192) // 128 == r for a in writes), "phase 3 writes outside its row"
+        a = _piece(r, 2, 0) + 4 * tile0
+        s = np.frombuffer(tile[a:a + 8].tobytes(), dtype=np.float32)
+        for j in range(8):
+            c, m = j >> 2, (j + 2 * p) & 3
+            k = 8 * c + 4 * p + m
+            got = tile[_piece(r, c, 4 * p + m):_piece(r, c, 4 * p + m) + 16].copy()
+            assert np.array_equal(got, raw_of(r, k)), f"row {r} raw chunk {k} not where it is loaded from"
+            loaded[(t, j)] = (got, float(s[c]), _piece(r, 2 * c + p, 2 * m))
+    for t in rng.permutation(128):
+        for j in range(8):
+            raw, s, lo = loaded[(t, j)]
+            out = np.frombuffer(_cvt(raw.tobytes(), s), dtype=np.uint8)
+            for addr, part in ((lo, out[:16]), (lo ^ 16, out[16:])):
+                span = set(range(addr, addr + 16))
+                assert not span & written, "two stores write the same bytes"
+                written |= span
+                tile[addr:addr + 16] = part
+    assert len(written) == 4 * 8192, "the stores do not cover the half tile"
     return tile
 
 

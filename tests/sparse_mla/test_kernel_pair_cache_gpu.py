@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("tilelang")
 
+from flashdsa.quant import dequantize_kv_fp8, quantize_kv_fp8  # noqa: E402
 from flashdsa.sparse import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair  # noqa: E402
 from flashdsa.sparse import kernel_fwd_pair_cache as kmod  # noqa: E402
 
@@ -98,12 +99,13 @@ def test_sparse_mla_fwd_pair_cache_unsupported():
                                 d_v=D_V)
 
 
-@pytest.mark.parametrize("staging", ["consumer", "converter_contig"])
+@pytest.mark.parametrize("staging", ["consumer", "converter", "regs"])
 @_over_cases
 def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride, staging):
     """The other stagings against the reference on the dequantized cache (bitwise against the default build:
     ``test_sparse_mla_fwd_pair_cache_same_order_builds``): "consumer" (the first-reading consumer converts; the
-    default before session 21), "converter_contig" (raw rows landing contiguously, converted in phases)."""
+    default before session 21), "converter" (raw chunks landing in the bf16 slots, converted in place; the default
+    in session 21), "regs" (the producer converts the next half tile from registers loaded before its free wait)."""
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, kv_deq = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
     sm_scale = DQK**-0.5
@@ -115,14 +117,15 @@ def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl
 
 
 @pytest.mark.parametrize("variant", [dict(overlap_qk=False), dict(staging="consumer"),
-                                     dict(staging="converter_contig")],
-                         ids=["no_overlap_qk", "consumer", "converter_contig"])
+                                     dict(staging="converter"), dict(staging="regs")],
+                         ids=["no_overlap_qk", "consumer", "converter", "regs"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
                          ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
 def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
     """A build with the default's products in its order, bitwise equal to the default build: ``overlap_qk=False``
-    (the consumers retire their remote PV before the next QK); the consumer staging (the default converter
-    staging splits each PV by columns: the same products per output column); converter_contig (same products)."""
+    (the consumers retire their remote PV before the next QK); the consumer and regs stagings (the default
+    converter staging splits each PV by columns: the same products per output column); converter (same
+    products)."""
     heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
@@ -130,3 +133,27 @@ def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     assert_same_as_default("kernel_fwd_pair_cache", lambda **v: kmod.run_sparse_mla_fwd(q, kv8, indices, **kw, **v),
                            variant, f"H={heads} Tkv={tkv} topk={topk} T={n_tok} rs={row_stride}", HANG_S)
+
+
+@pytest.mark.parametrize("staging", ["converter", "converter_contig", "regs", "consumer"])
+def test_sparse_mla_fwd_pair_cache_every_e4m3_code(staging):
+    """Every finite e4m3 byte (subnormals and both zeros included) in every latent position, under power-of-two
+    scales from 2^-13 to 2^12 (above 2^7 / 2^15 the conversions take their two-multiply path): bitwise the bf16
+    pair kernel on ``dequantize_kv_fp8`` of the same cache, so no conversion flushes or rounds anything."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    heads, tkv, topk, n_tok = 64, 512, 256, 40
+    kv8 = quantize_kv_fp8((torch.randn(tkv, DQK, generator=gen, device="cuda") * 0.1).to(torch.bfloat16))
+    codes = (torch.arange(512, device="cuda")[None, :] * 5 + torch.arange(tkv, device="cuda")[:, None] * 3) % 256
+    codes = torch.where((codes & 0x7F) == 0x7F, 0, codes)  # 0x7F / 0xFF: the format's NaN, never stored
+    kv8[:, :512] = codes.to(torch.uint8)
+    exps = torch.randint(-13, 13, (tkv, 4), generator=gen, device="cuda").float()
+    kv8[:, 512:528] = torch.exp2(exps).contiguous().view(torch.uint8)
+    kv_deq = dequantize_kv_fp8(kv8)
+    q = (torch.randn(n_tok, heads, DQK, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    idx = torch.randint(0, tkv, (n_tok, topk), generator=gen, device="cuda", dtype=torch.int32)
+    kw = dict(sm_scale=DQK**-0.5, d_v=D_V)
+    got = kmod.run_sparse_mla_fwd(q, kv8, idx, staging=staging, **kw)
+    sync_or_die(f"kernel_fwd_pair_cache {staging}", "every e4m3 code", HANG_S)
+    want = kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, idx, **kw)
+    for name, a, b in zip(("out", "lse", "max_logits"), got, want):
+        assert torch.equal(a, b), f"{name}: {staging} differs from kernel_fwd_pair on the dequantized cache"

@@ -21,9 +21,11 @@ Who converts (``staging``).  "converter" (the default since session 21): a fourt
 arrives on the consumers' ready barrier, so the consumers run the bf16 kernel's protocol unchanged; the producer
 copies the raw bytes by rows (``fdsa_gather_raw656<0>``).  At 512 threads ptxas checks each instruction against the
 launch's 128 registers per thread, so ``pair_body`` splits each PV into two m64n128 wgmmas.  "converter_contig"
-(opt-in, built in session 21, not yet run on the GPU): the raw bytes land contiguously (``fdsa_gather_raw656<1>``;
-the in-place slot layout's scattered 16-byte pieces double the copies' L2 sectors) and the converter expands each
-row in place in phases (``fdsa_convert_half_contig``).  "consumer":
+(opt-in): the raw bytes land contiguously (``fdsa_gather_raw656<1>``; the in-place slot layout's scattered 16-byte
+pieces double the copies' L2 sectors) and the converter expands each half in place (``fdsa_convert_half_contig``:
+its raw chunks into registers, one named barrier, then the stores).  "regs" (session 22, ``_cache_regs``): no
+converter warpgroup; the producer loads the next half tile's raw bytes into registers before its free wait and
+converts them after it.  "consumer":
 the producer is ``_pair_parts.gather_producer`` (the bf16 kernel's non-blocking
     protocol, up to four half tiles in flight) copying raw bytes, plus each row's 16 bytes of scales into the
     slots of dims [8, 16) (free until chunk 0 is converted).  The consumer that reads a half first (WG0: a.L,
@@ -64,6 +66,7 @@ import tilelang
 import tilelang.language as T
 
 from .._tilelang import direct_launcher
+from . import _cache_regs
 from . import _pair_parts as pp
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
@@ -92,6 +95,28 @@ __device__ __forceinline__ void fdsa_cvt_e4m3x16(const unsigned in[4], unsigned 
       unsigned h2, b;
       asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(b2));
       const unsigned y = ((h2 & 0x7fff7fffu) >> 3) | (h2 & 0x80008000u);
+      asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(y), "r"(m1));
+      if (!one) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(b), "r"(m2));
+      o[2 * i + k] = b;
+    }
+  }
+}
+// The same values with one instruction less per pair (session 22): each e4m3 byte (s eeee mmm) goes straight to the
+// bf16 bits s 0000 eeee mmm 0000 -- one prmt sign-replicating each byte into its 16-bit lane, a shift and a mask
+// -- which read value * 2^-120 (e4m3 subnormals become bf16 subnormals, exact), then one exact bf16x2 multiply by
+// 2^120 * s (two, 2^120 then s, for s > 2^7 where 2^120 * s is no bf16).
+__device__ __forceinline__ void fdsa_cvt_e4m3x16_bits(const unsigned in[4], unsigned o[8], float s) {
+  const bool one = s <= 128.0f;
+  unsigned m1, m2;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(m1) : "f"(one ? s * 1.329227995784916e36f : 1.329227995784916e36f));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(m2) : "f"(s));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      unsigned x, b;
+      asm("prmt.b32 %0, %1, 0, %2;" : "=r"(x) : "r"(in[i]), "r"(k ? 0xB3A2u : 0x9180u));
+      const unsigned y = (x << 4) & 0x87f087f0u;
       asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(y), "r"(m1));
       if (!one) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(b), "r"(m2));
       o[2 * i + k] = b;
@@ -154,6 +179,12 @@ __device__ __forceinline__ void fdsa_gather_raw656(void *tile, void *rope, int h
     if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
   }
 }
+// x, opaque to the compiler: a per-call value, so what a helper derives from its thread index is recomputed at
+// each call instead of hoisted out of the pair loop (the hoisted per-store addresses stayed live and spilled)
+__device__ __forceinline__ unsigned fdsa_opaque(unsigned x) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(x));
+  return x;
+}
 // byte address of 16-byte piece q of chunk c of row r (row_s = tile + r * 128) in a 128B-swizzled half tile
 __device__ __forceinline__ unsigned fdsa_piece(unsigned row_s, int r, int c, int q) {
   return row_s + c * 8192 + ((q ^ (r & 7)) << 4);
@@ -164,51 +195,46 @@ __device__ __forceinline__ void fdsa_ld16(unsigned a, unsigned w[4]) {
 }
 // raw chunk (16 e4m3, loaded) -> its 32 bf16 bytes at piece address lo (dims 16k .. 16k + 7) and lo ^ 16 (the
 // piece after it: the swizzle XOR keeps the pair of pieces 2m, 2m + 1 together)
-__device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], float s) {
+// BITS: fdsa_cvt_e4m3x16_bits (same values, one instruction less per pair)
+template <int BITS = 0>
+__device__ __forceinline__ void fdsa_st_cvt_at(unsigned lo, unsigned hi, const unsigned w[4], float s) {
   unsigned o[8];
-  fdsa_cvt_e4m3x16(w, o, s);
+  if (BITS) {
+    fdsa_cvt_e4m3x16_bits(w, o, s);
+  } else {
+    fdsa_cvt_e4m3x16(w, o, s);
+  }
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
                : "memory");
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo ^ 16u), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7])
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(hi), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7])
                : "memory");
 }
+__device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], float s) {
+  fdsa_st_cvt_at(lo, lo ^ 16u, w, s);
+}
 // The converter's share of one contiguous raw half tile, expanded in place (128 converter threads, named barrier
-// bar): output chunk k (bytes [32k, 32k + 32)) overwrites raw chunks 2k and 2k + 1 (and, k = 8, the scales), so
-// the chunks go in phases, each reading only raw bytes no earlier phase overwrote: scales read; barrier; k = 8..15
-// (raw bytes 128..255 -> 256..511); barrier; k = 4..7 (64..127 -> 128..255); barrier; k = 0..3, where both threads
-// of a row load their raw chunks before the warp barrier (part 0's outputs overwrite part 1's raw chunks 2, 3).
-// Thread t: row r = t / 2, part p = t % 2 (the row's chunks split between lanes t, t ^ 1); part 1 walks its
-// phase-1 chunks rotated by two so a quarter warp's stores hit 8 different 16-byte bank groups.  The dims
-// [0, 128) of the half take scale s0 (tile tile0), [128, 256) s1.
-__device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t, int bar) {
+// bar): thread t takes row r = t / 2 and, p = t % 2, the raw chunks 8 c + 4 p + m (c = 0, 1: swizzle chunk c and
+// scale tile tile0 + c; m = 0..3), loads all eight into registers, waits on the named barrier (every raw byte of
+// the half read: the outputs overwrite other threads' raw chunks), then converts and stores them (output chunk k
+// at pieces 2 (k & 3), 2 (k & 3) + 1 of 64-dim chunk k >> 2, i.e. chunk 2 c + p, piece 2 m).  Step j takes m =
+// (j + 2 p) & 3, so the 8 threads of a quarter warp (4 rows x both parts) load from and store to 8 different
+// 16-byte bank groups.  (Session 21's phased form, three named barriers per half, ran 6.64 ms at S 4096 /
+// SKV 8192 / H 128.)
+__device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t_in, int bar) {
+  const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
   const int r = t >> 1, p = t & 1;
   const unsigned row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
-  float s0, s1;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s0), "=f"(s1) : "r"(fdsa_piece(row_s, r, 2, 0) + 4 * tile0)
+  float s[2];
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s[0]), "=f"(s[1]) : "r"(fdsa_piece(row_s, r, 2, 0) + 4 * tile0)
                : "memory");
+  unsigned w[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
   asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {  // k = 8..15: part 0 8..11, part 1 14, 15, 12, 13
-    const int k = 8 + 4 * p + ((i + 2 * p) & 3);
-    unsigned w[4];
-    fdsa_ld16(fdsa_piece(row_s, r, 1, k - 8), w);
-    fdsa_st_cvt(fdsa_piece(row_s, r, k >> 2, 2 * (k & 3)), w, s1);
-  }
-  asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {  // k = 4..7: part 0 4, 5, part 1 6, 7
-    unsigned w[4];
-    fdsa_ld16(fdsa_piece(row_s, r, 0, 4 + 2 * p + i), w);
-    fdsa_st_cvt(fdsa_piece(row_s, r, 1, 2 * (2 * p + i)), w, s0);
-  }
-  asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
-  {  // k = 0..3: part 0 0, 1, part 1 2, 3
-    unsigned w[2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) fdsa_ld16(fdsa_piece(row_s, r, 0, 2 * p + i), w[i]);
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 2; ++i) fdsa_st_cvt(fdsa_piece(row_s, r, 0, 2 * (2 * p + i)), w[i], s0);
+  for (int j = 0; j < 8; ++j) {
+    const unsigned lo = fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3));
+    fdsa_st_cvt_at<1>(lo, lo ^ 16u, w[j], s[j >> 2]);
   }
 }
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
@@ -285,10 +311,10 @@ def _raw_gather_macro():
 
 
 ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
-STAGINGS = ("consumer", "converter", "converter_contig")  # converter_contig: opt-in, not yet run on the GPU
+STAGINGS = ("consumer", "converter", "converter_contig", "regs")
 # the default since session 21: the sparse FP8 decode rows 3-5% faster (H 128 s_q 2 0.473 -> 0.460 ms, H 64 0.135 ->
 # 0.129), the kernel at S 4096 / SKV 131072 6.82 vs 7.23 ms, at SKV 8192 6.62 vs 6.55
-DEFAULT_STAGING = "converter"
+DEFAULT_STAGING = "converter_contig"
 BAR_CONV = 12  # named barrier of the 128 converter threads (converter_contig's phases)
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
@@ -399,7 +425,7 @@ def _dequant_parts(*, topk_dim, ablate=""):
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
-                                    staging: str = "converter"):
+                                    staging: str = DEFAULT_STAGING):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
@@ -411,7 +437,10 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
-    if staging.startswith("converter"):
+    if staging == "regs":
+        body = kp.pair_body(**common, producer=_cache_regs.regs_producer(topk_dim=topk_dim, ablate=ablate),
+                            ready_counts=_cache_regs.READY_COUNTS, prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC + _cache_regs.REGS_SRC)
+    elif staging.startswith("converter"):
         producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
@@ -444,7 +473,7 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True, staging: str = "converter"):
+              overlap_qk: bool = True, staging: str = DEFAULT_STAGING):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
                                            overlap_qk=overlap_qk, staging=staging)
@@ -492,7 +521,10 @@ def lowering_cases():
              build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_topk_length=True,
                                              staging="consumer")),
             ("pair_cache_h128_topk2048_converter_contig",
-             build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, staging="converter_contig"))]
+             build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, staging="converter_contig")),
+            ("pair_cache_h64_topk700_tl_sink_regs",
+             build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_sink=True,
+                                             has_topk_length=True, staging="regs"))]
 
 
 def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_latent=False, row_stride=None):
@@ -545,6 +577,9 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                                                                            ablate="contig_no_convert"),
                 "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                      staging="converter_contig"),
+                "cache_regs": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="regs"),
+                "cache_regs_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                    staging="regs", ablate="no_convert"),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
