@@ -111,7 +111,7 @@ __device__ __forceinline__ void fdsa_regs_store(const unsigned *st, void *half, 
       const unsigned off = 2048 * i + 16384 * h;
       const unsigned *w = st + 8 * i + 4 * h;
       if (CVT) {
-        fdsa_st_cvt_at<1>(lo + off, hi + off, w, fdsa_scale_of(st, i, h));
+        fdsa_st_cvt_at(lo + off, hi + off, w, fdsa_scale_of(st, i, h));
       } else {
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo + off), "r"(w[0]), "r"(w[1]), "r"(w[2]),
                      "r"(w[3]) : "memory");

@@ -18,7 +18,7 @@ heads zero-padded to ``BR`` = 16 / 32 on N: ``S^T = K Q^T``, ``O^T += V^T P^T``;
     ``it + 1 .. it + NS - 1`` are in flight while block ``it`` is converted and attended.
   * **Conversion** (all 128 threads; thread t: row ``t % 64``, dims ``[256 (t / 64), +256)`` = two scale tiles,
     then 4 of the row's 8 rope chunks): 16-byte shared loads of the raw row, ``fdsa_cvt_e4m3x16`` (the
-    5-instruction exact conversion of ``kernel_fwd_pair_cache``), 16-byte stores into the swizzled bf16 tile.  A
+    exact conversion of ``kernel_fwd_pair_cache``), 16-byte stores into the swizzled bf16 tile.  A
     quarter warp touches 8 consecutive rows: 8 different 16-byte bank groups for the loads (656-byte row stride)
     and for the swizzled stores.
   * Then ``fence.proxy.async`` + ``__syncthreads``, QK, the mask (recomputed from ``Indices``), softmax, PV

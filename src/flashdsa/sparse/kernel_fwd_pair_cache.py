@@ -77,35 +77,13 @@ SUPPORTED_H = kp.SUPPORTED_H
 _ASYNC = tc.ASYNC_GATHER
 
 _DEQUANT_SRC = r"""
-// 16 e4m3 (4 words) -> bf16(float(e4m3) * s) (8 words), exact for the format's power-of-two scales: per pair,
-// cvt.rn.f16x2.e4m3x2 (exact; every nonzero e4m3 is a normal f16 with 3 mantissa bits), then the f16 bits moved to
-// bf16 positions without rebiasing (exponent field kept: the bf16 reads value * 2^-112, zero stays zero) and one
-// exact bf16x2 multiply by 2^112 * s (two, 2^112 then s, for s > 2^15 where 2^112 * s is no bf16).  (A NaN e4m3
-// would come out finite: the format's writer never stores one in a row.)
+// 16 e4m3 (4 words) -> bf16(float(e4m3) * s) (8 words), exact for the format's power-of-two scales: each byte
+// (s eeee mmm) goes straight to the bf16 bits s 0000 eeee mmm 0000 -- one prmt sign-replicating each byte into its
+// 16-bit lane, a shift and a mask -- which read value * 2^-120 (e4m3 subnormals become bf16 subnormals, exact),
+// then one exact bf16x2 multiply by 2^120 * s (two, 2^120 then s, for s > 2^7 where 2^120 * s is no bf16).
+// (Session 22; before: cvt.rn.f16x2.e4m3x2 and the f16 bits moved to bf16 positions, one instruction more per
+// pair.  A NaN e4m3 would come out finite: the format's writer never stores one in a row.)
 __device__ __forceinline__ void fdsa_cvt_e4m3x16(const unsigned in[4], unsigned o[8], float s) {
-  const bool one = s <= 32768.0f;
-  unsigned m1, m2;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(m1) : "f"(one ? s * 5.192296858534828e33f : 5.192296858534828e33f));
-  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(m2) : "f"(s));
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const unsigned short b2 = (unsigned short)(in[i] >> (16 * k));
-      unsigned h2, b;
-      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(b2));
-      const unsigned y = ((h2 & 0x7fff7fffu) >> 3) | (h2 & 0x80008000u);
-      asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(y), "r"(m1));
-      if (!one) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(b), "r"(m2));
-      o[2 * i + k] = b;
-    }
-  }
-}
-// The same values with one instruction less per pair (session 22): each e4m3 byte (s eeee mmm) goes straight to the
-// bf16 bits s 0000 eeee mmm 0000 -- one prmt sign-replicating each byte into its 16-bit lane, a shift and a mask
-// -- which read value * 2^-120 (e4m3 subnormals become bf16 subnormals, exact), then one exact bf16x2 multiply by
-// 2^120 * s (two, 2^120 then s, for s > 2^7 where 2^120 * s is no bf16).
-__device__ __forceinline__ void fdsa_cvt_e4m3x16_bits(const unsigned in[4], unsigned o[8], float s) {
   const bool one = s <= 128.0f;
   unsigned m1, m2;
   asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(m1) : "f"(one ? s * 1.329227995784916e36f : 1.329227995784916e36f));
@@ -195,15 +173,9 @@ __device__ __forceinline__ void fdsa_ld16(unsigned a, unsigned w[4]) {
 }
 // raw chunk (16 e4m3, loaded) -> its 32 bf16 bytes at piece address lo (dims 16k .. 16k + 7) and lo ^ 16 (the
 // piece after it: the swizzle XOR keeps the pair of pieces 2m, 2m + 1 together)
-// BITS: fdsa_cvt_e4m3x16_bits (same values, one instruction less per pair)
-template <int BITS = 0>
 __device__ __forceinline__ void fdsa_st_cvt_at(unsigned lo, unsigned hi, const unsigned w[4], float s) {
   unsigned o[8];
-  if (BITS) {
-    fdsa_cvt_e4m3x16_bits(w, o, s);
-  } else {
-    fdsa_cvt_e4m3x16(w, o, s);
-  }
+  fdsa_cvt_e4m3x16(w, o, s);
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
                : "memory");
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(hi), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7])
@@ -234,7 +206,7 @@ __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, 
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const unsigned lo = fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3));
-    fdsa_st_cvt_at<1>(lo, lo ^ 16u, w[j], s[j >> 2]);
+    fdsa_st_cvt_at(lo, lo ^ 16u, w[j], s[j >> 2]);
   }
 }
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
