@@ -88,16 +88,14 @@ _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
-              ready_counts=(256, 256, 128, 128)):
+              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
     Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
     rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)`` in the third warpgroup.  ``kv_src``: whatever the
     producer reads (a tuple of buffers / scalars).  Ready barriers: rdy_al / rdy_br 256 arrivals per phase (128
-    noinc cp.async + 128 ordinary: the producer publishes Rows0 / Rows1 before them), rdy_ar / rdy_bl 128
-    (``ready_counts``: al, br, ar, bl, for another producer's arrivals).  ``regs``:
+    noinc cp.async + 128 ordinary: the producer publishes Rows0 / Rows1 before them), rdy_ar / rdy_bl 128.  ``regs``:
     setmaxnreg of (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t)``: run by the
     consumer that reads a half tile first (WG0: a.L, a.R; WG1: b.R, b.L) right after its ready barrier, before any
     wgmma reads it (``tile0``: the half's first 128-dim tile, 0 or 2; ``wg_bar``: that warpgroup's named barrier;
@@ -320,10 +318,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             Ls1 = T.alloc_shared([BH], f32)
 
             if converter is None:
-                rdy_al = T.alloc_barrier(ready_counts[0])
-                rdy_br = T.alloc_barrier(ready_counts[1])
-                rdy_ar = T.alloc_barrier(ready_counts[2])
-                rdy_bl = T.alloc_barrier(ready_counts[3])
+                rdy_al = T.alloc_barrier(256)
+                rdy_br = T.alloc_barrier(256)
+                rdy_ar = T.alloc_barrier(128)
+                rdy_bl = T.alloc_barrier(128)
             else:
                 ld_al = T.alloc_barrier(256)
                 ld_br = T.alloc_barrier(256)

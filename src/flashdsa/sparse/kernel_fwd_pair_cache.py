@@ -16,17 +16,16 @@ reading them, so no thread can clobber another's raw data.  Thread t of the 128 
 dims [128 (t % 2), +128) of the half (one 128-dim scale tile); part 1 walks its chunks rotated by two so the 8
 threads of a quarter warp touch 8 different 16-byte bank groups.
 
-Who converts (``staging``).  "converter" (the default since session 21): a fourth warpgroup (512 threads; setmaxnreg
-216 / 216 / 24 / 56) waits on "landed" barriers, converts each half in place (``fdsa_convert_half``), fences it and
-arrives on the consumers' ready barrier, so the consumers run the bf16 kernel's protocol unchanged; the producer
-copies the raw bytes by rows (``fdsa_gather_raw656<0>``).  At 512 threads ptxas checks each instruction against the
-launch's 128 registers per thread, so ``pair_body`` splits each PV into two m64n128 wgmmas.  "converter_contig"
-(opt-in): the raw bytes land contiguously (``fdsa_gather_raw656<1>``; the in-place slot layout's scattered 16-byte
-pieces double the copies' L2 sectors) and the converter expands each half in place (``fdsa_convert_half_contig``:
-its raw chunks into registers, one named barrier, then the stores).  "regs" (session 22, ``_cache_regs``): no
-converter warpgroup; the producer loads the next half tile's raw bytes into registers before its free wait and
-converts them after it.  "consumer":
-the producer is ``_pair_parts.gather_producer`` (the bf16 kernel's non-blocking
+Who converts (``staging``).  "converter_contig" (the default since session 22): a fourth warpgroup (512 threads;
+setmaxnreg 216 / 216 / 24 / 56) waits on "landed" barriers, converts each half in place and arrives on the
+consumers' ready barrier, so the consumers run the bf16 kernel's protocol unchanged; the producer copies each row's
+raw bytes contiguously (``fdsa_gather_raw656<1>``: 8 lanes fill one 128-byte swizzled row, as the bf16 gather
+does) and the converter expands them (``fdsa_convert_half_contig``: a thread's eight raw chunks into registers, one
+named barrier, then the converted stores).  At 512 threads ptxas checks each instruction against the launch's 128
+registers per thread, so ``pair_body`` splits each PV into two m64n128 wgmmas.  "converter" (the default in
+session 21): the raw chunks land in the bf16 slots they are converted into (``fdsa_gather_raw656<0>``, every other
+16-byte piece of a row: twice the copies' L2 sectors) and are converted in place (``fdsa_convert_half``).
+"consumer": the producer is ``_pair_parts.gather_producer`` (the bf16 kernel's non-blocking
     protocol, up to four half tiles in flight) copying raw bytes, plus each row's 16 bytes of scales into the
     slots of dims [8, 16) (free until chunk 0 is converted).  The consumer that reads a half first (WG0: a.L,
     a.R; WG1: b.R, b.L) converts it after its ready barrier: scale read, warpgroup barrier, conversion,
@@ -55,6 +54,12 @@ ms, "consumer" 6.56, "converter" 6.62 -- without any conversion (``ablate="no_co
 path itself, not the conversion alone, keeps this kernel from the bf16 kernel's speed; SKV 131072 bf16 4.59,
 "consumer" 7.23, "converter" 6.82.  Sparse FP8 decode suite rows: H 128 s_q 2 0.473 -> 0.460 ms, H 64 0.135 ->
 0.129 with the converter.
+Session 22 (docs/PERFORMANCE.md 'Session 22'): "converter_contig" from registers 5.94 / 6.26 ms at SKV 8192 /
+131072 with the f16-form conversion (the phased form before it 6.64 / 6.90, "converter" 6.63 / 6.96, bf16 pair
+4.03 / 4.61); then the prmt conversion (one instruction less per pair): decode suite sparse FP8 H 128 s_q 2
+0.462 -> 0.386 ms (378 TFLOP/s), H 64 0.120 ms (303).  A producer that loads the next half's raw bytes into
+registers before its free wait (no converter warpgroup, 384 threads; at 66f1528, removed) ran 6.54 / 7.67 ms:
+one half in flight per CTA.
 """
 
 import functools
@@ -66,7 +71,6 @@ import tilelang
 import tilelang.language as T
 
 from .._tilelang import direct_launcher
-from . import _cache_regs
 from . import _pair_parts as pp
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
@@ -283,11 +287,11 @@ def _raw_gather_macro():
 
 
 ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
-STAGINGS = ("consumer", "converter", "converter_contig", "regs")
+STAGINGS = ("consumer", "converter", "converter_contig")
 # the default since session 21: the sparse FP8 decode rows 3-5% faster (H 128 s_q 2 0.473 -> 0.460 ms, H 64 0.135 ->
 # 0.129), the kernel at S 4096 / SKV 131072 6.82 vs 7.23 ms, at SKV 8192 6.62 vs 6.55
 DEFAULT_STAGING = "converter_contig"
-BAR_CONV = 12  # named barrier of the 128 converter threads (converter_contig's phases)
+BAR_CONV = 12  # named barrier of the 128 converter threads (converter_contig: every raw chunk read)
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in the converter)
@@ -409,10 +413,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
-    if staging == "regs":
-        body = kp.pair_body(**common, producer=_cache_regs.regs_producer(topk_dim=topk_dim, ablate=ablate),
-                            ready_counts=_cache_regs.READY_COUNTS, prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC + _cache_regs.REGS_SRC)
-    elif staging.startswith("converter"):
+    if staging.startswith("converter"):
         producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
@@ -492,11 +493,8 @@ def lowering_cases():
             ("pair_cache_h64_topk700_tl_consumer",
              build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_topk_length=True,
                                              staging="consumer")),
-            ("pair_cache_h128_topk2048_converter_contig",
-             build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, staging="converter_contig")),
-            ("pair_cache_h64_topk700_tl_sink_regs",
-             build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_sink=True,
-                                             has_topk_length=True, staging="regs"))]
+            ("pair_cache_h128_topk2048_converter",
+             build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, staging="converter"))]
 
 
 def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_latent=False, row_stride=None):
@@ -549,9 +547,6 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                                                                            ablate="contig_no_convert"),
                 "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                      staging="converter_contig"),
-                "cache_regs": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="regs"),
-                "cache_regs_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                    staging="regs", ablate="no_convert"),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
