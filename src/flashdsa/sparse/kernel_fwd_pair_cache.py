@@ -177,16 +177,13 @@ __device__ __forceinline__ void fdsa_ld16(unsigned a, unsigned w[4]) {
 }
 // raw chunk (16 e4m3, loaded) -> its 32 bf16 bytes at piece address lo (dims 16k .. 16k + 7) and lo ^ 16 (the
 // piece after it: the swizzle XOR keeps the pair of pieces 2m, 2m + 1 together)
-__device__ __forceinline__ void fdsa_st_cvt_at(unsigned lo, unsigned hi, const unsigned w[4], float s) {
+__device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], float s) {
   unsigned o[8];
   fdsa_cvt_e4m3x16(w, o, s);
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
                : "memory");
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(hi), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7])
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo ^ 16u), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7])
                : "memory");
-}
-__device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], float s) {
-  fdsa_st_cvt_at(lo, lo ^ 16u, w, s);
 }
 // The converter's share of one contiguous raw half tile, expanded in place (128 converter threads, named barrier
 // bar): thread t takes row r = t / 2 and, p = t % 2, the raw chunks 8 c + 4 p + m (c = 0, 1: swizzle chunk c and
@@ -208,10 +205,8 @@ __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, 
   for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
   asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const unsigned lo = fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3));
-    fdsa_st_cvt_at(lo, lo ^ 16u, w[j], s[j >> 2]);
-  }
+  for (int j = 0; j < 8; ++j)
+    fdsa_st_cvt(fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3)), w[j], s[j >> 2]);
 }
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
 // chunks [8 p, 8 p + 8) (p = t % 2: the row's 128-dim scale tile tile0 + p), two chunks per step with both loads
@@ -288,8 +283,8 @@ def _raw_gather_macro():
 
 ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
 STAGINGS = ("consumer", "converter", "converter_contig")
-# the default since session 21: the sparse FP8 decode rows 3-5% faster (H 128 s_q 2 0.473 -> 0.460 ms, H 64 0.135 ->
-# 0.129), the kernel at S 4096 / SKV 131072 6.82 vs 7.23 ms, at SKV 8192 6.62 vs 6.55
+# the default since session 22: S 4096 / H 128 5.94 / 6.26 ms at SKV 8192 / 131072 against "converter" 6.63 / 6.96
+# (session 21's default), the sparse FP8 decode rows 10-20% faster
 DEFAULT_STAGING = "converter_contig"
 BAR_CONV = 12  # named barrier of the 128 converter threads (converter_contig: every raw chunk read)
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
