@@ -88,7 +88,8 @@ _ASYNC = tc.ASYNC_GATHER
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None):
+              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
+              split_ready=False):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -120,7 +121,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     pb)`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the ready
     barriers above), the converter turns each landed half into what the consumers read and arrives on its ready
     barrier (count 128); ``regs`` then has four entries (at most 512 in all), and each PV is two m64n128 wgmmas
-    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128)."""
+    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128).
+    ``split_ready`` (with a converter): each ready barrier is a pair, one per 128-dim part of the half tile, and the
+    consumers issue each half's QK as two K = 128 wgmmas, the first once part 0 is ready (same products in the same
+    order as one K = 256 wgmma); the converter passes the pairs to its halves."""
+    assert converter is not None or not split_ready
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
@@ -173,18 +178,40 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             T.wgmma_gemm(Qt, Kt, acc_s, transpose_B=True)
 
     @T.macro
+    def qk_half(Qh, KVh, acc_s, rdy, phase, tile0, wg_bar, t, Rows):
+        # S += Qh KVh^T once the half is ready (Rows: first half of the block: S = the mask first); issued, not
+        # waited.  ``split_ready``: rdy is (part 0, part 1), one K = 128 wgmma after each
+        if split_ready:
+            wait_tile(rdy[0], phase, KVh, tile0, wg_bar, t)
+            if Rows is not None:
+                mask(Rows, acc_s)
+            T.wgmma_gemm(Qh[:, 0 : DH // 2], KVh[:, 0 : DH // 2], acc_s, transpose_B=True)
+            wait_tile(rdy[1], phase, KVh, tile0, wg_bar, t)
+            T.wgmma_gemm(Qh[:, DH // 2 : DH], KVh[:, DH // 2 : DH], acc_s, transpose_B=True)
+        else:
+            wait_tile(rdy, phase, KVh, tile0, wg_bar, t)
+            if Rows is not None:
+                mask(Rows, acc_s)
+            T.wgmma_gemm(Qh, KVh, acc_s, transpose_B=True)
+
+    @T.macro
     def qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, phase, tx):
         # WG0: S_a = mask, then += Q_l K_a[:, :256]^T (issued, not waited)
-        wait_tile(rdy_al, phase, KVa_l, 0, BAR_WG0, tx)
-        mask(Rows0, acc_s0)
-        T.wgmma_gemm(Q_l, KVa_l, acc_s0, transpose_B=True)
+        qk_half(Q_l, KVa_l, acc_s0, rdy_al, phase, 0, BAR_WG0, tx, Rows0)
 
     @T.macro
     def qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, phase, tx):
         # WG0: S_a += Q_r K_a[:, 256:]^T + the rope tail, then wait for every wgmma of the warpgroup
-        wait_tile(rdy_ar, phase, KVa_r, 2, BAR_WG0, tx)
-        T.wgmma_gemm(Q_r, KVa_r, acc_s0, transpose_B=True)
+        qk_half(Q_r, KVa_r, acc_s0, rdy_ar, phase, 2, BAR_WG0, tx, None)
         qk_tail(Q_t, Ka_t, acc_s0)
+        T.wait_wgmma(0)
+
+    @T.macro
+    def qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl, phase, tx):
+        # WG1: S_b = mask, += Q_r K_b[:, 256:]^T + the rope tail, += Q_l K_b[:, :256]^T, all retired
+        qk_half(Q_r, KVb_r, acc_s1, rdy_br, phase, 2, BAR_WG1, tx - 128, Rows1)
+        qk_tail(Q_t, Kb_t, acc_s1)
+        qk_half(Q_l, KVb_l, acc_s1, rdy_bl, phase, 0, BAR_WG1, tx - 128, None)
         T.wait_wgmma(0)
 
     adopt_max = adopt_max_macro(BH=BH, c_log2=c_log2)
@@ -327,10 +354,18 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 ld_br = T.alloc_barrier(256)
                 ld_ar = T.alloc_barrier(128)
                 ld_bl = T.alloc_barrier(128)
-                rdy_al = T.alloc_barrier(128)
-                rdy_br = T.alloc_barrier(128)
-                rdy_ar = T.alloc_barrier(128)
-                rdy_bl = T.alloc_barrier(128)
+                if split_ready:  # (named: TileLang names a buffer after its Python binding)
+                    rdy_al0, rdy_al1 = T.alloc_barrier(128), T.alloc_barrier(128)
+                    rdy_br0, rdy_br1 = T.alloc_barrier(128), T.alloc_barrier(128)
+                    rdy_ar0, rdy_ar1 = T.alloc_barrier(128), T.alloc_barrier(128)
+                    rdy_bl0, rdy_bl1 = T.alloc_barrier(128), T.alloc_barrier(128)
+                    rdy_al, rdy_br, rdy_ar, rdy_bl = (rdy_al0, rdy_al1), (rdy_br0, rdy_br1), (rdy_ar0, rdy_ar1), (
+                        rdy_bl0, rdy_bl1)
+                else:
+                    rdy_al = T.alloc_barrier(128)
+                    rdy_br = T.alloc_barrier(128)
+                    rdy_ar = T.alloc_barrier(128)
+                    rdy_bl = T.alloc_barrier(128)
             fr_al = T.alloc_barrier(128)
             fr_bl = T.alloc_barrier(128)
             fr_br = T.alloc_barrier(128)
@@ -449,13 +484,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     T.fill(l1, 0)
                     T.fill(m_run1, neg_big)
                     if npair[0] > 0:
-                        wait_tile(rdy_br, pair_phase(pb, 0), KVb_r, 2, BAR_WG1, tx - 128)
-                        mask(Rows1, acc_s1)
-                        T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
-                        qk_tail(Q_t, Kb_t, acc_s1)
-                        wait_tile(rdy_bl, pair_phase(pb, 0), KVb_l, 0, BAR_WG1, tx - 128)
-                        T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
-                        T.wait_wgmma(0)
+                        qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl, pair_phase(pb, 0), tx)
                     for j in T.serial(npair[0]):
                         # m_b = max(m_a, rowmax S_b) >= m_a >= the common max of the last pair
                         T.barrier_wait(bar_ma, pair_phase(pb, j))
@@ -474,13 +503,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
                         T.barrier_arrive(fr_ar)
                         if j + 1 < npair[0]:
-                            wait_tile(rdy_br, pair_phase(pb, j + 1), KVb_r, 2, BAR_WG1, tx - 128)
-                            mask(Rows1, acc_s1)
-                            T.wgmma_gemm(Q_r, KVb_r, acc_s1, transpose_B=True)
-                            qk_tail(Q_t, Kb_t, acc_s1)
-                            wait_tile(rdy_bl, pair_phase(pb, j + 1), KVb_l, 0, BAR_WG1, tx - 128)
-                            T.wgmma_gemm(Q_l, KVb_l, acc_s1, transpose_B=True)
-                            T.wait_wgmma(0)
+                            qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl,
+                                 pair_phase(pb, j + 1), tx)
                     finish(O1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
                     if persistent:
                         end_item(pb, npair, BAR_WG1)
