@@ -5,8 +5,8 @@ at chunk * 8192 + r * 128 + (q ^ (r & 7)) * 16), with the index formulas of ``fd
 converter thread loads its raw chunks and scales (all before the named barrier), then the stores run in a random
 thread order.  Checked: each load finds the cache's bytes, every store stays inside its thread's row (so the
 "converter_split" form's warp barrier orders all that must be ordered), no two stores write the same byte and
-together they cover the half tile, and the final bf16 slots equal ``dequantize_kv_fp8`` of the rows, for both halves of a row
-(scale tiles 0 / 1 and 2 / 3) and for invalid rows (zero bytes, scale 0)."""
+together they cover the half tile, and the final bf16 slots equal ``dequantize_kv_fp8`` of the rows, for both
+halves of a row (scale tiles 0 / 1 and 2 / 3) and for invalid rows (zero bytes, scale 0)."""
 
 import numpy as np
 import pytest

@@ -138,7 +138,7 @@ def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
 @pytest.mark.parametrize("staging", ["converter", "converter_contig", "converter_split", "consumer"])
 def test_sparse_mla_fwd_pair_cache_every_e4m3_code(staging):
     """Every finite e4m3 byte (subnormals and both zeros included) in every latent position, under power-of-two
-    scales from 2^-13 to 2^12 (above 2^7 / 2^15 the conversions take their two-multiply path): bitwise the bf16
+    scales from 2^-13 to 2^12 (above 2^7 the conversion takes its two-multiply path): bitwise the bf16
     pair kernel on ``dequantize_kv_fp8`` of the same cache, so no conversion flushes or rounds anything."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     heads, tkv, topk, n_tok = 64, 512, 256, 40
