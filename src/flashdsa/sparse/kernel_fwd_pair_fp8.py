@@ -48,6 +48,7 @@ import tilelang.language as T
 from .._tilelang import direct_launcher
 from . import _tl_common as tc
 from . import kernel_fwd_fp8 as f8
+from . import _pair_body
 from . import _pair_parts as pp
 from . import kernel_fwd_pair as kp
 from ._fp8_ot import OT_PRELUDE
@@ -55,7 +56,7 @@ from ._pair_parts import BAR_BOTH, BAR_PROD, BAR_WG0, BAR_WG1
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 SUPPORTED_H = kp.SUPPORTED_H
-THREADS = kp.THREADS
+THREADS = _pair_body.THREADS
 P_RANGE = f8.P_RANGE  # |P'| <= P_RANGE (e4m3 max 448)
 REGS = (232, 232, 40)  # setmaxnreg (WG0, WG1, producer); ptxas 13.0: no spills (216 / 216 / 72 spilled 16-40 B)
 
