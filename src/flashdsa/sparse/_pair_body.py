@@ -173,6 +173,15 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             T.wgmma_gemm(P, KV[:, DO:DH], acc_o[1])
 
     @T.macro
+    def reset_acc(acc_o, l_acc, m_run):
+        # an item's start: O = 0, l = 0, running max at the finite -1e30
+        T.fill(acc_o[0], 0)
+        if n_o == 2:
+            T.fill(acc_o[1], 0)
+        T.fill(l_acc, 0)
+        T.fill(m_run, neg_big)
+
+    @T.macro
     def exp_and_rescale(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk):
         # m_new = the new running max (raw score units): O and l move from m_run to m_new, P = 2^(S c - m_new c)
         # in place (invalid -inf -> 0), l += rowsum(P)
@@ -357,11 +366,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
                     load_q(Q, Q_l, Q_t, tok, h0, 0)
-                    T.fill(O0[0], 0)
-                    if n_o == 2:
-                        T.fill(O0[1], 0)
-                    T.fill(l0, 0)
-                    T.fill(m_run0, neg_big)
+                    reset_acc(O0, l0, m_run0)
                     if npair[0] > 0:
                         qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, 0), tx)
                         qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, 0), tx)
@@ -409,11 +414,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
                     load_q(Q, Q_r, None, tok, h0, DH)
-                    T.fill(O1[0], 0)
-                    if n_o == 2:
-                        T.fill(O1[1], 0)
-                    T.fill(l1, 0)
-                    T.fill(m_run1, neg_big)
+                    reset_acc(O1, l1, m_run1)
                     if npair[0] > 0:
                         qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl, pair_phase(pb, 0), tx)
                     for j in T.serial(npair[0]):

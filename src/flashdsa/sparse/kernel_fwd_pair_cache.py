@@ -185,50 +185,57 @@ __device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], fl
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo ^ 16u), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7])
                : "memory");
 }
-// The converter's share of one contiguous raw half tile, expanded in place (128 converter threads, named barrier
-// bar): thread t takes row r = t / 2 and, p = t % 2, the raw chunks 8 c + 4 p + m (c = 0, 1: swizzle chunk c and
-// scale tile tile0 + c; m = 0..3), loads all eight into registers, waits on the named barrier (every raw byte of
-// the half read: the outputs overwrite other threads' raw chunks), then converts and stores them (output chunk k
-// at pieces 2 (k & 3), 2 (k & 3) + 1 of 64-dim chunk k >> 2, i.e. chunk 2 c + p, piece 2 m).  Step j takes m =
-// (j + 2 p) & 3, so the 8 threads of a quarter warp (4 rows x both parts) load from and store to 8 different
-// 16-byte bank groups.  (Session 21's phased form, three named barriers per half, ran 6.64 ms at S 4096 /
-// SKV 8192 / H 128.)
+// The converter's share of one contiguous raw half tile, expanded in place (128 converter threads): thread t takes
+// row r = t / 2 and, p = t % 2, the raw chunks 8 c + 4 p + m (c = 0, 1: swizzle chunk c and scale tile tile0 + c;
+// m = 0..3), loads all eight into registers, then -- once every raw byte its outputs overwrite was read --
+// converts and stores them (output chunk k at pieces 2 (k & 3), 2 (k & 3) + 1 of 64-dim chunk k >> 2, i.e. chunk
+// 2 c + p, piece 2 m).  Step j (c = j >> 2) takes m = (j + 2 p) & 3, so the 8 threads of a quarter warp (4 rows x
+// both parts) load from and store to 8 different 16-byte bank groups.  A row's outputs overwrite only that row's
+// raw bytes and scales.  fdsa_contig: the thread's row (t through fdsa_opaque) and its addresses.
+struct FdsaContig {
+  unsigned row_s;
+  int r, p;
+  __device__ __forceinline__ FdsaContig(void *half, int t_in) {
+    const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
+    r = t >> 1;
+    p = t & 1;
+    row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
+  }
+  __device__ __forceinline__ unsigned scales(int tile0) const { return fdsa_piece(row_s, r, 2, 0) + 4 * tile0; }
+  __device__ __forceinline__ unsigned raw(int j) const {
+    return fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3));
+  }
+  __device__ __forceinline__ unsigned out(int j) const {
+    return fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3));
+  }
+};
+// "converter_contig" (the default): all loads, the converter's named barrier bar, all stores.  (Session 21's phased
+// form, three named barriers per half, ran 6.64 ms at S 4096 / SKV 8192 / H 128.)
 __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t_in, int bar) {
-  const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
-  const int r = t >> 1, p = t & 1;
-  const unsigned row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
+  const FdsaContig th(half, t_in);
   float s[2];
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s[0]), "=f"(s[1]) : "r"(fdsa_piece(row_s, r, 2, 0) + 4 * tile0)
-               : "memory");
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s[0]), "=f"(s[1]) : "r"(th.scales(tile0)) : "memory");
   unsigned w[8][4];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
+  for (int j = 0; j < 8; ++j) fdsa_ld16(th.raw(j), w[j]);
   asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-    fdsa_st_cvt(fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3)), w[j], s[j >> 2]);
+  for (int j = 0; j < 8; ++j) fdsa_st_cvt(th.out(j), w[j], s[j >> 2]);
 }
-// The same conversion in two calls for the "converter_split" staging (opt-in, session 22, not yet run on the GPU),
-// the registers in the caller's st[0, 34) (chunk j at 4 j, the two scales' bits at 32, 33): fdsa_split_load, then a
-// warp barrier (a row's outputs overwrite only that row's raw bytes and scales, and both lanes of a row are in one
-// warp), then fdsa_split_store of part c = 0, 1 (dims [128 c, 128 c + 128) of the half), each followed by the
-// caller's fence and its arrival on that part's ready barrier.
+// "converter_split" (opt-in, session 22, not yet run on the GPU), in two calls with the registers in the caller's
+// st[0, 34) (chunk j at 4 j, the two scales' bits at 32, 33): fdsa_split_load, then a warp barrier (both lanes of a
+// row are in one warp), then fdsa_split_store of part c = 0, 1 (dims [128 c, 128 c + 128) of the half), each
+// followed by the caller's fence and its arrival on that part's ready barrier.
 __device__ __forceinline__ void fdsa_split_load(unsigned *st, void *half, int tile0, int t_in) {
-  const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
-  const int r = t >> 1, p = t & 1;
-  const unsigned row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
-               : "=r"(st[32]), "=r"(st[33]) : "r"(fdsa_piece(row_s, r, 2, 0) + 4 * tile0) : "memory");
+  const FdsaContig th(half, t_in);
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(st[32]), "=r"(st[33]) : "r"(th.scales(tile0)) : "memory");
 #pragma unroll
-  for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), st + 4 * j);
+  for (int j = 0; j < 8; ++j) fdsa_ld16(th.raw(j), st + 4 * j);
 }
 __device__ __forceinline__ void fdsa_split_store(const unsigned *st, void *half, int c, int t_in) {
-  const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
-  const int r = t >> 1, p = t & 1;
-  const unsigned row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
+  const FdsaContig th(half, t_in);
 #pragma unroll
-  for (int j = 4 * c; j < 4 * c + 4; ++j)
-    fdsa_st_cvt(fdsa_piece(row_s, r, 2 * c + p, 2 * ((j + 2 * p) & 3)), st + 4 * j, __uint_as_float(st[32 + c]));
+  for (int j = 4 * c; j < 4 * c + 4; ++j) fdsa_st_cvt(th.out(j), st + 4 * j, __uint_as_float(st[32 + c]));
 }
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
 // chunks [8 p, 8 p + 8) (p = t % 2: the row's 128-dim scale tile tile0 + p), two chunks per step with both loads
