@@ -3,10 +3,10 @@ one 128B-swizzled half tile [64 rows, 256 bf16 dims] (4 chunks of 8 KiB, 128-byt
 at chunk * 8192 + r * 128 + (q ^ (r & 7)) * 16), with the index formulas of ``fdsa_gather_raw656<1>`` and
 ``fdsa_convert_half_contig`` transcribed.  The tile starts as garbage; the raw rows land in order; every
 converter thread loads its raw chunks and scales (all before the named barrier), then the stores run in a random
-thread order.  Checked: each load finds the cache's bytes, every store stays inside its thread's row (so the
-"converter_split" form's warp barrier orders all that must be ordered), no two stores write the same byte and
-together they cover the half tile, and the final bf16 slots equal ``dequantize_kv_fp8`` of the rows, for both
-halves of a row (scale tiles 0 / 1 and 2 / 3) and for invalid rows (zero bytes, scale 0)."""
+thread order.  Checked: each load finds the cache's bytes, every store stays inside its thread's row, no two
+stores write the same byte and together they cover the half tile, and the final bf16 slots equal
+``dequantize_kv_fp8`` of the rows, for both halves of a row (scale tiles 0 / 1 and 2 / 3) and for invalid rows
+(zero bytes, scale 0)."""
 
 import numpy as np
 import pytest
@@ -62,7 +62,6 @@ def _emulate_half(cache: np.ndarray, rows, chunk0: int, tile0: int, rng) -> np.n
             out = np.frombuffer(_cvt(raw.tobytes(), s), dtype=np.uint8)
             for addr, part in ((lo, out[:16]), (lo ^ 16, out[16:])):
                 span = set(range(addr, addr + 16))
-                # "converter_split" orders a row's two lanes by a warp barrier only: stores stay inside their row
                 assert (addr % 8192) // 128 == t >> 1, "a store leaves its row"
                 assert not span & written, "two stores write the same bytes"
                 written |= span

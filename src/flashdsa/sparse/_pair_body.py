@@ -19,8 +19,7 @@ assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
-              split_ready=False):
+              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -52,11 +51,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     pb)`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the ready
     barriers above), the converter turns each landed half into what the consumers read and arrives on its ready
     barrier (count 128); ``regs`` then has four entries (at most 512 in all), and each PV is two m64n128 wgmmas
-    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128).
-    ``split_ready`` (with a converter): each ready barrier is a pair, one per 128-dim part of the half tile, and the
-    consumers issue each half's QK as two K = 128 wgmmas, the first once part 0 is ready (same products in the same
-    order as one K = 256 wgmma); the converter passes the pairs to its halves."""
-    assert converter is not None or not split_ready
+    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128)."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
@@ -111,19 +106,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     @T.macro
     def qk_half(Qh, KVh, acc_s, rdy, phase, tile0, wg_bar, t, Rows):
         # S += Qh KVh^T once the half is ready (Rows: first half of the block: S = the mask first); issued, not
-        # waited.  ``split_ready``: rdy is (part 0, part 1), one K = 128 wgmma after each
-        if split_ready:
-            wait_tile(rdy[0], phase, KVh, tile0, wg_bar, t)
-            if Rows is not None:
-                mask(Rows, acc_s)
-            T.wgmma_gemm(Qh[:, 0 : DH // 2], KVh[:, 0 : DH // 2], acc_s, transpose_B=True)
-            wait_tile(rdy[1], phase, KVh, tile0, wg_bar, t)
-            T.wgmma_gemm(Qh[:, DH // 2 : DH], KVh[:, DH // 2 : DH], acc_s, transpose_B=True)
-        else:
-            wait_tile(rdy, phase, KVh, tile0, wg_bar, t)
-            if Rows is not None:
-                mask(Rows, acc_s)
-            T.wgmma_gemm(Qh, KVh, acc_s, transpose_B=True)
+        # waited
+        wait_tile(rdy, phase, KVh, tile0, wg_bar, t)
+        if Rows is not None:
+            mask(Rows, acc_s)
+        T.wgmma_gemm(Qh, KVh, acc_s, transpose_B=True)
 
     @T.macro
     def qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, phase, tx):
@@ -294,18 +281,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 ld_br = T.alloc_barrier(256)
                 ld_ar = T.alloc_barrier(128)
                 ld_bl = T.alloc_barrier(128)
-                if split_ready:  # (named: TileLang names a buffer after its Python binding)
-                    rdy_al0, rdy_al1 = T.alloc_barrier(128), T.alloc_barrier(128)
-                    rdy_br0, rdy_br1 = T.alloc_barrier(128), T.alloc_barrier(128)
-                    rdy_ar0, rdy_ar1 = T.alloc_barrier(128), T.alloc_barrier(128)
-                    rdy_bl0, rdy_bl1 = T.alloc_barrier(128), T.alloc_barrier(128)
-                    rdy_al, rdy_br, rdy_ar, rdy_bl = (rdy_al0, rdy_al1), (rdy_br0, rdy_br1), (rdy_ar0, rdy_ar1), (
-                        rdy_bl0, rdy_bl1)
-                else:
-                    rdy_al = T.alloc_barrier(128)
-                    rdy_br = T.alloc_barrier(128)
-                    rdy_ar = T.alloc_barrier(128)
-                    rdy_bl = T.alloc_barrier(128)
+                rdy_al = T.alloc_barrier(128)
+                rdy_br = T.alloc_barrier(128)
+                rdy_ar = T.alloc_barrier(128)
+                rdy_bl = T.alloc_barrier(128)
             fr_al = T.alloc_barrier(128)
             fr_bl = T.alloc_barrier(128)
             fr_br = T.alloc_barrier(128)

@@ -191,7 +191,7 @@ __device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], fl
 // converts and stores them (output chunk k at pieces 2 (k & 3), 2 (k & 3) + 1 of 64-dim chunk k >> 2, i.e. chunk
 // 2 c + p, piece 2 m).  Step j (c = j >> 2) takes m = (j + 2 p) & 3, so the 8 threads of a quarter warp (4 rows x
 // both parts) load from and store to 8 different 16-byte bank groups.  A row's outputs overwrite only that row's
-// raw bytes and scales.  fdsa_contig: the thread's row (t through fdsa_opaque) and its addresses.
+// raw bytes and scales.  FdsaContig: the thread's row (t through fdsa_opaque) and its addresses.
 struct FdsaContig {
   unsigned row_s;
   int r, p;
@@ -221,21 +221,6 @@ __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, 
   asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
 #pragma unroll
   for (int j = 0; j < 8; ++j) fdsa_st_cvt(th.out(j), w[j], s[j >> 2]);
-}
-// "converter_split" (opt-in, session 22, not yet run on the GPU), in two calls with the registers in the caller's
-// st[0, 34) (chunk j at 4 j, the two scales' bits at 32, 33): fdsa_split_load, then a warp barrier (both lanes of a
-// row are in one warp), then fdsa_split_store of part c = 0, 1 (dims [128 c, 128 c + 128) of the half), each
-// followed by the caller's fence and its arrival on that part's ready barrier.
-__device__ __forceinline__ void fdsa_split_load(unsigned *st, void *half, int tile0, int t_in) {
-  const FdsaContig th(half, t_in);
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(st[32]), "=r"(st[33]) : "r"(th.scales(tile0)) : "memory");
-#pragma unroll
-  for (int j = 0; j < 8; ++j) fdsa_ld16(th.raw(j), st + 4 * j);
-}
-__device__ __forceinline__ void fdsa_split_store(const unsigned *st, void *half, int c, int t_in) {
-  const FdsaContig th(half, t_in);
-#pragma unroll
-  for (int j = 4 * c; j < 4 * c + 4; ++j) fdsa_st_cvt(th.out(j), st + 4 * j, __uint_as_float(st[32 + c]));
 }
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
 // chunks [8 p, 8 p + 8) (p = t % 2: the row's 128-dim scale tile tile0 + p), two chunks per step with both loads
@@ -311,7 +296,7 @@ def _raw_gather_macro():
 
 
 ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
-STAGINGS = ("consumer", "converter", "converter_contig", "converter_split")  # split: not yet run on the GPU
+STAGINGS = ("consumer", "converter", "converter_contig")
 # the default since session 22: S 4096 / H 128 5.94 / 6.26 ms at SKV 8192 / 131072 against "converter" 6.63 / 6.96
 # (session 21's default), the sparse FP8 decode rows 10-20% faster
 DEFAULT_STAGING = "converter_contig"
@@ -321,18 +306,16 @@ STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the 
 CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in the converter)
 
 
-def _converter_parts(*, topk_dim, ablate="", contig=False, split=False):
+def _converter_parts(*, topk_dim, ablate="", contig=False):
     """The converter staging: the producer (``gather_producer``) copies the raw bytes by rows
     (``fdsa_gather_raw656<0>``: the same bytes at the same places as ``_raw_gather_macro``; ``contig``:
     ``fdsa_gather_raw656<1>``, a row's raw bytes in order) with its arrivals on the "landed" barriers; the
     fourth warpgroup waits each half in the producer's order (a.L, b.R, a.R, b.L), converts it in place
     (``fdsa_convert_half``; ``contig``: ``fdsa_convert_half_contig``: its raw chunks into registers, the
     converter's named barrier ``BAR_CONV``, the stores), fences it for the async proxy and arrives on the consumers'
-    ready barrier.  ``split`` (contiguous; ``pair_body(split_ready=True)``): ``fdsa_split_load``, a warp barrier,
-    then per 128-dim part its stores, fence and arrival on that part's ready barrier (``rdy`` pairs).
+    ready barrier.
     Returns (producer, converter)."""
     assert ablate in ABLATIONS, ablate
-    assert not split or (contig and not ablate), "split: the contiguous layout, no timing build"
     assert not (contig and ablate == "no_convert"), "contig: its timing build is ablate='contig_no_convert'"
     DH = D_V // 2
     contig = contig or ablate == "contig_no_convert"
@@ -352,20 +335,6 @@ def _converter_parts(*, topk_dim, ablate="", contig=False, split=False):
     @T.macro
     def gather_r(KVr, Kt, Rows, kv_src):
         gather_rows(KVr, Kt, 1, Rows, kv_src, DH // 16)
-
-    @T.macro
-    def store_part(Half, rdy_part, c, tx, stage):
-        T.call_extern("handle", "fdsa_split_store", T.address_of(stage[0]), T.address_of(Half[0, 0]), c, tx - 384)
-        T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
-        T.barrier_arrive(rdy_part)
-
-    @T.macro
-    def convert_split(Half, tile0, ld, rdy, phase, tx, stage):
-        T.barrier_wait(ld, phase)
-        T.call_extern("handle", "fdsa_split_load", T.address_of(stage[0]), T.address_of(Half[0, 0]), tile0, tx - 384)
-        T.sync_warp()  # both lanes of each row read its raw bytes before either overwrites them
-        store_part(Half, rdy[0], 0, tx, stage)
-        store_part(Half, rdy[1], 1, tx, stage)
 
     @T.macro
     def convert_one(Half, tile0, ld, rdy, phase, tx):
@@ -388,19 +357,9 @@ def _converter_parts(*, topk_dim, ablate="", contig=False, split=False):
             convert_one(KVa_r, 2, ld_ar, rdy_ar, pp.pair_phase(pb, j), tx)
             convert_one(KVb_l, 0, ld_bl, rdy_bl, pp.pair_phase(pb, j), tx)
 
-    @T.macro
-    def converter_split(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar,
-                        rdy_bl, pb):
-        stage = T.alloc_local([34], "uint32")
-        for j in T.serial(npair[0]):
-            convert_split(KVa_l, 0, ld_al, rdy_al, pp.pair_phase(pb, j), tx, stage)
-            convert_split(KVb_r, 2, ld_br, rdy_br, pp.pair_phase(pb, j), tx, stage)
-            convert_split(KVa_r, 2, ld_ar, rdy_ar, pp.pair_phase(pb, j), tx, stage)
-            convert_split(KVb_l, 0, ld_bl, rdy_bl, pp.pair_phase(pb, j), tx, stage)
-
     producer = pp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
                                   gather_l=gather_l, gather_r=gather_r)
-    return producer, converter_split if split else converter
+    return producer, converter
 
 
 def _dequant_parts(*, topk_dim, ablate=""):
@@ -465,10 +424,8 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
     if staging.startswith("converter"):
-        split = staging == "converter_split"
-        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, split=split,
-                                               contig=staging in ("converter_contig", "converter_split"))
-        body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS, split_ready=split,
+        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
+        body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
     else:
         producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
@@ -547,10 +504,7 @@ def lowering_cases():
              build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_topk_length=True,
                                              staging="consumer")),
             ("pair_cache_h128_topk2048_converter",
-             build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, staging="converter")),
-            ("pair_cache_h64_topk700_tl_sink_converter_split",
-             build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_sink=True,
-                                             has_topk_length=True, staging="converter_split"))]
+             build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, staging="converter"))]
 
 
 def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_latent=False, row_stride=None):
@@ -603,8 +557,6 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                                                                            ablate="contig_no_convert"),
                 "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                      staging="converter_contig"),
-                "cache_converter_split": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                    staging="converter_split"),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
