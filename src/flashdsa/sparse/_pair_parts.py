@@ -93,26 +93,14 @@ def pair_rows_macro(topk_dim, row_ok):
     return pair_rows
 
 
-def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True, l2_row=None, l2_ahead=0):
+def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
     """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
     arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists.  ``pb``: None, or the
-    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop).
-    ``l2_ahead`` = A > 0 (with ``l2_row(row, kv_src)``: one L2 prefetch of a KV row, -1 skipped): at pair j the
-    threads holding a slot also load the rows of pair j + A and prefetch them into L2 (pairs 1 .. A - 1 at j = 0), so
-    a gather from a KV set larger than L2 waits for L2 rather than DRAM."""
+    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop)."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
     pair_rows = pair_rows_macro(topk_dim, row_ok)
-    assert l2_ahead == 0 or l2_row is not None
-
-    @T.macro
-    def prefetch_pair(Indices, tok, lim, jp, npair, tx, pf_a, pf_b, kv_src):
-        if jp < npair[0]:
-            pair_rows(Indices, tok, lim, jp, tx - 256, pf_a, pf_b, kv_src)
-            if tx - 256 < BI:
-                l2_row(pf_a[0], kv_src)
-                l2_row(pf_b[0], kv_src)
 
     @T.macro
     def publish_rows(Rows, Indices, tok, lim, blk, kv_src):
@@ -136,17 +124,9 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                  row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
-        if l2_ahead > 0:
-            pf_a = T.alloc_local([1], "int32")
-            pf_b = T.alloc_local([1], "int32")
         for j in T.serial(npair[0]):
             if prefetch_rows:  # this pair's rows into registers before the waits
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
-            if l2_ahead > 0:
-                if l2_ahead > 1 and j == 0:
-                    for k in T.unroll(1, l2_ahead):
-                        prefetch_pair(Indices, tok, lim, k, npair, tx, pf_a, pf_b, kv_src)
-                prefetch_pair(Indices, tok, lim, j + l2_ahead, npair, tx, pf_a, pf_b, kv_src)
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
             T.barrier_arrive(rdy_al)
