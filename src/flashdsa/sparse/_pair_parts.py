@@ -97,12 +97,7 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
     """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
     arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists.  ``pb``: None, or the
-    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop).
-    ``prefetch_rows``: True -- a pair's rows into registers at the top of its iteration, before the free waits;
-    "ahead" -- pair j + 1's rows right after pair j's are published (pair 0's before the loop), so the Indices loads
-    land during the waits for a.R / b.L instead of delaying a.L's gather when its free barrier has already passed;
-    False -- each block's rows loaded after its free wait."""
-    assert prefetch_rows in (False, True, "ahead"), prefetch_rows
+    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop)."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
     pair_rows = pair_rows_macro(topk_dim, row_ok)
@@ -129,10 +124,8 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                  row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
-        if prefetch_rows == "ahead":
-            pair_rows(Indices, tok, lim, 0, tx - 256, row_a, row_b, kv_src)
         for j in T.serial(npair[0]):
-            if prefetch_rows is True:  # this pair's rows into registers before the waits
+            if prefetch_rows:  # this pair's rows into registers before the waits
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
@@ -144,9 +137,6 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
             T.barrier_arrive(rdy_br)
             gather_r(KVb_r, Kb_t, Rows1, kv_src)
             T.cp_async_barrier_noinc(rdy_br)
-            if prefetch_rows == "ahead":  # both registers published: the next pair's rows
-                if j + 1 < npair[0]:
-                    pair_rows(Indices, tok, lim, j + 1, tx - 256, row_a, row_b, kv_src)
             T.barrier_wait(fr_ar, pair_phase(pb, j) ^ 1)
             gather_r(KVa_r, Ka_t, Rows0, kv_src)
             T.cp_async_barrier_noinc(rdy_ar)

@@ -64,7 +64,6 @@ what it issued.
 """
 
 import functools
-import os
 
 import torch
 
@@ -152,8 +151,7 @@ def build_sparse_mla_fwd(
     MaxLogits[T,H] f32).  See the module notes for the schedule.
 
     ``prefetch_rows`` (default; session 8: 3.02 -> 2.75 ms at S 4096, H 64): the producer loads a pair's KV rows
-    into registers before its free-barrier waits; False: after them; "ahead": the next pair's rows once this
-    pair's are published (``gather_producer``).  ``ablate="no_gather"`` (timing only, wrong
+    into registers before its free-barrier waits; False: after them.  ``ablate="no_gather"`` (timing only, wrong
     results; ``python -m flashdsa.sparse.kernel_fwd_pair --variants``) keeps the protocol but issues no cp.async
     (the tiles keep what shared memory holds); ``"half_gather"``: only even CTAs gather (at H 128, the bound of a
     cluster that gathers each row once for both head groups).  ``has_order``: one more input Order[T] int32 after
@@ -238,16 +236,10 @@ PERSISTENT_MAX_BLOCKS = 10
 ROW_GATHER_KW = (("row_gather", True),)
 
 
-def _ahead_kw() -> tuple:
-    # session 23 experiment: $FLASHDSA_ROWS_AHEAD=1 builds the dispatched kernels with prefetch_rows="ahead"
-    return (("prefetch_rows", "ahead"),) if os.environ.get("FLASHDSA_ROWS_AHEAD") == "1" else ()
-
-
 def _persistent_kw(n_blocks: int, n_sm: int) -> tuple:
     """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``PERSISTENT_MAX_BLOCKS`` blocks, else
     one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item); both gather by rows (``ROW_GATHER_KW``)."""
-    return (_ahead_kw() + ((("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ())
-            + ROW_GATHER_KW)
+    return ((("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ()) + ROW_GATHER_KW
 
 
 def dispatched(q, order=None):
@@ -256,7 +248,7 @@ def dispatched(q, order=None):
     ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; all gather by rows (the ordered
     build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
     if order is not None:
-        return lambda *a: _compiled(*a, (("has_order", True),) + _ahead_kw() + ROW_GATHER_KW)
+        return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
                                                       else torch.cuda.current_device())
     return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm))
@@ -294,9 +286,6 @@ def lowering_cases():
                               row_gather=True)),
         ("pair_h64_d576_topk2048_no_overlap_qk", build_sparse_mla_fwd(heads=64, dqk=576, topk=2048, sm_scale=0.04,
                                                                       overlap_qk=False)),  # timing build
-        ("pair_h64_d512_topk640_persistent132_row_gather_rows_ahead",  # timing build
-         build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=0.04, persistent=132, row_gather=True,
-                              prefetch_rows="ahead")),
         ("pair_h128_d576_topk2048_row_gather", build_sparse_mla_fwd(heads=128, dqk=576, topk=2048, sm_scale=0.04,
                                                                     row_gather=True)),  # dispatched above 10 blocks
         ("pair_h64_d512_topk640_sink_tl_persistent132_row_gather",  # the dispatched grid at V4's topk

@@ -306,7 +306,7 @@ STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the 
 CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in the converter)
 
 
-def _converter_parts(*, topk_dim, ablate="", contig=False, prefetch_rows=True):
+def _converter_parts(*, topk_dim, ablate="", contig=False):
     """The converter staging: the producer (``gather_producer``) copies the raw bytes by rows
     (``fdsa_gather_raw656<0>``: the same bytes at the same places as ``_raw_gather_macro``; ``contig``:
     ``fdsa_gather_raw656<1>``, a row's raw bytes in order) with its arrivals on the "landed" barriers; the
@@ -358,7 +358,7 @@ def _converter_parts(*, topk_dim, ablate="", contig=False, prefetch_rows=True):
             convert_one(KVb_l, 0, ld_bl, rdy_bl, pp.pair_phase(pb, j), tx)
 
     producer = pp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
-                                  gather_l=gather_l, gather_r=gather_r, prefetch_rows=prefetch_rows)
+                                  gather_l=gather_l, gather_r=gather_r)
     return producer, converter
 
 
@@ -411,22 +411,20 @@ def _dequant_parts(*, topk_dim, ablate=""):
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
-                                    staging: str = DEFAULT_STAGING, prefetch_rows=True):
+                                    staging: str = DEFAULT_STAGING):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
     ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s (default; WG0 then
     converts a.L while its remote PV runs); ``staging``: who converts, one of ``STAGINGS`` ("consumer":
-    ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``); ``prefetch_rows`` (converter
-    stagings): ``gather_producer``'s."""
+    ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``)."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
     if staging.startswith("converter"):
-        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig",
-                                               prefetch_rows=prefetch_rows)
+        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
     else:
@@ -458,10 +456,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True, staging: str = DEFAULT_STAGING, prefetch_rows=True):
+              overlap_qk: bool = True, staging: str = DEFAULT_STAGING):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk, staging=staging, prefetch_rows=prefetch_rows)
+                                           overlap_qk=overlap_qk, staging=staging)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -474,8 +472,7 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False, ablate: str = "", overlap_qk: bool = True, staging: str | None = None,
-                       prefetch_rows=None):
+                       checked: bool = False, ablate: str = "", overlap_qk: bool = True, staging: str | None = None):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
     and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk``."""
     if not checked:
@@ -492,10 +489,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
-    if prefetch_rows is None:  # session 23 experiment: $FLASHDSA_ROWS_AHEAD=1 (converter stagings)
-        prefetch_rows = "ahead" if os.environ.get("FLASHDSA_ROWS_AHEAD") == "1" and staging != "consumer" else True
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging,
-                       prefetch_rows)
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
@@ -510,10 +504,7 @@ def lowering_cases():
              build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_topk_length=True,
                                              staging="consumer")),
             ("pair_cache_h128_topk2048_converter",
-             build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, staging="converter")),
-            ("pair_cache_h64_topk700_tl_rows_ahead",
-             build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_topk_length=True,
-                                             prefetch_rows="ahead"))]
+             build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, staging="converter"))]
 
 
 def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_latent=False, row_stride=None):
@@ -566,11 +557,6 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                                                                            ablate="contig_no_convert"),
                 "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                      staging="converter_contig"),
-                "cache_rows_ahead": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                               prefetch_rows="ahead"),
-                "bf16_pair_rows_ahead": lambda: kernel_fwd.launch(
-                    lambda *a: kernel_fwd_pair._compiled(*a, (("prefetch_rows", "ahead"), ("row_gather", True))), q,
-                    kv_deq, idx, sm_scale=sm, d_v=D_V),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
