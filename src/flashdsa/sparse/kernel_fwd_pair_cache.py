@@ -191,36 +191,23 @@ __device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], fl
 // converts and stores them (output chunk k at pieces 2 (k & 3), 2 (k & 3) + 1 of 64-dim chunk k >> 2, i.e. chunk
 // 2 c + p, piece 2 m).  Step j (c = j >> 2) takes m = (j + 2 p) & 3, so the 8 threads of a quarter warp (4 rows x
 // both parts) load from and store to 8 different 16-byte bank groups.  A row's outputs overwrite only that row's
-// raw bytes and scales.  FdsaContig: the thread's row (t through fdsa_opaque) and its addresses.
-struct FdsaContig {
-  unsigned row_s;
-  int r, p;
-  __device__ __forceinline__ FdsaContig(void *half, int t_in) {
-    const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
-    r = t >> 1;
-    p = t & 1;
-    row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
-  }
-  __device__ __forceinline__ unsigned scales(int tile0) const { return fdsa_piece(row_s, r, 2, 0) + 4 * tile0; }
-  __device__ __forceinline__ unsigned raw(int j) const {
-    return fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3));
-  }
-  __device__ __forceinline__ unsigned out(int j) const {
-    return fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3));
-  }
-};
+// raw bytes and scales; the thread index goes through fdsa_opaque (the addresses stay in the pair loop).
 // "converter_contig" (the default): all loads, the converter's named barrier bar, all stores.  (Session 21's phased
 // form, three named barriers per half, ran 6.64 ms at S 4096 / SKV 8192 / H 128.)
 __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t_in, int bar) {
-  const FdsaContig th(half, t_in);
+  const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
+  const int r = t >> 1, p = t & 1;
+  const unsigned row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
   float s[2];
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s[0]), "=f"(s[1]) : "r"(th.scales(tile0)) : "memory");
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s[0]), "=f"(s[1]) : "r"(fdsa_piece(row_s, r, 2, 0) + 4 * tile0)
+               : "memory");
   unsigned w[8][4];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) fdsa_ld16(th.raw(j), w[j]);
+  for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
   asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
 #pragma unroll
-  for (int j = 0; j < 8; ++j) fdsa_st_cvt(th.out(j), w[j], s[j >> 2]);
+  for (int j = 0; j < 8; ++j)
+    fdsa_st_cvt(fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3)), w[j], s[j >> 2]);
 }
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
 // chunks [8 p, 8 p + 8) (p = t % 2: the row's 128-dim scale tile tile0 + p), two chunks per step with both loads
