@@ -13,7 +13,11 @@ Each CTA (256 threads, no other work) adds the value 1.0 to a 64-row x ``ncols``
     64-column chunk;
   * ``row4``: 16 lanes per row, ``red.global.add.v4.f32`` (a 256-byte contiguous run per row and chunk);
   * ``row1``: a warp covers 32 contiguous floats of one row, ``red.global.add.f32``;
-  * ``store4``: the ``row4`` pattern as plain 16-byte stores (the write ceiling for comparison).
+  * ``store4``: the ``row4`` pattern as plain 16-byte stores (the write ceiling for comparison);
+  * the ``frag2`` fragment rearranged by shuffles into 16-byte reductions (what ``kernel_bwd``'s ``red`` builds
+    issue): ``pair4`` 16 rows x 32 bytes per warp instruction (session 5's lane-pair shuffle), ``quad4`` 8 rows x
+    64 bytes (each quad one row's 16 columns), ``oct4`` 4 rows x 128 bytes (each 8-lane group one row's 32
+    columns).
 
 ``--occupancy 1`` makes each CTA hold 200 KiB of shared memory (one CTA per SM with 8 warps, as the backward);
 else as many CTAs as fit.  Checked: with 1.0 added everywhere the buffer's sum equals the count of reductions
@@ -54,6 +58,26 @@ __device__ __forceinline__ void fdsa_red_block(float *dkv, const int *rows, floa
           asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(1.0f), "f"(1.0f), "f"(1.0f),
                        "f"(1.0f) : "memory");
       }
+    } else if (MODE == 4 || MODE == 5 || MODE == 6) {  // pair4 / quad4 / oct4 (addresses only, values 1.0)
+      const int q = lane & 3, odd = q & 1, r0 = 16 * w + (lane >> 2), up = (lane >> 2) & 1;
+      const int c4 = c * 64 + wg * 32 + (odd ? 6 + 2 * q : 2 * q);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        int row, col;
+        if (MODE == 4) {
+          row = r0 + (odd ? 8 : 0);
+          col = c * 64 + wg * 32 + 2 * (q & 2) + 8 * i;
+        } else if (MODE == 5) {
+          row = r0 + 8 * (i >> 1);
+          col = c4 + 16 * (i & 1);
+        } else {
+          row = (up ? r0 - 1 : r0) + (i & 1) + 8 * (i >> 1);
+          col = c4 + 16 * up;
+        }
+        float *p = dkv + (long)rows[row] * ld + col;
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(1.0f), "f"(1.0f), "f"(1.0f),
+                     "f"(1.0f) : "memory");
+      }
     } else {  // row1
 #pragma unroll
       for (int k = 0; k < 8; ++k)
@@ -66,7 +90,7 @@ __device__ __forceinline__ void fdsa_red_block(float *dkv, const int *rows, floa
   }
 }
 """
-MODES = {"frag2": 0, "row4": 1, "row1": 2, "store4": 3}
+MODES = {"frag2": 0, "row4": 1, "row1": 2, "store4": 3, "pair4": 4, "quad4": 5, "oct4": 6}
 
 
 def build(mode: str, ncols: int, occupancy1: bool):
@@ -75,9 +99,10 @@ def build(mode: str, ncols: int, occupancy1: bool):
     assert ncols % 64 == 0
     nb, tkv = T.dynamic("NB"), T.dynamic("TKV")
     code = MODES[mode]
+    f32, i32 = "float32", "int32"
 
     @T.prim_func
-    def red_ceiling(DKV: T.Tensor([tkv, ncols], "float32"), Rows: T.Tensor([nb, 64], "int32")):
+    def red_ceiling(DKV: T.Tensor([tkv, ncols], f32), Rows: T.Tensor([nb, 64], i32)):
         with T.Kernel(nb, threads=256, prelude=PRELUDE) as bx:
             tx = T.get_thread_binding()
             if occupancy1:
@@ -93,7 +118,7 @@ def build(mode: str, ncols: int, occupancy1: bool):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--modes", default="frag2,row4,row1,store4")
+    ap.add_argument("--modes", default="frag2,pair4,quad4,oct4,row4,row1,store4")
     ap.add_argument("--occupancy", default="1,max", help="comma list of 1 / max")
     ap.add_argument("--blocks", type=int, default=16384)
     ap.add_argument("--tkv", type=int, default=8192)

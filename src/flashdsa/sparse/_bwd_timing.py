@@ -1,5 +1,5 @@
 """GPU timing tools of the sparse MLA backward's main kernel (``python -m flashdsa.sparse.kernel_bwd ...``):
-``--ablate`` (without the atomics / the dK/dV stage), ``--topk`` (the V4 shape over topk), ``--reducer`` (the
+``--ablate`` (without the atomics / the dK/dV stage), ``--red`` (the dKV reduction patterns), ``--topk`` (the V4 shape over topk), ``--reducer`` (the
 reducer warpgroup and its hand-over), ``--rows`` (the dispatched gather by rows against the T.Parallel gather),
 and the headline shapes through ``run_sparse_mla_bwd``."""
 
@@ -78,6 +78,11 @@ def _bench(argv=None):
         _bench_ablate(ablates=("", "no_atomics"), builds=(dict(row_gather=True),))
         _bench_ablate(H=128, ablates=("",), builds=(dict(row_gather=True),))
         _bench_ablate(dqk=512, topk=640, ablates=(), builds=(dict(reducer=True), dict(reducer=True, row_gather=True)))
+        return
+    if "--red" in argv:  # the dKV reduction patterns (row gather builds; H 64 and H 128 at Dqk 576)
+        builds = tuple(dict(row_gather=True, red=r) for r in ("frag2", "quad4", "oct4"))
+        _bench_ablate(ablates=("no_atomics",), builds=builds)
+        _bench_ablate(H=128, ablates=(), builds=builds)
         return
     if "--ablate" in argv:  # "--v4": the V4 shape too; "--h128": H 128 too (with "half_atomics")
         _bench_ablate()

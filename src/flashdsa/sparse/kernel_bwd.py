@@ -101,6 +101,55 @@ __device__ __forceinline__ void fdsa_red_add_v4(float *ptr, float a, float b, fl
                : "memory");
 }
 
+// fdsa_red_acc64<OCT>(acc, rows, dkv, ld, col0): one thread's 16 values of a 64 x 64 fp32 dKV chunk (the wgmma
+// fragment: pair i = floats 2i, 2i + 1 at row 16 w + 8 (i & 1) + lane / 4, column 32 wg + 8 (i >> 1) + 2 (lane % 4);
+// w the warp of warpgroup wg) added to dkv[rows[r] * ld + col0 + c] as 16-byte reductions whose lanes cover whole
+// row segments (rows[r] < 0: skipped).  Lanes q, q ^ 1 of a quad swap column pairs (two shuffles per float4), so
+// each quad holds one row's 16 contiguous columns per float4 (8 rows x 64 bytes per warp instruction); with OCT
+// the two quads of an 8-lane group (rows r, r + 1) also swap a float4 (four more shuffles per row half), so each
+// group reduces one row's 32 columns (4 rows x 128 bytes).  The L2 takes reductions by line: 8 rows x 32 bytes
+// per instruction (the fragment's float2) reach 2.3 TB/s, whole 128-byte lines 3.8 (scripts/atomic_ceiling.py).
+template <int OCT>
+__device__ __forceinline__ void fdsa_red_acc64(const float *acc, const int *rows, const float *dkv_, long long ld,
+                                               int col0) {
+  float *dkv = const_cast<float *>(dkv_);  // TileLang passes dkv as a read handle
+  const int tx = threadIdx.x, lane = tx & 31, q = lane & 3;
+  const bool odd = q & 1, up = (lane >> 2) & 1;
+  const int r0 = ((tx & 127) >> 5) * 16 + (lane >> 2);
+  const int c4 = col0 + 32 * (tx >> 7) + (odd ? 6 + 2 * q : 2 * q);  // this lane's float4: q 0 1 2 3 -> 0 8 4 12
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float4 v[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {  // columns 16 k .. 16 k + 15 of row r0 + 8 h: pairs 4 k + h and 4 k + 2 + h
+      const int pe = 4 * k + h, po = pe + 2;
+      const float s0 = odd ? acc[2 * pe] : acc[2 * po], s1 = odd ? acc[2 * pe + 1] : acc[2 * po + 1];
+      const float g0 = __shfl_xor_sync(0xffffffffu, s0, 1), g1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+      v[k] = odd ? make_float4(g0, g1, acc[2 * po], acc[2 * po + 1])
+                 : make_float4(acc[2 * pe], acc[2 * pe + 1], g0, g1);
+    }
+    if (!OCT) {
+      const int row = rows[r0 + 8 * h];
+      if (row >= 0) {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) fdsa_red_add_v4(dkv + row * ld + c4 + 16 * k, v[k].x, v[k].y, v[k].z, v[k].w);
+      }
+    } else {  // the even quad keeps columns 0..15 of rows r0, r0 + 1; the odd quad 16..31 of rows r0 - 1, r0
+      const float4 s = up ? v[0] : v[1];
+      float4 g;
+      g.x = __shfl_xor_sync(0xffffffffu, s.x, 4);
+      g.y = __shfl_xor_sync(0xffffffffu, s.y, 4);
+      g.z = __shfl_xor_sync(0xffffffffu, s.z, 4);
+      g.w = __shfl_xor_sync(0xffffffffu, s.w, 4);
+      const float4 a = up ? g : v[0], b = up ? v[1] : g;
+      const int ra = (up ? r0 - 1 : r0) + 8 * h, col = c4 + 16 * up;
+      const int row_a = rows[ra], row_b = rows[ra + 1];
+      if (row_a >= 0) fdsa_red_add_v4(dkv + row_a * ld + col, a.x, a.y, a.z, a.w);
+      if (row_b >= 0) fdsa_red_add_v4(dkv + row_b * ld + col, b.x, b.y, b.z, b.w);
+    }
+  }
+}
+
 // the reducer's stage: two [64][32] fp32 halves (half h = columns 32 h.. of the chunk, written by compute
 // warpgroup h); 16-byte piece q of row r lives at piece q ^ (r & 7) (conflict-free writes and reads)
 __device__ __forceinline__ void fdsa_stage_put(float *stage, int r, int d, float v) {
@@ -157,8 +206,14 @@ def build_sparse_mla_bwd(
     has_dlse: bool = False,
     reducer: bool = False,
     row_gather: bool = False,
+    red: str = "frag2",
 ):
     """Return the main backward prim_func.
+
+    ``red`` (fast path without the reducer): how the fp32 dKV reductions leave the accumulator: ``"frag2"``
+    (TileLang's float2 atomics straight from the wgmma fragment: 8 rows x 32 bytes per warp instruction),
+    ``"quad4"`` / ``"oct4"`` (the prelude's ``fdsa_red_acc64``: shuffled into 16-byte reductions covering 8 rows
+    x 64 bytes / 4 rows x 128 bytes per instruction).  Same sums in another order: dkv equal to rounding.
 
     ``reducer`` (Dqk 512, fast path): a third warpgroup issues the dK/dV atomics (module notes): each compute
     warpgroup hands its 32 columns of every 64 x 64 fp32 dKV chunk over through its half of a shared stage
@@ -191,7 +246,10 @@ def build_sparse_mla_bwd(
     # 3.26 -> 3.14): the block gather by rows (``_tl_common``'s fdsa_gather_bwd: 2 row lookups per thread instead of
     # one Indices load and check per 16-byte copy; same tiles, so the same results bitwise)
     assert not row_gather or threads == 256, "row_gather maps 256 compute threads"
-    prelude = ((RED_V4_PRELUDE if reducer else "") + (tc.ROW_GATHER_PRELUDE if row_gather else "")) or None
+    assert red in ("frag2", "quad4", "oct4"), red
+    assert red == "frag2" or (not reducer and not partials and threads == 256 and BI == 64), "red: the fast path"
+    prelude = ((RED_V4_PRELUDE if reducer or red != "frag2" else "") + (tc.ROW_GATHER_PRELUDE if row_gather else "")
+               ) or None
     assert not reducer or (D_tail == 0 and not partials and ablate in ("", "red_skip")), "reducer: Dqk 512 fast path"
     assert reducer or ablate != "red_skip", "red_skip: a reducer build"
     NCH = dqk // DC  # dKV chunks per block
@@ -228,9 +286,13 @@ def build_sparse_mla_bwd(
         # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped ("half_atomics": head group 0 only,
         # the bound of a 2-CTA cluster pre-reduction at H 128; a Python True otherwise)
         elif ablate != "half_atomics" or by == 0:
-            for r, d in T.Parallel(BI, DC):
-                if rows_s[rb, r] >= 0:
-                    T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc_kv[r, d])
+            if red == "frag2":
+                for r, d in T.Parallel(BI, DC):
+                    if rows_s[rb, r] >= 0:
+                        T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc_kv[r, d])
+            else:
+                T.call_extern("handle", f"fdsa_red_acc64<{int(red == 'oct4')}>", acc_kv.data,
+                              T.address_of(rows_s[rb, 0]), dKV.data, T.int64(dqk), col0)
 
     @T.macro
     def gather_parallel(Indices, KV, KV_s, Kt_s, tok, lim, blk):
@@ -493,13 +555,17 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
+RED = "oct4"  # the dKV reduction pattern of the Dqk 576 fast path (``build_sparse_mla_bwd``'s ``red``)
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_topk_length: bool,
               partials: bool, has_sink: bool = False, has_dlse: bool = False, ablate: str = "",
-              reducer: bool = False, row_gather: bool = False):
+              reducer: bool = False, row_gather: bool = False, red: str = "frag2"):
     func = build_sparse_mla_bwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                 has_topk_length=has_topk_length, partials=partials, ablate=ablate,
-                                has_sink=has_sink, has_dlse=has_dlse, reducer=reducer, row_gather=row_gather)
+                                has_sink=has_sink, has_dlse=has_dlse, reducer=reducer, row_gather=row_gather,
+                                red=red)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -535,9 +601,11 @@ def kernel_unsupported(q, kv, indices, out, lse, dout, *, d_v, topk_length=None,
 
 
 def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: int, topk_length=None,
-                       attn_sink=None, deterministic: bool = False, dlse=None, row_gather: bool = True):
+                       attn_sink=None, deterministic: bool = False, dlse=None, row_gather: bool = True,
+                       red: str | None = None):
     """Returns (dq [T,H,Dqk] bf16, dkv [Tkv,Dqk] bf16, d_sink [H] f32 or None).  ``row_gather``: the block gather
-    by rows (the dispatched build; False: the ``T.Parallel`` gather, same outputs)."""
+    by rows (the dispatched build; False: the ``T.Parallel`` gather, same outputs).  ``red``: the dKV reduction
+    pattern of the fast path without the reducer (``build_sparse_mla_bwd``; None: ``RED``)."""
     reason = kernel_unsupported(q, kv, indices, out, lse, dout, d_v=d_v, topk_length=topk_length,
                                 attn_sink=attn_sink, dlse=dlse)
     if reason is not None:
@@ -560,8 +628,10 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
                                                     attn_sink.float() if has_sink else None, dev)
     dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))
     topk = indices.shape[1]
+    reducer = dqk == d_v and not deterministic
+    red = (RED if red is None else red) if not (reducer or deterministic) else "frag2"
     kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, deterministic, has_sink, has_dlse,
-                       reducer=dqk == d_v and not deterministic, row_gather=row_gather)
+                       reducer=reducer, row_gather=row_gather, red=red)
     if not deterministic:
         kernel(q, kv, dout, out, indices, tl_arg, lse, sink, dl, dq, acc, dsink_rows)
     else:
@@ -595,7 +665,11 @@ def lowering_cases():
     red = build_sparse_mla_bwd(heads=64, dqk=512, d_v=D_V, topk=640, sm_scale=512**-0.5, has_sink=True, reducer=True)
     rows = build_sparse_mla_bwd(heads=64, dqk=576, d_v=D_V, topk=256, sm_scale=576**-0.5, has_topk_length=True,
                                 row_gather=True)
-    return [("h128_d576_topk2048_tl", fn), ("h64_d512_topk640_sink_reducer", red), ("h64_d576_topk256_tl_rows", rows)]
+    cases = [("h128_d576_topk2048_tl", fn), ("h64_d512_topk640_sink_reducer", red), ("h64_d576_topk256_tl_rows", rows)]
+    for pattern in ("quad4", "oct4"):
+        cases.append((f"h64_d576_topk256_rows_{pattern}", build_sparse_mla_bwd(
+            heads=64, dqk=576, d_v=D_V, topk=256, sm_scale=576**-0.5, row_gather=True, red=pattern)))
+    return cases
 
 
 def combine_lowering_cases():
