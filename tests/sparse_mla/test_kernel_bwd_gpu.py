@@ -248,8 +248,9 @@ def test_sparse_mla_bwd_kernel_row_gather(dqk, heads, tkv, topk, n_tok):
 @_timeout
 @pytest.mark.parametrize("heads,tkv,topk,n_tok", [(64, 1840, 256, 213), (128, 128, 130, 30)])
 def test_sparse_mla_bwd_kernel_red_patterns(heads, tkv, topk, n_tok):
-    """Every dKV reduction pattern (``red``) of the Dqk 576 fast path: dq bitwise equal to the float2 build's (the
-    reductions do not touch it), dkv against the reference like the main test (the same sums in another order)."""
+    """Every dKV pattern (``red``) at Dqk 576: fast path dq bitwise equal to the float2 build's (the reductions do
+    not touch it) and dkv against the reference like the main test (the same sums in another order); deterministic
+    path bitwise equal to the float2 build's (the same partials, reduced in the same order)."""
     q, kv, indices, tl, sink_t, valid, sm_scale, out, lse, dout = _bwd_inputs(576, heads, tkv, topk, n_tok, True,
                                                                              True, seed=17)
     kw = dict(sm_scale=sm_scale, d_v=D_V, topk_length=tl, attn_sink=sink_t)
@@ -261,6 +262,12 @@ def test_sparse_mla_bwd_kernel_red_patterns(heads, tkv, topk, n_tok):
         got = kernel_bwd.run_sparse_mla_bwd(q, kv, indices, out, lse, dout, red=red, **kw)
         assert torch.equal(got[0], base[0]), f"dq ({red}) differs from the float2 build's"
         _check_all(got, ref, valid, tkv, indices, tl, f"{red} ", emu=emu)
+    det_base = kernel_bwd.run_sparse_mla_bwd(q, kv, indices, out, lse, dout, red="frag2", deterministic=True, **kw)
+    for red in ("quad4", "oct4"):
+        _poison_allocator((n_tok, heads, 576), (tkv, 576))
+        got = kernel_bwd.run_sparse_mla_bwd(q, kv, indices, out, lse, dout, red=red, deterministic=True, **kw)
+        for name, a, b in zip(("dq", "dkv", "d_sink"), got, det_base):
+            assert torch.equal(a, b), f"{name} (deterministic, {red}) differs from the float2 build's"
 
 
 @_timeout

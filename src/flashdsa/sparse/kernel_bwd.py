@@ -101,18 +101,32 @@ __device__ __forceinline__ void fdsa_red_add_v4(float *ptr, float a, float b, fl
                : "memory");
 }
 
-// fdsa_red_acc64<OCT>(acc, rows, dkv, ld, col0): one thread's 16 values of a 64 x 64 fp32 dKV chunk (the wgmma
-// fragment: pair i = floats 2i, 2i + 1 at row 16 w + 8 (i & 1) + lane / 4, column 32 wg + 8 (i >> 1) + 2 (lane % 4);
-// w the warp of warpgroup wg) added to dkv[rows[r] * ld + col0 + c] as 16-byte reductions whose lanes cover whole
-// row segments (rows[r] < 0: skipped).  Lanes q, q ^ 1 of a quad swap column pairs (two shuffles per float4), so
-// each quad holds one row's 16 contiguous columns per float4 (8 rows x 64 bytes per warp instruction); with OCT
-// the two quads of an 8-lane group (rows r, r + 1) also swap a float4 (four more shuffles per row half), so each
-// group reduces one row's 32 columns (4 rows x 128 bytes).  The L2 takes reductions by line: 8 rows x 32 bytes
-// per instruction (the fragment's float2) reach 2.3 TB/s, whole 128-byte lines 3.8 (scripts/atomic_ceiling.py).
-template <int OCT>
-__device__ __forceinline__ void fdsa_red_acc64(const float *acc, const int *rows, const float *dkv_, long long ld,
-                                               int col0) {
-  float *dkv = const_cast<float *>(dkv_);  // TileLang passes dkv as a read handle
+// fdsa_red_acc64<OCT, STORE>(acc, rows, dst, ld, col0, prow0): one thread's 16 values of a 64 x 64 fp32 dKV chunk
+// (the wgmma fragment: pair i = floats 2i, 2i + 1 at row 16 w + 8 (i & 1) + lane / 4, column 32 wg + 8 (i >> 1) +
+// 2 (lane % 4); w the warp of warpgroup wg) as 16-byte accesses whose lanes cover whole row segments: added to
+// dst[rows[r] * ld + col0 + c] (STORE 0: the fast path's reductions) or stored to dst[(prow0 + r) * ld + col0 + c]
+// (STORE 1: the deterministic path's partial rows); slots with rows[r] < 0 are skipped.  Lanes q, q ^ 1 of a quad
+// swap column pairs (two shuffles per float4), so each quad holds one row's 16 contiguous columns per float4
+// (8 rows x 64 bytes per warp instruction); with OCT the two quads of an 8-lane group (rows r, r + 1) also swap a
+// float4 (four more shuffles per row half), so each group covers one row's 32 columns (4 rows x 128 bytes).  The
+// L2 takes reductions by line: 8 rows x 32 bytes per instruction (the fragment's float2) reach 2.3 TB/s, 8 x 64
+// bytes 3.2, whole 128-byte lines 3.8 (scripts/atomic_ceiling.py, H200).
+template <int STORE>
+__device__ __forceinline__ void fdsa_dkv_put(float *dst, long long ld, const int *rows, long long prow0, int r,
+                                             int col, float4 v) {
+  const int kr = rows[r];
+  if (kr < 0) return;
+  float *p = dst + (STORE ? prow0 + r : static_cast<long long>(kr)) * ld + col;
+  if (STORE)
+    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+                 : "memory");
+  else
+    fdsa_red_add_v4(p, v.x, v.y, v.z, v.w);
+}
+template <int OCT, int STORE>
+__device__ __forceinline__ void fdsa_red_acc64(const float *acc, const int *rows, const float *dst_, long long ld,
+                                               int col0, long long prow0) {
+  float *dst = const_cast<float *>(dst_);  // TileLang passes the output as a read handle
   const int tx = threadIdx.x, lane = tx & 31, q = lane & 3;
   const bool odd = q & 1, up = (lane >> 2) & 1;
   const int r0 = ((tx & 127) >> 5) * 16 + (lane >> 2);
@@ -129,11 +143,8 @@ __device__ __forceinline__ void fdsa_red_acc64(const float *acc, const int *rows
                  : make_float4(acc[2 * pe], acc[2 * pe + 1], g0, g1);
     }
     if (!OCT) {
-      const int row = rows[r0 + 8 * h];
-      if (row >= 0) {
 #pragma unroll
-        for (int k = 0; k < 2; ++k) fdsa_red_add_v4(dkv + row * ld + c4 + 16 * k, v[k].x, v[k].y, v[k].z, v[k].w);
-      }
+      for (int k = 0; k < 2; ++k) fdsa_dkv_put<STORE>(dst, ld, rows, prow0, r0 + 8 * h, c4 + 16 * k, v[k]);
     } else {  // the even quad keeps columns 0..15 of rows r0, r0 + 1; the odd quad 16..31 of rows r0 - 1, r0
       const float4 s = up ? v[0] : v[1];
       float4 g;
@@ -141,11 +152,9 @@ __device__ __forceinline__ void fdsa_red_acc64(const float *acc, const int *rows
       g.y = __shfl_xor_sync(0xffffffffu, s.y, 4);
       g.z = __shfl_xor_sync(0xffffffffu, s.z, 4);
       g.w = __shfl_xor_sync(0xffffffffu, s.w, 4);
-      const float4 a = up ? g : v[0], b = up ? v[1] : g;
       const int ra = (up ? r0 - 1 : r0) + 8 * h, col = c4 + 16 * up;
-      const int row_a = rows[ra], row_b = rows[ra + 1];
-      if (row_a >= 0) fdsa_red_add_v4(dkv + row_a * ld + col, a.x, a.y, a.z, a.w);
-      if (row_b >= 0) fdsa_red_add_v4(dkv + row_b * ld + col, b.x, b.y, b.z, b.w);
+      fdsa_dkv_put<STORE>(dst, ld, rows, prow0, ra, col, up ? g : v[0]);
+      fdsa_dkv_put<STORE>(dst, ld, rows, prow0, ra + 1, col, up ? v[1] : g);
     }
   }
 }
@@ -210,10 +219,11 @@ def build_sparse_mla_bwd(
 ):
     """Return the main backward prim_func.
 
-    ``red`` (fast path without the reducer): how the fp32 dKV reductions leave the accumulator: ``"frag2"``
-    (TileLang's float2 atomics straight from the wgmma fragment: 8 rows x 32 bytes per warp instruction),
-    ``"quad4"`` / ``"oct4"`` (the prelude's ``fdsa_red_acc64``: shuffled into 16-byte reductions covering 8 rows
-    x 64 bytes / 4 rows x 128 bytes per instruction).  Same sums in another order: dkv equal to rounding.
+    ``red`` (not with the reducer): how the fp32 dKV chunks leave the accumulator: ``"frag2"`` (TileLang's float2
+    atomics / stores straight from the wgmma fragment: 8 rows x 32 bytes per warp instruction), ``"quad4"`` /
+    ``"oct4"`` (the prelude's ``fdsa_red_acc64``: shuffled into 16-byte reductions / stores covering 8 rows x 64
+    bytes / 4 rows x 128 bytes per instruction).  Fast path: the same sums in another order (dkv equal to
+    rounding); deterministic path: the same partials, bitwise.
 
     ``reducer`` (Dqk 512, fast path): a third warpgroup issues the dK/dV atomics (module notes): each compute
     warpgroup hands its 32 columns of every 64 x 64 fp32 dKV chunk over through its half of a shared stage
@@ -247,7 +257,7 @@ def build_sparse_mla_bwd(
     # one Indices load and check per 16-byte copy; same tiles, so the same results bitwise)
     assert not row_gather or threads == 256, "row_gather maps 256 compute threads"
     assert red in ("frag2", "quad4", "oct4"), red
-    assert red == "frag2" or (not reducer and not partials and threads == 256 and BI == 64), "red: the fast path"
+    assert red == "frag2" or (not reducer and threads == 256 and BI == 64), "red: not with the reducer"
     prelude = ((RED_V4_PRELUDE if reducer or red != "frag2" else "") + (tc.ROW_GATHER_PRELUDE if row_gather else "")
                ) or None
     assert not reducer or (D_tail == 0 and not partials and ablate in ("", "red_skip")), "reducer: Dqk 512 fast path"
@@ -280,9 +290,14 @@ def build_sparse_mla_bwd(
         elif ablate == "no_atomics":
             pass
         elif partials:  # row (head group, token, slot) of the partial buffer; valid slots only
-            for r, d in T.Parallel(BI, DC):
-                if rows_s[rb, r] >= 0:
-                    dKV[(by * n_tok + bx) * topk_dim + it * BI + r, col0 + d] = acc_kv[r, d]
+            if red == "frag2":
+                for r, d in T.Parallel(BI, DC):
+                    if rows_s[rb, r] >= 0:
+                        dKV[(by * n_tok + bx) * topk_dim + it * BI + r, col0 + d] = acc_kv[r, d]
+            else:
+                T.call_extern("handle", f"fdsa_red_acc64<{int(red == 'oct4')}, 1>", acc_kv.data,
+                              T.address_of(rows_s[rb, 0]), dKV.data, T.int64(dqk), col0,
+                              T.cast((by * n_tok + bx) * topk_dim + it * BI, "int64"))
         # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped ("half_atomics": head group 0 only,
         # the bound of a 2-CTA cluster pre-reduction at H 128; a Python True otherwise)
         elif ablate != "half_atomics" or by == 0:
@@ -291,8 +306,8 @@ def build_sparse_mla_bwd(
                     if rows_s[rb, r] >= 0:
                         T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc_kv[r, d])
             else:
-                T.call_extern("handle", f"fdsa_red_acc64<{int(red == 'oct4')}>", acc_kv.data,
-                              T.address_of(rows_s[rb, 0]), dKV.data, T.int64(dqk), col0)
+                T.call_extern("handle", f"fdsa_red_acc64<{int(red == 'oct4')}, 0>", acc_kv.data,
+                              T.address_of(rows_s[rb, 0]), dKV.data, T.int64(dqk), col0, T.int64(0))
 
     @T.macro
     def gather_parallel(Indices, KV, KV_s, Kt_s, tok, lim, blk):
@@ -629,7 +644,7 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))
     topk = indices.shape[1]
     reducer = dqk == d_v and not deterministic
-    red = (RED if red is None else red) if not (reducer or deterministic) else "frag2"
+    red = (RED if red is None else red) if not reducer else "frag2"
     kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_tl, deterministic, has_sink, has_dlse,
                        reducer=reducer, row_gather=row_gather, red=red)
     if not deterministic:
@@ -669,6 +684,8 @@ def lowering_cases():
     for pattern in ("quad4", "oct4"):
         cases.append((f"h64_d576_topk256_rows_{pattern}", build_sparse_mla_bwd(
             heads=64, dqk=576, d_v=D_V, topk=256, sm_scale=576**-0.5, row_gather=True, red=pattern)))
+    cases.append(("h64_d576_topk256_partials_oct4", build_sparse_mla_bwd(
+        heads=64, dqk=576, d_v=D_V, topk=256, sm_scale=576**-0.5, partials=True, row_gather=True, red="oct4")))
     return cases
 
 
