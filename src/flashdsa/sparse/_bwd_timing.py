@@ -1,5 +1,5 @@
 """GPU timing tools of the sparse MLA backward's main kernel (``python -m flashdsa.sparse.kernel_bwd ...``):
-``--ablate`` (without the atomics / the dK/dV stage), ``--red`` (the dKV reduction patterns), ``--topk`` (the V4 shape over topk), ``--reducer`` (the
+``--ablate`` (without the atomics / the dK/dV stage), ``--red`` (the dKV reduction patterns), ``--det`` (the deterministic path's chunking), ``--topk`` (the V4 shape over topk), ``--reducer`` (the
 reducer warpgroup and its hand-over), ``--rows`` (the dispatched gather by rows against the T.Parallel gather),
 and the headline shapes through ``run_sparse_mla_bwd``."""
 
@@ -56,6 +56,43 @@ def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048, ablates=None, buil
               f"{flops / ms / 1e9:.1f} TFLOP/s (full-work FLOPs)", flush=True)
 
 
+def _bench_det(S=4096, SKV=8192, H=128, dqk=576, topk=2048):
+    """The deterministic path at the suite's H 128 shape: whole-wave chunks (``_det_chunk``) against the 1 GiB cap
+    alone, and whole-wave chunks under 1.5 / 2 GiB caps."""
+    from ..bench.flops import sparse_bwd_flops
+    from . import kernel_bwd as kb
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+    kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
+    idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
+    dout = (torch.randn(S, H, D_V, generator=gen, device="cuda") * 0.1).bfloat16()
+    scale = dqk**-0.5
+    out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V)
+    flops = sparse_bwd_flops(H, S * topk, dqk, D_V)
+    whole_waves, cap0 = kb._det_chunk, kb._PARTIAL_ELEMS
+    ref = None
+    try:
+        for name, chunking, cap in (("cap 1 GiB", None, cap0), ("whole waves, 1 GiB", whole_waves, cap0),
+                                    ("whole waves, 1.5 GiB", whole_waves, cap0 * 3 // 2),
+                                    ("whole waves, 2 GiB", whole_waves, cap0 * 2)):
+            kb._PARTIAL_ELEMS = cap
+            kb._det_chunk = chunking or (lambda n, g, k, d, _sm: max(1, min(n, kb._PARTIAL_ELEMS // (g * k * d))))
+            chunk = kb._det_chunk(S, H // 64, topk, dqk, torch.cuda.get_device_properties(0).multi_processor_count)
+
+            def fn():
+                return run_sparse_mla_bwd(q, kv, idx, out, lse, dout, sm_scale=scale, d_v=D_V, deterministic=True)
+
+            res = fn()
+            same = "" if ref is None else f" bitwise equal: {all(torch.equal(a, b) for a, b in zip(res[:2], ref))}"
+            ref = ref or res[:2]
+            ms = _time_ms(fn, 5)
+            print(f"deterministic H={H} {name} ({chunk} tokens per chunk): {ms:.3f} ms, "
+                  f"{flops / ms / 1e9:.1f} TFLOP/s{same}", flush=True)
+    finally:
+        kb._det_chunk, kb._PARTIAL_ELEMS = whole_waves, cap0
+
+
 def _bench(argv=None):
     """GPU timing of the headline shapes: ``python -m flashdsa.sparse.kernel_bwd [--quick] [--ablate]``."""
     import sys
@@ -78,6 +115,9 @@ def _bench(argv=None):
         _bench_ablate(ablates=("", "no_atomics"), builds=(dict(row_gather=True),))
         _bench_ablate(H=128, ablates=("",), builds=(dict(row_gather=True),))
         _bench_ablate(dqk=512, topk=640, ablates=(), builds=(dict(reducer=True), dict(reducer=True, row_gather=True)))
+        return
+    if "--det" in argv:  # deterministic H 128: the chunking (old: tokens per chunk = the 1 GiB cap) and the cap
+        _bench_det()
         return
     if "--red" in argv:  # the dKV reduction patterns (row gather builds; H 64 and H 128 at Dqk 576)
         builds = tuple(dict(row_gather=True, red=r) for r in ("frag2", "quad4", "oct4"))

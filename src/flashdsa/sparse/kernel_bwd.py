@@ -615,6 +615,18 @@ def kernel_unsupported(q, kv, indices, out, lse, dout, *, d_v, topk_length=None,
     return None
 
 
+def _det_chunk(n_tok: int, n_hblk: int, topk: int, dqk: int, n_sm: int) -> int:
+    """Tokens per chunk of the deterministic path: the partial buffer holds <= ``_PARTIAL_ELEMS`` floats and, where
+    that is at least one wave of the main kernel (``n_hblk`` CTAs per token, one CTA per SM), the chunk's grid is a
+    whole number of waves: H 128 / topk 2048 at 1 GiB fits 113 tokens = 1.7 waves, so 66 tokens (one full wave)
+    instead of a second wave with 38 SMs idle."""
+    cap = max(1, _PARTIAL_ELEMS // (n_hblk * topk * dqk))
+    if n_tok <= cap:
+        return n_tok
+    waves = n_hblk * cap // n_sm
+    return waves * n_sm // n_hblk if waves >= 1 and n_sm % n_hblk == 0 else cap
+
+
 def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: int, topk_length=None,
                        attn_sink=None, deterministic: bool = False, dlse=None, row_gather: bool = True,
                        red: str | None = None):
@@ -652,7 +664,7 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     else:
         reduce = _compiled_reduce(dqk)
         n_hblk = heads // BLOCK_H
-        chunk = max(1, min(n_tok, _PARTIAL_ELEMS // (n_hblk * topk * dqk)))
+        chunk = _det_chunk(n_tok, n_hblk, topk, dqk, torch.cuda.get_device_properties(dev).multi_processor_count)
         pos = torch.arange(topk, device=dev)
         rows = torch.arange(n_kv + 1, device=dev)
         part = torch.empty((n_hblk * chunk * topk, dqk), dtype=torch.float32, device=dev)
