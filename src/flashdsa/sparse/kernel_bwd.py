@@ -33,7 +33,7 @@ Design:
         ``[Tkv, Dqk]`` fp32 buffer, skipping invalid rows (fast path), or plain stores into a partial buffer
         keyed by (head group, token, slot) (deterministic path).
   * Deterministic mode (``deterministic=True``): tokens are processed in chunks so the partial buffer stays
-    <= 1 GiB; per chunk the valid slot keys are stably sorted by kv row (torch.sort(stable=True)), segment
+    <= 2 GiB, whole waves of the main kernel (``_det_chunk``); per chunk the valid slot keys are stably sorted by kv row (torch.sort(stable=True)), segment
     starts come from searchsorted, and a small TileLang kernel (one CTA per kv row) adds each row's partials
     in sorted order into the fp32 accumulator (no atomics; chunks in fixed order).  Bitwise reproducible
     by construction (every sum has a fixed order); slower: the partials cost 2 x 4 B x Dqk per (slot, head
@@ -196,7 +196,10 @@ __device__ __forceinline__ void fdsa_reduce_half(const float *half, const int *r
 }
 """
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
-_PARTIAL_ELEMS = 1 << 28  # deterministic mode: partial buffer <= 1 GiB fp32
+# deterministic mode: partial buffer <= 2 GiB fp32 (session 24, H 128 suite shape with whole-wave chunks: 40.3 ms at
+# 1 GiB = 66 tokens per chunk, 35.6 at 1.5 GiB = 132, 34.0 at 2 GiB = 198; the per-chunk host work and sort
+# weigh less with fewer chunks)
+_PARTIAL_ELEMS = 1 << 29
 
 
 def build_sparse_mla_bwd(
@@ -618,8 +621,9 @@ def kernel_unsupported(q, kv, indices, out, lse, dout, *, d_v, topk_length=None,
 def _det_chunk(n_tok: int, n_hblk: int, topk: int, dqk: int, n_sm: int) -> int:
     """Tokens per chunk of the deterministic path: the partial buffer holds <= ``_PARTIAL_ELEMS`` floats and, where
     that is at least one wave of the main kernel (``n_hblk`` CTAs per token, one CTA per SM), the chunk's grid is a
-    whole number of waves: H 128 / topk 2048 at 1 GiB fits 113 tokens = 1.7 waves, so 66 tokens (one full wave)
-    instead of a second wave with 38 SMs idle."""
+    whole number of waves: H 128 / topk 2048 at 2 GiB fits 227 tokens = 3.4 waves, so 198 tokens (3 full waves)
+    instead of a fourth wave with most SMs idle.  (The chunking sets the order in which chunks add into the
+    accumulator: bitwise reproducible on one GPU model, not across SM counts.)"""
     cap = max(1, _PARTIAL_ELEMS // (n_hblk * topk * dqk))
     if n_tok <= cap:
         return n_tok
