@@ -291,7 +291,8 @@ def sparse_mla(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, topk_l
     Supported:
         Forward as :func:`sparse_mla_fwd`. Backward: the TileLang kernel on Hopper for bf16 inputs (any H, padded
         to a multiple of 64 inside; ``deterministic=True`` replaces the fp32 atomics by a sorted fixed-order
-        reduction), the reference elsewhere and for ``dlse`` together with a sink.
+        reduction over fp32 partials in a workspace of at most 2 GiB, bitwise reproducible on a given GPU model),
+        the reference elsewhere and for ``dlse`` together with a sink.
 
     Example:
         >>> q = torch.randn(2, 4, 512, dtype=torch.bfloat16, requires_grad=True)

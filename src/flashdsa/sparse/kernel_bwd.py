@@ -29,9 +29,10 @@ Design:
       - dP = dO V^T (wgmma), dS = sm_scale * P * (dP - delta); P and dS -> bf16 shared;
       - dq += dS K, dq_tail += dS K_tail (wgmma, fp32 register accumulators for the whole loop);
       - dKV in 64-column chunks (keeps registers low): acc = dS^T Q[:, chunk] (+ P^T dO[:, chunk] for chunk < d_v)
-        (wgmma with transposed A), then fp32 ``atomicAdd`` (float2, straight from the accumulator) into a
-        ``[Tkv, Dqk]`` fp32 buffer, skipping invalid rows (fast path), or plain stores into a partial buffer
-        keyed by (head group, token, slot) (deterministic path).
+        (wgmma with transposed A), then 16-byte fp32 reductions (``red = "oct4"``: the fragment shuffled so that
+        each 8-lane group covers one row's 128 contiguous bytes) into a ``[Tkv, Dqk]`` fp32 buffer, skipping
+        invalid rows (fast path), or 16-byte stores of the same pattern into a partial buffer keyed by (head
+        group, token, slot) (deterministic path).
   * Deterministic mode (``deterministic=True``): tokens are processed in chunks so the partial buffer stays
     <= 2 GiB, whole waves of the main kernel (``_det_chunk``); per chunk the valid slot keys are stably sorted by kv row (torch.sort(stable=True)), segment
     starts come from searchsorted, and a small TileLang kernel (one CTA per kv row) adds each row's partials
@@ -64,12 +65,13 @@ FLOPs: 2 * S * H * topk * (3 * Dqk + 2 * d_v) (QK^T, dS K, dS^T Q over Dqk; dO V
 Verified: GPU tests (tests/sparse_mla/test_kernel_bwd_gpu.py, test_autograd_gpu.py) and compute-sanitizer memcheck
   (scripts/memcheck_small.py sparse_bwd, sparse_bwd_det) on the H200; host logic against the reference on CPU.
 Speed (H200, docs/PERFORMANCE.md): ``python -m flashdsa.sparse.kernel_bwd --ablate`` times the main kernel without
-  the atomics / without the dK/dV stage.  At H 64 the kernel takes 11.6 ms, 5.3 ms without the atomics: the fp32
-  reductions into L2 (4.8 G floats = 19 GB at H 64) bind.  Tried and slower or equal: float4 reductions staged
-  through shared memory (14.2 ms without the prefetch; staging needs the KV tile, which the prefetch fills),
-  one ``cp.reduce.async.bulk`` per row (20.7 ms), float4 reductions from the accumulator by lane-pair shuffles
-  (11.8 ms).  Next: fewer reduction bytes -- both 64-head groups of a token in a 2-CTA cluster adding their dK/dV
-  through distributed shared memory before one atomic (halves them at H 128).
+  the atomics / without the dK/dV stage, ``--red`` the reduction patterns.  The fp32 reductions into L2 (4.8 G
+  floats = 19 GB at H 64) bind, and the L2 takes them by line: scripts/atomic_ceiling.py reaches 2.29 TB/s with
+  the fragment's float2 pattern (8 rows x 32 bytes per warp instruction; session 5's lane-pair float4, 16 rows x
+  32 bytes, the same), 3.15 with 8 rows x 64 bytes and 3.80 with whole 128-byte lines.  Session 24: ``red =
+  "oct4"`` (whole lines) took the main kernel from 10.90 to 9.63 ms at H 64 (5.30 without any reduction) and
+  from 21.54 to 18.90 at H 128.  Tried before and slower or equal: float4 reductions staged through shared
+  memory (14.2 ms without the prefetch), one ``cp.reduce.async.bulk`` per row (20.7 ms).
 Risks:
   * Register pressure: 254/255 registers with no spills under this toolchain; a different nvcc/TileLang
     codegen may spill.  Fix: split dq over d (two 256-column passes) or give dq its own warpgroup.
