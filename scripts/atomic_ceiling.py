@@ -14,8 +14,8 @@ Each CTA (256 threads, no other work) adds the value 1.0 to a 64-row x ``ncols``
   * ``row4``: 16 lanes per row, ``red.global.add.v4.f32`` (a 256-byte contiguous run per row and chunk);
   * ``row1``: a warp covers 32 contiguous floats of one row, ``red.global.add.f32``;
   * ``store4``: the ``row4`` pattern as plain 16-byte stores (the write ceiling for comparison);
-  * the ``frag2`` fragment rearranged by shuffles into 16-byte reductions (what ``kernel_bwd``'s ``red`` builds
-    issue): ``pair4`` 16 rows x 32 bytes per warp instruction (session 5's lane-pair shuffle), ``quad4`` 8 rows x
+  * the ``frag2`` fragment rearranged by shuffles into 16-byte reductions (``oct4`` is what ``kernel_bwd``
+    dispatches, ``red = "oct4"``): ``pair4`` 16 rows x 32 bytes per warp instruction (session 5's lane-pair shuffle), ``quad4`` 8 rows x
     64 bytes (each quad one row's 16 columns), ``oct4`` 4 rows x 128 bytes (each 8-lane group one row's 32
     columns).
 

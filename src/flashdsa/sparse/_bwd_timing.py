@@ -121,7 +121,7 @@ def _bench(argv=None):
         _bench_det()
         return
     if "--red" in argv:  # the dKV reduction patterns (row gather builds; H 64 and H 128 at Dqk 576)
-        builds = tuple(dict(row_gather=True, red=r) for r in ("frag2", "quad4", "oct4"))
+        builds = tuple(dict(row_gather=True, red=r) for r in ("frag2", "oct4"))
         _bench_ablate(ablates=("no_atomics",), builds=builds)
         _bench_ablate(H=128, ablates=(), builds=builds)
         return

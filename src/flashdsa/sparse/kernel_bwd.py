@@ -103,16 +103,16 @@ __device__ __forceinline__ void fdsa_red_add_v4(float *ptr, float a, float b, fl
                : "memory");
 }
 
-// fdsa_red_acc64<OCT, STORE>(acc, rows, dst, ld, col0, prow0): one thread's 16 values of a 64 x 64 fp32 dKV chunk
-// (the wgmma fragment: pair i = floats 2i, 2i + 1 at row 16 w + 8 (i & 1) + lane / 4, column 32 wg + 8 (i >> 1) +
-// 2 (lane % 4); w the warp of warpgroup wg) as 16-byte accesses whose lanes cover whole row segments: added to
-// dst[rows[r] * ld + col0 + c] (STORE 0: the fast path's reductions) or stored to dst[(prow0 + r) * ld + col0 + c]
-// (STORE 1: the deterministic path's partial rows); slots with rows[r] < 0 are skipped.  Lanes q, q ^ 1 of a quad
-// swap column pairs (two shuffles per float4), so each quad holds one row's 16 contiguous columns per float4
-// (8 rows x 64 bytes per warp instruction); with OCT the two quads of an 8-lane group (rows r, r + 1) also swap a
-// float4 (four more shuffles per row half), so each group covers one row's 32 columns (4 rows x 128 bytes).  The
-// L2 takes reductions by line: 8 rows x 32 bytes per instruction (the fragment's float2) reach 2.3 TB/s, 8 x 64
-// bytes 3.2, whole 128-byte lines 3.8 (scripts/atomic_ceiling.py, H200).
+// fdsa_red_acc64<STORE>(acc, rows, dst, ld, col0, prow0): one thread's 16 values of a 64 x 64 fp32 dKV chunk (the
+// wgmma fragment: pair i = floats 2i, 2i + 1 at row 16 w + 8 (i & 1) + lane / 4, column 32 wg + 8 (i >> 1) +
+// 2 (lane % 4); w the warp of warpgroup wg) as 16-byte accesses in which each 8-lane group covers one row's 32
+// contiguous columns (4 rows x 128 bytes per warp instruction): added to dst[rows[r] * ld + col0 + c] (STORE 0:
+// the fast path's reductions) or stored to dst[(prow0 + r) * ld + col0 + c] (STORE 1: the deterministic path's
+// partial rows); slots with rows[r] < 0 are skipped.  Lanes q, q ^ 1 of a quad swap column pairs (two shuffles
+// per float4), so each quad holds one row's 16 contiguous columns per float4; then the two quads of an 8-lane
+// group (rows r, r + 1) swap a float4 (four shuffles per row half).  The L2 takes reductions by line: 8 rows x
+// 32 bytes per instruction (the fragment's float2) reach 2.3 TB/s, 8 x 64 bytes (the quads alone) 3.2, whole
+// 128-byte lines 3.8 (scripts/atomic_ceiling.py, H200).
 template <int STORE>
 __device__ __forceinline__ void fdsa_dkv_put(float *dst, long long ld, const int *rows, long long prow0, int r,
                                              int col, float4 v) {
@@ -125,7 +125,7 @@ __device__ __forceinline__ void fdsa_dkv_put(float *dst, long long ld, const int
   else
     fdsa_red_add_v4(p, v.x, v.y, v.z, v.w);
 }
-template <int OCT, int STORE>
+template <int STORE>
 __device__ __forceinline__ void fdsa_red_acc64(const float *acc, const int *rows, const float *dst_, long long ld,
                                                int col0, long long prow0) {
   float *dst = const_cast<float *>(dst_);  // TileLang passes the output as a read handle
@@ -144,20 +144,16 @@ __device__ __forceinline__ void fdsa_red_acc64(const float *acc, const int *rows
       v[k] = odd ? make_float4(g0, g1, acc[2 * po], acc[2 * po + 1])
                  : make_float4(acc[2 * pe], acc[2 * pe + 1], g0, g1);
     }
-    if (!OCT) {
-#pragma unroll
-      for (int k = 0; k < 2; ++k) fdsa_dkv_put<STORE>(dst, ld, rows, prow0, r0 + 8 * h, c4 + 16 * k, v[k]);
-    } else {  // the even quad keeps columns 0..15 of rows r0, r0 + 1; the odd quad 16..31 of rows r0 - 1, r0
-      const float4 s = up ? v[0] : v[1];
-      float4 g;
-      g.x = __shfl_xor_sync(0xffffffffu, s.x, 4);
-      g.y = __shfl_xor_sync(0xffffffffu, s.y, 4);
-      g.z = __shfl_xor_sync(0xffffffffu, s.z, 4);
-      g.w = __shfl_xor_sync(0xffffffffu, s.w, 4);
-      const int ra = (up ? r0 - 1 : r0) + 8 * h, col = c4 + 16 * up;
-      fdsa_dkv_put<STORE>(dst, ld, rows, prow0, ra, col, up ? g : v[0]);
-      fdsa_dkv_put<STORE>(dst, ld, rows, prow0, ra + 1, col, up ? v[1] : g);
-    }
+    // the even quad keeps columns 0..15 of rows r0, r0 + 1; the odd quad 16..31 of rows r0 - 1, r0
+    const float4 s = up ? v[0] : v[1];
+    float4 g;
+    g.x = __shfl_xor_sync(0xffffffffu, s.x, 4);
+    g.y = __shfl_xor_sync(0xffffffffu, s.y, 4);
+    g.z = __shfl_xor_sync(0xffffffffu, s.z, 4);
+    g.w = __shfl_xor_sync(0xffffffffu, s.w, 4);
+    const int ra = (up ? r0 - 1 : r0) + 8 * h, col = c4 + 16 * up;
+    fdsa_dkv_put<STORE>(dst, ld, rows, prow0, ra, col, up ? g : v[0]);
+    fdsa_dkv_put<STORE>(dst, ld, rows, prow0, ra + 1, col, up ? v[1] : g);
   }
 }
 
@@ -225,10 +221,11 @@ def build_sparse_mla_bwd(
     """Return the main backward prim_func.
 
     ``red`` (not with the reducer): how the fp32 dKV chunks leave the accumulator: ``"frag2"`` (TileLang's float2
-    atomics / stores straight from the wgmma fragment: 8 rows x 32 bytes per warp instruction), ``"quad4"`` /
-    ``"oct4"`` (the prelude's ``fdsa_red_acc64``: shuffled into 16-byte reductions / stores covering 8 rows x 64
-    bytes / 4 rows x 128 bytes per instruction).  Fast path: the same sums in another order (dkv equal to
-    rounding); deterministic path: the same partials, bitwise.
+    atomics / stores straight from the wgmma fragment: 8 rows x 32 bytes per warp instruction), ``"oct4"`` (the
+    dispatched ``RED``; the prelude's ``fdsa_red_acc64``: shuffled into 16-byte reductions / stores covering
+    4 rows x 128 bytes per instruction; session 24's 8 rows x 64 bytes form, 10.26 ms at H 64 against 9.63, was
+    removed).  Fast path: the same sums in another order (dkv equal to rounding); deterministic path: the same
+    partials, bitwise.
 
     ``reducer`` (Dqk 512, fast path): a third warpgroup issues the dK/dV atomics (module notes): each compute
     warpgroup hands its 32 columns of every 64 x 64 fp32 dKV chunk over through its half of a shared stage
@@ -261,7 +258,7 @@ def build_sparse_mla_bwd(
     # 3.26 -> 3.14): the block gather by rows (``_tl_common``'s fdsa_gather_bwd: 2 row lookups per thread instead of
     # one Indices load and check per 16-byte copy; same tiles, so the same results bitwise)
     assert not row_gather or threads == 256, "row_gather maps 256 compute threads"
-    assert red in ("frag2", "quad4", "oct4"), red
+    assert red in ("frag2", "oct4"), red
     assert red == "frag2" or (not reducer and threads == 256 and BI == 64), "red: not with the reducer"
     prelude = ((RED_V4_PRELUDE if reducer or red != "frag2" else "") + (tc.ROW_GATHER_PRELUDE if row_gather else "")
                ) or None
@@ -300,7 +297,7 @@ def build_sparse_mla_bwd(
                     if rows_s[rb, r] >= 0:
                         dKV[(by * n_tok + bx) * topk_dim + it * BI + r, col0 + d] = acc_kv[r, d]
             else:
-                T.call_extern("handle", f"fdsa_red_acc64<{int(red == 'oct4')}, 1>", acc_kv.data,
+                T.call_extern("handle", "fdsa_red_acc64<1>", acc_kv.data,
                               T.address_of(rows_s[rb, 0]), dKV.data, T.int64(dqk), col0,
                               T.cast((by * n_tok + bx) * topk_dim + it * BI, "int64"))
         # fp32 atomics into the [Tkv, Dqk] accumulator, invalid rows skipped ("half_atomics": head group 0 only,
@@ -311,7 +308,7 @@ def build_sparse_mla_bwd(
                     if rows_s[rb, r] >= 0:
                         T.atomic_add(dKV[rows_s[rb, r], col0 + d], acc_kv[r, d])
             else:
-                T.call_extern("handle", f"fdsa_red_acc64<{int(red == 'oct4')}, 0>", acc_kv.data,
+                T.call_extern("handle", "fdsa_red_acc64<0>", acc_kv.data,
                               T.address_of(rows_s[rb, 0]), dKV.data, T.int64(dqk), col0, T.int64(0))
 
     @T.macro
@@ -699,9 +696,8 @@ def lowering_cases():
     rows = build_sparse_mla_bwd(heads=64, dqk=576, d_v=D_V, topk=256, sm_scale=576**-0.5, has_topk_length=True,
                                 row_gather=True)
     cases = [("h128_d576_topk2048_tl", fn), ("h64_d512_topk640_sink_reducer", red), ("h64_d576_topk256_tl_rows", rows)]
-    for pattern in ("quad4", "oct4"):
-        cases.append((f"h64_d576_topk256_rows_{pattern}", build_sparse_mla_bwd(
-            heads=64, dqk=576, d_v=D_V, topk=256, sm_scale=576**-0.5, row_gather=True, red=pattern)))
+    cases.append(("h64_d576_topk256_rows_oct4", build_sparse_mla_bwd(
+        heads=64, dqk=576, d_v=D_V, topk=256, sm_scale=576**-0.5, row_gather=True, red="oct4")))
     cases.append(("h64_d576_topk256_partials_oct4", build_sparse_mla_bwd(
         heads=64, dqk=576, d_v=D_V, topk=256, sm_scale=576**-0.5, partials=True, row_gather=True, red="oct4")))
     return cases
