@@ -89,6 +89,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from .. import _dispatch
 from . import _tl_common as tc
 from . import kernel_fwd
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
@@ -667,7 +668,8 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     else:
         reduce = _compiled_reduce(dqk)
         n_hblk = heads // BLOCK_H
-        chunk = _det_chunk(n_tok, n_hblk, topk, dqk, torch.cuda.get_device_properties(dev).multi_processor_count)
+        n_sm = _dispatch.sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+        chunk = _det_chunk(n_tok, n_hblk, topk, dqk, n_sm)
         pos = torch.arange(topk, device=dev)
         rows = torch.arange(n_kv + 1, device=dev)
         part = torch.empty((n_hblk * chunk * topk, dqk), dtype=torch.float32, device=dev)
