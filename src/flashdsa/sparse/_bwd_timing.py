@@ -18,18 +18,26 @@ def _time_ms(fn, reps):
     return time_fn(lambda _: fn(), [None], torch.device("cuda"), reps=reps, flush_l2=False).ms_median
 
 
-def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048, ablates=None, builds=()):
-    """Main-kernel-only times of the fast path and of the ``ablate`` variants (wrong results, timing only);
-    ``builds``: also these ``_compiled`` keyword sets, with their dq / dkv difference from the default build."""
-    from ..bench.flops import sparse_bwd_flops
-
+def _inputs(S, SKV, H, dqk, topk, sink=False):
+    """(q, kv, idx, dout, attn_sink or None, sm_scale, out, lse): N(0, 0.1^2) bf16 inputs, unique random indices
+    (every one valid) and the forward's out / lse, from seed 0."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
     kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
     idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
     dout = (torch.randn(S, H, D_V, generator=gen, device="cuda") * 0.1).bfloat16()
+    attn_sink = torch.randn(H, generator=gen, device="cuda") if sink else None
     scale = dqk**-0.5
-    out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V)
+    out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V, attn_sink=attn_sink)
+    return q, kv, idx, dout, attn_sink, scale, out, lse
+
+
+def _bench_ablate(S=4096, SKV=8192, H=64, dqk=576, topk=2048, ablates=None, builds=()):
+    """Main-kernel-only times of the fast path and of the ``ablate`` variants (wrong results, timing only);
+    ``builds``: also these ``_compiled`` keyword sets, with their dq / dkv difference from the default build."""
+    from ..bench.flops import sparse_bwd_flops
+
+    q, kv, idx, dout, _, scale, out, lse = _inputs(S, SKV, H, dqk, topk)
     dq = torch.empty_like(q)
     acc = torch.zeros((SKV, dqk), dtype=torch.float32, device="cuda")
     tl_arg, sink, dl, ds = idx.new_empty((1,)), lse.new_empty((1,)), lse.new_empty((1, H)), lse.new_empty((1, H))
@@ -63,13 +71,7 @@ def _bench_det(S=4096, SKV=8192, H=128, dqk=576, topk=2048):
     from ..bench.flops import sparse_bwd_flops
     from . import kernel_bwd as kb
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-    kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-    idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
-    dout = (torch.randn(S, H, D_V, generator=gen, device="cuda") * 0.1).bfloat16()
-    scale = dqk**-0.5
-    out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V)
+    q, kv, idx, dout, _, scale, out, lse = _inputs(S, SKV, H, dqk, topk)
     flops = sparse_bwd_flops(H, S * topk, dqk, D_V)
     whole_waves, cap0 = kb._det_chunk, kb._PARTIAL_ELEMS
     ref = None
@@ -141,14 +143,7 @@ def _bench(argv=None):
     if quick:
         shapes = shapes[:1]
     for S, SKV, H, dqk, topk, sink in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = (torch.randn(S, H, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-        kv = (torch.randn(SKV, dqk, generator=gen, device="cuda") * 0.1).bfloat16()
-        idx = torch.argsort(torch.rand(S, SKV, generator=gen, device="cuda"), dim=1)[:, :topk].int().contiguous()
-        dout = (torch.randn(S, H, D_V, generator=gen, device="cuda") * 0.1).bfloat16()
-        attn_sink = torch.randn(H, generator=gen, device="cuda") if sink else None
-        scale = dqk**-0.5
-        out, lse, _ = kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=D_V, attn_sink=attn_sink)
+        q, kv, idx, dout, attn_sink, scale, out, lse = _inputs(S, SKV, H, dqk, topk, sink)
         flops = sparse_bwd_flops(H, S * topk, dqk, D_V)  # every index is valid here
         for det in (False, True):
             def fn():

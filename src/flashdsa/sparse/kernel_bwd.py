@@ -573,7 +573,7 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
-RED = "oct4"  # the dKV reduction pattern of the Dqk 576 fast path (``build_sparse_mla_bwd``'s ``red``)
+RED = "oct4"  # the dKV pattern of every build without the reducer (``build_sparse_mla_bwd``'s ``red``)
 
 
 @functools.lru_cache(maxsize=32)
