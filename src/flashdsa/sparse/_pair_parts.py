@@ -93,14 +93,38 @@ def pair_rows_macro(topk_dim, row_ok):
     return pair_rows
 
 
-def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
+def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True, l2_row=None, l2_rows=0):
     """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
     arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists.  ``pb``: None, or the
-    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop)."""
+    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop).
+    ``l2_rows`` = A > 0 (with ``l2_row(row, kv_src)``: per-line L2 prefetches of one KV row, -1 skipped): producer
+    thread p loads the Indices entry of slot p of pair j + A at the top of iteration j and prefetches that row's
+    lines at its end, after the four gathers (pairs 1 .. A at j = 0), so a gather from KV larger than L2 waits for
+    L2 rather than DRAM; the Indices load is consumed an iteration's waits later, never on the gather's path."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
     pair_rows = pair_rows_macro(topk_dim, row_ok)
+    assert l2_rows == 0 or l2_row is not None
+    n_pf = max(l2_rows, 1)
+
+    @T.macro
+    def l2_load(Indices, tok, pf, j, pt):
+        # the raw Indices entry of slot pt of each pair this iteration prefetches (checked where it is used)
+        if j == 0:
+            for k in T.unroll(n_pf):
+                pf[k] = Indices[tok, T.min((1 + k) * 2 * BI + pt, topk_dim - 1)]
+        else:
+            pf[0] = Indices[tok, T.min((j + l2_rows) * 2 * BI + pt, topk_dim - 1)]
+
+    @T.macro
+    def l2_issue(tok, lim, pf, j, pt, kv_src):
+        if j == 0:
+            for k in T.unroll(n_pf):
+                l2_row(T.if_then_else(((1 + k) * 2 * BI + pt < lim[0]) & row_ok(pf[k], kv_src), pf[k], -1), kv_src)
+        else:
+            l2_row(T.if_then_else(((j + l2_rows) * 2 * BI + pt < lim[0]) & row_ok(pf[0], kv_src), pf[0], -1),
+                   kv_src)
 
     @T.macro
     def publish_rows(Rows, Indices, tok, lim, blk, kv_src):
@@ -124,9 +148,13 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                  row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
+        if l2_rows > 0:
+            pf = T.alloc_local([n_pf], "int32")
         for j in T.serial(npair[0]):
             if prefetch_rows:  # this pair's rows into registers before the waits
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
+            if l2_rows > 0:
+                l2_load(Indices, tok, pf, j, tx - 256)
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
             T.barrier_arrive(rdy_al)
@@ -143,6 +171,8 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
             T.barrier_wait(fr_bl, pair_phase(pb, j) ^ 1)
             gather_l(KVb_l, Rows1, kv_src)
             T.cp_async_barrier_noinc(rdy_bl)
+            if l2_rows > 0:
+                l2_issue(tok, lim, pf, j, tx - 256, kv_src)
         if pb is None:
             drain()
 
