@@ -42,3 +42,22 @@ def test_pair_fits():
     assert _pair_path.pair_fits(128, 2, 32768)
     assert not _pair_path.pair_fits(128, 4, 1 << 20)  # 2 GiB of slot lists
     assert not _pair_path.pair_fits(1, 1, 1 << 30)
+
+
+@pytest.mark.parametrize("s_q", [1, 2, 4])
+def test_token_order_keeps_sequences_together_longest_first(s_q):
+    gen = torch.Generator().manual_seed(s_q)
+    B = 37
+    lens = torch.randint(0, 5000, (B,), generator=gen, dtype=torch.int32)
+    lens[3] = lens[9]  # a tie: the lower sequence first (stable)
+    shift = torch.arange(s_q, dtype=torch.int32) - (s_q - 1)
+    lengths = (lens.view(B, 1) + shift).clamp(min=0).view(-1)
+    order = _pair_path.token_order(lengths, s_q)
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(B * s_q))
+    seq = order.view(B, s_q) // s_q
+    assert torch.equal(seq, seq[:, :1].expand(B, s_q))  # a sequence's tokens adjacent
+    assert torch.equal(order.view(B, s_q) % s_q, torch.arange(s_q).expand(B, s_q).to(torch.int32))
+    longest = lens[seq[:, 0].long()]
+    assert bool((longest[:-1] >= longest[1:]).all())
+    ties = [b for b in seq[:, 0].tolist() if b in (3, 9)]
+    assert ties == sorted(ties)

@@ -3,8 +3,8 @@
 Each of the B * s_q query tokens becomes one forward row whose slot list is its sequence's cache positions in
 order (slot = block_table[b, p // bs] * bs + p % bs, -1 for an out-of-range block id) and whose ``topk_length``
 is its causal length, so the kernel walks exactly the attended positions (and skips the blocks past them); the
-cache viewed as ``num_blocks * block_size`` rows is the forward's kv; the CTAs take the tokens longest first.  The forward's 64-head CTAs run at the pair
-schedule's rate (~450 TFLOP/s at H 128) when there are enough of them, where the split-KV decode kernels reach
+cache viewed as ``num_blocks * block_size`` rows is the forward's kv; the CTAs take the sequences longest first,
+a sequence's tokens together (``token_order``).  The forward's 64-head CTAs run at the pair schedule's rate (~450 TFLOP/s at H 128) when there are enough of them, where the split-KV decode kernels reach
 ~250; ``pair_efficiency`` decides.
 """
 
@@ -50,10 +50,21 @@ def slot_rows(block_table, cache_seqlens, num_blocks: int, block_size: int, s_q:
     return slots, lengths
 
 
+def token_order(lengths, s_q: int):
+    """[B * s_q] int32: the forward's CTA order, sequences longest first (a stable descending sort of each sequence's
+    longest query length), the s_q tokens of a sequence adjacent and in order.  The tokens of a sequence read the
+    same cache rows, so while their CTAs run together the rows come from DRAM once (a sort of the tokens' own
+    lengths put every sequence's last token first and its other tokens a wave or more later: at s_q 2 causal each
+    cache row came from DRAM twice)."""
+    per_seq = lengths.view(-1, s_q).amax(dim=1)
+    seqs = torch.argsort(per_seq, descending=True, stable=True)
+    return (seqs.view(-1, 1) * s_q + torch.arange(s_q, device=lengths.device)).view(-1).to(torch.int32)
+
+
 def run(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float, causal: bool, attn_sink=None):
     """q [B, s_q, H, 576] bf16 (H 64 / 128), kv_cache [num_blocks, block_size, 576] bf16 -> (out [B, s_q, H, 512]
-    bf16, lse [B, s_q, H] f32).  The CTAs take the tokens longest first (the kernel's ``Order`` input: a stable
-    descending sort of the lengths), so that mixed lengths do not leave a long sequence for the last wave.  The
+    bf16, lse [B, s_q, H] f32).  The CTAs take the sequences longest first (the kernel's ``Order`` input:
+    ``token_order``), so that mixed lengths do not leave a long sequence for the last wave.  The
     caller checked the arguments (``kernel_dense.kernel_unsupported``; H 64 / 128 and ``pair_fits`` by the
     dispatch), which covers the forward's rules for the slot lists built here."""
     from ..sparse import kernel_fwd_pair
@@ -61,7 +72,7 @@ def run(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float, causal: boo
     B, s_q, H, _ = q.shape
     nb, bs, _ = kv_cache.shape
     slots, lengths = slot_rows(block_table, cache_seqlens, nb, bs, s_q, causal)
-    order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+    order = token_order(lengths, s_q)
     out, lse, _ = kernel_fwd_pair.run_sparse_mla_fwd(q.reshape(B * s_q, H, DQK), kv_cache.reshape(nb * bs, DQK),
                                                      slots, sm_scale=sm_scale, d_v=D_V, topk_length=lengths,
                                                      attn_sink=attn_sink, order=order, checked=True)
