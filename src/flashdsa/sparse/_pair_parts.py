@@ -93,59 +93,14 @@ def pair_rows_macro(topk_dim, row_ok):
     return pair_rows
 
 
-def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True, l2_row=None, l2_rows=0,
-                    l2_span=False):
+def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
     """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
     arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists.  ``pb``: None, or the
-    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop).
-    ``l2_rows`` = A > 0 (experiments; with ``l2_row(row, kv_src)``, -1 skipped): L2 prefetches of pair j + A while
-    the producer gathers pair j (pairs 1 .. A at j = 0); the Indices entries are loaded at the top of iteration j
-    and used at its end, after the four gathers, never on the gather's path.  Without ``l2_span`` producer thread
-    p prefetches the row of slot p (``l2_row``: its lines); with ``l2_span`` threads 0 and 64 load the first and
-    last slot of block a / b and, where the block's 64 rows are consecutive (a dense decode page), ``l2_row``
-    prefetches the span from the first."""
+    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop)."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
     pair_rows = pair_rows_macro(topk_dim, row_ok)
-    assert l2_rows == 0 or l2_row is not None
-    n_pf = max(l2_rows, 1)
-
-    def l2_slot(p, pt):
-        return p * 2 * BI + pt  # slot pt of pair p
-
-    @T.macro
-    def l2_load_one(Indices, tok, pf, pf_last, k, p, pt):
-        pf[k] = Indices[tok, T.min(l2_slot(p, pt), topk_dim - 1)]
-        if l2_span:
-            pf_last[k] = Indices[tok, T.min(l2_slot(p, pt) + BI - 1, topk_dim - 1)]
-
-    @T.macro
-    def l2_issue_one(lim, pf, pf_last, k, p, pt, kv_src):
-        if l2_span:
-            l2_row(T.if_then_else((l2_slot(p, pt) + BI <= lim[0]) & row_ok(pf[k], kv_src)
-                                  & (pf_last[k] - pf[k] == BI - 1), pf[k], -1), kv_src)
-        else:
-            l2_row(T.if_then_else((l2_slot(p, pt) < lim[0]) & row_ok(pf[k], kv_src), pf[k], -1), kv_src)
-
-    @T.macro
-    def l2_load(Indices, tok, pf, pf_last, j, pt):
-        # the raw Indices entries of the pairs this iteration prefetches (checked where they are used)
-        if (not l2_span) or pt % BI == 0:
-            if j == 0:
-                for k in T.unroll(n_pf):
-                    l2_load_one(Indices, tok, pf, pf_last, k, 1 + k, pt)
-            else:
-                l2_load_one(Indices, tok, pf, pf_last, 0, j + l2_rows, pt)
-
-    @T.macro
-    def l2_issue(lim, pf, pf_last, j, pt, kv_src):
-        if (not l2_span) or pt % BI == 0:
-            if j == 0:
-                for k in T.unroll(n_pf):
-                    l2_issue_one(lim, pf, pf_last, k, 1 + k, pt, kv_src)
-            else:
-                l2_issue_one(lim, pf, pf_last, 0, j + l2_rows, pt, kv_src)
 
     @T.macro
     def publish_rows(Rows, Indices, tok, lim, blk, kv_src):
@@ -169,14 +124,9 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                  row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
-        if l2_rows > 0:
-            pf = T.alloc_local([n_pf], "int32")
-            pf_last = T.alloc_local([n_pf], "int32") if l2_span else None
         for j in T.serial(npair[0]):
             if prefetch_rows:  # this pair's rows into registers before the waits
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
-            if l2_rows > 0:
-                l2_load(Indices, tok, pf, pf_last, j, tx - 256)
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
             T.barrier_arrive(rdy_al)
@@ -193,8 +143,6 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
             T.barrier_wait(fr_bl, pair_phase(pb, j) ^ 1)
             gather_l(KVb_l, Rows1, kv_src)
             T.cp_async_barrier_noinc(rdy_bl)
-            if l2_rows > 0:
-                l2_issue(lim, pf, pf_last, j, tx - 256, kv_src)
         if pb is None:
             drain()
 

@@ -376,23 +376,6 @@ __device__ __forceinline__ unsigned fdsa_swz64(int r, int q) { return r * 64 + (
 __device__ __forceinline__ const char *fdsa_row_ptr(const void *kv, int row, int row_bytes) {
   return static_cast<const char *>(kv) + static_cast<long long>(row >= 0 ? row : 0) * row_bytes;
 }
-// KV row `row` (skipped when < 0) into L2 ahead of its gather: NL per-lane prefetches of 128-byte lines from the
-// row start (a plain load without a destination: each lane its own address, nothing to wait for)
-template <int NL>
-__device__ __forceinline__ void fdsa_l2_lines(const void *kv, int row, int row_bytes) {
-  if (row >= 0) {
-    const char *p = fdsa_row_ptr(kv, row, row_bytes);
-#pragma unroll
-    for (int i = 0; i < NL; ++i) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i * 128));
-  }
-}
-// the span of nbytes from KV row `row` (skipped when < 0) into L2: one bulk prefetch (the row base 16-byte aligned,
-// nbytes a multiple of 16)
-__device__ __forceinline__ void fdsa_l2_span(const void *kv, int row, int row_bytes, int nbytes) {
-  if (row >= 0)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(fdsa_row_ptr(kv, row, row_bytes)), "r"(nbytes)
-                 : "memory");
-}
 // piece src .. src + 15 of each of NC consecutive 128-byte global chunks into chunks 8 KiB apart in shared memory
 template <int NC>
 __device__ __forceinline__ void fdsa_cp_chunks(unsigned dst, const char *src, int sz) {

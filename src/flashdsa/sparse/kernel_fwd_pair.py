@@ -64,7 +64,6 @@ what it issued.
 """
 
 import functools
-import os
 
 import torch
 
@@ -82,7 +81,7 @@ HOP_REGS = (216, 216, 56, 24)  # the ``hop`` timing build: 512 threads, the prod
 _ASYNC = tc.ASYNC_GATHER
 
 
-def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False, l2_rows=0, l2_span=False):
+def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False):
     """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
     D = D_V
     DH = D // 2
@@ -125,17 +124,8 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
                     if c == 0:
                         Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
 
-    @T.macro
-    def l2_row(row, kv_src):
-        KV = kv_src[0]
-        if l2_span:  # 64 consecutive rows: one bulk prefetch
-            T.call_extern("handle", "fdsa_l2_span", T.address_of(KV[0, 0]), row, dqk * 2, BI * dqk * 2)
-        else:
-            T.call_extern("handle", f"fdsa_l2_lines<{dqk * 2 // 128}>", T.address_of(KV[0, 0]), row, dqk * 2)
-
     return gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: _ok(row), gather_l=gather_l,
-                           gather_r=gather_r, prefetch_rows=prefetch_rows, l2_row=l2_row, l2_rows=l2_rows,
-                           l2_span=l2_span)
+                           gather_r=gather_r, prefetch_rows=prefetch_rows)
 
 
 def build_sparse_mla_fwd(
@@ -155,8 +145,6 @@ def build_sparse_mla_fwd(
     persistent: int = 0,
     row_gather: bool = False,
     hop: bool = False,
-    l2_rows: int = 0,
-    l2_span: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -174,17 +162,14 @@ def build_sparse_mla_fwd(
     (timing build, with ``row_gather``): the 656-byte cache kernel's converter warpgroup with nothing to convert
     (``_pair_parts.hop_converter``; 512 threads, each PV two m64n128 wgmmas): what the converter staging's
     structure costs on bf16 tiles (outputs bitwise equal; session 21: 3.917 -> 4.110 ms at S 4096 / SKV 8192 /
-    H 128).  ``l2_rows`` = A > 0 (with ``row_gather``): per-line L2 prefetches of the KV rows of pair j + A while
-    the producer gathers pair j (``_pair_parts.gather_producer``; ``l2_span``: one bulk prefetch per block of 64
-    consecutive rows)."""
+    H 128)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
-    assert not l2_rows or row_gather, "l2_rows: the row_gather build (its prelude has fdsa_l2_lines)"
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
-                              row_gather=row_gather, l2_rows=l2_rows, l2_span=l2_span)
+                              row_gather=row_gather)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent,
@@ -249,21 +234,12 @@ PERSISTENT_MAX_BLOCKS = 10
 # 4.163 (one CTA per item; persistent + rows 2.155 / 4.242); V4 topk 640 0.875 (persistent) -> 0.733 (persistent +
 # rows; one CTA per item + rows 0.740)
 ROW_GATHER_KW = (("row_gather", True),)
-L2_ROWS_ENV = "FLASHDSA_L2_ROWS"  # experiment: $FLASHDSA_L2_ROWS = A builds the dispatched grids with l2_rows = A
-L2_SPAN_ENV = "FLASHDSA_L2_SPAN"  # experiment: the ordered (decode) build with l2_rows = A, l2_span
-
-
-def _l2_kw(ordered: bool = False) -> tuple:
-    a = int(os.environ.get(L2_ROWS_ENV, "0"))
-    span = int(os.environ.get(L2_SPAN_ENV, "0")) if ordered else 0
-    return (("l2_rows", span), ("l2_span", True)) if span else (("l2_rows", a),) if a else ()
 
 
 def _persistent_kw(n_blocks: int, n_sm: int) -> tuple:
     """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``PERSISTENT_MAX_BLOCKS`` blocks, else
     one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item); both gather by rows (``ROW_GATHER_KW``)."""
-    return (_l2_kw() + ((("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ())
-            + ROW_GATHER_KW)
+    return ((("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ()) + ROW_GATHER_KW
 
 
 def dispatched(q, order=None):
@@ -272,7 +248,7 @@ def dispatched(q, order=None):
     ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; all gather by rows (the ordered
     build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
     if order is not None:
-        return lambda *a: _compiled(*a, (("has_order", True),) + _l2_kw(True) + ROW_GATHER_KW)
+        return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
                                                       else torch.cuda.current_device())
     return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm))

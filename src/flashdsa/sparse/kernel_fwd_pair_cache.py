@@ -293,7 +293,7 @@ STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the 
 CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in the converter)
 
 
-def _converter_parts(*, topk_dim, ablate="", contig=False, l2_rows=0):
+def _converter_parts(*, topk_dim, ablate="", contig=False):
     """The converter staging: the producer (``gather_producer``) copies the raw bytes by rows
     (``fdsa_gather_raw656<0>``: the same bytes at the same places as ``_raw_gather_macro``; ``contig``:
     ``fdsa_gather_raw656<1>``, a row's raw bytes in order) with its arrivals on the "landed" barriers; the
@@ -301,7 +301,6 @@ def _converter_parts(*, topk_dim, ablate="", contig=False, l2_rows=0):
     (``fdsa_convert_half``; ``contig``: ``fdsa_convert_half_contig``: its raw chunks into registers, the
     converter's named barrier ``BAR_CONV``, the stores), fences it for the async proxy and arrives on the consumers'
     ready barrier.
-    ``l2_rows``: ``gather_producer``'s (per-line L2 prefetches of the rows of pair j + l2_rows, 6 lines per row).
     Returns (producer, converter)."""
     assert ablate in ABLATIONS, ablate
     assert not (contig and ablate == "no_convert"), "contig: its timing build is ablate='contig_no_convert'"
@@ -345,13 +344,8 @@ def _converter_parts(*, topk_dim, ablate="", contig=False, l2_rows=0):
             convert_one(KVa_r, 2, ld_ar, rdy_ar, pp.pair_phase(pb, j), tx)
             convert_one(KVb_l, 0, ld_bl, rdy_bl, pp.pair_phase(pb, j), tx)
 
-    @T.macro
-    def l2_row(row, kv_src):
-        # a 656-byte row starts 16-byte aligned: it spans at most 6 lines
-        T.call_extern("handle", "fdsa_l2_lines<6>", T.address_of(kv_src[1][0, 0]), row, kv_src[2] * fc.CHUNK)
-
     producer = pp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
-                                  gather_l=gather_l, gather_r=gather_r, l2_row=l2_row, l2_rows=l2_rows)
+                                  gather_l=gather_l, gather_r=gather_r)
     return producer, converter
 
 
@@ -404,23 +398,20 @@ def _dequant_parts(*, topk_dim, ablate=""):
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
-                                    staging: str = DEFAULT_STAGING, l2_rows: int = 0):
+                                    staging: str = DEFAULT_STAGING):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
     ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s (default; WG0 then
     converts a.L while its remote PV runs); ``staging``: who converts, one of ``STAGINGS`` ("consumer":
-    ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``); ``l2_rows`` (converter stagings):
-    ``_converter_parts``'s."""
+    ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``)."""
     assert staging in STAGINGS, staging
-    assert not l2_rows or staging.startswith("converter"), "l2_rows: a converter staging"
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
     if staging.startswith("converter"):
-        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig",
-                                               l2_rows=l2_rows)
+        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
     else:
@@ -452,10 +443,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True, staging: str = DEFAULT_STAGING, l2_rows: int = 0):
+              overlap_qk: bool = True, staging: str = DEFAULT_STAGING):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk, staging=staging, l2_rows=l2_rows)
+                                           overlap_qk=overlap_qk, staging=staging)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -485,8 +476,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
-    l2_rows = int(os.environ.get(kp.L2_ROWS_ENV, "0")) if staging.startswith("converter") else 0  # experiment
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging, l2_rows)
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
