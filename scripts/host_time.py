@@ -7,7 +7,8 @@ For each matching case of ``flashdsa bench --op SUITE``: N calls issued back to 
 slower side), the same N calls timed to the end of the GPU work (us per call, back to back, L2 not flushed), and
 ``bench.harness.time_fn``'s median (L2 flushed, as the suite times it).  A host time close to or above the GPU
 time per call means the suite's figure for that case includes launch gaps.  ``--profile``: then 200 more calls
-under cProfile, the 30 functions with the most own time (where the host time goes).
+under cProfile, the 30 functions with the most own time and the 40 with the most cumulative time (where the host
+time goes).
 """
 
 import cProfile
@@ -49,7 +50,9 @@ def main(suite: str, needles: list[str], n: int = 50, profile: bool = False) -> 
                 case.run(inputs, "auto")
             prof.disable()
             torch.cuda.synchronize()
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+            stats = pstats.Stats(prof, stream=sys.stdout)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":
