@@ -4,7 +4,8 @@ Each of the B * s_q query tokens becomes one forward row whose slot list is its 
 order (slot = block_table[b, p // bs] * bs + p % bs, -1 for an out-of-range block id) and whose ``topk_length``
 is its causal length, so the kernel walks exactly the attended positions (and skips the blocks past them); the
 cache viewed as ``num_blocks * block_size`` rows is the forward's kv; the CTAs take the sequences longest first,
-a sequence's tokens together (``token_order``).  The forward's 64-head CTAs run at the pair schedule's rate (~450 TFLOP/s at H 128) when there are enough of them, where the split-KV decode kernels reach
+a sequence's tokens together (``token_order``).  The forward's 64-head CTAs run at the pair schedule's rate
+(~500-550 TFLOP/s at H 128, session 25) when there are enough of them, where the split-KV decode kernels reach
 ~250; ``pair_efficiency`` decides.
 """
 
