@@ -115,8 +115,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
     Supported:
         Kernel: Hopper sm_90a. Dense decode over a bf16 cache (Dqk 576, d_v 512, H 1..128, block sizes 16..256):
         the split-KV decode kernel, or at H 64 / 128 with enough query tokens to fill the SMs one sparse forward on
-        the pair schedule (tokens longest first). Sparse decode, and dense decode over the FP8 cache: one sparse MLA forward
-        over the flat cache (see :func:`sparse_mla_fwd`; FP8 rows through the 656-byte-cache forward).
+        the pair schedule (sequences longest first). Sparse decode, and dense decode over the FP8 cache: one sparse
+        MLA forward over the flat cache (see :func:`sparse_mla_fwd`; FP8 rows through the 656-byte-cache forward).
 
     Example:
         >>> q = torch.randn(2, 1, 4, 576, dtype=torch.bfloat16)
