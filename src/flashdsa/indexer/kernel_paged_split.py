@@ -106,3 +106,13 @@ def build_indexer_paged_split(*, heads: int, dim: int, next_n: int, block_size: 
 
     return kp._paged_prim_func("indexer_paged_split", body, heads=H, dim=D, next_n=NN, block_size=BS, dtype=dtype,
                                sizes=sizes)
+
+
+def _pass_configs():
+    return kp._pass_configs("pipelined_split")
+
+
+def lowering_cases():
+    """next_n 2 / H 64 (the issue's decode shape) and next_n 3 / H 8 / bs 16 (several pages per tile)."""
+    return [("split_fp8_h64_d128_nn2_bs64", build_indexer_paged_split(heads=64, dim=128, next_n=2, block_size=64)),
+            ("split_fp8_h8_d128_nn3_bs16", build_indexer_paged_split(heads=8, dim=128, next_n=3, block_size=16))]
