@@ -99,7 +99,7 @@ CHUNK = 2048  # positions per CTA
 NUM_STAGES = 3  # "sync" variant (its T.Pipelined is not actually pipelined by TileLang)
 THREADS = 128
 CHUNK_P = 1024  # "pipelined" variant: positions per CTA (16 tiles; 4096 CTAs at B=128, ctx 32768)
-VARIANTS = ("pipelined", "sync", "pipelined_async", "pipelined_split")
+VARIANTS = ("pipelined", "sync", "pipelined_async")
 VARIANT = "pipelined"  # default; ``$FLASHDSA_PAGED_VARIANT`` (read per call) overrides it when no variant is passed
 VARIANT_ENV = "FLASHDSA_PAGED_VARIANT"
 SUPPORTED_HEADS = (8, 16, 32, 64)
@@ -478,14 +478,8 @@ def _pass_configs(variant: str = VARIANT) -> dict:
     }
 
 
-def _build_split(**kw):
-    from .kernel_paged_split import build_indexer_paged_split  # (imports this module)
-
-    return build_indexer_paged_split(**kw)
-
-
 _BUILDERS = {"pipelined": build_indexer_paged_pipelined, "sync": build_indexer_paged,
-             "pipelined_async": build_indexer_paged_async, "pipelined_split": _build_split}
+             "pipelined_async": build_indexer_paged_async}
 
 
 def build(variant: str = VARIANT, **kw):
