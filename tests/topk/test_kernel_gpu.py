@@ -271,9 +271,11 @@ def test_multi_cuda_graph_capture():
 # --------------------------------------------------------------------------------------------- dsa_topk
 @pytest.mark.parametrize("max_chunk_bytes", [2**31, 4 * 3000 * 7 + 5])
 def test_dsa_topk_kernel_streamed(max_chunk_bytes):
-    """dsa_topk on the kernels (indexer + radix top-k, streamed over query chunks) against the same kernels run
-    unchunked (bitwise) and against the reference pipeline (sets equal wherever the reference logits leave no
-    near-tie at the k-th value): FP8 causal rows with an offset, empty rows and rows shorter than topk."""
+    """dsa_topk on the kernels (indexer + radix top-k, streamed over query chunks): bitwise equal to the radix top-k
+    of the indexer kernel's own logits computed unchunked; against the reference pipeline, every selected key's
+    reference logit is within the indexer's error of the reference's k-th value (FP8 wgmma accumulates with fewer
+    mantissa bits than fp32, so near-ties may order differently). FP8 causal rows with an offset, empty rows and
+    rows shorter than topk."""
     import flashdsa
 
     gen = torch.Generator(device="cuda").manual_seed(31)
@@ -289,15 +291,17 @@ def test_dsa_topk_kernel_streamed(max_chunk_bytes):
     _poison_allocator(M * topk)
     got = flashdsa.dsa_topk(q, k, w, topk, ks, k_start=kst, k_end=ken, max_chunk_bytes=max_chunk_bytes,
                             backend="kernel")
-    full = flashdsa.dsa_topk(q, k, w, topk, ks, k_start=kst, k_end=ken, backend="kernel")
-    assert torch.equal(got, full)
-    assert (got[40:45] == -1).all() and (got[:40, 7:] == -1).all() and (got[:40, :7] >= 0).all()
-    logits = flashdsa.indexer_logits(q, k, w, ks, k_start=kst, k_end=ken, backend="reference")
-    ref = flashdsa.topk_indices(logits, topk, starts=kst, ends=ken, backend="reference")
-    rows_differ = 0
-    for m in range(M):
-        if set(got[m].tolist()) != set(ref[m].tolist()):
-            lg = logits[m][logits[m] > -float("inf")].sort(descending=True).values
-            assert len(lg) > topk and torch.isclose(lg[topk - 1], lg[topk], rtol=1e-4), f"row {m}"
-            rows_differ += 1
-    assert rows_differ <= M // 20
+    logits = flashdsa.indexer_logits(q, k, w, ks, k_start=kst, k_end=ken, backend="kernel")
+    assert torch.equal(got, flashdsa.topk_indices(logits, topk, starts=kst, ends=ken, backend="kernel"))
+    assert (got[40:45] == -1).all() and (got[:40, 7:] == -1).all()
+    assert torch.equal(got[:40, :7], kst[:40, None] + torch.arange(7, device="cuda", dtype=torch.int32))
+    ref_logits = flashdsa.indexer_logits(q, k, w, ks, k_start=kst, k_end=ken, backend="reference")
+    finite = ref_logits > -float("inf")
+    assert torch.equal(finite, logits > -float("inf"))
+    err = (logits - ref_logits)[finite].abs().max().item()
+    assert err < 1e-3 * ref_logits[finite].abs().max().item()
+    ref = flashdsa.topk_indices(ref_logits, topk, starts=kst, ends=ken, backend="reference")
+    for m in range(45, M):  # full rows: the reference logits of the kernel's picks reach the reference k-th value
+        kth = ref_logits[m, ref[m].long()].min()  # order "index": the k-th largest is the smallest picked
+        assert (ref_logits[m, got[m].long()] >= kth - 2 * err).all(), f"row {m}"
+        assert len(set(got[m].tolist())) == topk
