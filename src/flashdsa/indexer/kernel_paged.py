@@ -129,9 +129,11 @@ def kv_evict() -> str:
 def _hint_prelude(kv_evict: str) -> str | None:
     """CUDA placed before TileLang's includes: its copy header first (``#pragma once``: the kernel's own include
     is then a no-op), then ``tl::cp_async_gs_conditional`` (what ``T.async_copy`` lowers to) redirected to the same
-    copy with an L2 cache-policy operand (``createpolicy``)."""
+    copy with an L2 cache-policy operand (``sparse._tl_common.L2_POLICY``)."""
     if not kv_evict:
         return None
+    from ..sparse._tl_common import L2_POLICY
+
     return r"""
 #include <tl_templates/cuda/copy.h>
 namespace tl {
@@ -140,19 +142,17 @@ TL_DEVICE void fdsa_cp_async_hinted(void const *const smem_addr, void const *glo
   static_assert(N == 16 || N == 8 || N == 4);
   const int bytes = cond ? N : 0;
   const unsigned addr = smem_ptr_to_uint(smem_addr);
-  unsigned long long pol;
-  asm volatile("createpolicy.fractional.L2::%s.b64 %%0, 1.0;" : "=l"(pol));
   if constexpr (N == 16) {
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%%0], [%%1], %%2, %%3, %%4;" ::"r"(addr),
-                 "l"(global_ptr), "n"(N), "r"(bytes), "l"(pol));
+                 "l"(global_ptr), "n"(N), "r"(bytes), "l"(%s));
   } else {
     asm volatile("cp.async.ca.shared.global.L2::cache_hint [%%0], [%%1], %%2, %%3, %%4;" ::"r"(addr),
-                 "l"(global_ptr), "n"(N), "r"(bytes), "l"(pol));
+                 "l"(global_ptr), "n"(N), "r"(bytes), "l"(%s));
   }
 }
 }  // namespace tl
 #define cp_async_gs_conditional fdsa_cp_async_hinted
-""" % kv_evict
+""" % (L2_POLICY[kv_evict], L2_POLICY[kv_evict])
 
 
 def _paged_sizes():
