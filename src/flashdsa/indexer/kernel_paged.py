@@ -110,49 +110,6 @@ PIPE_STAGES = 4  # "pipelined" variant: cp.async ring depth (tiles of BLOCK_N ke
 ASYNC_STAGES = 6  # "pipelined_async": ring depth (S-2 tiles in flight per CTA: one landed tile is ahead for the MMA)
 ASYNC_MAX_COLS = 128  # "pipelined_async" needs next_n*H <= 128 (two accumulators); wider shapes run "pipelined"
 _TL_DTYPES = {torch.float8_e4m3fn: "float8_e4m3", torch.bfloat16: "bfloat16"}
-# L2 eviction hint of the ring's key / scale copies ("pipelined" and "pipelined_async"; each cache key is read once
-# per call): "evict_first" lets the streamed keys replace each other in L2 rather than other (possibly dirty) lines;
-# "" = no hint. $FLASHDSA_PAGED_KV_EVICT overrides it per call (experiments).
-KV_EVICT = ""
-KV_EVICT_ENV = "FLASHDSA_PAGED_KV_EVICT"
-KV_EVICT_CHOICES = ("", "evict_first", "evict_last")
-
-
-def kv_evict() -> str:
-    """The key copies' L2 hint for this call: ``$FLASHDSA_PAGED_KV_EVICT`` if set, else ``KV_EVICT``."""
-    v = os.environ.get(KV_EVICT_ENV, KV_EVICT).strip()
-    if v not in KV_EVICT_CHOICES:
-        raise ValueError(f"{KV_EVICT_ENV}: expected one of {KV_EVICT_CHOICES}, got {v!r}")
-    return v
-
-
-def _hint_prelude(kv_evict: str) -> str | None:
-    """CUDA placed before TileLang's includes: its copy header first (``#pragma once``: the kernel's own include
-    is then a no-op), then ``tl::cp_async_gs_conditional`` (what ``T.async_copy`` lowers to) redirected to the same
-    copy with an L2 cache-policy operand (``sparse._tl_common.L2_POLICY``)."""
-    if not kv_evict:
-        return None
-    from ..sparse._tl_common import L2_POLICY
-
-    return r"""
-#include <tl_templates/cuda/copy.h>
-namespace tl {
-template <int N>
-TL_DEVICE void fdsa_cp_async_hinted(void const *const smem_addr, void const *global_ptr, bool cond) {
-  static_assert(N == 16 || N == 8 || N == 4);
-  const int bytes = cond ? N : 0;
-  const unsigned addr = smem_ptr_to_uint(smem_addr);
-  if constexpr (N == 16) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%%0], [%%1], %%2, %%3, %%4;" ::"r"(addr),
-                 "l"(global_ptr), "n"(N), "r"(bytes), "l"(%s));
-  } else {
-    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%%0], [%%1], %%2, %%3, %%4;" ::"r"(addr),
-                 "l"(global_ptr), "n"(N), "r"(bytes), "l"(%s));
-  }
-}
-}  // namespace tl
-#define cp_async_gs_conditional fdsa_cp_async_hinted
-""" % (L2_POLICY[kv_evict], L2_POLICY[kv_evict])
 
 
 def _paged_sizes():
@@ -346,13 +303,12 @@ def _tile_macros(*, heads: int, next_n: int, block_size: int, chunk: int = CHUNK
 
 def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_size: int, dtype: str = "float8_e4m3",
                                   chunk: int = CHUNK_P, num_stages: int = PIPE_STAGES, threads: int = THREADS,
-                                  min_ctas: int | None = None, ablate: str = "", kv_evict: str = ""):
+                                  min_ctas: int | None = None, ablate: str = ""):
     """"pipelined" variant (see the module notes); same prim_func signature as ``build_indexer_paged``:
     ``(Q[B*next_n*H, D], KCache[num_blocks, bs, D], KScale[num_blocks, bs] f32, W[B*next_n*H] f32,
     ContextLens[B] i32, BlockTable[B, max_blocks] i32, Out[B*next_n, L] f32)``; B, num_blocks, max_blocks, L dynamic.
     Compile with ``_pass_configs("pipelined")``; ``ablate``: ``_tile_macros``'s (timing builds, ``--sweep
-    4x1024:no_epilogue`` in scripts/bench_paged_indexer.py); ``kv_evict``: the copies' L2 hint (``KV_EVICT``).
-    (Session 15: the head weights read from shared memory
+    4x1024:no_epilogue`` in scripts/bench_paged_indexer.py).  (Session 15: the head weights read from shared memory
     instead of registers, 5 CTAs per SM at next_n 2, ran slower, 237.7 vs 225.0 us, and were removed.)"""
     H, D, NN, BS, BN, S = heads, dim, next_n, block_size, BLOCK_N, num_stages
     assert H in SUPPORTED_HEADS and D in SUPPORTED_DIMS and BS in SUPPORTED_BLOCK_SIZES and 1 <= NN <= MAX_NEXT_N
@@ -372,7 +328,7 @@ def build_indexer_paged_pipelined(*, heads: int, dim: int, next_n: int, block_si
 
     @T.macro
     def body(Q, KCache, KScale, W, ContextLens, BlockTable, Out):
-        with T.Kernel(T.ceildiv(L, chunk), B, threads=threads, prelude=_hint_prelude(kv_evict)) as (bc, b):
+        with T.Kernel(T.ceildiv(L, chunk), B, threads=threads) as (bc, b):
             Q_s = T.alloc_shared([BC, D], dtype)
             K_s = T.alloc_shared([S, BN, D], dtype)
             ks_s = T.alloc_shared([S, BN], f32)
@@ -532,10 +488,8 @@ def build(variant: str = VARIANT, **kw):
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads: int, dim: int, next_n: int, block_size: int, dtype: str, variant: str = VARIANT,
-              kv_evict: str = ""):
-    hint = dict(kv_evict=kv_evict) if variant == "pipelined" else {}
-    func = build(variant, heads=heads, dim=dim, next_n=next_n, block_size=block_size, dtype=dtype, **hint)
+def _compiled(heads: int, dim: int, next_n: int, block_size: int, dtype: str, variant: str = VARIANT):
+    func = build(variant, heads=heads, dim=dim, next_n=next_n, block_size=block_size, dtype=dtype)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs(variant))
 
 
@@ -602,7 +556,7 @@ def run_indexer_logits_paged(q, k_cache, weights, context_lens, block_table, k_s
         return out.fill_(float("-inf"))
     ksc = _aligned(k_scale_cache) if k_scale_cache is not None else torch.ones((nb, bs), dtype=torch.float32,
                                                                                  device=dev)
-    kernel = _compiled(H, D, NN, bs, _TL_DTYPES[q.dtype], variant, kv_evict())
+    kernel = _compiled(H, D, NN, bs, _TL_DTYPES[q.dtype], variant)
     kernel(_aligned(q).view(B * NN * H, D), _aligned(k_cache), ksc, weights.contiguous().view(-1),
            context_lens.contiguous(), block_table.contiguous(), out)
     return out

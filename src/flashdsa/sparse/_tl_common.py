@@ -450,33 +450,3 @@ __device__ __forceinline__ void fdsa_gather_bwd(void *kv_s, void *kt_s, int has_
   }
 }
 """
-
-
-KV_EVICT_ENV = "FLASHDSA_SPARSE_KV_EVICT"
-KV_EVICT_CHOICES = ("", "evict_first", "evict_last")
-# 64-bit L2 cache-policy operands (what ``createpolicy.fractional.L2::<policy>.b64 p, 1.0`` gives; the values
-# TileLang's TMA loads pass as ``tl::CacheHintSm90``)
-L2_POLICY = {"evict_first": "0x12F0000000000000ull", "evict_last": "0x14F0000000000000ull"}
-_CP16_PLAIN = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(sz) : "memory");'
-
-
-def kv_evict_env() -> str:
-    """``$FLASHDSA_SPARSE_KV_EVICT`` (experiments): the L2 hint of the row gather's copies, "" = none."""
-    import os
-
-    v = os.environ.get(KV_EVICT_ENV, "").strip()
-    if v not in KV_EVICT_CHOICES:
-        raise ValueError(f"{KV_EVICT_ENV}: expected one of {KV_EVICT_CHOICES}, got {v!r}")
-    return v
-
-
-def row_gather_prelude(kv_evict: str = "") -> str:
-    """``ROW_GATHER_PRELUDE`` with ``fdsa_cp16`` carrying the L2 cache policy ``kv_evict`` (``L2_POLICY``) when
-    ``kv_evict`` is set: rows read once per call (decode) can replace each other in L2 instead of other lines."""
-    assert kv_evict in KV_EVICT_CHOICES, kv_evict
-    if not kv_evict:
-        return ROW_GATHER_PRELUDE
-    hinted = ('asm volatile("cp.async.cg.shared.global.L2::cache_hint [%%0], [%%1], 16, %%2, %%3;" ::"r"(dst), '
-              '"l"(src), "r"(sz), "l"(%s) : "memory");' % L2_POLICY[kv_evict])
-    assert ROW_GATHER_PRELUDE.count(_CP16_PLAIN) == 1
-    return ROW_GATHER_PRELUDE.replace(_CP16_PLAIN, hinted)

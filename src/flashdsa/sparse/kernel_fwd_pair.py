@@ -145,7 +145,6 @@ def build_sparse_mla_fwd(
     persistent: int = 0,
     row_gather: bool = False,
     hop: bool = False,
-    kv_evict: str = "",
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -163,9 +162,8 @@ def build_sparse_mla_fwd(
     (timing build, with ``row_gather``): the 656-byte cache kernel's converter warpgroup with nothing to convert
     (``_pair_parts.hop_converter``; 512 threads, each PV two m64n128 wgmmas): what the converter staging's
     structure costs on bf16 tiles (outputs bitwise equal; session 21: 3.917 -> 4.110 ms at S 4096 / SKV 8192 /
-    H 128).  ``kv_evict`` (with ``row_gather``): the gather's L2 hint (``_tl_common.row_gather_prelude``)."""
+    H 128)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
-    assert row_gather or not kv_evict, "kv_evict: row_gather builds only"
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
@@ -176,8 +174,8 @@ def build_sparse_mla_fwd(
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent,
                      **(dict(converter=hop_converter(), regs=HOP_REGS) if hop else {}),
-                     prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.row_gather_prelude(kv_evict)
-                              if row_gather else None))
+                     prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.ROW_GATHER_PRELUDE if row_gather
+                              else None))
 
     if has_order:
         @T.prim_func
@@ -249,12 +247,11 @@ def dispatched(q, order=None):
     for ``q``'s device: with ``order``, the ordered one-item-per-CTA build; else the persistent grid up to
     ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; all gather by rows (the ordered
     build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
-    hint = (("kv_evict", ev),) if (ev := tc.kv_evict_env()) else ()
     if order is not None:
-        return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW + hint)
+        return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
                                                       else torch.cuda.current_device())
-    return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm) + hint)
+    return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm))
 
 
 def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
