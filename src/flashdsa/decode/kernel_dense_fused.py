@@ -173,7 +173,7 @@ def compiled_item_probe(num_sms: int):
 
 def build_fused_kernel(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale: float, has_sink: bool,
                        num_sms: int, threads: int | None = None, stages: int | None = None,
-                       loader: str | None = None, kv_evict: str = ""):
+                       loader: str | None = None):
     """Single-launch narrow decode.  ``num_sms``: the plan's work-item budget (SMs x ``_kn.ctas_per_sm``); the
     other build options are ``kernel_dense_narrow.build_partial_kernel``'s.
 
@@ -187,8 +187,7 @@ def build_fused_kernel(*, heads: int, s_q: int, block_size: int, causal: bool, s
     nbat, nblk, maxb, nitem, n_sink = sizes
     threads, alloc_item, run_item = _kn.item_parts(heads=heads, s_q=s_q, block_size=bs, causal=causal,
                                                    sm_scale=sm_scale, has_sink=has_sink, threads=threads,
-                                                   stages=stages, loader=loader, sizes=sizes,
-                                                   kv_evict=kv_evict)
+                                                   stages=stages, loader=loader, sizes=sizes)
     NT = threads
     derive_item = item_macro(threads=NT, num_sms=num_sms, nbat=nbat)
     TPR = ROW_THREADS
@@ -252,10 +251,9 @@ def _pass_configs(loader: str | None = None, block_size: int = _kn.BLOCK_N):
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads, s_q, block_size, causal, sm_scale, has_sink, num_sms, threads, stages, loader, kv_evict=""):
+def _compiled(heads, s_q, block_size, causal, sm_scale, has_sink, num_sms, threads, stages, loader):
     func = build_fused_kernel(heads=heads, s_q=s_q, block_size=block_size, causal=causal, sm_scale=sm_scale,
-                              has_sink=has_sink, num_sms=num_sms, threads=threads, stages=stages, loader=loader,
-                              kv_evict=kv_evict)
+                              has_sink=has_sink, num_sms=num_sms, threads=threads, stages=stages, loader=loader)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs(loader, block_size))
 
 
@@ -304,7 +302,7 @@ def run_fused(qf, kv_cache, block_table, cache_seqlens, attn_sink, out, lse, *, 
     has_sink = attn_sink is not None
     sink = attn_sink.contiguous() if has_sink else dummy(torch.float32, dev)
     kern = _compiled(heads, s_q, bs, bool(causal), float(sm_scale), has_sink, plan_sms, _kn.THREADS, _kn.STAGES,
-                     _kn.LOADER, _kn.kv_evict())
+                     _kn.LOADER)
     direct_launcher(kern)(qf, kv_cache, block_table, cache_seqlens, sink, out, lse, o_part, lse_part,
                           seq_counters(B, dev))
 

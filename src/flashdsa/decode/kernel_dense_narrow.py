@@ -40,7 +40,6 @@ cache 8192: ws 0.364 ms (1.66 TB/s) -> 256 threads / cp.async / 1 buffer-in-flig
 """
 
 import functools
-import os
 
 import tilelang
 import tilelang.language as T
@@ -56,20 +55,6 @@ _MIN_CHUNK_TILES = 2
 THREADS = 128  # build defaults (module globals so that scripts/bench_decode.py can sweep them)
 STAGES = 2  # KV tile buffers per CTA: 2 (tile it + 1 issued before waiting for tile it) or 1 (two CTAs per SM)
 LOADER = "tma"  # "tma": tensor-map loads of whole page segments; "cpasync": 16-byte cp.async
-# L2 eviction hint of the "tma" loader's KV loads (each cache row is read once per call): "evict_first" lets the
-# streamed rows replace each other in L2 rather than other (possibly dirty) lines; "" = no hint.
-# $FLASHDSA_DECODE_KV_EVICT overrides it per call (experiments).
-KV_EVICT = ""
-KV_EVICT_ENV = "FLASHDSA_DECODE_KV_EVICT"
-KV_EVICT_CHOICES = ("", "evict_first", "evict_last", "evict_normal")
-
-
-def kv_evict() -> str:
-    """The KV loads' L2 hint for this call: ``$FLASHDSA_DECODE_KV_EVICT`` if set, else ``KV_EVICT``."""
-    v = os.environ.get(KV_EVICT_ENV, KV_EVICT).strip()
-    if v not in KV_EVICT_CHOICES:
-        raise ValueError(f"{KV_EVICT_ENV}: expected one of {KV_EVICT_CHOICES}, got {v!r}")
-    return v
 _SMEM_CAP = 232_448
 
 
@@ -100,17 +85,16 @@ def _loader(loader: str | None, block_size: int) -> str:
 
 def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale: float,
                          has_sink: bool, threads: int | None = None, stages: int | None = None,
-                         loader: str | None = None, kv_evict: str = ""):
+                         loader: str | None = None):
     """Split-KV partial kernel; same signature and launch (grid ``max_items``, ``n_mt = 1``) as
     ``kernel_dense.build_partial_kernel``.  ``threads`` (128 or 256), ``stages`` (1 or 2) and ``loader`` ("tma" or
-    "cpasync") default to the module's ``THREADS`` / ``STAGES`` / ``LOADER``; ``kv_evict``: the L2 hint of the
-    "tma" KV loads (``KV_EVICT_CHOICES``)."""
+    "cpasync") default to the module's ``THREADS`` / ``STAGES`` / ``LOADER``."""
     M = s_q * heads
     sizes = partial_sizes()
     nitem = sizes[3]
     threads, alloc_item, run_item = item_parts(heads=heads, s_q=s_q, block_size=block_size, causal=causal,
                                                sm_scale=sm_scale, has_sink=has_sink, threads=threads, stages=stages,
-                                               loader=loader, sizes=sizes, kv_evict=kv_evict)
+                                               loader=loader, sizes=sizes)
     load_item = item_macros(M=M, s_q=s_q, causal=causal, BH=rows_tile(M), BI=BLOCK_N)[0]
 
     @T.macro
@@ -125,10 +109,10 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
 
 
 def item_parts(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale: float, has_sink: bool,
-               threads: int | None, stages: int | None, loader: str | None, sizes, kv_evict: str = ""):
+               threads: int | None, stages: int | None, loader: str | None, sizes):
     """(threads, alloc_item, run_item): the per-CTA work of the narrow partial kernel, shared with the single-launch
     variant (``kernel_dense_fused``).  ``threads`` / ``stages`` / ``loader`` None take the module defaults;
-    ``sizes`` = ``partial_sizes()`` of the enclosing prim_func; ``kv_evict`` the L2 hint of the "tma" KV loads.
+    ``sizes`` = ``partial_sizes()`` of the enclosing prim_func.
 
     * ``bufs = alloc_item()`` (first thing inside ``T.Kernel``): the shared / fragment / local buffers, in the
       order the kernel always allocated them; ``bufs[-2]`` is ``info`` (int32 [6]: b or -1, start, end, nsplit_b,
@@ -142,8 +126,6 @@ def item_parts(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale:
     stages = STAGES if stages is None else stages
     loader = _loader(loader, block_size)
     assert threads in (128, 256) and stages in (1, 2) and loader in ("tma", "cpasync"), (threads, stages, loader)
-    assert kv_evict in KV_EVICT_CHOICES, kv_evict
-    hint = kv_evict or None
     M = s_q * heads
     BR = rows_tile(M)
     BN, D, DT = BLOCK_N, D_V, D_ROPE
@@ -173,9 +155,9 @@ def item_parts(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale:
                 seg_ok[st] = seg_ok[st] | (1 << sg)
                 if loader == "tma":
                     T.tma_copy(KV[pg, (p0 + sg * SEG) % bs:(p0 + sg * SEG) % bs + SEG, 0:D],
-                               KV_b[sg * SEG:(sg + 1) * SEG, :], barrier=bar, eviction_policy=hint)
+                               KV_b[sg * SEG:(sg + 1) * SEG, :], barrier=bar)
                     T.tma_copy(KV[pg, (p0 + sg * SEG) % bs:(p0 + sg * SEG) % bs + SEG, D:DQK],
-                               Kt_b[sg * SEG:(sg + 1) * SEG, :], barrier=bar, eviction_policy=hint)
+                               Kt_b[sg * SEG:(sg + 1) * SEG, :], barrier=bar)
                 else:
                     T.async_copy(KV[pg, (p0 + sg * SEG) % bs:(p0 + sg * SEG) % bs + SEG, 0:D],
                                  KV_b[sg * SEG:(sg + 1) * SEG, :])
@@ -352,14 +334,14 @@ def _pass_configs(loader: str | None = None, block_size: int = BLOCK_N):
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads, s_q, block_size, causal, sm_scale, has_sink, threads, stages, loader, kv_evict=""):
+def _compiled(heads, s_q, block_size, causal, sm_scale, has_sink, threads, stages, loader):
     func = build_partial_kernel(heads=heads, s_q=s_q, block_size=block_size, causal=causal, sm_scale=sm_scale,
-                                has_sink=has_sink, threads=threads, stages=stages, loader=loader, kv_evict=kv_evict)
+                                has_sink=has_sink, threads=threads, stages=stages, loader=loader)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs(loader, block_size))
 
 
 def compiled_partial(heads, s_q, block_size, causal, sm_scale, has_sink):
-    return _compiled(heads, s_q, block_size, causal, sm_scale, has_sink, THREADS, STAGES, LOADER, kv_evict())
+    return _compiled(heads, s_q, block_size, causal, sm_scale, has_sink, THREADS, STAGES, LOADER)
 
 
 def lowering_cases():
