@@ -157,7 +157,7 @@ def decode(H=16, s_q=2, bs=64):
 
 def sparse_cache_converter(staging="converter"):
     """``kernel_fwd_pair_cache`` with a converter staging (a fourth warpgroup converts the raw half tiles; also
-    "converter_contig", "converter_rows") on the 656-byte cache, with invalid indices of every kind and NaN in
+    "converter_contig") on the 656-byte cache, with invalid indices of every kind and NaN in
     unselected rows."""
     import flashdsa
     from flashdsa.quant import quantize_kv_fp8
@@ -182,8 +182,7 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "decode_bs16": lambda: decode(16, 1, 16), "decode_ws": lambda: decode(64, 1, 64),
            "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True),
            "sparse_bwd512": lambda: sparse_bwd(False, 512), "sparse_cache656_converter": sparse_cache_converter,
-           "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig"),
-           "sparse_cache656_converter_rows": lambda: sparse_cache_converter("converter_rows")}
+           "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig")}
 
 
 def main():

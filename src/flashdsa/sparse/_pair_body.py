@@ -6,7 +6,7 @@ cache)."""
 import tilelang.language as T
 
 from . import _tl_common as tc
-from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, LAND_GROUPS, adopt_max_macro, drain, item_parts, pair_phase
+from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, item_parts, pair_phase
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -19,8 +19,7 @@ assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
-              land_split=False):
+              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -51,8 +50,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     ``converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
     pb)`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the ready
     barriers above), the converter turns each landed half into what the consumers read and arrives on its ready
-    barrier (count 128); ``land_split``: each ld_* is a buffer of ``LAND_GROUPS`` barriers, one per producer row
-    group (``gather_producer(land_split=True)``); ``regs`` then has four entries (at most 512 in all), and each PV is two m64n128 wgmmas
+    barrier (count 128); ``regs`` then has four entries (at most 512 in all), and each PV is two m64n128 wgmmas
     into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128)."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
@@ -279,16 +277,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 rdy_ar = T.alloc_barrier(128)
                 rdy_bl = T.alloc_barrier(128)
             else:
-                if land_split:  # one landed barrier per row group (the rows' ordinary arrival on group 0's)
-                    ld_al = T.alloc_barrier([256] + [128] * (LAND_GROUPS - 1))
-                    ld_br = T.alloc_barrier([256] + [128] * (LAND_GROUPS - 1))
-                    ld_ar = T.alloc_barrier([128] * LAND_GROUPS)
-                    ld_bl = T.alloc_barrier([128] * LAND_GROUPS)
-                else:
-                    ld_al = T.alloc_barrier(256)
-                    ld_br = T.alloc_barrier(256)
-                    ld_ar = T.alloc_barrier(128)
-                    ld_bl = T.alloc_barrier(128)
+                ld_al = T.alloc_barrier(256)
+                ld_br = T.alloc_barrier(256)
+                ld_ar = T.alloc_barrier(128)
+                ld_bl = T.alloc_barrier(128)
                 rdy_al = T.alloc_barrier(128)
                 rdy_br = T.alloc_barrier(128)
                 rdy_ar = T.alloc_barrier(128)

@@ -9,7 +9,6 @@ from ._tl_common import BLOCK_I
 
 BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128 / 128 / 256 threads); 0 is __syncthreads
 BAR_PROD = 11  # named barrier of the 128 producer threads
-LAND_GROUPS = 4  # ``land_split``: row groups per half tile (producer thread t copies rows t / 8 + 16 j, j < 4)
 
 
 def pair_phase(pb, j):
@@ -94,14 +93,11 @@ def pair_rows_macro(topk_dim, row_ok):
     return pair_rows
 
 
-def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True, land_split=False):
+def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
     """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
     arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists.  ``pb``: None, or the
-    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop).
-    ``land_split``: each half's barrier is a buffer of ``LAND_GROUPS`` barriers, one per row group; the gathers
-    take it as a last argument and arrive (noinc) on each group's barrier themselves; the rows' ordinary arrival
-    goes to group 0's."""
+    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop)."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
     pair_rows = pair_rows_macro(topk_dim, row_ok)
@@ -133,34 +129,20 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
-            if land_split:
-                T.barrier_arrive(rdy_al[0])
-                gather_l(KVa_l, Rows0, kv_src, rdy_al)
-            else:
-                T.barrier_arrive(rdy_al)
-                gather_l(KVa_l, Rows0, kv_src)
-                T.cp_async_barrier_noinc(rdy_al)
+            T.barrier_arrive(rdy_al)
+            gather_l(KVa_l, Rows0, kv_src)
+            T.cp_async_barrier_noinc(rdy_al)
             T.barrier_wait(fr_br, pair_phase(pb, j) ^ 1)
             set_rows(Rows1, row_b, Indices, tok, lim, j * 2 + 1, kv_src, tx)
-            if land_split:
-                T.barrier_arrive(rdy_br[0])
-                gather_r(KVb_r, Kb_t, Rows1, kv_src, rdy_br)
-            else:
-                T.barrier_arrive(rdy_br)
-                gather_r(KVb_r, Kb_t, Rows1, kv_src)
-                T.cp_async_barrier_noinc(rdy_br)
+            T.barrier_arrive(rdy_br)
+            gather_r(KVb_r, Kb_t, Rows1, kv_src)
+            T.cp_async_barrier_noinc(rdy_br)
             T.barrier_wait(fr_ar, pair_phase(pb, j) ^ 1)
-            if land_split:
-                gather_r(KVa_r, Ka_t, Rows0, kv_src, rdy_ar)
-            else:
-                gather_r(KVa_r, Ka_t, Rows0, kv_src)
-                T.cp_async_barrier_noinc(rdy_ar)
+            gather_r(KVa_r, Ka_t, Rows0, kv_src)
+            T.cp_async_barrier_noinc(rdy_ar)
             T.barrier_wait(fr_bl, pair_phase(pb, j) ^ 1)
-            if land_split:
-                gather_l(KVb_l, Rows1, kv_src, rdy_bl)
-            else:
-                gather_l(KVb_l, Rows1, kv_src)
-                T.cp_async_barrier_noinc(rdy_bl)
+            gather_l(KVb_l, Rows1, kv_src)
+            T.cp_async_barrier_noinc(rdy_bl)
         if pb is None:
             drain()
 

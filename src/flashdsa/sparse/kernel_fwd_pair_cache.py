@@ -141,29 +141,25 @@ _CONVERTER_SRC = r"""
 // contiguously, the kernel without conversion ran 4.04 ms against 5.24 (S 4096 / SKV 8192 / H 128).  Both: the bf16
 // rope (bytes 528 .. 655) into the rope tile; thread t: rows t / 8 + 16 j (-1 invalid: zero fill, nothing read),
 // chunks t % 8 and t % 8 + 8 from chunk0, rope piece t % 8, the scales on t % 8 == 0.
-// One row group j (rows g + 16 j): ``converter_rows`` arrives on group j's landed barrier after it.
-template <int CONTIG>
-__device__ __forceinline__ void fdsa_gather_raw656_j(void *tile, void *rope, int has_rope, const void *kv,
-                                                     int row_bytes, int chunk0, const int *rows, int t, int j) {
-  const int g = t >> 3, q = t & 7;
-  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
-  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
-  const int r = g + 16 * j, row = rows[r], sz = row >= 0 ? 16 : 0;
-  const char *base = fdsa_row_ptr(kv, row, row_bytes);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int k = q + 8 * h;
-    const unsigned dst = CONTIG ? h * 8192 + fdsa_swz128(r, q) : (k >> 2) * 8192 + fdsa_swz128(r, 2 * (k & 3));
-    fdsa_cp16(tile_s + dst, base + (chunk0 + k) * 16, sz);
-  }
-  if (q == 0) fdsa_cp16(tile_s + (CONTIG ? 2 * 8192 + fdsa_swz128(r, 0) : fdsa_swz128(r, 1)), base + 512, sz);
-  if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
-}
 template <int CONTIG>
 __device__ __forceinline__ void fdsa_gather_raw656(void *tile, void *rope, int has_rope, const void *kv,
                                                    int row_bytes, int chunk0, const int *rows, int t) {
+  const int g = t >> 3, q = t & 7;
+  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
 #pragma unroll
-  for (int j = 0; j < 4; ++j) fdsa_gather_raw656_j<CONTIG>(tile, rope, has_rope, kv, row_bytes, chunk0, rows, t, j);
+  for (int j = 0; j < 4; ++j) {
+    const int r = g + 16 * j, row = rows[r], sz = row >= 0 ? 16 : 0;
+    const char *base = fdsa_row_ptr(kv, row, row_bytes);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = q + 8 * h;
+      const unsigned dst = CONTIG ? h * 8192 + fdsa_swz128(r, q) : (k >> 2) * 8192 + fdsa_swz128(r, 2 * (k & 3));
+      fdsa_cp16(tile_s + dst, base + (chunk0 + k) * 16, sz);
+    }
+    if (q == 0) fdsa_cp16(tile_s + (CONTIG ? 2 * 8192 + fdsa_swz128(r, 0) : fdsa_swz128(r, 1)), base + 512, sz);
+    if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), base + 528 + q * 16, sz);
+  }
 }
 // x, opaque to the compiler: a per-call value, so what a helper derives from its thread index is recomputed at
 // each call instead of hoisted out of the pair loop (the hoisted per-store addresses stayed live and spilled)
@@ -212,40 +208,6 @@ __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, 
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     fdsa_st_cvt(fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3)), w[j], s[j >> 2]);
-}
-// ``converter_rows``: rows 16 j .. 16 j + 15 of a contiguous raw half tile (the producer's row group j, landed on
-// its own barrier), expanded in place by the 128 converter threads: the 8 lanes of a quarter warp take one row
-// (r = 16 j + t / 8), lane q its raw chunks q and 8 + q (swizzle chunk c, piece q; scale tile tile0 + c), loaded
-// together; once the row's 8 lanes read them (__syncwarp: a row's outputs overwrite only that row's raw bytes and
-// scales) it stores raw chunk 8 c + q as dims 16 (8 c + q) .. + 15: swizzle chunk 2 c + q / 4, pieces 2 (q % 4) and
-// 2 (q % 4) + 1.  Lanes q >= 4 take c in the other order and store the odd piece first, so each store instruction's
-// 8 lanes of a row hit 8 different 16-byte bank groups.
-__device__ __forceinline__ void fdsa_convert_rows16_contig(void *half, int tile0, int t_in, int j) {
-  const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
-  const int r = 16 * j + (t >> 3), q = t & 7, hi = q >> 2;
-  const unsigned row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
-  float s[2];
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s[0]), "=f"(s[1]) : "r"(fdsa_piece(row_s, r, 2, 0) + 4 * tile0)
-               : "memory");
-  unsigned w[2][4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) fdsa_ld16(fdsa_piece(row_s, r, i ^ hi, q), w[i]);
-  __syncwarp();
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int c = i ^ hi;
-    unsigned o[8];
-    // hi lanes convert the chunk's upper 8 dims first (input words swapped: selects, not indexing, so nothing goes
-    // to local memory), which they store at the odd piece
-    const unsigned in[4] = {hi ? w[i][2] : w[i][0], hi ? w[i][3] : w[i][1], hi ? w[i][0] : w[i][2],
-                            hi ? w[i][1] : w[i][3]};
-    fdsa_cvt_e4m3x16(in, o, c ? s[1] : s[0]);
-    const unsigned lo = fdsa_piece(row_s, r, 2 * c + hi, 2 * (q & 3)), a0 = hi ? lo ^ 16u : lo;
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a0), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
-                 : "memory");
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a0 ^ 16u), "r"(o[4]), "r"(o[5]), "r"(o[6]),
-                 "r"(o[7]) : "memory");
-  }
 }
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
 // chunks [8 p, 8 p + 8) (p = t % 2: the row's 128-dim scale tile tile0 + p), two chunks per step with both loads
@@ -321,7 +283,7 @@ def _raw_gather_macro():
 
 
 ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
-STAGINGS = ("consumer", "converter", "converter_contig", "converter_rows")
+STAGINGS = ("consumer", "converter", "converter_contig")
 # the default since session 22: S 4096 / H 128 5.94 / 6.26 ms at SKV 8192 / 131072 against "converter" 6.63 / 6.96
 # (session 21's default), the sparse FP8 decode rows 10-20% faster
 DEFAULT_STAGING = "converter_contig"
@@ -331,16 +293,14 @@ STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the 
 CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in the converter)
 
 
-def _converter_parts(*, topk_dim, ablate="", contig=False, land_split=False):
+def _converter_parts(*, topk_dim, ablate="", contig=False):
     """The converter staging: the producer (``gather_producer``) copies the raw bytes by rows
     (``fdsa_gather_raw656<0>``: the same bytes at the same places as ``_raw_gather_macro``; ``contig``:
     ``fdsa_gather_raw656<1>``, a row's raw bytes in order) with its arrivals on the "landed" barriers; the
     fourth warpgroup waits each half in the producer's order (a.L, b.R, a.R, b.L), converts it in place
     (``fdsa_convert_half``; ``contig``: ``fdsa_convert_half_contig``: its raw chunks into registers, the
     converter's named barrier ``BAR_CONV``, the stores), fences it for the async proxy and arrives on the consumers'
-    ready barrier.  ``land_split`` (staging "converter_rows", contig): the producer arrives on one landed barrier
-    per row group (``_pair_parts.LAND_GROUPS``) and the converter expands each group as soon as it landed
-    (``fdsa_convert_rows16_contig``), so only the last group's conversion follows the half's last bytes.
+    ready barrier.
     Returns (producer, converter)."""
     assert ablate in ABLATIONS, ablate
     assert not (contig and ablate == "no_convert"), "contig: its timing build is ablate='contig_no_convert'"
@@ -356,30 +316,15 @@ def _converter_parts(*, topk_dim, ablate="", contig=False, land_split=False):
                       T.get_thread_binding() - 256)
 
     @T.macro
-    def gather_groups(Half, Kt, rope, Rows, kv_src, chunk0, ld):
-        KVb = kv_src[1]
-        for j in T.unroll(pp.LAND_GROUPS):
-            T.call_extern("handle", "fdsa_gather_raw656_j<1>", T.address_of(Half[0, 0]), T.address_of(Kt[0, 0]), rope,
-                          T.address_of(KVb[0, 0]), kv_src[2] * fc.CHUNK, chunk0, T.address_of(Rows[0]),
-                          T.get_thread_binding() - 256, j)
-            T.cp_async_barrier_noinc(ld[j])
+    def gather_l(KVl, Rows, kv_src):
+        gather_rows(KVl, KVl, 0, Rows, kv_src, 0)
 
     @T.macro
-    def gather_l(KVl, Rows, kv_src, ld=None):
-        if ld is None:
-            gather_rows(KVl, KVl, 0, Rows, kv_src, 0)
-        else:
-            gather_groups(KVl, KVl, 0, Rows, kv_src, 0, ld)
+    def gather_r(KVr, Kt, Rows, kv_src):
+        gather_rows(KVr, Kt, 1, Rows, kv_src, DH // 16)
 
     @T.macro
-    def gather_r(KVr, Kt, Rows, kv_src, ld=None):
-        if ld is None:
-            gather_rows(KVr, Kt, 1, Rows, kv_src, DH // 16)
-        else:
-            gather_groups(KVr, Kt, 1, Rows, kv_src, DH // 16, ld)
-
-    @T.macro
-    def convert_whole(Half, tile0, ld, rdy, phase, tx):
+    def convert_one(Half, tile0, ld, rdy, phase, tx):
         T.barrier_wait(ld, phase)
         if not ablate:
             if contig:
@@ -391,17 +336,6 @@ def _converter_parts(*, topk_dim, ablate="", contig=False, land_split=False):
         T.barrier_arrive(rdy)
 
     @T.macro
-    def convert_one(Half, tile0, ld, rdy, phase, tx):
-        if land_split:
-            for j in T.unroll(pp.LAND_GROUPS):
-                T.barrier_wait(ld[j], phase)
-                T.call_extern("handle", "fdsa_convert_rows16_contig", T.address_of(Half[0, 0]), tile0, tx - 384, j)
-            T.fence_proxy_async()
-            T.barrier_arrive(rdy)
-        else:
-            convert_whole(Half, tile0, ld, rdy, phase, tx)
-
-    @T.macro
     def converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
                   pb):
         for j in T.serial(npair[0]):
@@ -411,7 +345,7 @@ def _converter_parts(*, topk_dim, ablate="", contig=False, land_split=False):
             convert_one(KVb_l, 0, ld_bl, rdy_bl, pp.pair_phase(pb, j), tx)
 
     producer = pp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
-                                  gather_l=gather_l, gather_r=gather_r, land_split=land_split)
+                                  gather_l=gather_l, gather_r=gather_r)
     return producer, converter
 
 
@@ -477,12 +411,9 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
     if staging.startswith("converter"):
-        split = staging == "converter_rows"
-        assert not (split and ablate), "converter_rows has no timing builds"
-        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging != "converter",
-                                               land_split=split)
+        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
-                            prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC, land_split=split)
+                            prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
     else:
         producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
         body = kp.pair_body(**common, producer=producer, prelude=_DEQUANT_SRC, first_use=first_use)
@@ -613,8 +544,6 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                                                                            ablate="contig_no_convert"),
                 "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                      staging="converter_contig"),
-                "cache_converter_rows": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                   staging="converter_rows"),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
