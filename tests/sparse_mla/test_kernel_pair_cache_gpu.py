@@ -99,7 +99,7 @@ def test_sparse_mla_fwd_pair_cache_unsupported():
                                 d_v=D_V)
 
 
-@pytest.mark.parametrize("staging", ["consumer", "converter"])
+@pytest.mark.parametrize("staging", ["consumer", "converter", "converter_contig", "converter_warp"])
 @_over_cases
 def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride, staging):
     """The other stagings against the reference on the dequantized cache (bitwise against the default build:
@@ -117,14 +117,14 @@ def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl
 
 
 @pytest.mark.parametrize("variant", [dict(overlap_qk=False), dict(staging="consumer"),
-                                     dict(staging="converter")],
-                         ids=["no_overlap_qk", "consumer", "converter"])
+                                     dict(staging="converter"), dict(staging="converter_contig")],
+                         ids=["no_overlap_qk", "consumer", "converter", "converter_contig"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
                          ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
 def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
     """A build with the default's products in its order, bitwise equal to the default build: ``overlap_qk=False``
     (the consumers retire their remote PV before the next QK); the consumer staging (the default converter
-    staging splits each PV by columns: the same products per output column); converter."""
+    staging splits each PV by columns: the same products per output column); converter; converter_contig."""
     heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
@@ -134,18 +134,20 @@ def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
                            variant, f"H={heads} Tkv={tkv} topk={topk} T={n_tok} rs={row_stride}", HANG_S)
 
 
-@pytest.mark.parametrize("staging", ["converter", "converter_contig", "consumer"])
-def test_sparse_mla_fwd_pair_cache_every_e4m3_code(staging):
+@pytest.mark.parametrize("staging", ["converter", "converter_contig", "converter_warp", "converter_lean", "consumer"])
+@pytest.mark.parametrize("max_exp", [12, 7])
+def test_sparse_mla_fwd_pair_cache_every_e4m3_code(staging, max_exp):
     """Every finite e4m3 byte (subnormals and both zeros included) in every latent position, under power-of-two
-    scales from 2^-13 to 2^12 (above 2^7 the conversion takes its two-multiply path): bitwise the bf16
-    pair kernel on ``dequantize_kv_fp8`` of the same cache, so no conversion flushes or rounds anything."""
+    scales from 2^-13 to 2^max_exp (above 2^7 the conversion takes its two-multiply path; with 2^7 at most,
+    "converter_lean" takes its one-multiply path in every warp): bitwise the bf16 pair kernel on
+    ``dequantize_kv_fp8`` of the same cache, so no conversion flushes or rounds anything."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     heads, tkv, topk, n_tok = 64, 512, 256, 40
     kv8 = quantize_kv_fp8((torch.randn(tkv, DQK, generator=gen, device="cuda") * 0.1).to(torch.bfloat16))
     codes = (torch.arange(512, device="cuda")[None, :] * 5 + torch.arange(tkv, device="cuda")[:, None] * 3) % 256
     codes = torch.where((codes & 0x7F) == 0x7F, 0, codes)  # 0x7F / 0xFF: the format's NaN, never stored
     kv8[:, :512] = codes.to(torch.uint8)
-    exps = torch.randint(-13, 13, (tkv, 4), generator=gen, device="cuda").float()
+    exps = torch.randint(-13, max_exp + 1, (tkv, 4), generator=gen, device="cuda").float()
     kv8[:, 512:528] = torch.exp2(exps).contiguous().view(torch.uint8)
     kv_deq = dequantize_kv_fp8(kv8)
     q = (torch.randn(n_tok, heads, DQK, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
