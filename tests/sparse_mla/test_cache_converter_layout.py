@@ -2,11 +2,11 @@
 one 128B-swizzled half tile [64 rows, 256 bf16 dims] (4 chunks of 8 KiB, 128-byte rows, 16-byte piece q of row r
 at chunk * 8192 + r * 128 + (q ^ (r & 7)) * 16), with the index formulas of ``fdsa_gather_raw656<1>`` and
 ``fdsa_convert_half_contig`` transcribed.  The tile starts as garbage; the raw rows land in order; every
-converter thread loads its raw chunks and scales (all before the named barrier), then the stores run in a random
-thread order.  Checked: each load finds the cache's bytes, every store stays inside its thread's row, no two
-stores write the same byte and together they cover the half tile, and the final bf16 slots equal
-``dequantize_kv_fp8`` of the rows, for both halves of a row (scale tiles 0 / 1 and 2 / 3) and for invalid rows
-(zero bytes, scale 0)."""
+converter thread loads its raw chunks and scales (all before the __syncwarp: a store stays in its row, whose two
+threads are lanes of one warp), then the stores run in a random thread order.  Checked: each load finds the
+cache's bytes, every store stays inside its thread's row, no two stores write the same byte and together they
+cover the half tile, and the final bf16 slots equal ``dequantize_kv_fp8`` of the rows, for both halves of a row
+(scale tiles 0 / 1 and 2 / 3) and for invalid rows (zero bytes, scale 0)."""
 
 import numpy as np
 import pytest
@@ -43,8 +43,8 @@ def _emulate_half(cache: np.ndarray, rows, chunk0: int, tile0: int, rng) -> np.n
         src = cache[rows[r]] if rows[r] >= 0 else np.zeros(cache.shape[1], np.uint8)
         return src[(chunk0 + k) * 16:(chunk0 + k + 1) * 16]
 
-    # fdsa_convert_half_contig: every thread loads its scales and eight raw chunks (before the named barrier,
-    # i.e. before any store of any thread), then the stores in any order
+    # fdsa_convert_half_contig: every thread loads its scales and eight raw chunks (before the __syncwarp,
+    # i.e. before any store to the same row), then the stores in any order
     loaded, written = {}, set()
     for t in range(128):
         r, p = t >> 1, t & 1

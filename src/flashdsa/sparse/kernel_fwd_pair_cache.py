@@ -87,8 +87,8 @@ _DEQUANT_SRC = r"""
 // then one exact bf16x2 multiply by 2^120 * s (two, 2^120 then s, for s > 2^7 where 2^120 * s is no bf16).
 // (Session 22; before: cvt.rn.f16x2.e4m3x2 and the f16 bits moved to bf16 positions, one instruction more per
 // pair.  A NaN e4m3 would come out finite: the format's writer never stores one in a row.)
-// ONE: the caller knows s <= 2^7 (one multiply; "converter_lean" takes this path for a warp none of whose rows has a
-// larger scale, so the second multiply is neither issued nor predicated).
+// ONE: the caller knows s <= 2^7 (one multiply; "converter_contig" takes this path for a warp none of whose rows has
+// a larger scale, so the second multiply is neither issued nor predicated).
 template <int ONE = 0>
 __device__ __forceinline__ void fdsa_cvt_e4m3x16(const unsigned in[4], unsigned o[8], float s) {
   const bool one = ONE || s <= 128.0f;
@@ -196,14 +196,14 @@ __device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], fl
 // 2 c + p, piece 2 m).  Step j (c = j >> 2) takes m = (j + 2 p) & 3, so the 8 threads of a quarter warp (4 rows x
 // both parts) load from and store to 8 different 16-byte bank groups.  A row's outputs overwrite only that row's
 // raw bytes and scales; the thread index goes through fdsa_opaque (the addresses stay in the pair loop).
-// "converter_contig" (the default): all loads, the converter's named barrier bar, all stores.  (Session 21's phased
+// "converter_contig" (the default): all loads, __syncwarp, all stores.  (Session 21's phased
 // form, three named barriers per half, ran 6.64 ms at S 4096 / SKV 8192 / H 128.)
-// WARP (stagings "converter_warp", "converter_lean"): __syncwarp instead of the named barrier (a row's two threads
-// are lanes of one warp, and a row's outputs overwrite only that row's raw bytes), so the four warps stop waiting
-// for each other.  UNI ("converter_lean"): a warp none of whose rows has a scale above 2^7 (a vote) converts with
-// one multiply per pair (``fdsa_cvt_e4m3x16<1>``).
-template <int WARP = 0, int UNI = 0>
-__device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t_in, int bar) {
+// Between loads and stores only a __syncwarp (a row's two threads are lanes of one warp, and a row's outputs
+// overwrite only that row's raw bytes; a named barrier of the 128 threads before session 27), and a warp none of
+// whose rows has a scale above 2^7 (a vote) converts with one multiply per pair (``fdsa_cvt_e4m3x16<1>``): session
+// 27, S 4096 / H 128 5.62 -> 5.46 ms at SKV 8192, sparse FP8 decode H 64 0.1226 -> 0.1119 ms (the vote did it: the
+// __syncwarp alone measured 5.60 / 0.1223).
+__device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t_in) {
   const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
   const int r = t >> 1, p = t & 1;
   const unsigned row_s = static_cast<unsigned>(__cvta_generic_to_shared(half)) + r * 128;
@@ -213,11 +213,8 @@ __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, 
   unsigned w[8][4];
 #pragma unroll
   for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
-  if (WARP)
-    __syncwarp();
-  else
-    asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
-  if (UNI && !__any_sync(0xffffffffu, !(s[0] <= 128.0f && s[1] <= 128.0f))) {
+  __syncwarp();
+  if (!__any_sync(0xffffffffu, !(s[0] <= 128.0f && s[1] <= 128.0f))) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       fdsa_st_cvt<1>(fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3)), w[j], s[j >> 2]);
@@ -301,26 +298,23 @@ def _raw_gather_macro():
 
 
 ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
-STAGINGS = ("consumer", "converter", "converter_contig", "converter_warp", "converter_lean")
-_LEAN = {"converter_warp": 1, "converter_lean": 2}
+STAGINGS = ("consumer", "converter", "converter_contig")
 # the default since session 22: S 4096 / H 128 5.94 / 6.26 ms at SKV 8192 / 131072 against "converter" 6.63 / 6.96
 # (session 21's default), the sparse FP8 decode rows 10-20% faster
-DEFAULT_STAGING = "converter_lean"
-BAR_CONV = 12  # named barrier of the 128 converter threads (converter_contig: every raw chunk read)
+DEFAULT_STAGING = "converter_contig"
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in the converter)
 
 
-def _converter_parts(*, topk_dim, ablate="", contig=False, lean=0):
+def _converter_parts(*, topk_dim, ablate="", contig=False):
     """The converter staging: the producer (``gather_producer``) copies the raw bytes by rows
     (``fdsa_gather_raw656<0>``: the same bytes at the same places as ``_raw_gather_macro``; ``contig``:
     ``fdsa_gather_raw656<1>``, a row's raw bytes in order) with its arrivals on the "landed" barriers; the
     fourth warpgroup waits each half in the producer's order (a.L, b.R, a.R, b.L), converts it in place
     (``fdsa_convert_half``; ``contig``: ``fdsa_convert_half_contig``: its raw chunks into registers, the
-    converter's named barrier ``BAR_CONV``, the stores), fences it for the async proxy and arrives on the consumers'
-    ready barrier.  ``lean`` (contig only): 1 "converter_warp", 2 "converter_lean" (``fdsa_convert_half_contig``'s
-    WARP / UNI).
+    ``__syncwarp``, the stores), fences it for the async proxy and arrives on the consumers'
+    ready barrier.
     Returns (producer, converter)."""
     assert ablate in ABLATIONS, ablate
     assert not (contig and ablate == "no_convert"), "contig: its timing build is ablate='contig_no_convert'"
@@ -348,8 +342,7 @@ def _converter_parts(*, topk_dim, ablate="", contig=False, lean=0):
         T.barrier_wait(ld, phase)
         if not ablate:
             if contig:
-                T.call_extern("handle", f"fdsa_convert_half_contig<{int(lean >= 1)}, {int(lean >= 2)}>",
-                              T.address_of(Half[0, 0]), tile0, tx - 384, BAR_CONV)
+                T.call_extern("handle", "fdsa_convert_half_contig", T.address_of(Half[0, 0]), tile0, tx - 384)
             else:
                 T.call_extern("handle", "fdsa_convert_half", T.address_of(Half[0, 0]), tile0, tx - 384)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
@@ -431,8 +424,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
     if staging.startswith("converter"):
-        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging != "converter",
-                                               lean=_LEAN.get(staging, 0))
+        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
     else:
@@ -565,10 +557,6 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                                                                            ablate="contig_no_convert"),
                 "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                      staging="converter_contig"),
-                "cache_converter_warp": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                   staging="converter_warp"),
-                "cache_converter_lean": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                   staging="converter_lean"),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
