@@ -305,6 +305,7 @@ DEFAULT_STAGING = "converter_contig"
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in the converter)
+REGS_ENV = "FLASHDSA_CACHE656_REGS"  # timing experiments: "w0,w1,producer,converter" overrides CONVERTER_REGS
 
 
 def _converter_parts(*, topk_dim, ablate="", contig=False):
@@ -411,7 +412,7 @@ def _dequant_parts(*, topk_dim, ablate=""):
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
-                                    staging: str = DEFAULT_STAGING):
+                                    staging: str = DEFAULT_STAGING, regs: tuple = CONVERTER_REGS):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
@@ -425,7 +426,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
     if staging.startswith("converter"):
         producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
-        body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
+        body = kp.pair_body(**common, producer=producer, converter=converter, regs=regs,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
     else:
         producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
@@ -456,10 +457,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True, staging: str = DEFAULT_STAGING):
+              overlap_qk: bool = True, staging: str = DEFAULT_STAGING, regs: tuple = CONVERTER_REGS):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk, staging=staging)
+                                           overlap_qk=overlap_qk, staging=staging, regs=regs)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -489,7 +490,13 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging)
+    regs = CONVERTER_REGS
+    if os.environ.get(REGS_ENV):
+        regs = tuple(int(x) for x in os.environ[REGS_ENV].split(","))
+        if len(regs) != 4 or sum(regs) > 512 or any(r % 8 or not 24 <= r <= 240 for r in regs):
+            raise ValueError(f"${REGS_ENV}={os.environ[REGS_ENV]!r}: expected four multiples of 8 in [24, 240], "
+                             "at most 512 in all")
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging, regs)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
