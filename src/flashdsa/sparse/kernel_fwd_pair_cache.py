@@ -305,7 +305,7 @@ DEFAULT_STAGING = "converter_contig"
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in the converter)
-REGS_ENV = "FLASHDSA_CACHE656_REGS"  # timing experiments: "w0,w1,producer,converter" overrides CONVERTER_REGS
+REGS_ENV = "FLASHDSA_CACHE656_REGS"  # timing experiments: "w0/w1/producer/converter" overrides CONVERTER_REGS
 
 
 def _converter_parts(*, topk_dim, ablate="", contig=False):
@@ -492,7 +492,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
     regs = CONVERTER_REGS
     if os.environ.get(REGS_ENV):
-        regs = tuple(int(x) for x in os.environ[REGS_ENV].split(","))
+        regs = tuple(int(x) for x in os.environ[REGS_ENV].replace("/", ",").split(","))
         if len(regs) != 4 or sum(regs) > 512 or any(r % 8 or not 24 <= r <= 240 for r in regs):
             raise ValueError(f"${REGS_ENV}={os.environ[REGS_ENV]!r}: expected four multiples of 8 in [24, 240], "
                              "at most 512 in all")
