@@ -203,9 +203,6 @@ __device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], fl
 // whose rows has a scale above 2^7 (a vote) converts with one multiply per pair (``fdsa_cvt_e4m3x16<1>``): session
 // 27, S 4096 / H 128 5.62 -> 5.46 ms at SKV 8192, sparse FP8 decode H 64 0.1226 -> 0.1119 ms (the vote did it: the
 // __syncwarp alone measured 5.60 / 0.1223).
-// ROUNDS 2 ("converter_contig2"): raw swizzle chunk 1 (its outputs go to chunks 2 / 3, where only the scales were)
-// then chunk 0, four raw chunks in registers at a time instead of eight (ptxas spills 12 bytes in the one-round form).
-template <int ROUNDS = 1>
 __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t_in) {
   const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
   const int r = t >> 1, p = t & 1;
@@ -213,25 +210,6 @@ __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, 
   float s[2];
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s[0]), "=f"(s[1]) : "r"(fdsa_piece(row_s, r, 2, 0) + 4 * tile0)
                : "memory");
-  if (ROUNDS == 2) {
-    const bool one = !__any_sync(0xffffffffu, !(s[0] <= 128.0f && s[1] <= 128.0f));
-#pragma unroll
-    for (int c = 1; c >= 0; --c) {
-      unsigned w[4][4];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) fdsa_ld16(fdsa_piece(row_s, r, c, 4 * p + ((m + 2 * p) & 3)), w[m]);
-      __syncwarp();
-      if (one) {
-#pragma unroll
-        for (int m = 0; m < 4; ++m)
-          fdsa_st_cvt<1>(fdsa_piece(row_s, r, 2 * c + p, 2 * ((m + 2 * p) & 3)), w[m], s[c]);
-      } else {
-#pragma unroll
-        for (int m = 0; m < 4; ++m) fdsa_st_cvt(fdsa_piece(row_s, r, 2 * c + p, 2 * ((m + 2 * p) & 3)), w[m], s[c]);
-      }
-    }
-    return;
-  }
   unsigned w[8][4];
 #pragma unroll
   for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
@@ -320,7 +298,7 @@ def _raw_gather_macro():
 
 
 ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
-STAGINGS = ("consumer", "converter", "converter_contig", "converter_contig2")
+STAGINGS = ("consumer", "converter", "converter_contig")
 # the default since session 22: S 4096 / H 128 5.94 / 6.26 ms at SKV 8192 / 131072 against "converter" 6.63 / 6.96
 # (session 21's default), the sparse FP8 decode rows 10-20% faster
 DEFAULT_STAGING = "converter_contig"
@@ -330,7 +308,7 @@ CONVERTER_REGS = (216, 216, 24, 56)  # ptxas 13.0: no spills (40 / 40 spilled in
 REGS_ENV = "FLASHDSA_CACHE656_REGS"  # timing experiments: "w0/w1/producer/converter" overrides CONVERTER_REGS
 
 
-def _converter_parts(*, topk_dim, ablate="", contig=False, rounds=1):
+def _converter_parts(*, topk_dim, ablate="", contig=False):
     """The converter staging: the producer (``gather_producer``) copies the raw bytes by rows
     (``fdsa_gather_raw656<0>``: the same bytes at the same places as ``_raw_gather_macro``; ``contig``:
     ``fdsa_gather_raw656<1>``, a row's raw bytes in order) with its arrivals on the "landed" barriers; the
@@ -365,8 +343,7 @@ def _converter_parts(*, topk_dim, ablate="", contig=False, rounds=1):
         T.barrier_wait(ld, phase)
         if not ablate:
             if contig:
-                T.call_extern("handle", f"fdsa_convert_half_contig<{rounds}>", T.address_of(Half[0, 0]), tile0,
-                              tx - 384)
+                T.call_extern("handle", "fdsa_convert_half_contig", T.address_of(Half[0, 0]), tile0, tx - 384)
             else:
                 T.call_extern("handle", "fdsa_convert_half", T.address_of(Half[0, 0]), tile0, tx - 384)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
@@ -448,8 +425,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
     if staging.startswith("converter"):
-        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging != "converter",
-                                               rounds=2 if staging == "converter_contig2" else 1)
+        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=regs,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
     else:
