@@ -196,13 +196,19 @@ __device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], fl
 // 2 c + p, piece 2 m).  Step j (c = j >> 2) takes m = (j + 2 p) & 3, so the 8 threads of a quarter warp (4 rows x
 // both parts) load from and store to 8 different 16-byte bank groups.  A row's outputs overwrite only that row's
 // raw bytes and scales; the thread index goes through fdsa_opaque (the addresses stay in the pair loop).
-// "converter_contig" (the default): all loads, __syncwarp, all stores.  (Session 21's phased
-// form, three named barriers per half, ran 6.64 ms at S 4096 / SKV 8192 / H 128.)
-// Between loads and stores only a __syncwarp (a row's two threads are lanes of one warp, and a row's outputs
-// overwrite only that row's raw bytes; a named barrier of the 128 threads before session 27), and a warp none of
-// whose rows has a scale above 2^7 (a vote) converts with one multiply per pair (``fdsa_cvt_e4m3x16<1>``): session
-// 27, S 4096 / H 128 5.62 -> 5.46 ms at SKV 8192, sparse FP8 decode H 64 0.1226 -> 0.1119 ms (the vote did it: the
-// __syncwarp alone measured 5.60 / 0.1223).
+// "converter_contig" (the default): all loads, a __syncwarp (a row's two threads are lanes of one warp, and a row's
+// outputs overwrite only that row's raw bytes; a named barrier of the 128 threads before session 27), all stores; a
+// warp none of whose rows has a scale above 2^7 (a vote) converts with one multiply per pair
+// (``fdsa_cvt_e4m3x16<1>``): session 27, S 4096 / H 128 5.62 -> 5.46 ms at SKV 8192, sparse FP8 decode H 64 0.1226 ->
+// 0.1119 ms (the vote did it: the __syncwarp alone measured 5.60 / 0.1223).  (Session 21's phased form, three named
+// barriers per half, ran 6.64 ms at S 4096 / SKV 8192 / H 128.)
+template <int ONE>
+__device__ __forceinline__ void fdsa_store_half_contig(unsigned row_s, int r, int p, const unsigned w[8][4],
+                                                       const float s[2]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    fdsa_st_cvt<ONE>(fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3)), w[j], s[j >> 2]);
+}
 __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t_in) {
   const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
   const int r = t >> 1, p = t & 1;
@@ -214,15 +220,10 @@ __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, 
 #pragma unroll
   for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
   __syncwarp();
-  if (!__any_sync(0xffffffffu, !(s[0] <= 128.0f && s[1] <= 128.0f))) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      fdsa_st_cvt<1>(fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3)), w[j], s[j >> 2]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      fdsa_st_cvt(fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3)), w[j], s[j >> 2]);
-  }
+  if (!__any_sync(0xffffffffu, !(s[0] <= 128.0f && s[1] <= 128.0f)))
+    fdsa_store_half_contig<1>(row_s, r, p, w, s);
+  else
+    fdsa_store_half_contig<0>(row_s, r, p, w, s);
 }
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
 // chunks [8 p, 8 p + 8) (p = t % 2: the row's 128-dim scale tile tile0 + p), two chunks per step with both loads
@@ -305,7 +306,6 @@ DEFAULT_STAGING = "converter_contig"
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # session 27: best of four splits (ptxas: 12 bytes spilled in the converter)
-REGS_ENV = "FLASHDSA_CACHE656_REGS"  # timing experiments: "w0/w1/producer/converter" overrides CONVERTER_REGS
 
 
 def _converter_parts(*, topk_dim, ablate="", contig=False):
@@ -412,7 +412,7 @@ def _dequant_parts(*, topk_dim, ablate=""):
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
-                                    staging: str = DEFAULT_STAGING, regs: tuple = CONVERTER_REGS):
+                                    staging: str = DEFAULT_STAGING):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
@@ -426,7 +426,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
     if staging.startswith("converter"):
         producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
-        body = kp.pair_body(**common, producer=producer, converter=converter, regs=regs,
+        body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
     else:
         producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
@@ -457,10 +457,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True, staging: str = DEFAULT_STAGING, regs: tuple = CONVERTER_REGS):
+              overlap_qk: bool = True, staging: str = DEFAULT_STAGING):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk, staging=staging, regs=regs)
+                                           overlap_qk=overlap_qk, staging=staging)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -490,13 +490,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
-    regs = CONVERTER_REGS
-    if os.environ.get(REGS_ENV):
-        regs = tuple(int(x) for x in os.environ[REGS_ENV].replace("/", ",").split(","))
-        if len(regs) != 4 or sum(regs) > 512 or any(r % 8 or not 24 <= r <= 240 for r in regs):
-            raise ValueError(f"${REGS_ENV}={os.environ[REGS_ENV]!r}: expected four multiples of 8 in [24, 240], "
-                             "at most 512 in all")
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging, regs)
+    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging)
     direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
                             indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
