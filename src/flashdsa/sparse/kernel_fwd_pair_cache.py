@@ -202,13 +202,18 @@ __device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], fl
 // (``fdsa_cvt_e4m3x16<1>``): session 27, S 4096 / H 128 5.62 -> 5.46 ms at SKV 8192, sparse FP8 decode H 64 0.1226 ->
 // 0.1119 ms (the vote did it: the __syncwarp alone measured 5.60 / 0.1223).  (Session 21's phased form, three named
 // barriers per half, ran 6.64 ms at S 4096 / SKV 8192 / H 128.)
-template <int ONE>
-__device__ __forceinline__ void fdsa_store_half_contig(unsigned row_s, int r, int p, const unsigned w[8][4],
+// ROUNDS 2 ("converter_contig2"): raw swizzle chunk 1 (its outputs go to chunks 2 / 3, where only the scales were)
+// then chunk 0, four raw chunks in registers at a time instead of eight (ptxas spills 12 bytes in the one-round form).
+template <int ONE, int N>
+__device__ __forceinline__ void fdsa_store_half_contig(unsigned row_s, int r, int p, int c0, const unsigned w[N][4],
                                                        const float s[2]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-    fdsa_st_cvt<ONE>(fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3)), w[j], s[j >> 2]);
+  for (int j = 0; j < N; ++j) {
+    const int c = c0 + (j >> 2);
+    fdsa_st_cvt<ONE>(fdsa_piece(row_s, r, 2 * c + p, 2 * ((j + 2 * p) & 3)), w[j], s[c]);
+  }
 }
+template <int ROUNDS = 1>
 __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t_in) {
   const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
   const int r = t >> 1, p = t & 1;
@@ -216,14 +221,29 @@ __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, 
   float s[2];
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s[0]), "=f"(s[1]) : "r"(fdsa_piece(row_s, r, 2, 0) + 4 * tile0)
                : "memory");
-  unsigned w[8][4];
+  if constexpr (ROUNDS == 2) {
+    const bool one = !__any_sync(0xffffffffu, !(s[0] <= 128.0f && s[1] <= 128.0f));
 #pragma unroll
-  for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
-  __syncwarp();
-  if (!__any_sync(0xffffffffu, !(s[0] <= 128.0f && s[1] <= 128.0f)))
-    fdsa_store_half_contig<1>(row_s, r, p, w, s);
-  else
-    fdsa_store_half_contig<0>(row_s, r, p, w, s);
+    for (int c = 1; c >= 0; --c) {
+      unsigned w[4][4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) fdsa_ld16(fdsa_piece(row_s, r, c, 4 * p + ((m + 2 * p) & 3)), w[m]);
+      __syncwarp();
+      if (one)
+        fdsa_store_half_contig<1, 4>(row_s, r, p, c, w, s);
+      else
+        fdsa_store_half_contig<0, 4>(row_s, r, p, c, w, s);
+    }
+  } else {
+    unsigned w[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
+    __syncwarp();
+    if (!__any_sync(0xffffffffu, !(s[0] <= 128.0f && s[1] <= 128.0f)))
+      fdsa_store_half_contig<1, 8>(row_s, r, p, 0, w, s);
+    else
+      fdsa_store_half_contig<0, 8>(row_s, r, p, 0, w, s);
+  }
 }
 // The converter's share of one landed raw half tile, in place (128 converter threads): thread t takes row t / 2,
 // chunks [8 p, 8 p + 8) (p = t % 2: the row's 128-dim scale tile tile0 + p), two chunks per step with both loads
@@ -299,7 +319,7 @@ def _raw_gather_macro():
 
 
 ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
-STAGINGS = ("consumer", "converter", "converter_contig")
+STAGINGS = ("consumer", "converter", "converter_contig", "converter_contig2")
 # the default since session 22: S 4096 / H 128 5.94 / 6.26 ms at SKV 8192 / 131072 against "converter" 6.63 / 6.96
 # (session 21's default), the sparse FP8 decode rows 10-20% faster
 DEFAULT_STAGING = "converter_contig"
@@ -308,7 +328,7 @@ STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the 
 CONVERTER_REGS = (216, 216, 24, 56)  # session 27: best of four splits (ptxas: 12 bytes spilled in the converter)
 
 
-def _converter_parts(*, topk_dim, ablate="", contig=False):
+def _converter_parts(*, topk_dim, ablate="", contig=False, rounds=1):
     """The converter staging: the producer (``gather_producer``) copies the raw bytes by rows
     (``fdsa_gather_raw656<0>``: the same bytes at the same places as ``_raw_gather_macro``; ``contig``:
     ``fdsa_gather_raw656<1>``, a row's raw bytes in order) with its arrivals on the "landed" barriers; the
@@ -343,7 +363,8 @@ def _converter_parts(*, topk_dim, ablate="", contig=False):
         T.barrier_wait(ld, phase)
         if not ablate:
             if contig:
-                T.call_extern("handle", "fdsa_convert_half_contig", T.address_of(Half[0, 0]), tile0, tx - 384)
+                T.call_extern("handle", f"fdsa_convert_half_contig<{rounds}>", T.address_of(Half[0, 0]), tile0,
+                              tx - 384)
             else:
                 T.call_extern("handle", "fdsa_convert_half", T.address_of(Half[0, 0]), tile0, tx - 384)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
@@ -425,7 +446,8 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
     if staging.startswith("converter"):
-        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
+        producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging != "converter",
+                                               rounds=2 if staging == "converter_contig2" else 1)
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
     else:
@@ -558,6 +580,8 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                                                                            ablate="contig_no_convert"),
                 "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                      staging="converter_contig"),
+                "cache_converter_contig2": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
+                                                                      staging="converter_contig2"),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
