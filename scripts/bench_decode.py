@@ -37,6 +37,7 @@ except ImportError:  # run from a checkout without an install: use its src/
 CASES = {
     # name: (B, H, s_q, cache, causal, target)
     "mem": (64, 16, 1, 8192, True, ">= 3.8 TB/s"),
+    "mem66": (66, 16, 1, 8192, True, "-"),  # 132 splits of 64 tiles: every SM busy (a load-balance probe)
     "h32": (64, 32, 1, 8192, True, "-"),  # the narrow kernel's widest row tile
     "h64": (64, 64, 1, 8192, True, "-"),
     "compute": (128, 128, 1, 8192, True, ">= 690 TFLOP/s"),
