@@ -182,8 +182,7 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "decode_bs16": lambda: decode(16, 1, 16), "decode_ws": lambda: decode(64, 1, 64),
            "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True),
            "sparse_bwd512": lambda: sparse_bwd(False, 512), "sparse_cache656_converter": sparse_cache_converter,
-           "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig"),
-           "sparse_cache656_converter_contig2": lambda: sparse_cache_converter("converter_contig2")}
+           "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig")}
 
 
 def main():

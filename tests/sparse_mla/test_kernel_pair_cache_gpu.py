@@ -99,7 +99,7 @@ def test_sparse_mla_fwd_pair_cache_unsupported():
                                 d_v=D_V)
 
 
-@pytest.mark.parametrize("staging", ["consumer", "converter", "converter_contig2"])
+@pytest.mark.parametrize("staging", ["consumer", "converter"])
 @_over_cases
 def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride, staging):
     """The other stagings against the reference on the dequantized cache (bitwise against the default build:
@@ -117,14 +117,14 @@ def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl
 
 
 @pytest.mark.parametrize("variant", [dict(overlap_qk=False), dict(staging="consumer"),
-                                     dict(staging="converter"), dict(staging="converter_contig2")],
-                         ids=["no_overlap_qk", "consumer", "converter", "converter_contig2"])
+                                     dict(staging="converter")],
+                         ids=["no_overlap_qk", "consumer", "converter"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
                          ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
 def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
     """A build with the default's products in its order, bitwise equal to the default build: ``overlap_qk=False``
     (the consumers retire their remote PV before the next QK); the consumer staging (the default converter
-    staging splits each PV by columns: the same products per output column); converter; converter_contig2."""
+    staging splits each PV by columns: the same products per output column); converter."""
     heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
@@ -134,7 +134,7 @@ def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
                            variant, f"H={heads} Tkv={tkv} topk={topk} T={n_tok} rs={row_stride}", HANG_S)
 
 
-@pytest.mark.parametrize("staging", ["converter", "converter_contig", "converter_contig2", "consumer"])
+@pytest.mark.parametrize("staging", ["converter", "converter_contig", "consumer"])
 @pytest.mark.parametrize("max_exp", [12, 7])
 def test_sparse_mla_fwd_pair_cache_every_e4m3_code(staging, max_exp):
     """Every finite e4m3 byte (subnormals and both zeros included) in every latent position, under power-of-two
