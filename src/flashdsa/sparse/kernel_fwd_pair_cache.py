@@ -89,31 +89,8 @@ _DEQUANT_SRC = r"""
 // pair.  A NaN e4m3 would come out finite: the format's writer never stores one in a row.)
 // ONE: the caller knows s <= 2^7 (one multiply; "converter_contig" takes this path for a warp none of whose rows has
 // a larger scale, so the second multiply is neither issued nor predicated).
-// ONE 2 / 3: timing probes of an f16 design (wrong bits for a bf16 tile): cvt.rn.f16x2.e4m3x2 and one f16x2
-// multiply by s (2), or the cvt alone (3).
 template <int ONE = 0>
 __device__ __forceinline__ void fdsa_cvt_e4m3x16(const unsigned in[4], unsigned o[8], float s) {
-  if constexpr (ONE == 4) {  // "probe_noalu": the raw words stored as they are (loads and stores, no arithmetic)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = in[i & 3];
-    return;
-  }
-  if constexpr (ONE >= 2) {
-    unsigned ms;
-    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(ms) : "f"(s));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        unsigned b;
-        const unsigned short h = static_cast<unsigned short>(k ? in[i] >> 16 : in[i] & 0xffffu);
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(b) : "h"(h));
-        if constexpr (ONE == 2) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(b) : "r"(b), "r"(ms));
-        o[2 * i + k] = b;
-      }
-    }
-    return;
-  }
   const bool one = ONE || s <= 128.0f;
   unsigned m1, m2;
   asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(m1) : "f"(one ? s * 1.329227995784916e36f : 1.329227995784916e36f));
@@ -225,7 +202,6 @@ __device__ __forceinline__ void fdsa_st_cvt(unsigned lo, const unsigned w[4], fl
 // (``fdsa_cvt_e4m3x16<1>``): session 27, S 4096 / H 128 5.62 -> 5.46 ms at SKV 8192, sparse FP8 decode H 64 0.1226 ->
 // 0.1119 ms (the vote did it: the __syncwarp alone measured 5.60 / 0.1223).  (Session 21's phased form, three named
 // barriers per half, ran 6.64 ms at S 4096 / SKV 8192 / H 128.)
-// PROBE 2 / 3 (timing builds "f16_probe" / "f16_probe_noscale"): every warp converts with fdsa_cvt_e4m3x16<PROBE>.
 template <int ONE>
 __device__ __forceinline__ void fdsa_store_half_contig(unsigned row_s, int r, int p, const unsigned w[8][4],
                                                        const float s[2]) {
@@ -233,7 +209,6 @@ __device__ __forceinline__ void fdsa_store_half_contig(unsigned row_s, int r, in
   for (int j = 0; j < 8; ++j)
     fdsa_st_cvt<ONE>(fdsa_piece(row_s, r, 2 * (j >> 2) + p, 2 * ((j + 2 * p) & 3)), w[j], s[j >> 2]);
 }
-template <int PROBE = 0>
 __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, int t_in) {
   const int t = static_cast<int>(fdsa_opaque(static_cast<unsigned>(t_in)));
   const int r = t >> 1, p = t & 1;
@@ -242,20 +217,10 @@ __device__ __forceinline__ void fdsa_convert_half_contig(void *half, int tile0, 
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(s[0]), "=f"(s[1]) : "r"(fdsa_piece(row_s, r, 2, 0) + 4 * tile0)
                : "memory");
   unsigned w[8][4];
-  if constexpr (PROBE == 5) {  // "probe_storeonly": no raw loads, the stores of a per-thread pattern
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      for (int e = 0; e < 4; ++e) w[j][e] = static_cast<unsigned>(t * 131 + j * 7 + e);
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
-  }
+  for (int j = 0; j < 8; ++j) fdsa_ld16(fdsa_piece(row_s, r, j >> 2, 4 * p + ((j + 2 * p) & 3)), w[j]);
   __syncwarp();
-  if constexpr (PROBE == 5)
-    fdsa_store_half_contig<4>(row_s, r, p, w, s);
-  else if constexpr (PROBE != 0)
-    fdsa_store_half_contig<PROBE>(row_s, r, p, w, s);
-  else if (!__any_sync(0xffffffffu, !(s[0] <= 128.0f && s[1] <= 128.0f)))
+  if (!__any_sync(0xffffffffu, !(s[0] <= 128.0f && s[1] <= 128.0f)))
     fdsa_store_half_contig<1>(row_s, r, p, w, s);
   else
     fdsa_store_half_contig<0>(row_s, r, p, w, s);
@@ -333,10 +298,7 @@ def _raw_gather_macro():
     return gather_raw
 
 
-# timing builds: conversion skipped ("no_convert"; contig: converter only); the f16 design's conversion cost in a
-# bf16 kernel (converter_contig only, wrong values): cvt + multiply ("f16_probe"), the cvt alone ("..._noscale")
-ABLATIONS = ("", "no_convert", "contig_no_convert", "f16_probe", "f16_probe_noscale", "probe_noalu", "probe_storeonly")
-PROBES = {"f16_probe": 2, "f16_probe_noscale": 3, "probe_noalu": 4, "probe_storeonly": 5}
+ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
 STAGINGS = ("consumer", "converter", "converter_contig")
 # the default since session 22: S 4096 / H 128 5.94 / 6.26 ms at SKV 8192 / 131072 against "converter" 6.63 / 6.96
 # (session 21's default), the sparse FP8 decode rows 10-20% faster
@@ -357,7 +319,6 @@ def _converter_parts(*, topk_dim, ablate="", contig=False):
     Returns (producer, converter)."""
     assert ablate in ABLATIONS, ablate
     assert not (contig and ablate == "no_convert"), "contig: its timing build is ablate='contig_no_convert'"
-    assert contig or ablate not in PROBES, "the f16 probes time the converter_contig staging"
     DH = D_V // 2
     contig = contig or ablate == "contig_no_convert"
 
@@ -380,10 +341,9 @@ def _converter_parts(*, topk_dim, ablate="", contig=False):
     @T.macro
     def convert_one(Half, tile0, ld, rdy, phase, tx):
         T.barrier_wait(ld, phase)
-        if not ablate or ablate in PROBES:
+        if not ablate:
             if contig:
-                T.call_extern("handle", f"fdsa_convert_half_contig<{PROBES.get(ablate, 0)}>", T.address_of(Half[0, 0]),
-                              tile0, tx - 384)
+                T.call_extern("handle", "fdsa_convert_half_contig", T.address_of(Half[0, 0]), tile0, tx - 384)
             else:
                 T.call_extern("handle", "fdsa_convert_half", T.address_of(Half[0, 0]), tile0, tx - 384)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
@@ -528,7 +488,6 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     chunks = fc.cache_chunks(kv)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
-    ablate = ablate or os.environ.get("FLASHDSA_CACHE656_ABLATE", "none").replace("none", "")  # TEMPORARY probe knob
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
     kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging)
@@ -599,12 +558,6 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                                                                            ablate="contig_no_convert"),
                 "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                      staging="converter_contig"),
-                "cache_f16_probe": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, ablate="f16_probe"),
-                "cache_f16_probe_noscale": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                      ablate="f16_probe_noscale"),
-                "cache_probe_noalu": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, ablate="probe_noalu"),
-                "cache_probe_storeonly": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                    ablate="probe_storeonly"),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
