@@ -1,6 +1,6 @@
 """Host time per call of benchmark cases (run on the GPU host): is a short case launch-bound?
 
-    python scripts/host_time.py [--profile] SUITE CASE_SUBSTRING [...]
+    python scripts/host_time.py [--profile] [--plan] SUITE CASE_SUBSTRING [...]
 
 For each matching case of ``flashdsa bench --op SUITE``: N calls issued back to back without synchronising
 (host microseconds per call: the GPU queue is deep enough that the launches do not block while the host is the
@@ -8,7 +8,8 @@ slower side), the same N calls timed to the end of the GPU work (us per call, ba
 ``bench.harness.time_fn``'s median (L2 flushed, as the suite times it).  A host time close to or above the GPU
 time per call means the suite's figure for that case includes launch gaps.  ``--profile``: then 200 more calls
 under cProfile, the 30 functions with the most own time and the 40 with the most cumulative time (where the host
-time goes).
+time goes).  ``--plan``: dense decode cases also through ``mla_decode_plan`` (the plan made once, ``plan.run``
+timed).
 """
 
 import cProfile
@@ -23,7 +24,21 @@ from flashdsa.bench.harness import time_fn
 from flashdsa.bench.suites import get_cases
 
 
-def main(suite: str, needles: list[str], n: int = 50, profile: bool = False) -> None:
+def _times(run, inputs, dev, n):
+    """(host us per call issued back to back, us per call to the end of the GPU work, time_fn median us)."""
+    for _ in range(5):
+        run(inputs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run(inputs)
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    both = (time.perf_counter() - t0) / n * 1e6
+    return host, both, time_fn(run, [inputs], dev, reps=30).ms_median * 1e3
+
+
+def main(suite: str, needles: list[str], n: int = 50, profile: bool = False, plan: bool = False) -> None:
     dev = torch.device("cuda")
     cases, _ = get_cases(suite, dev)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -31,18 +46,18 @@ def main(suite: str, needles: list[str], n: int = 50, profile: bool = False) -> 
         if not any(s in case.name for s in needles):
             continue
         inputs = case.build(dev, gen)
-        for _ in range(5):
-            case.run(inputs, "auto")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            case.run(inputs, "auto")
-        host = (time.perf_counter() - t0) / n * 1e6
-        torch.cuda.synchronize()
-        both = (time.perf_counter() - t0) / n * 1e6
-        med = time_fn(lambda i: case.run(i, "auto"), [inputs], dev, reps=30).ms_median * 1e3
-        print(f"{case.name}: host {host:.1f} us/call, back to back {both:.1f} us/call, time_fn median {med:.1f} us",
-              flush=True)
+        runs = {case.name: lambda i: case.run(i, "auto")}
+        if plan and "block_table" in inputs:  # --plan: a dense decode case's layer through mla_decode_plan
+            from flashdsa import mla_decode_plan
+
+            q = inputs["q"]
+            p = mla_decode_plan(inputs["block_table"], inputs["cache_seqlens"], inputs["kv_cache"],
+                                num_heads=q.shape[2], s_q=q.shape[1])
+            runs[case.name + " plan.run"] = lambda i: p.run(i["q"], i["kv_cache"])
+        for label, run in runs.items():
+            host, both, med = _times(run, inputs, dev, n)
+            print(f"{label}: host {host:.1f} us/call, back to back {both:.1f} us/call, time_fn median {med:.1f} us",
+                  flush=True)
         if profile:
             prof = cProfile.Profile()
             prof.enable()
@@ -58,4 +73,4 @@ def main(suite: str, needles: list[str], n: int = 50, profile: bool = False) -> 
 if __name__ == "__main__":
     flags = [a for a in sys.argv[1:] if a.startswith("--")]
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    main(args[0], args[1:], profile="--profile" in flags)
+    main(args[0], args[1:], profile="--profile" in flags, plan="--plan" in flags)

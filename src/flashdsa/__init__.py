@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from .cache import write_indexer_cache, write_kv_cache
 from .decode.api import mla_decode
+from .decode.plan import mla_decode_plan
 from .indexer.api import indexer_logits, indexer_logits_paged
 from .quant import dequantize_kv_fp8, quantize_fp8, quantize_kv_fp8
 from .sparse.api import sparse_attn, sparse_mla, sparse_mla_fwd
@@ -20,6 +21,7 @@ __all__ = [
     "topk_indices",
     "dsa_topk",
     "mla_decode",
+    "mla_decode_plan",
     "sparse_mla_fwd",
     "sparse_mla",
     "sparse_attn",

@@ -84,6 +84,21 @@ def _check(out, lse, ref_out, ref_lse):
         assert ok.all(), f"lse: max rel err {rel.max().item():.3e}"
 
 
+def _capture(fn):
+    """(graph, fn's outputs inside it): ``fn`` run twice on a side stream first (compiles, as the CUDA-graph notes
+    ask for warm-up), then captured once."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    return graph, outs
+
+
 def _reference(q, kv, table, seqlens, *, sm_scale, causal, sink):
     from flashdsa.decode.reference import mla_decode_reference
 
@@ -173,16 +188,8 @@ def test_dense_decode_cuda_graph_replay():
     q, kv, table, _ = _make(B, s_q, H, bs, [max(x, y) for x, y in zip(lens_a, lens_b)], seed=11)
     seqlens = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
     scale = 576 ** -0.5
-    # warm up (compiles) outside the capture, on a side stream as the CUDA-graph docs require
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=scale, d_v=512, causal=True)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=scale, d_v=512, causal=True)
+    graph, (out, lse) = _capture(lambda: K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=scale, d_v=512,
+                                                                causal=True))
     for lens in (lens_a, lens_b, lens_a):
         seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
         # the unused tail of a shorter sequence is stale data, not NaN: the kernel must not read it either way

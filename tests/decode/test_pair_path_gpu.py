@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from .test_kernel_gpu import _check, _kernel, _make, _reference
+from .test_kernel_gpu import _capture, _check, _kernel, _make, _reference
 
 pytestmark = pytest.mark.gpu
 
@@ -74,15 +74,7 @@ def test_pair_path_cuda_graph_replay():
     seqlens = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
     run = lambda: K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=0.05, d_v=512, causal=True,  # noqa: E731
                                          variant="pair")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = run()
+    graph, (out, lse) = _capture(run)
     for lens in (lens_a, lens_b, lens_a):
         seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()

@@ -62,18 +62,26 @@ def token_order(lengths, s_q: int):
     return (seqs.view(-1, 1) * s_q + torch.arange(s_q, device=lengths.device)).view(-1).to(torch.int32)
 
 
-def run(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float, causal: bool, attn_sink=None):
+def prepare(block_table, cache_seqlens, num_blocks: int, block_size: int, s_q: int, causal: bool):
+    """(slots, lengths, order) of a step: ``slot_rows`` and ``token_order`` (GPU ops, no host sync); what ``run``
+    needs besides q and the cache, the same for every layer of a decode step."""
+    slots, lengths = slot_rows(block_table, cache_seqlens, num_blocks, block_size, s_q, causal)
+    return slots, lengths, token_order(lengths, s_q)
+
+
+def run(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float, causal: bool, attn_sink=None, prepared=None):
     """q [B, s_q, H, 576] bf16 (H 64 / 128), kv_cache [num_blocks, block_size, 576] bf16 -> (out [B, s_q, H, 512]
     bf16, lse [B, s_q, H] f32).  The CTAs take the sequences longest first (the kernel's ``Order`` input:
     ``token_order``), so that mixed lengths do not leave a long sequence for the last wave.  The
     caller checked the arguments (``kernel_dense.kernel_unsupported``; H 64 / 128 and ``pair_fits`` by the
-    dispatch), which covers the forward's rules for the slot lists built here."""
+    dispatch), which covers the forward's rules for the slot lists built here.  ``prepared``: ``prepare``'s result
+    for these block_table / cache_seqlens (computed here when None)."""
     from ..sparse import kernel_fwd_pair
 
     B, s_q, H, _ = q.shape
     nb, bs, _ = kv_cache.shape
-    slots, lengths = slot_rows(block_table, cache_seqlens, nb, bs, s_q, causal)
-    order = token_order(lengths, s_q)
+    slots, lengths, order = prepared if prepared is not None else prepare(block_table, cache_seqlens, nb, bs, s_q,
+                                                                          causal)
     out, lse, _ = kernel_fwd_pair.run_sparse_mla_fwd(q.reshape(B * s_q, H, DQK), kv_cache.reshape(nb * bs, DQK),
                                                      slots, sm_scale=sm_scale, d_v=D_V, topk_length=lengths,
                                                      attn_sink=attn_sink, order=order, checked=True)

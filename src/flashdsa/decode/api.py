@@ -81,6 +81,47 @@ def _(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, t
     return q.new_empty(B, s_q, H, d_v), q.new_empty(B, s_q, H, dtype=ld)
 
 
+def _check_args(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, topk_length, attn_sink,
+                backend):
+    """``mla_decode``'s argument checks (shapes, dtypes, devices; no values read); returns (kv_cache without its
+    singleton head dim, sm_scale with its default)."""
+    check_tensor("q", q, ndim=4, dtypes=_Q)
+    B, s_q, H, dqk = q.shape
+    if dqk not in (512, 576):
+        raise ValueError(f"q: expected a last dim (Dqk) in [512, 576], got {dqk}")
+    fp8 = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.uint8
+    width = KV_FP8_BYTES if fp8 else dqk
+    check_tensor("kv_cache", kv_cache, ndim=(3, 4), dtypes=(q.dtype, torch.uint8))
+    if kv_cache.dim() == 4:
+        check_tensor("kv_cache", kv_cache, shape=(None, None, 1, width))
+        kv_cache = kv_cache.squeeze(2)
+    check_tensor("kv_cache", kv_cache, shape=(None, None, width))
+    if fp8 and dqk != KV_DIM:
+        raise ValueError(f"q: the FP8 656-byte cache holds {KV_DIM}-dim rows, but q has Dqk={dqk}")
+    if not isinstance(d_v, int) or isinstance(d_v, bool):
+        raise TypeError(f"d_v: expected an int, got {type(d_v).__name__}")
+    if not 0 < d_v <= dqk:
+        raise ValueError(f"d_v: expected 0 < d_v <= Dqk={dqk}, got {d_v}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    sparse = indices is not None
+    check_tensor("indices", indices, shape=(B, s_q, None), dtypes=_I32, optional=True)
+    if sparse and indices.shape[-1] < 1:
+        raise ValueError(f"indices: expected topk >= 1, got shape {list(indices.shape)}")
+    check_tensor("block_table", block_table, shape=(B, None), dtypes=_I32, optional=sparse)
+    check_tensor("cache_seqlens", cache_seqlens, shape=(B,), dtypes=_I32, optional=sparse, last_dim_contiguous=False)
+    if topk_length is not None and not sparse:
+        raise ValueError("topk_length: only meaningful for sparse decode (indices given), got a tensor with indices=None")
+    check_tensor("topk_length", topk_length, shape=(B,), dtypes=_I32, optional=True, last_dim_contiguous=False)
+    check_tensor("attn_sink", attn_sink, shape=(H,), dtypes=(torch.float32, torch.float64), optional=True)
+    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,
+                      topk_length=topk_length, attn_sink=attn_sink)
+    scale = check_float("sm_scale", sm_scale)
+    scale = dqk ** -0.5 if scale is None else scale
+    _dispatch.requested_backend(backend)
+    return kv_cache, scale
+
+
 def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=512, causal=True, indices=None,
                topk_length=None, attn_sink=None, backend="auto"):
     """MLA decode: a few new query tokens per sequence attend a paged latent KV cache (MQA), dense or sparse.
@@ -126,39 +167,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
         >>> out.shape, float(lse[1, 0, 0])
         (torch.Size([2, 1, 4, 512]), inf)
     """
-    check_tensor("q", q, ndim=4, dtypes=_Q)
-    B, s_q, H, dqk = q.shape
-    if dqk not in (512, 576):
-        raise ValueError(f"q: expected a last dim (Dqk) in [512, 576], got {dqk}")
-    fp8 = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.uint8
-    width = KV_FP8_BYTES if fp8 else dqk
-    check_tensor("kv_cache", kv_cache, ndim=(3, 4), dtypes=(q.dtype, torch.uint8))
-    if kv_cache.dim() == 4:
-        check_tensor("kv_cache", kv_cache, shape=(None, None, 1, width))
-        kv_cache = kv_cache.squeeze(2)
-    check_tensor("kv_cache", kv_cache, shape=(None, None, width))
-    if fp8 and dqk != KV_DIM:
-        raise ValueError(f"q: the FP8 656-byte cache holds {KV_DIM}-dim rows, but q has Dqk={dqk}")
-    if not isinstance(d_v, int) or isinstance(d_v, bool):
-        raise TypeError(f"d_v: expected an int, got {type(d_v).__name__}")
-    if not 0 < d_v <= dqk:
-        raise ValueError(f"d_v: expected 0 < d_v <= Dqk={dqk}, got {d_v}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    kv_cache, scale = _check_args(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices,
+                                  topk_length, attn_sink, backend)
     sparse = indices is not None
-    check_tensor("indices", indices, shape=(B, s_q, None), dtypes=_I32, optional=True)
-    if sparse and indices.shape[-1] < 1:
-        raise ValueError(f"indices: expected topk >= 1, got shape {list(indices.shape)}")
-    check_tensor("block_table", block_table, shape=(B, None), dtypes=_I32, optional=sparse)
-    check_tensor("cache_seqlens", cache_seqlens, shape=(B,), dtypes=_I32, optional=sparse, last_dim_contiguous=False)
-    if topk_length is not None and not sparse:
-        raise ValueError("topk_length: only meaningful for sparse decode (indices given), got a tensor with indices=None")
-    check_tensor("topk_length", topk_length, shape=(B,), dtypes=_I32, optional=True, last_dim_contiguous=False)
-    check_tensor("attn_sink", attn_sink, shape=(H,), dtypes=(torch.float32, torch.float64), optional=True)
-    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,
-                      topk_length=topk_length, attn_sink=attn_sink)
-    scale = check_float("sm_scale", sm_scale)
-    scale = dqk ** -0.5 if scale is None else scale
-    _dispatch.requested_backend(backend)
     return _decode_op(q, kv_cache, block_table if not sparse else None, cache_seqlens if not sparse else None, scale,
                       d_v, causal, indices, topk_length, attn_sink, backend)

@@ -89,14 +89,12 @@ Risks for the GPU run
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
 
 import functools
-import math
 import os
 
 import torch
 
-from . import _pair_path
 from ._tl_common import D_ROPE, D_V, DQK, LN2, LOG2E, combine_row_macro, partial_prim_func, partial_sizes
-from .._tilelang import direct_launcher, dummy
+from .._tilelang import direct_launcher
 from .. import _dispatch
 
 BLOCK_M = 64  # query rows (s_q * H) per tile: the wgmma M
@@ -511,66 +509,22 @@ def run_mla_decode_dense(q, kv_cache, block_table, cache_seqlens, *, sm_scale, d
     "ws"); None takes ``$FLASHDSA_DECODE_VARIANT`` or ``DEFAULT_VARIANT``.
     The three-launch paths share the split plan, the partial buffers and the combine kernel.  ``checked``: the
     caller has already had ``kernel_unsupported`` accept these arguments (the dispatcher does), so it is not run
-    twice.
+    twice.  One call is ``prepare_dense`` (the decisions and the per-step work that depends on block_table /
+    cache_seqlens only) then one launch of what it returns (``mla_decode_plan`` keeps that for many layers).
     """
     if not checked:
         reason = kernel_unsupported(q, kv_cache, block_table, cache_seqlens, d_v=d_v, causal=causal,
                                     attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"mla_decode dense kernel: {reason}")
-    if not (sm_scale > 0 and math.isfinite(sm_scale)):
-        raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale}")
-    variant = _variant(variant)
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.squeeze(2)
-    B, s_q, H, _ = q.shape
-    M = s_q * H
-    dev = q.device
-    out = torch.empty((B, M, D_V), dtype=torch.bfloat16, device=dev)
-    lse = torch.empty((B, M), dtype=torch.float32, device=dev)
-    if B == 0:
-        return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
-    nb, bs, _ = kv_cache.shape
-    if block_table.shape[1] == 0 or nb == 0:  # nothing can be attended
-        out.zero_()
-        lse.fill_(math.inf)
-        return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
-    n_mt = (M + BLOCK_M - 1) // BLOCK_M
-    num_sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-    efficiency = _pair_path.pair_efficiency(B, s_q, H, num_sms) if _pair_path.pair_fits(
-        B, s_q, block_table.shape[1] * bs) else 0.0
-    if (variant == "pair" and efficiency > 0) or (variant == "auto" and efficiency >= _pair_path.PAIR_MIN_EFFICIENCY):
-        return _pair_path.run(q, kv_cache, block_table, cache_seqlens, sm_scale=float(sm_scale), causal=bool(causal),
-                              attn_sink=attn_sink)
-    if _runs_fused(variant, M):
-        # one launch instead of "narrow"'s three (session 8, H200: 0.1586 vs 0.162 ms at B 64, H 16, cache 8192 in
-        # scripts/bench_decode.py); its merge counters are per (device, stream), fresh inside a CUDA-graph capture
-        from . import kernel_dense_fused as fused
+    from ._dense_step import prepare_dense
 
-        fused.run_fused(q.reshape(B, M, DQK).contiguous(), kv_cache.contiguous(), block_table.contiguous(),
-                        cache_seqlens.contiguous(), attn_sink, out, lse, heads=H, s_q=s_q, causal=bool(causal),
-                        sm_scale=float(sm_scale), num_sms=num_sms)
-        return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
-    if variant != "pipelined":
-        ws = _ws_module(variant, M)
-        plan_kw = dict(num_sms=num_sms * ws.ctas_per_sm(M), tile=ws.BLOCK_N, overhead=ws._OVERHEAD_TILES,
-                       min_chunk=ws._MIN_CHUNK_TILES)
-    else:
-        plan_kw = dict(num_sms=num_sms)
-    plan, seq_plan, o_part, lse_part = _workspace(B, M, max_items(B, n_mt, plan_kw["num_sms"]), dev)
-    _plan_device(cache_seqlens, max_blocks=block_table.shape[1], block_size=bs, n_mt=n_mt, out=(plan, seq_plan),
-                 **plan_kw)
-    qf = q.reshape(B, M, DQK).contiguous()
-    has_sink = attn_sink is not None
-    sink = attn_sink.contiguous() if has_sink else dummy(torch.float32, dev)
-    if variant != "pipelined":
-        part = ws.compiled_partial(H, s_q, bs, bool(causal), float(sm_scale), has_sink)
-    else:
-        part = _compiled_partial(H, s_q, bs, bool(causal), float(sm_scale), has_sink)
-    direct_launcher(part)(qf, kv_cache.contiguous(), block_table.contiguous(), cache_seqlens.contiguous(), plan,
-                          sink, out, lse, o_part, lse_part)
-    direct_launcher(_compiled_combine(H, s_q, has_sink))(seq_plan, sink, o_part, lse_part, out, lse)
-    return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
+    B, s_q, H, _ = q.shape
+    step = prepare_dense(B, s_q, H, kv_cache.shape, block_table, cache_seqlens, sm_scale=sm_scale, causal=causal,
+                         has_sink=attn_sink is not None, variant=variant, device=q.device)
+    return step(q, kv_cache, attn_sink)
 
 
 def lowering_cases():

@@ -289,16 +289,23 @@ def seq_counters(batch: int, device) -> torch.Tensor:
     return t[:batch]
 
 
+def make_workspace(B: int, M: int, num_sms: int, dev):
+    """The partial buffers of a call of ``B`` sequences and ``M = s_q * H`` rows (``kernel_dense._workspace``'s
+    four views; the fused kernel reads and writes ``o_part`` / ``lse_part`` only, in stream order)."""
+    return _kd._workspace(B, M, _kd.max_items(B, 1, num_sms * _kn.ctas_per_sm(M)), dev)
+
+
 def run_fused(qf, kv_cache, block_table, cache_seqlens, attn_sink, out, lse, *, heads: int, s_q: int, causal: bool,
-              sm_scale: float, num_sms: int):
+              sm_scale: float, num_sms: int, workspace=None):
     """One launch of the fused kernel into ``out [B, M, 512]`` bf16 / ``lse [B, M]`` f32 (``kernel_dense`` has
     checked the arguments and handled B = 0 and empty tables).  ``qf [B, M, 576]``, ``kv_cache [num_blocks,
-    block_size, 576]``, ``block_table``, ``cache_seqlens`` contiguous; ``num_sms``: the device's SM count."""
+    block_size, 576]``, ``block_table``, ``cache_seqlens`` contiguous; ``num_sms``: the device's SM count;
+    ``workspace``: ``make_workspace(B, M, num_sms, device)`` (allocated here when None)."""
     B, M, _ = qf.shape
     dev = qf.device
     bs = kv_cache.shape[1]
     plan_sms = num_sms * _kn.ctas_per_sm(M)
-    _, _, o_part, lse_part = _kd._workspace(B, M, _kd.max_items(B, 1, plan_sms), dev)
+    _, _, o_part, lse_part = workspace if workspace is not None else make_workspace(B, M, num_sms, dev)
     has_sink = attn_sink is not None
     sink = attn_sink.contiguous() if has_sink else dummy(torch.float32, dev)
     kern = _compiled(heads, s_q, bs, bool(causal), float(sm_scale), has_sink, plan_sms, _kn.THREADS, _kn.STAGES,
