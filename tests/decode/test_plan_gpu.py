@@ -63,6 +63,9 @@ def test_plan_run_matches_mla_decode(B, s_q, H, bs, lens, causal, sink, path):
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), "plan.run differs from mla_decode"
         if B:
             _check(out, lse, *_reference(q, kv, table, seqlens, sm_scale=0.05, causal=causal, sink=attn_sink))
+    if sink:  # the kernels take a float32 sink (mla_decode would send a float64 one to the reference)
+        with pytest.raises(TypeError, match="attn_sink"):
+            plan.run(*layers[0], attn_sink.double())
 
 
 def test_plan_pair_path_and_no_cache():

@@ -45,7 +45,8 @@ class MLADecodePlan:
         Args:
             q: `[B, s_q, H, Dqk]` with the plan's shape and dtype, last dim contiguous.
             kv_cache: this layer's cache, with the shape, dtype and device the plan was made for.
-            attn_sink: `[H]` float32 when the plan was made with ``has_sink=True``, else None.
+            attn_sink: `[H]` float32 (float64 too where ``plan.path`` is "op") when the plan was made with
+                ``has_sink=True``, else None.
 
         Returns:
             out `[B, s_q, H, d_v]` in q's dtype, lse `[B, s_q, H]` float32 (natural log), as ``mla_decode``.
@@ -66,9 +67,9 @@ class MLADecodePlan:
         if (attn_sink is not None) != self.has_sink:
             raise ValueError(f"attn_sink: the plan was made with has_sink={self.has_sink}, got "
                              f"{'a tensor' if attn_sink is not None else 'None'}")
-        if attn_sink is not None:
-            check_tensor("attn_sink", attn_sink, shape=(self.shape[2],), dtypes=(torch.float32, torch.float64),
-                         device=self.device)
+        if attn_sink is not None:  # the kernels take float32 (mla_decode sends a float64 sink to the reference)
+            check_tensor("attn_sink", attn_sink, shape=(self.shape[2],), device=self.device,
+                         dtypes=(torch.float32,) if self._step is not None else (torch.float32, torch.float64))
         if self._step is not None:
             return self._step(q, kv_cache, attn_sink)
         return api._decode_op(q, kv_cache, self.block_table, self.cache_seqlens, self.sm_scale, self.d_v, self.causal,
