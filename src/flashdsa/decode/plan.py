@@ -51,19 +51,15 @@ class MLADecodePlan:
         Returns:
             out `[B, s_q, H, d_v]` in q's dtype, lse `[B, s_q, H]` float32 (natural log), as ``mla_decode``.
         """
+        # the plan's shapes compared directly (a few attribute reads per layer); check_tensor words any mismatch
         if not isinstance(q, torch.Tensor) or q.shape != self.shape or q.dtype != self.q_dtype \
                 or q.device != self.device or q.stride(-1) != 1:
             check_tensor("q", q, shape=self.shape, dtypes=(self.q_dtype,), device=self.device)
-            raise ValueError(f"q: expected a [{', '.join(map(str, self.shape))}] tensor on {self.device}")
-        if not isinstance(kv_cache, torch.Tensor):
-            raise TypeError(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
-        if kv_cache.dim() == 4:
+        if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4:
             kv_cache = kv_cache.squeeze(2)
-        if kv_cache.shape != self.kv_shape or kv_cache.dtype != self.kv_dtype or kv_cache.device != self.device \
-                or kv_cache.stride(-1) != 1:
-            raise ValueError(f"kv_cache: expected a contiguous-last-dim {self.kv_dtype} tensor of shape "
-                             f"{list(self.kv_shape)} on {self.device} (the plan's), got {kv_cache.dtype} "
-                             f"{list(kv_cache.shape)} on {kv_cache.device} with strides {tuple(kv_cache.stride())}")
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.shape != self.kv_shape \
+                or kv_cache.dtype != self.kv_dtype or kv_cache.device != self.device or kv_cache.stride(-1) != 1:
+            check_tensor("kv_cache", kv_cache, shape=self.kv_shape, dtypes=(self.kv_dtype,), device=self.device)
         if (attn_sink is not None) != self.has_sink:
             raise ValueError(f"attn_sink: the plan was made with has_sink={self.has_sink}, got "
                              f"{'a tensor' if attn_sink is not None else 'None'}")
