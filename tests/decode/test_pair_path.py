@@ -38,10 +38,24 @@ def test_pair_efficiency(B, s_q, H, sms, expected):
     assert _pair_path.pair_efficiency(B, s_q, H, sms) == pytest.approx(expected)
 
 
-def test_pair_fits():
-    assert _pair_path.pair_fits(128, 2, 32768)
-    assert not _pair_path.pair_fits(128, 4, 1 << 20)  # 2 GiB of slot lists
-    assert not _pair_path.pair_fits(1, 1, 1 << 30)
+def test_pair_fits(monkeypatch):
+    assert _pair_path.pair_fits(128, 2, 32768, 16)
+    assert not _pair_path.pair_fits(128, 4, 1 << 20, 16)  # 2 GiB of slot lists
+    assert _pair_path.pair_fits(128, 4, 1 << 20, 64)  # paged: no slot lists
+    assert not _pair_path.pair_fits(1, 1, 1 << 30, 64)
+    monkeypatch.setenv(_pair_path.PAGED_ENV, "0")
+    assert not _pair_path.pair_fits(128, 4, 1 << 20, 64)
+
+
+def test_prepare_skips_slot_lists_where_paged(monkeypatch):
+    table = torch.tensor([[2, 0, -1], [1, 5, 3]], dtype=torch.int32)
+    seqlens = torch.tensor([70, 129], dtype=torch.int32)
+    slots, lengths, order = _pair_path.prepare(table, seqlens, 6, 64, 2, True)
+    assert slots is None and lengths.tolist() == [69, 70, 128, 129] and order.tolist() == [2, 3, 0, 1]
+    monkeypatch.setenv(_pair_path.PAGED_ENV, "0")
+    slots, lengths2, _ = _pair_path.prepare(table, seqlens, 6, 64, 2, True)
+    assert slots.shape == (4, 192) and torch.equal(lengths, lengths2)
+    assert slots[0, 64:66].tolist() == [0, 1] and slots[0, 128].item() == -1
 
 
 @pytest.mark.parametrize("s_q", [1, 2, 4])

@@ -77,7 +77,7 @@ def prepare_dense(B: int, s_q: int, H: int, kv_shape, block_table, cache_seqlens
     n_mt = (M + _kd.BLOCK_M - 1) // _kd.BLOCK_M
     num_sms = _kd._num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
     efficiency = _pair_path.pair_efficiency(B, s_q, H, num_sms) if _pair_path.pair_fits(
-        B, s_q, block_table.shape[1] * bs) else 0.0
+        B, s_q, block_table.shape[1] * bs, bs) else 0.0
     if (variant == "pair" and efficiency > 0) or (variant == "auto" and efficiency >= _pair_path.PAIR_MIN_EFFICIENCY):
         return DenseStep("pair", num_sms=num_sms, prepared=_pair_path.prepare(block_table, cache_seqlens, nb, bs, s_q,
                                                                               bool(causal)), **common)

@@ -6,10 +6,14 @@ is its causal length, so the kernel walks exactly the attended positions (and sk
 cache viewed as ``num_blocks * block_size`` rows is the forward's kv; the CTAs take the sequences longest first,
 a sequence's tokens together (``token_order``).  The forward's 64-head CTAs run at the pair schedule's rate
 (~500-550 TFLOP/s at H 128, session 25) when there are enough of them, where the split-KV decode kernels reach
-~250; ``pair_efficiency`` decides.
+~250; ``pair_efficiency`` decides.  Block sizes that are multiples of 64 skip the slot lists: the kernel of
+``kernel_pair_paged`` reads the pages through the block table (TMA for full blocks), same outputs bit for bit
+(``$FLASHDSA_DECODE_PAIR_PAGED=0``: the slot lists everywhere, for timing).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -20,9 +24,21 @@ PAIR_MIN_EFFICIENCY = 0.6  # the pair path when its CTAs fill the waves at least
 MAX_SLOT_BYTES = 1 << 28  # the B * s_q * L int32 slot lists it materializes (L = max_blocks * block_size)
 
 
-def pair_fits(batch: int, s_q: int, length: int) -> bool:
-    """The slot lists stay within ``MAX_SLOT_BYTES`` and the forward's int32 slot arithmetic (L < 2^30)."""
-    return length < 2**30 and batch * s_q * length * 4 <= MAX_SLOT_BYTES
+PAGED_ENV = "FLASHDSA_DECODE_PAIR_PAGED"
+
+
+def paged(block_size: int) -> bool:
+    """Whether the pair path reads the pages through the block table (``kernel_pair_paged``) instead of slot
+    lists: block sizes that are multiples of 64, unless ``$FLASHDSA_DECODE_PAIR_PAGED`` is "0"."""
+    from . import kernel_pair_paged
+
+    return kernel_pair_paged.supports(block_size) and os.environ.get(PAGED_ENV, "1") != "0"
+
+
+def pair_fits(batch: int, s_q: int, length: int, block_size: int) -> bool:
+    """The int32 slot arithmetic holds (L < 2^30) and, where slot lists are built (not ``paged``), they stay
+    within ``MAX_SLOT_BYTES``."""
+    return length < 2**30 and (paged(block_size) or batch * s_q * length * 4 <= MAX_SLOT_BYTES)
 
 
 def pair_efficiency(batch: int, s_q: int, heads: int, num_sms: int) -> float:
@@ -44,11 +60,17 @@ def slot_rows(block_table, cache_seqlens, num_blocks: int, block_size: int, s_q:
     ok = (block_table >= 0) & (block_table < num_blocks)  # [B, max_blocks]; bad ids may overflow below: masked
     offs = torch.arange(block_size, device=dev, dtype=torch.int32)
     slots = torch.where(ok.unsqueeze(-1), block_table.unsqueeze(-1) * block_size + offs, -1).view(B, L)
+    slots = slots.view(B, 1, L).expand(B, s_q, L).reshape(B * s_q, L)
+    return slots, query_lengths(cache_seqlens, L, s_q, causal)
+
+
+def query_lengths(cache_seqlens, L: int, s_q: int, causal: bool):
+    """[B * s_q] int32: each query's attended length (causal: bottom-right, query i of s_q sees cache_seqlens -
+    s_q + 1 + i positions) clamped to [0, L]."""
+    dev = cache_seqlens.device
     shift = torch.arange(s_q, device=dev, dtype=torch.int32) - (s_q - 1) if causal else \
         torch.zeros(s_q, device=dev, dtype=torch.int32)
-    lengths = (cache_seqlens.view(B, 1) + shift.view(1, s_q)).clamp(0, L).reshape(B * s_q)  # int32
-    slots = slots.view(B, 1, L).expand(B, s_q, L).reshape(B * s_q, L)
-    return slots, lengths
+    return (cache_seqlens.view(-1, 1) + shift.view(1, s_q)).clamp(0, L).reshape(-1)  # int32
 
 
 def token_order(lengths, s_q: int):
@@ -63,9 +85,13 @@ def token_order(lengths, s_q: int):
 
 
 def prepare(block_table, cache_seqlens, num_blocks: int, block_size: int, s_q: int, causal: bool):
-    """(slots, lengths, order) of a step: ``slot_rows`` and ``token_order`` (GPU ops, no host sync); what ``run``
-    needs besides q and the cache, the same for every layer of a decode step."""
-    slots, lengths = slot_rows(block_table, cache_seqlens, num_blocks, block_size, s_q, causal)
+    """(slots, lengths, order) of a step: ``slot_rows`` (slots None where ``paged``: ``query_lengths`` only) and
+    ``token_order`` (GPU ops, no host sync); what ``run`` needs besides q and the cache, the same for every layer
+    of a decode step."""
+    if paged(block_size):
+        slots, lengths = None, query_lengths(cache_seqlens, block_table.shape[1] * block_size, s_q, causal)
+    else:
+        slots, lengths = slot_rows(block_table, cache_seqlens, num_blocks, block_size, s_q, causal)
     return slots, lengths, token_order(lengths, s_q)
 
 
@@ -82,6 +108,12 @@ def run(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float, causal: boo
     nb, bs, _ = kv_cache.shape
     slots, lengths, order = prepared if prepared is not None else prepare(block_table, cache_seqlens, nb, bs, s_q,
                                                                           causal)
+    if slots is None:
+        from . import kernel_pair_paged
+
+        out, lse = kernel_pair_paged.run(q, kv_cache, block_table, lengths, order, sm_scale=sm_scale,
+                                         attn_sink=attn_sink)
+        return out.view(B, s_q, H, D_V), lse.view(B, s_q, H)
     out, lse, _ = kernel_fwd_pair.run_sparse_mla_fwd(q.reshape(B * s_q, H, DQK), kv_cache.reshape(nb * bs, DQK),
                                                      slots, sm_scale=sm_scale, d_v=D_V, topk_length=lengths,
                                                      attn_sink=attn_sink, order=order, checked=True)

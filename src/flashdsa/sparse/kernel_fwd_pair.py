@@ -81,6 +81,30 @@ HOP_REGS = (216, 216, 56, 24)  # the ``hop`` timing build: 512 threads, the prod
 _ASYNC = tc.ASYNC_GATHER
 
 
+def row_gather_macros(dqk):
+    """(``gather_l(KVl, Rows, kv_src)``, ``gather_r(KVr, Kt, Rows, kv_src)``): one half tile's rows by
+    ``fdsa_gather_half`` (``_tl_common.ROW_GATHER_PRELUDE``; producer threads 256-383, 8 per 128-byte row segment;
+    Rows[r] = KV row or -1: zero fill, nothing read), completion left to the caller (``cp_async_barrier_noinc``).
+    ``kv_src[0]``: KV [n_kv, dqk] bf16.  L = columns [0, 256); R = [256, 512) + the rope tail into ``Kt``."""
+
+    @T.macro
+    def gather_rows(KVh, Kt, rope, Rows, kv_src, col0):
+        KV = kv_src[0]
+        T.call_extern("handle", "fdsa_gather_half<2>", T.address_of(KVh[0, 0]), T.address_of(Kt[0, 0]),
+                      1 if rope else 0, T.address_of(KV[0, 0]), dqk, col0, T.address_of(Rows[0]),
+                      T.get_thread_binding() - 256)
+
+    @T.macro
+    def gather_l(KVl, Rows, kv_src):
+        gather_rows(KVl, KVl, False, Rows, kv_src, 0)
+
+    @T.macro
+    def gather_r(KVr, Kt, Rows, kv_src):
+        gather_rows(KVr, Kt, dqk > D_V, Rows, kv_src, D_V // 2)
+
+    return gather_l, gather_r
+
+
 def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False):
     """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
     D = D_V
@@ -94,17 +118,12 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
         # False for "no_gather"; "half_gather": only even CTAs (head group 0 at H 128); a Python True otherwise
         return ablate != "no_gather" and (ablate != "half_gather" or T.get_block_binding(0) % 2 == 0)
 
-    @T.macro
-    def gather_rows(KVh, Kt, rope, Rows, kv_src, col0):
-        KV = kv_src[0]
-        T.call_extern("handle", "fdsa_gather_half<2>", T.address_of(KVh[0, 0]), T.address_of(Kt[0, 0]),
-                      1 if rope else 0, T.address_of(KV[0, 0]), dqk, col0, T.address_of(Rows[0]),
-                      T.get_thread_binding() - 256)
+    rows_l, rows_r = row_gather_macros(dqk)
 
     @T.macro
     def gather_l(KVl, Rows, kv_src):
         if row_gather:
-            gather_rows(KVl, KVl, False, Rows, kv_src, 0)
+            rows_l(KVl, Rows, kv_src)
         elif gathers():
             KV = kv_src[0]
             for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):
@@ -114,7 +133,7 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
     @T.macro
     def gather_r(KVr, Kt, Rows, kv_src):
         if row_gather:
-            gather_rows(KVr, Kt, D_tail > 0, Rows, kv_src, DH)
+            rows_r(KVr, Kt, Rows, kv_src)
         elif gathers():
             KV = kv_src[0]
             for r, c, d in T.Parallel(BI, 4, 64, annotations=_ASYNC):

@@ -1,0 +1,59 @@
+"""GPU: the pair path's paged kernel (``decode/kernel_pair_paged.py``: pages through the block table, TMA for full
+blocks) against the reference and bit for bit against the slot-list path it replaces
+(``$FLASHDSA_DECODE_PAIR_PAGED=0``), with test_kernel_gpu.py's inputs (shuffled tables, NaN in every unused slot,
+bad block ids past each sequence) plus bad block ids inside the attended range, a strided block table and lengths
+that end inside a block.  Compiles: one paged build per (H, s_q, block size, sink) below and the slot-list builds
+they are compared with."""
+
+import pytest
+import torch
+
+from .test_kernel_gpu import _check, _kernel, _make, _reference
+
+pytestmark = pytest.mark.gpu
+
+# (B, s_q, H, block_size, lens (cycled over the batch), causal, sink, bad ids inside the range)
+CASES = [
+    (4, 1, 128, 64, (4096, 4000, 64, 1), False, False, False),
+    (6, 2, 64, 128, (20, 4096, 0, 140, 8191, 1), True, True, True),
+    (5, 1, 64, 256, (700, 0, 4096, 3000, 65), True, False, True),
+    (3, 3, 128, 64, (2048, 130, 5), True, True, False),
+]
+
+
+def _run(K, q, kv, table, seqlens, causal, sink):
+    return K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=576 ** -0.5, d_v=512, causal=causal,
+                                  attn_sink=sink, variant="pair")
+
+
+@pytest.mark.parametrize("B,s_q,H,block_size,lens,causal,sink,bad", CASES,
+                         ids=[f"B{c[0]}-sq{c[1]}-H{c[2]}-bs{c[3]}{'-sink' if c[6] else ''}{'-bad' if c[7] else ''}"
+                              for c in CASES])
+def test_paged_matches_reference_and_slot_lists(monkeypatch, B, s_q, H, block_size, lens, causal, sink, bad):
+    from flashdsa.decode import _pair_path
+
+    K = _kernel()
+    lens = [lens[i % len(lens)] for i in range(B)]
+    q, kv, table, seqlens = _make(B, s_q, H, block_size, lens, seed=B * 31 + H + block_size)
+    if bad:  # an out-of-range page inside sequences that have >= 3 pages: its positions are skipped, never read
+        for b, n in enumerate(lens):
+            if n > 2 * block_size:
+                table[b, 1] = (-1, kv.shape[0], -(2**31))[b % 3]
+    # a strided block table (a column slice of a wider one)
+    wide = torch.full((B, table.shape[1] + 3), -7, dtype=torch.int32, device="cuda")
+    wide[:, 1:1 + table.shape[1]] = table
+    table_s = wide[:, 1:1 + table.shape[1]]
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(H, device="cuda", dtype=torch.float32)
+        attn_sink[0], attn_sink[1] = float("inf"), float("-inf")
+    assert _pair_path.paged(block_size)
+    out, lse = _run(K, q, kv, table_s, seqlens, causal, attn_sink)
+    torch.cuda.synchronize()
+    _check(out, lse, *_reference(q, kv, table, seqlens, sm_scale=576 ** -0.5, causal=causal, sink=attn_sink))
+    again = _run(K, q, kv, table_s, seqlens, causal, attn_sink)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), "not bitwise repeatable"
+    monkeypatch.setenv(_pair_path.PAGED_ENV, "0")
+    assert not _pair_path.paged(block_size)
+    slots = _run(K, q, kv, table, seqlens, causal, attn_sink)
+    assert torch.equal(out, slots[0]) and torch.equal(lse, slots[1]), "paged != slot lists"
