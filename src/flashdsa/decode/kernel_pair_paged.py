@@ -75,11 +75,12 @@ def paged_producer(*, s_q, block_size, l2_ahead=0):
             row[0] = T.if_then_else((pg[k] >= 0) & (blk * BI + pt < lim), pg[k] * bs + blk * BI % bs + pt, -1)
 
     @T.macro
-    def prefetch_block(KV, BlockTable, KVP, b, lim, blk):
+    def prefetch_block(KV, BlockTable, KVP, b, lim, blk, pf):
         # the block's positions below lim, in a valid page: one bulk prefetch of their contiguous rows
-        pgn = BlockTable[b, T.min(blk * BI // bs, BlockTable.shape[1] - 1)]
-        if (blk * BI < lim) & (pgn >= 0) & (pgn < KVP.shape[0]):
-            T.call_extern("handle", "fdsa_prefetch_l2", T.address_of(KV[pgn * bs + blk * BI % bs, 0]),
+        pf[0] = BlockTable[b, T.min(blk * BI // bs, BlockTable.shape[1] - 1)]
+        if (blk * BI < lim) & (pf[0] >= 0) & (pf[0] < KVP.shape[0]):
+            pf[0] = pf[0] * bs + blk * BI % bs
+            T.call_extern("handle", "fdsa_prefetch_l2", T.address_of(KV[pf[0], 0]),
                           T.min(lim - blk * BI, BI) * (DQK * 2))
 
     @T.macro
@@ -117,13 +118,14 @@ def paged_producer(*, s_q, block_size, l2_ahead=0):
     def producer(kv_src, BlockTable, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                  row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
         pg = T.alloc_local([4], i32)  # pages of blocks a / b, then their "full" flags
+        pf = T.alloc_local([1], i32)  # (l2_ahead) a prefetched block's first row
         pt = tx - 256
         b = tok // s_q
         for j in T.serial(npair[0]):
             if l2_ahead > 0:
                 if pt == 0:
-                    prefetch_block(kv_src[0], BlockTable, kv_src[1], b, lim[0], (j + l2_ahead) * 2)
-                    prefetch_block(kv_src[0], BlockTable, kv_src[1], b, lim[0], (j + l2_ahead) * 2 + 1)
+                    prefetch_block(kv_src[0], BlockTable, kv_src[1], b, lim[0], (j + l2_ahead) * 2, pf)
+                    prefetch_block(kv_src[0], BlockTable, kv_src[1], b, lim[0], (j + l2_ahead) * 2 + 1, pf)
             # the pair's pages and rows before the waits (their loads overlap them)
             block_rows(BlockTable, kv_src[1], b, lim[0], j * 2, pt, pg, 0, row_a)
             block_rows(BlockTable, kv_src[1], b, lim[0], j * 2 + 1, pt, pg, 1, row_b)
