@@ -24,7 +24,6 @@ addresses -> 4-5 TMA instructions from one thread): without any gather the pair 
 """
 
 import functools
-import os
 
 import torch
 
@@ -41,23 +40,12 @@ from ._tl_common import D_V, DQK
 BI = tc.BLOCK_I
 DH = D_V // 2
 TOPK_BOUND = 1 << 30  # the kernel's static block bound; the real bound is TopkLen <= max_blocks * block_size
-L2_AHEAD_ENV = "FLASHDSA_PAIR_PAGED_L2_AHEAD"
-L2_AHEAD = 0  # pairs ahead whose page segments one producer thread prefetches into L2 (0: none)
-
-# one bulk L2 prefetch of a contiguous page segment (16-byte aligned, a multiple of 16 bytes): one instruction per
-# 64 x 1152-byte block, issued by one thread
-PREFETCH_PRELUDE = r"""
-__device__ __forceinline__ void fdsa_prefetch_l2(const void *p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-"""
 
 
-def paged_producer(*, s_q, block_size, l2_ahead=0):
+def paged_producer(*, s_q, block_size):
     """The producer (``pair_body``'s ``producer`` slot) of the paged bf16 cache: ``kv_src`` = (KV [num_blocks *
     block_size, 576] (the row gather's flat view), KVP [num_blocks, block_size, 576] (the TMA's paged view)),
-    ``Indices`` = BlockTable [B, max_blocks] int32.  ``l2_ahead`` = A > 0: at pair j, producer thread 0 prefetches
-    the page segments of pair j + A into L2 (one bulk prefetch per block)."""
+    ``Indices`` = BlockTable [B, max_blocks] int32."""
     bs = int(block_size)
     assert bs % BI == 0, bs
     gather_l, gather_r = row_gather_macros(DQK)
@@ -73,15 +61,6 @@ def paged_producer(*, s_q, block_size, l2_ahead=0):
         pg[k + 2] = T.if_then_else((pg[k] >= 0) & (blk * BI + BI <= lim), 1, 0)
         if pt < BI:
             row[0] = T.if_then_else((pg[k] >= 0) & (blk * BI + pt < lim), pg[k] * bs + blk * BI % bs + pt, -1)
-
-    @T.macro
-    def prefetch_block(KV, BlockTable, KVP, b, lim, blk, pf):
-        # the block's positions below lim, in a valid page: one bulk prefetch of their contiguous rows
-        pf[0] = BlockTable[b, T.min(blk * BI // bs, BlockTable.shape[1] - 1)]
-        if (blk * BI < lim) & (pf[0] >= 0) & (pf[0] < KVP.shape[0]):
-            pf[0] = pf[0] * bs + blk * BI % bs
-            T.call_extern("handle", "fdsa_prefetch_l2", T.address_of(KV[pf[0], 0]),
-                          T.min(lim - blk * BI, BI) * (DQK * 2))
 
     @T.macro
     def publish(Rows, row, pt, rdy):
@@ -118,14 +97,9 @@ def paged_producer(*, s_q, block_size, l2_ahead=0):
     def producer(kv_src, BlockTable, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                  row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
         pg = T.alloc_local([4], i32)  # pages of blocks a / b, then their "full" flags
-        pf = T.alloc_local([1], i32)  # (l2_ahead) a prefetched block's first row
         pt = tx - 256
         b = tok // s_q
         for j in T.serial(npair[0]):
-            if l2_ahead > 0:
-                if pt == 0:
-                    prefetch_block(kv_src[0], BlockTable, kv_src[1], b, lim[0], (j + l2_ahead) * 2, pf)
-                    prefetch_block(kv_src[0], BlockTable, kv_src[1], b, lim[0], (j + l2_ahead) * 2 + 1, pf)
             # the pair's pages and rows before the waits (their loads overlap them)
             block_rows(BlockTable, kv_src[1], b, lim[0], j * 2, pt, pg, 0, row_a)
             block_rows(BlockTable, kv_src[1], b, lim[0], j * 2 + 1, pt, pg, 1, row_b)
@@ -145,20 +119,19 @@ def paged_producer(*, s_q, block_size, l2_ahead=0):
     return producer
 
 
-def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, l2_ahead: int = 0):
+def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool):
     """The TileLang prim_func: Q [B * s_q, H, 576] bf16, KV [num_blocks * block_size, 576] bf16 (flat view), KVP
     [num_blocks, block_size, 576] bf16 (the same cache, paged view), BlockTable [B, max_blocks] int32, TopkLen
     [B * s_q] int32 (attended length per token, in [0, max_blocks * block_size]), Sink [n_sink] f32, Order
     [B * s_q] int32 (CTA row -> token; ``pair_body``), Out [B * s_q, H, 512] bf16, Lse [B * s_q, H] f32,
-    MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64; ``l2_ahead``: ``paged_producer``'s."""
+    MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_pages, n_seq, maxb, n_sink = tc.dynamic_dims("n_tok", "n_kv", "n_pages", "n_seq", "max_blocks",
                                                                 "n_sink")
     bs = int(block_size)
     body = pair_body(heads=heads, dqk=DQK, topk=TOPK_BOUND, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=True, n_tok=n_tok, topk_dim=maxb * bs,
-                     producer=paged_producer(s_q=s_q, block_size=bs, l2_ahead=l2_ahead),
-                     prelude=tc.ROW_GATHER_PRELUDE + (PREFETCH_PRELUDE if l2_ahead else ""))
+                     producer=paged_producer(s_q=s_q, block_size=bs), prelude=tc.ROW_GATHER_PRELUDE)
 
     @T.prim_func
     def mla_decode_pair_paged(
@@ -184,15 +157,9 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, l2_ahead: int):
-    func = build_pair_paged(heads=heads, s_q=s_q, block_size=block_size, sm_scale=sm_scale, has_sink=has_sink,
-                            l2_ahead=l2_ahead)
+def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool):
+    func = build_pair_paged(heads=heads, s_q=s_q, block_size=block_size, sm_scale=sm_scale, has_sink=has_sink)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
-
-
-def _l2_ahead() -> int:
-    env = os.environ.get(L2_AHEAD_ENV, "").strip()
-    return int(env) if env else L2_AHEAD
 
 
 def supports(block_size: int) -> bool:
@@ -211,7 +178,7 @@ def run(q, kv_cache, block_table, lengths, order, *, sm_scale: float, attn_sink=
     out = torch.empty((n_tok, H, D_V), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((n_tok, H), dtype=torch.float32, device=dev)
     max_logits = torch.empty((n_tok, H), dtype=torch.float32, device=dev)
-    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, _l2_ahead())
+    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None)
     kv_cache = kv_cache.contiguous()
     sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, dev)
     direct_launcher(kernel)(q.reshape(n_tok, H, DQK).contiguous(), kv_cache.view(nb * bs, DQK), kv_cache,
@@ -224,6 +191,6 @@ def lowering_cases():
     return [
         ("pair_paged_h128_sq1_bs64", build_pair_paged(heads=128, s_q=1, block_size=64, sm_scale=DQK ** -0.5,
                                                       has_sink=False)),
-        ("pair_paged_h64_sq2_bs256_sink_l2ahead1", build_pair_paged(heads=64, s_q=2, block_size=256, sm_scale=0.04,
-                                                                    has_sink=True, l2_ahead=1)),
+        ("pair_paged_h64_sq2_bs256_sink", build_pair_paged(heads=64, s_q=2, block_size=256, sm_scale=0.04,
+                                                           has_sink=True)),
     ]
