@@ -6,8 +6,9 @@ Variants (``run_mla_decode_dense(..., variant=)``, else ``$FLASHDSA_DECODE_VARIA
   * "auto" (default): "narrow_fused" for ``s_q * H <= AUTO_NARROW_ROWS``; "pair" where H is 64 / 128 and its
     CTAs fill the SM waves well (``_pair_path.pair_efficiency`` >= ``PAIR_MIN_EFFICIENCY``); else "ws".
   * "pair": one sparse MLA forward on the pair schedule over the flat cache, each query token's slot list its
-    cache positions, its causal length as ``topk_length`` (``_pair_path.py``); H 64 / 128 and slot lists within
-    ``_pair_path.MAX_SLOT_BYTES`` only (else "ws").
+    cache positions, its causal length as ``topk_length`` (``_pair_path.py``); H 64 / 128 only, and for block
+    sizes that are not multiples of 64 slot lists within ``_pair_path.MAX_SLOT_BYTES`` (else "ws"); block sizes
+    that are multiples of 64 read the pages through the block table instead (``kernel_pair_paged.py``).
   * "narrow": ``kernel_dense_narrow.py`` (cache positions on the wgmma M side, the few query rows as N) where
     ``s_q * H <= 32``, else "ws"; see its notes.  Three launches (plan, partial, combine); explicit only.
   * "ws": the warp-specialised partial kernel of ``kernel_dense_ws.py`` (producer warpgroup + two
