@@ -24,7 +24,6 @@ addresses -> 4-5 TMA instructions from one thread): without any gather the pair 
 """
 
 import functools
-import os
 
 import torch
 
@@ -43,11 +42,10 @@ DH = D_V // 2
 TOPK_BOUND = 1 << 30  # the kernel's static block bound; the real bound is TopkLen <= max_blocks * block_size
 
 
-def paged_producer(*, s_q, block_size, tma_first=False):
+def paged_producer(*, s_q, block_size):
     """The producer (``pair_body``'s ``producer`` slot) of the paged bf16 cache: ``kv_src`` = (KV [num_blocks *
     block_size, 576] (the row gather's flat view), KVP [num_blocks, block_size, 576] (the TMA's paged view)),
-    ``Indices`` = BlockTable [B, max_blocks] int32.  ``tma_first`` (timing build): a full block's first half is
-    issued before its rows are published (one named barrier less between a free and the TMA issue)."""
+    ``Indices`` = BlockTable [B, max_blocks] int32."""
     bs = int(block_size)
     assert bs % BI == 0, bs
     gather_l, gather_r = row_gather_macros(DQK)
@@ -72,46 +70,28 @@ def paged_producer(*, s_q, block_size, tma_first=False):
         T.barrier_arrive(rdy)
 
     @T.macro
-    def issue(kv_src, KVh, Kt, pg, k, blk, rdy, right):
-        # a full block's half tile by TMA (one elected thread: expect_tx + the 64 x 64 boxes)
+    def load_l(kv_src, KVh, Rows, pg, k, blk, rdy):
         KVP = kv_src[1]
         if pg[k + 2] == 1:
-            if right:
-                T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, DH:D_V], KVh, barrier=rdy,
-                           leader_scope_threads=128)
-                T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, D_V:DQK], Kt, barrier=rdy,
-                           leader_scope_threads=128)
-            else:
-                T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, 0:DH], KVh, barrier=rdy,
-                           leader_scope_threads=128)
-
-    @T.macro
-    def complete(kv_src, KVh, Kt, Rows, pg, k, rdy, right):
-        # every producer thread's arrival for the half: after the TMA issue, or the row gather's noinc arrival
-        if pg[k + 2] == 1:
+            T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, 0:DH], KVh, barrier=rdy,
+                       leader_scope_threads=128)
             T.barrier_arrive(rdy)
         else:
-            if right:
-                gather_r(KVh, Kt, Rows, kv_src)
-            else:
-                gather_l(KVh, Rows, kv_src)
+            gather_l(KVh, Rows, kv_src)
             T.cp_async_barrier_noinc(rdy)
 
     @T.macro
-    def load_first(kv_src, KVh, Kt, Rows, row, pt, pg, k, blk, rdy, right):
-        # a block's first half: its rows published (the consumers' mask; the row gather reads them) and its data
-        if tma_first:  # the TMA issue does not need the rows: before the producer's named barrier
-            issue(kv_src, KVh, Kt, pg, k, blk, rdy, right)
-            publish(Rows, row, pt, rdy)
+    def load_r(kv_src, KVh, Kt, Rows, pg, k, blk, rdy):
+        KVP = kv_src[1]
+        if pg[k + 2] == 1:
+            T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, DH:D_V], KVh, barrier=rdy,
+                       leader_scope_threads=128)
+            T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, D_V:DQK], Kt, barrier=rdy,
+                       leader_scope_threads=128)
+            T.barrier_arrive(rdy)
         else:
-            publish(Rows, row, pt, rdy)
-            issue(kv_src, KVh, Kt, pg, k, blk, rdy, right)
-        complete(kv_src, KVh, Kt, Rows, pg, k, rdy, right)
-
-    @T.macro
-    def load_second(kv_src, KVh, Kt, Rows, pg, k, blk, rdy, right):
-        issue(kv_src, KVh, Kt, pg, k, blk, rdy, right)
-        complete(kv_src, KVh, Kt, Rows, pg, k, rdy, right)
+            gather_r(KVh, Kt, Rows, kv_src)
+            T.cp_async_barrier_noinc(rdy)
 
     @T.macro
     def producer(kv_src, BlockTable, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
@@ -124,33 +104,34 @@ def paged_producer(*, s_q, block_size, tma_first=False):
             block_rows(BlockTable, kv_src[1], b, lim[0], j * 2, pt, pg, 0, row_a)
             block_rows(BlockTable, kv_src[1], b, lim[0], j * 2 + 1, pt, pg, 1, row_b)
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
-            load_first(kv_src, KVa_l, KVa_l, Rows0, row_a, pt, pg, 0, j * 2, rdy_al, False)
+            publish(Rows0, row_a, pt, rdy_al)
+            load_l(kv_src, KVa_l, Rows0, pg, 0, j * 2, rdy_al)
             T.barrier_wait(fr_br, pair_phase(pb, j) ^ 1)
-            load_first(kv_src, KVb_r, Kb_t, Rows1, row_b, pt, pg, 1, j * 2 + 1, rdy_br, True)
+            publish(Rows1, row_b, pt, rdy_br)
+            load_r(kv_src, KVb_r, Kb_t, Rows1, pg, 1, j * 2 + 1, rdy_br)
             T.barrier_wait(fr_ar, pair_phase(pb, j) ^ 1)
-            load_second(kv_src, KVa_r, Ka_t, Rows0, pg, 0, j * 2, rdy_ar, True)
+            load_r(kv_src, KVa_r, Ka_t, Rows0, pg, 0, j * 2, rdy_ar)
             T.barrier_wait(fr_bl, pair_phase(pb, j) ^ 1)
-            load_second(kv_src, KVb_l, KVb_l, Rows1, pg, 1, j * 2 + 1, rdy_bl, False)
+            load_l(kv_src, KVb_l, Rows1, pg, 1, j * 2 + 1, rdy_bl)
         if pb is None:
             drain()
 
     return producer
 
 
-def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool,
-                     tma_first: bool = False):
+def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool):
     """The TileLang prim_func: Q [B * s_q, H, 576] bf16, KV [num_blocks * block_size, 576] bf16 (flat view), KVP
     [num_blocks, block_size, 576] bf16 (the same cache, paged view), BlockTable [B, max_blocks] int32, TopkLen
     [B * s_q] int32 (attended length per token, in [0, max_blocks * block_size]), Sink [n_sink] f32, Order
     [B * s_q] int32 (CTA row -> token; ``pair_body``), Out [B * s_q, H, 512] bf16, Lse [B * s_q, H] f32,
-    MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64; ``tma_first``: ``paged_producer``'s."""
+    MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_pages, n_seq, maxb, n_sink = tc.dynamic_dims("n_tok", "n_kv", "n_pages", "n_seq", "max_blocks",
                                                                 "n_sink")
     bs = int(block_size)
     body = pair_body(heads=heads, dqk=DQK, topk=TOPK_BOUND, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=True, n_tok=n_tok, topk_dim=maxb * bs,
-                     producer=paged_producer(s_q=s_q, block_size=bs, tma_first=tma_first), prelude=tc.ROW_GATHER_PRELUDE)
+                     producer=paged_producer(s_q=s_q, block_size=bs), prelude=tc.ROW_GATHER_PRELUDE)
 
     @T.prim_func
     def mla_decode_pair_paged(
@@ -176,9 +157,8 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, tma_first: bool):
-    func = build_pair_paged(heads=heads, s_q=s_q, block_size=block_size, sm_scale=sm_scale, has_sink=has_sink,
-                            tma_first=tma_first)
+def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool):
+    func = build_pair_paged(heads=heads, s_q=s_q, block_size=block_size, sm_scale=sm_scale, has_sink=has_sink)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -198,8 +178,7 @@ def run(q, kv_cache, block_table, lengths, order, *, sm_scale: float, attn_sink=
     out = torch.empty((n_tok, H, D_V), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((n_tok, H), dtype=torch.float32, device=dev)
     max_logits = torch.empty((n_tok, H), dtype=torch.float32, device=dev)
-    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None,
-                       os.environ.get("FLASHDSA_PAIR_PAGED_TMA_FIRST", "0") == "1")
+    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None)
     kv_cache = kv_cache.contiguous()
     sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, dev)
     direct_launcher(kernel)(q.reshape(n_tok, H, DQK).contiguous(), kv_cache.view(nb * bs, DQK), kv_cache,
