@@ -89,6 +89,8 @@ def time_events(fn, reps, flush):
 
 
 def bench_variant(kd, variant, q, kv, table, lens, causal, reps, flush):
+    from flashdsa.bench.harness import capture_graph
+
     scale = 576 ** -0.5
     res = {}
 
@@ -97,15 +99,7 @@ def bench_variant(kd, variant, q, kv, table, lens, causal, reps, flush):
 
     res["e2e_ms"], res["e2e_min_ms"] = time_events(e2e, reps, flush)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            e2e()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        e2e()
+    graph, _ = capture_graph(e2e)
     res["graph_ms"], res["graph_min_ms"] = time_events(graph.replay, reps, flush)
 
     # kernels only: the plan and buffers prepared once

@@ -85,18 +85,10 @@ def _check(out, lse, ref_out, ref_lse):
 
 
 def _capture(fn):
-    """(graph, fn's outputs inside it): ``fn`` run twice on a side stream first (compiles, as the CUDA-graph notes
-    ask for warm-up), then captured once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    return graph, outs
+    """(graph, fn's outputs inside it): ``bench.harness.capture_graph`` (two warm-up runs on a side stream)."""
+    from flashdsa.bench.harness import capture_graph
+
+    return capture_graph(fn)
 
 
 def _reference(q, kv, table, seqlens, *, sm_scale, causal, sink):

@@ -154,6 +154,21 @@ def _timed_calls(fn, arg_sets, device, reps: int, flush_l2: bool) -> list[float]
 
 
 # ------------------------------------------------------------------------------------------------ environment
+def capture_graph(fn: Callable[[], Any], warmup: int = 2):
+    """(graph, ``fn``'s outputs inside it): ``fn`` run ``warmup`` times on a side stream first (compiles and lazy
+    allocations stay out of the capture, as the CUDA-graph notes ask), then captured once on the current device."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    return graph, outs
+
+
 def _pkg_version(name: str) -> Optional[str]:
     try:
         return importlib.metadata.version(name)

@@ -173,16 +173,15 @@ def run(q, kv_cache, block_table, lengths, order, *, sm_scale: float, attn_sink=
     H, 512] bf16, lse [B * s_q, H] f32).  Arguments already checked."""
     B, s_q, H, _ = q.shape
     nb, bs, _ = kv_cache.shape
-    n_tok = B * s_q
-    dev = q.device
-    out = torch.empty((n_tok, H, D_V), dtype=torch.bfloat16, device=dev)
-    lse = torch.empty((n_tok, H), dtype=torch.float32, device=dev)
-    max_logits = torch.empty((n_tok, H), dtype=torch.float32, device=dev)
-    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None)
+    q = q.reshape(B * s_q, H, DQK).contiguous()
     kv_cache = kv_cache.contiguous()
-    sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, dev)
-    direct_launcher(kernel)(q.reshape(n_tok, H, DQK).contiguous(), kv_cache.view(nb * bs, DQK), kv_cache,
-                            block_table.contiguous(), lengths, sink, order, out, lse, max_logits)
+    flat = kv_cache.view(nb * bs, DQK)
+    (out, lse, max_logits), done = tc.fwd_outputs(q, flat, sm_scale=sm_scale, d_v=D_V)
+    if done:
+        return out, lse
+    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None)
+    sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, q.device)
+    direct_launcher(kernel)(q, flat, kv_cache, block_table.contiguous(), lengths, sink, order, out, lse, max_logits)
     return out, lse
 
 
