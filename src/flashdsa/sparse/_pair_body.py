@@ -19,7 +19,8 @@ assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None):
+              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
+              ready_parts=1):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -51,13 +52,20 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     pb)`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the ready
     barriers above), the converter turns each landed half into what the consumers read and arrives on its ready
     barrier (count 128); ``regs`` then has four entries (at most 512 in all), and each PV is two m64n128 wgmmas
-    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128)."""
+    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128).
+
+    ``ready_parts`` = 4 (no converter, no ``first_use``): each ready barrier is a buffer of one mbarrier per
+    64-column tile of its half (+ one for the rope tail of an R half at Dqk 576); the consumers wait each tile's
+    barrier right before the QK wgmma that reads it, so a QK starts on the first tile while the rest still lands.
+    Counts: part 0 of rdy_al / rdy_br 256 (the rows' ordinary arrival goes there only), every other part 128; the
+    producer arrives on (or ``expect_tx``-loads into) each part."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
     assert all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
+    assert ready_parts in (1, 4) and (ready_parts == 1 or (converter is None and first_use is None)), ready_parts
     assert sm_scale is not None and sm_scale > 0
     D = D_V
     DH = D // 2
@@ -99,18 +107,38 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             acc_s[h, r] = T.if_then_else(Rows[r] >= 0, T.float32(0), -T.infinity(f32))
 
     @T.macro
-    def qk_tail(Qt, Kt, acc_s):
+    def qk_tail(Qt, Kt, acc_s, rdy, phase):
         if D_tail > 0:
+            if ready_parts > 1:
+                T.barrier_wait(rdy[ready_parts], phase)
+                T.fence_proxy_async()
             T.wgmma_gemm(Qt, Kt, acc_s, transpose_B=True)
+
+    PW = DH // ready_parts  # columns per ready part
+
+    @T.macro
+    def qk_part(Qh, KVh, acc_s, rdy, phase, c, Rows):
+        # ``ready_parts`` > 1: S += Qh[:, tile c] KVh[:, tile c]^T once tile c landed
+        T.barrier_wait(rdy[c], phase)
+        T.fence_proxy_async()
+        if Rows is not None:
+            mask(Rows, acc_s)
+        T.wgmma_gemm(Qh[:, c * PW:(c + 1) * PW], KVh[:, c * PW:(c + 1) * PW], acc_s, transpose_B=True)
 
     @T.macro
     def qk_half(Qh, KVh, acc_s, rdy, phase, tile0, wg_bar, t, Rows):
         # S += Qh KVh^T once the half is ready (Rows: first half of the block: S = the mask first); issued, not
         # waited
-        wait_tile(rdy, phase, KVh, tile0, wg_bar, t)
-        if Rows is not None:
-            mask(Rows, acc_s)
-        T.wgmma_gemm(Qh, KVh, acc_s, transpose_B=True)
+        if ready_parts == 1:
+            wait_tile(rdy, phase, KVh, tile0, wg_bar, t)
+            if Rows is not None:
+                mask(Rows, acc_s)
+            T.wgmma_gemm(Qh, KVh, acc_s, transpose_B=True)
+        else:
+            qk_part(Qh, KVh, acc_s, rdy, phase, 0, Rows)
+            qk_part(Qh, KVh, acc_s, rdy, phase, 1, None)
+            qk_part(Qh, KVh, acc_s, rdy, phase, 2, None)
+            qk_part(Qh, KVh, acc_s, rdy, phase, 3, None)
 
     @T.macro
     def qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, phase, tx):
@@ -121,14 +149,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     def qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, phase, tx):
         # WG0: S_a += Q_r K_a[:, 256:]^T + the rope tail, then wait for every wgmma of the warpgroup
         qk_half(Q_r, KVa_r, acc_s0, rdy_ar, phase, 2, BAR_WG0, tx, None)
-        qk_tail(Q_t, Ka_t, acc_s0)
+        qk_tail(Q_t, Ka_t, acc_s0, rdy_ar, phase)
         T.wait_wgmma(0)
 
     @T.macro
     def qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl, phase, tx):
         # WG1: S_b = mask, += Q_r K_b[:, 256:]^T + the rope tail, += Q_l K_b[:, :256]^T, all retired
         qk_half(Q_r, KVb_r, acc_s1, rdy_br, phase, 2, BAR_WG1, tx - 128, Rows1)
-        qk_tail(Q_t, Kb_t, acc_s1)
+        qk_tail(Q_t, Kb_t, acc_s1, rdy_br, phase)
         qk_half(Q_l, KVb_l, acc_s1, rdy_bl, phase, 0, BAR_WG1, tx - 128, None)
         T.wait_wgmma(0)
 
@@ -271,7 +299,13 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             Ls0 = T.alloc_shared([BH], f32)
             Ls1 = T.alloc_shared([BH], f32)
 
-            if converter is None:
+            if ready_parts > 1:
+                n_r = ready_parts + (1 if D_tail > 0 else 0)
+                rdy_al = T.alloc_barrier([256] + [128] * (ready_parts - 1))
+                rdy_br = T.alloc_barrier([256] + [128] * (n_r - 1))
+                rdy_ar = T.alloc_barrier([128] * n_r)
+                rdy_bl = T.alloc_barrier([128] * ready_parts)
+            elif converter is None:
                 rdy_al = T.alloc_barrier(256)
                 rdy_br = T.alloc_barrier(256)
                 rdy_ar = T.alloc_barrier(128)
@@ -370,7 +404,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         if overlap_qk:
                             if j + 1 < npair[0]:
                                 qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
-                                T.wait_wgmma(1)  # the remote PV retired (the QK on a.L may still run): b.L, P1 free
+                                T.wait_wgmma(ready_parts)  # the remote PV retired (the QK on a.L may still run): b.L, P1 free
                                 T.barrier_arrive(fr_bl)
                                 qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, j + 1), tx)
                             else:

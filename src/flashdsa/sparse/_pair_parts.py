@@ -93,11 +93,13 @@ def pair_rows_macro(topk_dim, row_ok):
     return pair_rows
 
 
-def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
+def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True, ready_parts=1):
     """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
     arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists.  ``pb``: None, or the
-    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop)."""
+    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop).
+    ``ready_parts`` > 1 (``pair_body``'s): the gathers take the half's ready barriers as a last argument and arrive
+    on them themselves; the rows' ordinary arrival goes to part 0."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
     pair_rows = pair_rows_macro(topk_dim, row_ok)
@@ -122,6 +124,22 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
             publish_rows(Rows, Indices, tok, lim[0], blk, kv_src)
 
     @T.macro
+    def load_l(KVl, Rows, kv_src, rdy):
+        if ready_parts == 1:
+            gather_l(KVl, Rows, kv_src)
+            T.cp_async_barrier_noinc(rdy)
+        else:
+            gather_l(KVl, Rows, kv_src, rdy)
+
+    @T.macro
+    def load_r(KVr, Kt, Rows, kv_src, rdy):
+        if ready_parts == 1:
+            gather_r(KVr, Kt, Rows, kv_src)
+            T.cp_async_barrier_noinc(rdy)
+        else:
+            gather_r(KVr, Kt, Rows, kv_src, rdy)
+
+    @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                  row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
         for j in T.serial(npair[0]):
@@ -129,20 +147,16 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True)
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
-            T.barrier_arrive(rdy_al)
-            gather_l(KVa_l, Rows0, kv_src)
-            T.cp_async_barrier_noinc(rdy_al)
+            T.barrier_arrive(rdy_al[0])
+            load_l(KVa_l, Rows0, kv_src, rdy_al)
             T.barrier_wait(fr_br, pair_phase(pb, j) ^ 1)
             set_rows(Rows1, row_b, Indices, tok, lim, j * 2 + 1, kv_src, tx)
-            T.barrier_arrive(rdy_br)
-            gather_r(KVb_r, Kb_t, Rows1, kv_src)
-            T.cp_async_barrier_noinc(rdy_br)
+            T.barrier_arrive(rdy_br[0])
+            load_r(KVb_r, Kb_t, Rows1, kv_src, rdy_br)
             T.barrier_wait(fr_ar, pair_phase(pb, j) ^ 1)
-            gather_r(KVa_r, Ka_t, Rows0, kv_src)
-            T.cp_async_barrier_noinc(rdy_ar)
+            load_r(KVa_r, Ka_t, Rows0, kv_src, rdy_ar)
             T.barrier_wait(fr_bl, pair_phase(pb, j) ^ 1)
-            gather_l(KVb_l, Rows1, kv_src)
-            T.cp_async_barrier_noinc(rdy_bl)
+            load_l(KVb_l, Rows1, kv_src, rdy_bl)
         if pb is None:
             drain()
 

@@ -64,6 +64,7 @@ what it issued.
 """
 
 import functools
+import os
 
 import torch
 
@@ -105,7 +106,32 @@ def row_gather_macros(dqk):
     return gather_l, gather_r
 
 
-def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False):
+def row_gather_parts_macros(dqk):
+    """As ``row_gather_macros`` for ``pair_body``'s ``ready_parts`` 4: (``gather_l(KVl, Rows, kv_src, rdy)``,
+    ``gather_r(KVr, Kt, Rows, kv_src, rdy)``) issue the half part by part (``fdsa_gather_half_parts``) and arrive
+    (noinc) on each of its ready parts themselves."""
+    has_rope, tail = (1, 4) if dqk > D_V else (0, 0)
+
+    @T.macro
+    def gather_rows(KVh, Kt, has_rope, Rows, kv_src, col0, rdy, b4):
+        KV = kv_src[0]
+        T.call_extern("handle", "fdsa_gather_half_parts", T.address_of(KVh[0, 0]), T.address_of(Kt[0, 0]),
+                      has_rope, T.address_of(KV[0, 0]), dqk, col0, T.address_of(Rows[0]),
+                      T.get_thread_binding() - 256, T.address_of(rdy[0]), T.address_of(rdy[1]),
+                      T.address_of(rdy[2]), T.address_of(rdy[3]), T.address_of(rdy[b4]))
+
+    @T.macro
+    def gather_l(KVl, Rows, kv_src, rdy):
+        gather_rows(KVl, KVl, 0, Rows, kv_src, 0, rdy, 0)  # (part 4: unused, any barrier)
+
+    @T.macro
+    def gather_r(KVr, Kt, Rows, kv_src, rdy):
+        gather_rows(KVr, Kt, has_rope, Rows, kv_src, D_V // 2, rdy, tail)
+
+    return gather_l, gather_r
+
+
+def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False, ready_parts=1):
     """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
     D = D_V
     DH = D // 2
@@ -143,8 +169,11 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
                     if c == 0:
                         Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
 
+    if ready_parts > 1:
+        assert row_gather and not ablate, "ready_parts: the row gather only"
+        gather_l, gather_r = row_gather_parts_macros(dqk)
     return gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: _ok(row), gather_l=gather_l,
-                           gather_r=gather_r, prefetch_rows=prefetch_rows)
+                           gather_r=gather_r, prefetch_rows=prefetch_rows, ready_parts=ready_parts)
 
 
 def build_sparse_mla_fwd(
@@ -164,6 +193,7 @@ def build_sparse_mla_fwd(
     persistent: int = 0,
     row_gather: bool = False,
     hop: bool = False,
+    ready_parts: int = 1,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -188,10 +218,10 @@ def build_sparse_mla_fwd(
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
-                              row_gather=row_gather)
+                              row_gather=row_gather, ready_parts=ready_parts)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                     overlap_qk=overlap_qk, persistent=persistent,
+                     overlap_qk=overlap_qk, persistent=persistent, ready_parts=ready_parts,
                      **(dict(converter=hop_converter(), regs=HOP_REGS) if hop else {}),
                      prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.ROW_GATHER_PRELUDE if row_gather
                               else None))
@@ -266,11 +296,28 @@ def dispatched(q, order=None):
     for ``q``'s device: with ``order``, the ordered one-item-per-CTA build; else the persistent grid up to
     ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; all gather by rows (the ordered
     build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
+    parts = ready_parts_kw()
     if order is not None:
-        return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
+        return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW + parts)
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
                                                       else torch.cuda.current_device())
-    return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm))
+    return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm) + parts)
+
+
+READY_PARTS_ENV = "FLASHDSA_READY_PARTS"
+
+
+def ready_parts() -> int:
+    """``pair_body``'s ``ready_parts`` for the dispatched bf16 builds: ``$FLASHDSA_READY_PARTS`` (1 or 4; default
+    1)."""
+    v = int(os.environ.get(READY_PARTS_ENV, "1"))
+    if v not in (1, 4):
+        raise ValueError(f"${READY_PARTS_ENV}={v}: expected 1 or 4")
+    return v
+
+
+def ready_parts_kw() -> tuple:
+    return (("ready_parts", ready_parts()),) if ready_parts() > 1 else ()
 
 
 def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
