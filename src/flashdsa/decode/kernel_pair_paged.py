@@ -152,12 +152,13 @@ def paged_producer(*, s_q, block_size, ready_parts=1):
     return producer
 
 
-def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, ready_parts: int = 1):
+def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, ready_parts: int = 1,
+                     **body_kw):
     """The TileLang prim_func: Q [B * s_q, H, 576] bf16, KV [num_blocks * block_size, 576] bf16 (flat view), KVP
     [num_blocks, block_size, 576] bf16 (the same cache, paged view), BlockTable [B, max_blocks] int32, TopkLen
     [B * s_q] int32 (attended length per token, in [0, max_blocks * block_size]), Sink [n_sink] f32, Order
     [B * s_q] int32 (CTA row -> token; ``pair_body``), Out [B * s_q, H, 512] bf16, Lse [B * s_q, H] f32,
-    MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64.  ``ready_parts``: ``pair_body``'s."""
+    MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64.  ``ready_parts``, ``body_kw``: ``pair_body``'s."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_pages, n_seq, maxb, n_sink = tc.dynamic_dims("n_tok", "n_kv", "n_pages", "n_seq", "max_blocks",
                                                                 "n_sink")
@@ -165,7 +166,7 @@ def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, 
     body = pair_body(heads=heads, dqk=DQK, topk=TOPK_BOUND, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=True, n_tok=n_tok, topk_dim=maxb * bs,
                      producer=paged_producer(s_q=s_q, block_size=bs, ready_parts=ready_parts),
-                     prelude=tc.ROW_GATHER_PRELUDE, ready_parts=ready_parts)
+                     prelude=tc.ROW_GATHER_PRELUDE, ready_parts=ready_parts, **body_kw)
 
     @T.prim_func
     def mla_decode_pair_paged(
@@ -191,9 +192,10 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, ready_parts: int = 1):
+def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, build_kw: tuple = ()):
+    """The compiled kernel; ``build_kw``: extra build keywords as sorted (name, value) pairs (timing builds)."""
     func = build_pair_paged(heads=heads, s_q=s_q, block_size=block_size, sm_scale=sm_scale, has_sink=has_sink,
-                            ready_parts=ready_parts)
+                            **dict(build_kw))
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -214,7 +216,7 @@ def run(q, kv_cache, block_table, lengths, order, *, sm_scale: float, attn_sink=
     (out, lse, max_logits), done = tc.fwd_outputs(q, flat, sm_scale=sm_scale, d_v=D_V)
     if done:
         return out, lse
-    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, kernel_fwd_pair.ready_parts())
+    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, kernel_fwd_pair.variant_kw())
     sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, q.device)
     direct_launcher(kernel)(q, flat, kv_cache, block_table.contiguous(), lengths, sink, order, out, lse, max_logits)
     return out, lse

@@ -6,7 +6,7 @@ cache)."""
 import tilelang.language as T
 
 from . import _tl_common as tc
-from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, item_parts, pair_phase
+from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, NB_MA, NB_MB, NB_P0, NB_P1, adopt_max_macro, drain, item_parts, pair_phase
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -20,7 +20,7 @@ assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
               prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
-              ready_parts=1):
+              ready_parts=1, handoff="mbarrier", ready_fence=True):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -58,13 +58,22 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     64-column tile of its half (+ one for the rope tail of an R half at Dqk 576); the consumers wait each tile's
     barrier right before the QK wgmma that reads it, so a QK starts on the first tile while the rest still lands.
     Counts: part 0 of rdy_al / rdy_br 256 (the rows' ordinary arrival goes there only), every other part 128; the
-    producer arrives on (or ``expect_tx``-loads into) each part."""
+    producer arrives on (or ``expect_tx``-loads into) each part.
+
+    ``handoff`` = "named": the four hand-overs between the consumers (Ma, Mb, P0, P1) go through named barriers of
+    256 threads (the publisher ``bar.arrive``, the reader ``bar.sync``) instead of 128-arrival mbarriers; safe to
+    reuse every pair because each side's next arrival on a barrier is ordered after the other side's sync on it
+    (e.g. WG0 publishes Ma of pair j + 1 only after reading Mb of pair j, which WG1 publishes after its Ma sync).
+    ``ready_fence`` = False (timing build): no ``fence.proxy.async`` between a ready wait and the wgmma reading
+    the tile."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
     assert all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
+    assert handoff in ("mbarrier", "named"), handoff
+    named = handoff == "named"
     assert ready_parts in (1, 4) and (ready_parts == 1 or (converter is None and first_use is None)), ready_parts
     assert sm_scale is not None and sm_scale > 0
     D = D_V
@@ -97,7 +106,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     @T.macro
     def wait_tile(bar, phase, half, tile0, wg_bar, t):
         T.barrier_wait(bar, phase)
-        T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+        if ready_fence:
+            T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
         if first_use is not None:
             first_use(half, tile0, wg_bar, t)
 
@@ -111,7 +121,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         if D_tail > 0:
             if ready_parts > 1:
                 T.barrier_wait(rdy[ready_parts], phase)
-                T.fence_proxy_async()
+                if ready_fence:
+                    T.fence_proxy_async()
             T.wgmma_gemm(Qt, Kt, acc_s, transpose_B=True)
 
     PW = DH // ready_parts  # columns per ready part
@@ -120,7 +131,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     def qk_part(Qh, KVh, acc_s, rdy, phase, c, Rows):
         # ``ready_parts`` > 1: S += Qh[:, tile c] KVh[:, tile c]^T once tile c landed
         T.barrier_wait(rdy[c], phase)
-        T.fence_proxy_async()
+        if ready_fence:
+            T.fence_proxy_async()
         if Rows is not None:
             mask(Rows, acc_s)
         T.wgmma_gemm(Qh[:, c * PW:(c + 1) * PW], KVh[:, c * PW:(c + 1) * PW], acc_s, transpose_B=True)
@@ -160,7 +172,22 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         qk_half(Q_l, KVb_l, acc_s1, rdy_bl, phase, 0, BAR_WG1, tx - 128, None)
         T.wait_wgmma(0)
 
-    adopt_max = adopt_max_macro(BH=BH, c_log2=c_log2)
+    adopt_max = adopt_max_macro(BH=BH, c_log2=c_log2, named=NB_MB if named else None)
+
+    @T.macro
+    def hand_arrive(bar, nb):
+        # publish to the other consumer (``handoff``)
+        if named:
+            T.named_barrier_arrive(nb, 256)
+        else:
+            T.barrier_arrive(bar)
+
+    @T.macro
+    def hand_wait(bar, phase, nb):
+        if named:
+            T.sync_threads(nb, 256)
+        else:
+            T.barrier_wait(bar, phase)
 
     # O_l / O_r as n_o fragments of DO columns: one, or with a converter two (each PV then two m64n128 wgmmas:
     # at 512 threads ptxas checks every instruction against the launch's 128 registers per thread, and an
@@ -211,12 +238,12 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         o_mul(acc_o, alpha)
 
     @T.macro
-    def softmax_local_pv(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk, M_s, bar_m, p, KV):
-        # m_new = max(m_new, rowmax S); softmax step; the new max to M_s (arrive bar_m); the local PV issued
+    def softmax_local_pv(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk, M_s, bar_m, nb_m, p, KV):
+        # m_new = max(m_new, rowmax S); softmax step; the new max to M_s (arrive bar_m / nb_m); the local PV issued
         T.reduce_max(acc_s, m_new, dim=1, clear=False)
         exp_and_rescale(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk)
         T.copy(m_run, M_s)
-        T.barrier_arrive(bar_m)
+        hand_arrive(bar_m, nb_m)
         T.copy(acc_s, p)
         pv(p, KV, acc_o)
 
@@ -386,7 +413,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     for j in T.serial(npair[0]):
                         T.copy(m_run0, m_new0)
                         # publish m_a; local PV: O_l += P_a V_a[:, :256], P from registers
-                        softmax_local_pv(acc_s0, O0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, p0, KVa_l)
+                        softmax_local_pv(acc_s0, O0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, NB_MA, p0, KVa_l)
                         T.wait_wgmma(0)
                         T.barrier_arrive(fr_al)
                         # common max m_b: move O_l, l_0 and P_a to it
@@ -396,10 +423,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         T.sync_threads(BAR_WG0, 128)  # every WG0 warp is past its QK on a.R (P0 = its rope tile)
                         T.copy(p0, P0)
                         T.fence_proxy_async()
-                        T.barrier_arrive(bar_p0)
+                        hand_arrive(bar_p0, NB_P0)
                         o_mul(O0, alpha0)
                         # remote PV: O_l += P_b V_b[:, :256], P_b from WG1 via smem
-                        T.barrier_wait(bar_p1, pair_phase(pb, j))
+                        hand_wait(bar_p1, pair_phase(pb, j), NB_P1)
                         pv(P1, KVb_l, O0)
                         if overlap_qk:
                             if j + 1 < npair[0]:
@@ -432,16 +459,16 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl, pair_phase(pb, 0), tx)
                     for j in T.serial(npair[0]):
                         # m_b = max(m_a, rowmax S_b) >= m_a >= the common max of the last pair
-                        T.barrier_wait(bar_ma, pair_phase(pb, j))
+                        hand_wait(bar_ma, pair_phase(pb, j), NB_MA)
                         for h in T.Parallel(BH):
                             m_new1[h] = Ma[h]
                         # publish m_b; local PV: O_r += P_b V_b[:, 256:] (P from registers); P_b to smem meanwhile
-                        softmax_local_pv(acc_s1, O1, m_run1, m_new1, alpha1, l1, lb1, Mb, bar_mb, p1, KVb_r)
+                        softmax_local_pv(acc_s1, O1, m_run1, m_new1, alpha1, l1, lb1, Mb, bar_mb, NB_MB, p1, KVb_r)
                         T.copy(p1, P1)
                         T.fence_proxy_async()
-                        T.barrier_arrive(bar_p1)
+                        hand_arrive(bar_p1, NB_P1)
                         # remote PV: O_r += P_a V_a[:, 256:], P_a already at m_b
-                        T.barrier_wait(bar_p0, pair_phase(pb, j))
+                        hand_wait(bar_p0, pair_phase(pb, j), NB_P0)
                         pv(P0, KVa_r, O1)
                         T.wait_wgmma(n_o)  # the local PV retired: b.R no longer read
                         T.barrier_arrive(fr_br)

@@ -9,6 +9,7 @@ from ._tl_common import BLOCK_I
 
 BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128 / 128 / 256 threads); 0 is __syncthreads
 BAR_PROD = 11  # named barrier of the 128 producer threads
+NB_MA, NB_MB, NB_P0, NB_P1 = 12, 13, 14, 15  # ``pair_body`` handoff="named": the consumers' hand-overs (256)
 
 
 def pair_phase(pb, j):
@@ -51,14 +52,18 @@ def item_parts(*, G, NI, n_tok, persistent, set_lim):
     return persistent if persistent else n_tok * G, items, item_tok, n_pairs, start_item, end_item
 
 
-def adopt_max_macro(*, BH, c_log2):
+def adopt_max_macro(*, BH, c_log2, named=None):
     """``adopt_max(bar, phase, M_s, m_new, m_run, alpha, l_acc)``: WG0's step to the pair's common max -- wait for
     WG1's max ``M_s`` on ``bar``, then alpha = 2^((m_run - M) c), m_run = M, l *= alpha (the caller rescales O and
-    P by alpha).  Shared by the bf16 and FP8 pair kernels."""
+    P by alpha).  Shared by the bf16 and FP8 pair kernels.  ``named``: a named barrier id of 256 threads to
+    ``bar.sync`` on instead of waiting the mbarrier ``bar``."""
 
     @T.macro
     def adopt_max(bar, phase, M_s, m_new, m_run, alpha, l_acc):
-        T.barrier_wait(bar, phase)
+        if named is None:
+            T.barrier_wait(bar, phase)
+        else:
+            T.sync_threads(named, 256)
         for h in T.Parallel(BH):
             m_new[h] = M_s[h]
         for h in T.Parallel(BH):

@@ -194,6 +194,8 @@ def build_sparse_mla_fwd(
     row_gather: bool = False,
     hop: bool = False,
     ready_parts: int = 1,
+    handoff: str = "mbarrier",
+    ready_fence: bool = True,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -221,7 +223,8 @@ def build_sparse_mla_fwd(
                               row_gather=row_gather, ready_parts=ready_parts)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                     overlap_qk=overlap_qk, persistent=persistent, ready_parts=ready_parts,
+                     overlap_qk=overlap_qk, persistent=persistent, ready_parts=ready_parts, handoff=handoff,
+                     ready_fence=ready_fence,
                      **(dict(converter=hop_converter(), regs=HOP_REGS) if hop else {}),
                      prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.ROW_GATHER_PRELUDE if row_gather
                               else None))
@@ -296,7 +299,7 @@ def dispatched(q, order=None):
     for ``q``'s device: with ``order``, the ordered one-item-per-CTA build; else the persistent grid up to
     ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; all gather by rows (the ordered
     build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
-    parts = ready_parts_kw()
+    parts = variant_kw()
     if order is not None:
         return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW + parts)
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
@@ -304,20 +307,19 @@ def dispatched(q, order=None):
     return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm) + parts)
 
 
-READY_PARTS_ENV = "FLASHDSA_READY_PARTS"
+VARIANT_ENV = "FLASHDSA_PAIR_VARIANT"
+_VARIANT_KW = {"parts4": ("ready_parts", 4), "named": ("handoff", "named"), "nofence": ("ready_fence", False)}
 
 
-def ready_parts() -> int:
-    """``pair_body``'s ``ready_parts`` for the dispatched bf16 builds: ``$FLASHDSA_READY_PARTS`` (1 or 4; default
-    1)."""
-    v = int(os.environ.get(READY_PARTS_ENV, "1"))
-    if v not in (1, 4):
-        raise ValueError(f"${READY_PARTS_ENV}={v}: expected 1 or 4")
-    return v
-
-
-def ready_parts_kw() -> tuple:
-    return (("ready_parts", ready_parts()),) if ready_parts() > 1 else ()
+def variant_kw() -> tuple:
+    """Timing builds of the bf16 pair kernels (the sparse forward's and the paged decode's): the build keywords
+    named by ``$FLASHDSA_PAIR_VARIANT``, a list (comma or + separated) of ``parts4`` (``pair_body`` ``ready_parts`` 4), ``named``
+    (``handoff="named"``), ``nofence`` (``ready_fence=False``); empty or "none": the default build."""
+    names = [v for v in os.environ.get(VARIANT_ENV, "").replace("+", ",").split(",") if v and v != "none"]
+    bad = [v for v in names if v not in _VARIANT_KW]
+    if bad:
+        raise ValueError(f"${VARIANT_ENV}: unknown {bad}; expected a comma list of {sorted(_VARIANT_KW)}")
+    return tuple(sorted(_VARIANT_KW[v] for v in names))
 
 
 def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
