@@ -216,7 +216,7 @@ def run(q, kv_cache, block_table, lengths, order, *, sm_scale: float, attn_sink=
     (out, lse, max_logits), done = tc.fwd_outputs(q, flat, sm_scale=sm_scale, d_v=D_V)
     if done:
         return out, lse
-    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, kernel_fwd_pair.variant_kw())
+    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, kernel_fwd_pair.variant_kw(body_only=True))
     sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, q.device)
     direct_launcher(kernel)(q, flat, kv_cache, block_table.contiguous(), lengths, sink, order, out, lse, max_logits)
     return out, lse

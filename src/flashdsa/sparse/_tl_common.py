@@ -415,6 +415,19 @@ __device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has
   }
 }
 
+// fdsa_gather_half<2> with the thread's four rows (g + 16 k, g = t / 8) passed in registers (``gather_producer``
+// ``rows_in_regs``): no shared row list, no producer barrier before the copies.
+__device__ __forceinline__ void fdsa_gather_half_regs(void *tile, void *rope, int has_rope, const void *kv, int ld,
+                                                      int col0, int r0, int r1, int r2, int r3, int t) {
+  const int g = t >> 3, q = t & 7, rows[4] = {r0, r1, r2, r3};
+  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    fdsa_row_swz128<4>(tile_s, rope_s, has_rope, fdsa_row_ptr(kv, rows[k], ld * 2), col0 * 2, g + 16 * k, q,
+                       rows[k] >= 0 ? 16 : 0);
+}
+
 // fdsa_gather_half<2> issued part-major (``pair_body`` ``ready_parts`` 4): 64-column part c of every row, then a
 // noinc arrival on bars[c] (it completes once this thread's copies so far landed, i.e. parts 0 .. c); the rope
 // tile (has_rope) is part 4.  bars: the half's ready mbarriers (generic addresses).

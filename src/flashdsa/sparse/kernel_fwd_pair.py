@@ -106,6 +106,29 @@ def row_gather_macros(dqk):
     return gather_l, gather_r
 
 
+def row_gather_regs_macros(dqk):
+    """As ``row_gather_macros`` with each producer thread's four rows in registers (``gather_producer``
+    ``rows_in_regs``): (``gather_l(KVl, rr, kv_src)``, ``gather_r(KVr, Kt, rr, kv_src)``), ``rr`` the thread's rows
+    (local int32 [4]: slots t / 8 + 16 k of the block, -1: zero fill)."""
+
+    @T.macro
+    def gather_rows(KVh, Kt, has_rope, rr, kv_src, col0):
+        KV = kv_src[0]
+        T.call_extern("handle", "fdsa_gather_half_regs", T.address_of(KVh[0, 0]), T.address_of(Kt[0, 0]),
+                      has_rope, T.address_of(KV[0, 0]), dqk, col0, rr[0], rr[1], rr[2], rr[3],
+                      T.get_thread_binding() - 256)
+
+    @T.macro
+    def gather_l(KVl, rr, kv_src):
+        gather_rows(KVl, KVl, 0, rr, kv_src, 0)
+
+    @T.macro
+    def gather_r(KVr, Kt, rr, kv_src):
+        gather_rows(KVr, Kt, 1 if dqk > D_V else 0, rr, kv_src, D_V // 2)
+
+    return gather_l, gather_r
+
+
 def row_gather_parts_macros(dqk):
     """As ``row_gather_macros`` for ``pair_body``'s ``ready_parts`` 4: (``gather_l(KVl, Rows, kv_src, rdy)``,
     ``gather_r(KVr, Kt, Rows, kv_src, rdy)``) issue the half part by part (``fdsa_gather_half_parts``) and arrive
@@ -131,7 +154,8 @@ def row_gather_parts_macros(dqk):
     return gather_l, gather_r
 
 
-def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False, ready_parts=1):
+def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False, ready_parts=1,
+                   rows_in_regs=False):
     """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
     D = D_V
     DH = D // 2
@@ -172,8 +196,12 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
     if ready_parts > 1:
         assert row_gather and not ablate, "ready_parts: the row gather only"
         gather_l, gather_r = row_gather_parts_macros(dqk)
+    if rows_in_regs:
+        assert row_gather and not ablate and ready_parts == 1 and prefetch_rows, "rows_in_regs: the row gather"
+        gather_l, gather_r = row_gather_regs_macros(dqk)
     return gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: _ok(row), gather_l=gather_l,
-                           gather_r=gather_r, prefetch_rows=prefetch_rows, ready_parts=ready_parts)
+                           gather_r=gather_r, prefetch_rows=prefetch_rows, ready_parts=ready_parts,
+                           rows_in_regs=rows_in_regs)
 
 
 def build_sparse_mla_fwd(
@@ -196,6 +224,7 @@ def build_sparse_mla_fwd(
     ready_parts: int = 1,
     handoff: str = "mbarrier",
     ready_fence: bool = True,
+    rows_in_regs: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -220,7 +249,7 @@ def build_sparse_mla_fwd(
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
-                              row_gather=row_gather, ready_parts=ready_parts)
+                              row_gather=row_gather, ready_parts=ready_parts, rows_in_regs=rows_in_regs)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent, ready_parts=ready_parts, handoff=handoff,
@@ -308,10 +337,11 @@ def dispatched(q, order=None):
 
 
 VARIANT_ENV = "FLASHDSA_PAIR_VARIANT"
-_VARIANT_KW = {"parts4": ("ready_parts", 4), "named": ("handoff", "named"), "nofence": ("ready_fence", False)}
+_VARIANT_KW = {"parts4": ("ready_parts", 4), "named": ("handoff", "named"), "nofence": ("ready_fence", False),
+               "regrows": ("rows_in_regs", True)}
 
 
-def variant_kw() -> tuple:
+def variant_kw(body_only: bool = False) -> tuple:
     """Timing builds of the bf16 pair kernels (the sparse forward's and the paged decode's): the build keywords
     named by ``$FLASHDSA_PAIR_VARIANT``, a list (comma or + separated) of ``parts4`` (``pair_body`` ``ready_parts`` 4), ``named``
     (``handoff="named"``), ``nofence`` (``ready_fence=False``); empty or "none": the default build."""
@@ -319,7 +349,8 @@ def variant_kw() -> tuple:
     bad = [v for v in names if v not in _VARIANT_KW]
     if bad:
         raise ValueError(f"${VARIANT_ENV}: unknown {bad}; expected a comma list of {sorted(_VARIANT_KW)}")
-    return tuple(sorted(_VARIANT_KW[v] for v in names))
+    kw = sorted(_VARIANT_KW[v] for v in names)
+    return tuple(kv for kv in kw if not body_only or kv[0] != "rows_in_regs")  # body_only: ``pair_body``'s
 
 
 def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
