@@ -34,7 +34,6 @@ from .._tilelang import direct_launcher, dummy
 from ..sparse import _tl_common as tc
 from ..sparse._pair_body import pair_body
 from ..sparse._pair_parts import BAR_PROD, drain, pair_phase
-from ..sparse import kernel_fwd_pair
 from ..sparse.kernel_fwd_pair import row_gather_macros
 from ._tl_common import D_V, DQK
 
@@ -43,15 +42,11 @@ DH = D_V // 2
 TOPK_BOUND = 1 << 30  # the kernel's static block bound; the real bound is TopkLen <= max_blocks * block_size
 
 
-def paged_producer(*, s_q, block_size, ready_parts=1):
+def paged_producer(*, s_q, block_size):
     """The producer (``pair_body``'s ``producer`` slot) of the paged bf16 cache: ``kv_src`` = (KV [num_blocks *
     block_size, 576] (the row gather's flat view), KVP [num_blocks, block_size, 576] (the TMA's paged view)),
-    ``Indices`` = BlockTable [B, max_blocks] int32.  ``ready_parts``: ``pair_body``'s (4: one TMA box and ready
-    barrier per 64-column tile)."""
+    ``Indices`` = BlockTable [B, max_blocks] int32."""
     bs = int(block_size)
-    n_parts = int(ready_parts)
-    PW = DH // n_parts
-    tail = 0 if n_parts == 1 else n_parts  # the ready part of the rope tail
     assert bs % BI == 0, bs
     gather_l, gather_r = row_gather_macros(DQK)
     i32 = "int32"
@@ -72,59 +67,31 @@ def paged_producer(*, s_q, block_size, ready_parts=1):
         if pt < BI:
             Rows[pt] = row[0]
         T.sync_threads(BAR_PROD, 128)
-        T.barrier_arrive(rdy[0])
-
-    @T.macro
-    def tma_part(KVP, KVh, pg, k, blk, col0, c, rdy):
-        # tile c of the half (columns col0 + c * PW ..): TMA into its own ready part, every thread arrives
-        T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, col0 + c * PW:col0 + (c + 1) * PW],
-                   KVh[:, c * PW:(c + 1) * PW], barrier=rdy[c], leader_scope_threads=128)
-        T.barrier_arrive(rdy[c])
-
-    @T.macro
-    def tma_half(KVP, KVh, pg, k, blk, col0, rdy):
-        if n_parts == 1:
-            T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, col0:col0 + DH], KVh, barrier=rdy,
-                       leader_scope_threads=128)
-        else:
-            tma_part(KVP, KVh, pg, k, blk, col0, 0, rdy)
-            tma_part(KVP, KVh, pg, k, blk, col0, 1, rdy)
-            tma_part(KVP, KVh, pg, k, blk, col0, 2, rdy)
-            tma_part(KVP, KVh, pg, k, blk, col0, 3, rdy)
-
-    @T.macro
-    def gathered(rdy, n):
-        # the row gather's completion (every cp.async of the thread) on each of the half's n ready parts
-        T.cp_async_barrier_noinc(rdy[0])
-        if n > 1:
-            T.cp_async_barrier_noinc(rdy[1])
-            T.cp_async_barrier_noinc(rdy[2])
-            T.cp_async_barrier_noinc(rdy[3])
-        if n > 4:
-            T.cp_async_barrier_noinc(rdy[4])
+        T.barrier_arrive(rdy)
 
     @T.macro
     def load_l(kv_src, KVh, Rows, pg, k, blk, rdy):
         KVP = kv_src[1]
         if pg[k + 2] == 1:
-            tma_half(KVP, KVh, pg, k, blk, 0, rdy)
-            if n_parts == 1:
-                T.barrier_arrive(rdy[0])
+            T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, 0:DH], KVh, barrier=rdy,
+                       leader_scope_threads=128)
+            T.barrier_arrive(rdy)
         else:
             gather_l(KVh, Rows, kv_src)
-            gathered(rdy, n_parts)
+            T.cp_async_barrier_noinc(rdy)
 
     @T.macro
     def load_r(kv_src, KVh, Kt, Rows, pg, k, blk, rdy):
         KVP = kv_src[1]
         if pg[k + 2] == 1:
-            tma_half(KVP, KVh, pg, k, blk, DH, rdy)
-            T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, D_V:DQK], Kt,
-                       barrier=rdy[tail], leader_scope_threads=128)
-            T.barrier_arrive(rdy[tail])
+            T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, DH:D_V], KVh, barrier=rdy,
+                       leader_scope_threads=128)
+            T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, D_V:DQK], Kt, barrier=rdy,
+                       leader_scope_threads=128)
+            T.barrier_arrive(rdy)
         else:
             gather_r(KVh, Kt, Rows, kv_src)
-            gathered(rdy, tail + 1)
+            T.cp_async_barrier_noinc(rdy)
 
     @T.macro
     def producer(kv_src, BlockTable, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
@@ -152,21 +119,19 @@ def paged_producer(*, s_q, block_size, ready_parts=1):
     return producer
 
 
-def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, ready_parts: int = 1,
-                     **body_kw):
+def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool):
     """The TileLang prim_func: Q [B * s_q, H, 576] bf16, KV [num_blocks * block_size, 576] bf16 (flat view), KVP
     [num_blocks, block_size, 576] bf16 (the same cache, paged view), BlockTable [B, max_blocks] int32, TopkLen
     [B * s_q] int32 (attended length per token, in [0, max_blocks * block_size]), Sink [n_sink] f32, Order
     [B * s_q] int32 (CTA row -> token; ``pair_body``), Out [B * s_q, H, 512] bf16, Lse [B * s_q, H] f32,
-    MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64.  ``ready_parts``, ``body_kw``: ``pair_body``'s."""
+    MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_pages, n_seq, maxb, n_sink = tc.dynamic_dims("n_tok", "n_kv", "n_pages", "n_seq", "max_blocks",
                                                                 "n_sink")
     bs = int(block_size)
     body = pair_body(heads=heads, dqk=DQK, topk=TOPK_BOUND, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=True, n_tok=n_tok, topk_dim=maxb * bs,
-                     producer=paged_producer(s_q=s_q, block_size=bs, ready_parts=ready_parts),
-                     prelude=tc.ROW_GATHER_PRELUDE, ready_parts=ready_parts, **body_kw)
+                     producer=paged_producer(s_q=s_q, block_size=bs), prelude=tc.ROW_GATHER_PRELUDE)
 
     @T.prim_func
     def mla_decode_pair_paged(
@@ -192,10 +157,8 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, build_kw: tuple = ()):
-    """The compiled kernel; ``build_kw``: extra build keywords as sorted (name, value) pairs (timing builds)."""
-    func = build_pair_paged(heads=heads, s_q=s_q, block_size=block_size, sm_scale=sm_scale, has_sink=has_sink,
-                            **dict(build_kw))
+def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool):
+    func = build_pair_paged(heads=heads, s_q=s_q, block_size=block_size, sm_scale=sm_scale, has_sink=has_sink)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -216,7 +179,7 @@ def run(q, kv_cache, block_table, lengths, order, *, sm_scale: float, attn_sink=
     (out, lse, max_logits), done = tc.fwd_outputs(q, flat, sm_scale=sm_scale, d_v=D_V)
     if done:
         return out, lse
-    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, kernel_fwd_pair.variant_kw(body_only=True))
+    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None)
     sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, q.device)
     direct_launcher(kernel)(q, flat, kv_cache, block_table.contiguous(), lengths, sink, order, out, lse, max_logits)
     return out, lse

@@ -6,7 +6,7 @@ cache)."""
 import tilelang.language as T
 
 from . import _tl_common as tc
-from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, NB_MA, NB_MB, NB_P0, NB_P1, adopt_max_macro, drain, item_parts, pair_phase
+from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, item_parts, pair_phase
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -19,8 +19,7 @@ assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
-              ready_parts=1, handoff="mbarrier", ready_fence=True):
+              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -52,29 +51,13 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     pb)`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the ready
     barriers above), the converter turns each landed half into what the consumers read and arrives on its ready
     barrier (count 128); ``regs`` then has four entries (at most 512 in all), and each PV is two m64n128 wgmmas
-    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128).
-
-    ``ready_parts`` = 4 (no converter, no ``first_use``): each ready barrier is a buffer of one mbarrier per
-    64-column tile of its half (+ one for the rope tail of an R half at Dqk 576); the consumers wait each tile's
-    barrier right before the QK wgmma that reads it, so a QK starts on the first tile while the rest still lands.
-    Counts: part 0 of rdy_al / rdy_br 256 (the rows' ordinary arrival goes there only), every other part 128; the
-    producer arrives on (or ``expect_tx``-loads into) each part.
-
-    ``handoff`` = "named": the four hand-overs between the consumers (Ma, Mb, P0, P1) go through named barriers of
-    256 threads (the publisher ``bar.arrive``, the reader ``bar.sync``) instead of 128-arrival mbarriers; safe to
-    reuse every pair because each side's next arrival on a barrier is ordered after the other side's sync on it
-    (e.g. WG0 publishes Ma of pair j + 1 only after reading Mb of pair j, which WG1 publishes after its Ma sync).
-    ``ready_fence`` = False (timing build): no ``fence.proxy.async`` between a ready wait and the wgmma reading
-    the tile."""
+    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128)."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
     assert all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
     assert heads in SUPPORTED_H, heads
-    assert handoff in ("mbarrier", "named"), handoff
-    named = handoff == "named"
-    assert ready_parts in (1, 4) and (ready_parts == 1 or (converter is None and first_use is None)), ready_parts
     assert sm_scale is not None and sm_scale > 0
     D = D_V
     DH = D // 2
@@ -106,8 +89,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     @T.macro
     def wait_tile(bar, phase, half, tile0, wg_bar, t):
         T.barrier_wait(bar, phase)
-        if ready_fence:
-            T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+        T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
         if first_use is not None:
             first_use(half, tile0, wg_bar, t)
 
@@ -117,40 +99,18 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             acc_s[h, r] = T.if_then_else(Rows[r] >= 0, T.float32(0), -T.infinity(f32))
 
     @T.macro
-    def qk_tail(Qt, Kt, acc_s, rdy, phase):
+    def qk_tail(Qt, Kt, acc_s):
         if D_tail > 0:
-            if ready_parts > 1:
-                T.barrier_wait(rdy[ready_parts], phase)
-                if ready_fence:
-                    T.fence_proxy_async()
             T.wgmma_gemm(Qt, Kt, acc_s, transpose_B=True)
-
-    PW = DH // ready_parts  # columns per ready part
-
-    @T.macro
-    def qk_part(Qh, KVh, acc_s, rdy, phase, c, Rows):
-        # ``ready_parts`` > 1: S += Qh[:, tile c] KVh[:, tile c]^T once tile c landed
-        T.barrier_wait(rdy[c], phase)
-        if ready_fence:
-            T.fence_proxy_async()
-        if Rows is not None:
-            mask(Rows, acc_s)
-        T.wgmma_gemm(Qh[:, c * PW:(c + 1) * PW], KVh[:, c * PW:(c + 1) * PW], acc_s, transpose_B=True)
 
     @T.macro
     def qk_half(Qh, KVh, acc_s, rdy, phase, tile0, wg_bar, t, Rows):
         # S += Qh KVh^T once the half is ready (Rows: first half of the block: S = the mask first); issued, not
         # waited
-        if ready_parts == 1:
-            wait_tile(rdy, phase, KVh, tile0, wg_bar, t)
-            if Rows is not None:
-                mask(Rows, acc_s)
-            T.wgmma_gemm(Qh, KVh, acc_s, transpose_B=True)
-        else:
-            qk_part(Qh, KVh, acc_s, rdy, phase, 0, Rows)
-            qk_part(Qh, KVh, acc_s, rdy, phase, 1, None)
-            qk_part(Qh, KVh, acc_s, rdy, phase, 2, None)
-            qk_part(Qh, KVh, acc_s, rdy, phase, 3, None)
+        wait_tile(rdy, phase, KVh, tile0, wg_bar, t)
+        if Rows is not None:
+            mask(Rows, acc_s)
+        T.wgmma_gemm(Qh, KVh, acc_s, transpose_B=True)
 
     @T.macro
     def qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, phase, tx):
@@ -161,33 +121,18 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     def qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, phase, tx):
         # WG0: S_a += Q_r K_a[:, 256:]^T + the rope tail, then wait for every wgmma of the warpgroup
         qk_half(Q_r, KVa_r, acc_s0, rdy_ar, phase, 2, BAR_WG0, tx, None)
-        qk_tail(Q_t, Ka_t, acc_s0, rdy_ar, phase)
+        qk_tail(Q_t, Ka_t, acc_s0)
         T.wait_wgmma(0)
 
     @T.macro
     def qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl, phase, tx):
         # WG1: S_b = mask, += Q_r K_b[:, 256:]^T + the rope tail, += Q_l K_b[:, :256]^T, all retired
         qk_half(Q_r, KVb_r, acc_s1, rdy_br, phase, 2, BAR_WG1, tx - 128, Rows1)
-        qk_tail(Q_t, Kb_t, acc_s1, rdy_br, phase)
+        qk_tail(Q_t, Kb_t, acc_s1)
         qk_half(Q_l, KVb_l, acc_s1, rdy_bl, phase, 0, BAR_WG1, tx - 128, None)
         T.wait_wgmma(0)
 
-    adopt_max = adopt_max_macro(BH=BH, c_log2=c_log2, named=NB_MB if named else None)
-
-    @T.macro
-    def hand_arrive(bar, nb):
-        # publish to the other consumer (``handoff``)
-        if named:
-            T.named_barrier_arrive(nb, 256)
-        else:
-            T.barrier_arrive(bar)
-
-    @T.macro
-    def hand_wait(bar, phase, nb):
-        if named:
-            T.sync_threads(nb, 256)
-        else:
-            T.barrier_wait(bar, phase)
+    adopt_max = adopt_max_macro(BH=BH, c_log2=c_log2)
 
     # O_l / O_r as n_o fragments of DO columns: one, or with a converter two (each PV then two m64n128 wgmmas:
     # at 512 threads ptxas checks every instruction against the launch's 128 registers per thread, and an
@@ -238,12 +183,12 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         o_mul(acc_o, alpha)
 
     @T.macro
-    def softmax_local_pv(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk, M_s, bar_m, nb_m, p, KV):
-        # m_new = max(m_new, rowmax S); softmax step; the new max to M_s (arrive bar_m / nb_m); the local PV issued
+    def softmax_local_pv(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk, M_s, bar_m, p, KV):
+        # m_new = max(m_new, rowmax S); softmax step; the new max to M_s (arrive bar_m); the local PV issued
         T.reduce_max(acc_s, m_new, dim=1, clear=False)
         exp_and_rescale(acc_s, acc_o, m_run, m_new, alpha, l_acc, l_blk)
         T.copy(m_run, M_s)
-        hand_arrive(bar_m, nb_m)
+        T.barrier_arrive(bar_m)
         T.copy(acc_s, p)
         pv(p, KV, acc_o)
 
@@ -326,13 +271,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             Ls0 = T.alloc_shared([BH], f32)
             Ls1 = T.alloc_shared([BH], f32)
 
-            if ready_parts > 1:
-                n_r = ready_parts + (1 if D_tail > 0 else 0)
-                rdy_al = T.alloc_barrier([256] + [128] * (ready_parts - 1))
-                rdy_br = T.alloc_barrier([256] + [128] * (n_r - 1))
-                rdy_ar = T.alloc_barrier([128] * n_r)
-                rdy_bl = T.alloc_barrier([128] * ready_parts)
-            elif converter is None:
+            if converter is None:
                 rdy_al = T.alloc_barrier(256)
                 rdy_br = T.alloc_barrier(256)
                 rdy_ar = T.alloc_barrier(128)
@@ -413,7 +352,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     for j in T.serial(npair[0]):
                         T.copy(m_run0, m_new0)
                         # publish m_a; local PV: O_l += P_a V_a[:, :256], P from registers
-                        softmax_local_pv(acc_s0, O0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, NB_MA, p0, KVa_l)
+                        softmax_local_pv(acc_s0, O0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, p0, KVa_l)
                         T.wait_wgmma(0)
                         T.barrier_arrive(fr_al)
                         # common max m_b: move O_l, l_0 and P_a to it
@@ -423,15 +362,15 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         T.sync_threads(BAR_WG0, 128)  # every WG0 warp is past its QK on a.R (P0 = its rope tile)
                         T.copy(p0, P0)
                         T.fence_proxy_async()
-                        hand_arrive(bar_p0, NB_P0)
+                        T.barrier_arrive(bar_p0)
                         o_mul(O0, alpha0)
                         # remote PV: O_l += P_b V_b[:, :256], P_b from WG1 via smem
-                        hand_wait(bar_p1, pair_phase(pb, j), NB_P1)
+                        T.barrier_wait(bar_p1, pair_phase(pb, j))
                         pv(P1, KVb_l, O0)
                         if overlap_qk:
                             if j + 1 < npair[0]:
                                 qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
-                                T.wait_wgmma(ready_parts)  # the remote PV retired (the QK on a.L may still run): b.L, P1 free
+                                T.wait_wgmma(1)  # the remote PV retired (the QK on a.L may still run): b.L, P1 free
                                 T.barrier_arrive(fr_bl)
                                 qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, j + 1), tx)
                             else:
@@ -459,16 +398,16 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl, pair_phase(pb, 0), tx)
                     for j in T.serial(npair[0]):
                         # m_b = max(m_a, rowmax S_b) >= m_a >= the common max of the last pair
-                        hand_wait(bar_ma, pair_phase(pb, j), NB_MA)
+                        T.barrier_wait(bar_ma, pair_phase(pb, j))
                         for h in T.Parallel(BH):
                             m_new1[h] = Ma[h]
                         # publish m_b; local PV: O_r += P_b V_b[:, 256:] (P from registers); P_b to smem meanwhile
-                        softmax_local_pv(acc_s1, O1, m_run1, m_new1, alpha1, l1, lb1, Mb, bar_mb, NB_MB, p1, KVb_r)
+                        softmax_local_pv(acc_s1, O1, m_run1, m_new1, alpha1, l1, lb1, Mb, bar_mb, p1, KVb_r)
                         T.copy(p1, P1)
                         T.fence_proxy_async()
-                        hand_arrive(bar_p1, NB_P1)
+                        T.barrier_arrive(bar_p1)
                         # remote PV: O_r += P_a V_a[:, 256:], P_a already at m_b
-                        hand_wait(bar_p0, pair_phase(pb, j), NB_P0)
+                        T.barrier_wait(bar_p0, pair_phase(pb, j))
                         pv(P0, KVa_r, O1)
                         T.wait_wgmma(n_o)  # the local PV retired: b.R no longer read
                         T.barrier_arrive(fr_br)

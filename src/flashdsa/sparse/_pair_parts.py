@@ -9,7 +9,6 @@ from ._tl_common import BLOCK_I
 
 BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128 / 128 / 256 threads); 0 is __syncthreads
 BAR_PROD = 11  # named barrier of the 128 producer threads
-NB_MA, NB_MB, NB_P0, NB_P1 = 12, 13, 14, 15  # ``pair_body`` handoff="named": the consumers' hand-overs (256)
 
 
 def pair_phase(pb, j):
@@ -52,18 +51,14 @@ def item_parts(*, G, NI, n_tok, persistent, set_lim):
     return persistent if persistent else n_tok * G, items, item_tok, n_pairs, start_item, end_item
 
 
-def adopt_max_macro(*, BH, c_log2, named=None):
+def adopt_max_macro(*, BH, c_log2):
     """``adopt_max(bar, phase, M_s, m_new, m_run, alpha, l_acc)``: WG0's step to the pair's common max -- wait for
     WG1's max ``M_s`` on ``bar``, then alpha = 2^((m_run - M) c), m_run = M, l *= alpha (the caller rescales O and
-    P by alpha).  Shared by the bf16 and FP8 pair kernels.  ``named``: a named barrier id of 256 threads to
-    ``bar.sync`` on instead of waiting the mbarrier ``bar``."""
+    P by alpha).  Shared by the bf16 and FP8 pair kernels."""
 
     @T.macro
     def adopt_max(bar, phase, M_s, m_new, m_run, alpha, l_acc):
-        if named is None:
-            T.barrier_wait(bar, phase)
-        else:
-            T.sync_threads(named, 256)
+        T.barrier_wait(bar, phase)
         for h in T.Parallel(BH):
             m_new[h] = M_s[h]
         for h in T.Parallel(BH):
@@ -98,16 +93,11 @@ def pair_rows_macro(topk_dim, row_ok):
     return pair_rows
 
 
-def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True, ready_parts=1, rows_in_regs=False):
+def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
     """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
     arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists.  ``pb``: None, or the
-    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop).
-    ``ready_parts`` > 1 (``pair_body``'s): the gathers take the half's ready barriers as a last argument and arrive
-    on them themselves; the rows' ordinary arrival goes to part 0.  ``rows_in_regs``: every producer thread loads
-    the rows it copies (slots t / 8 + 16 k of both blocks) into registers before the waits and the gathers take
-    them (``gather_l(KVl, rr, kv_src)``): Rows0 / Rows1 are written for the consumers' masks only, with no
-    producer barrier."""
+    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop)."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
     pair_rows = pair_rows_macro(topk_dim, row_ok)
@@ -132,56 +122,6 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
             publish_rows(Rows, Indices, tok, lim[0], blk, kv_src)
 
     @T.macro
-    def load_l(KVl, Rows, kv_src, rdy):
-        if ready_parts == 1:
-            gather_l(KVl, Rows, kv_src)
-            T.cp_async_barrier_noinc(rdy)
-        else:
-            gather_l(KVl, Rows, kv_src, rdy)
-
-    @T.macro
-    def load_r(KVr, Kt, Rows, kv_src, rdy):
-        if ready_parts == 1:
-            gather_r(KVr, Kt, Rows, kv_src)
-            T.cp_async_barrier_noinc(rdy)
-        else:
-            gather_r(KVr, Kt, Rows, kv_src, rdy)
-
-    @T.macro
-    def regs_producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                      row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
-        ra = T.alloc_local([4], "int32")
-        rb = T.alloc_local([4], "int32")
-        pt = tx - 256
-        for j in T.serial(npair[0]):
-            pair_rows(Indices, tok, lim, j, pt, row_a, row_b, kv_src)  # the mask rows (threads < 64)
-            for k in T.unroll(4):
-                ra[k] = _row(Indices, tok, lim[0], j * 2 * BI + pt // 8 + 16 * k)
-                ra[k] = T.if_then_else(row_ok(ra[k], kv_src), ra[k], -1)
-                rb[k] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt // 8 + 16 * k)
-                rb[k] = T.if_then_else(row_ok(rb[k], kv_src), rb[k], -1)
-            T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
-            if pt < BI:
-                Rows0[pt] = row_a[0]
-            T.barrier_arrive(rdy_al[0])
-            gather_l(KVa_l, ra, kv_src)
-            T.cp_async_barrier_noinc(rdy_al)
-            T.barrier_wait(fr_br, pair_phase(pb, j) ^ 1)
-            if pt < BI:
-                Rows1[pt] = row_b[0]
-            T.barrier_arrive(rdy_br[0])
-            gather_r(KVb_r, Kb_t, rb, kv_src)
-            T.cp_async_barrier_noinc(rdy_br)
-            T.barrier_wait(fr_ar, pair_phase(pb, j) ^ 1)
-            gather_r(KVa_r, Ka_t, ra, kv_src)
-            T.cp_async_barrier_noinc(rdy_ar)
-            T.barrier_wait(fr_bl, pair_phase(pb, j) ^ 1)
-            gather_l(KVb_l, rb, kv_src)
-            T.cp_async_barrier_noinc(rdy_bl)
-        if pb is None:
-            drain()
-
-    @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                  row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
         for j in T.serial(npair[0]):
@@ -189,20 +129,24 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
-            T.barrier_arrive(rdy_al[0])
-            load_l(KVa_l, Rows0, kv_src, rdy_al)
+            T.barrier_arrive(rdy_al)
+            gather_l(KVa_l, Rows0, kv_src)
+            T.cp_async_barrier_noinc(rdy_al)
             T.barrier_wait(fr_br, pair_phase(pb, j) ^ 1)
             set_rows(Rows1, row_b, Indices, tok, lim, j * 2 + 1, kv_src, tx)
-            T.barrier_arrive(rdy_br[0])
-            load_r(KVb_r, Kb_t, Rows1, kv_src, rdy_br)
+            T.barrier_arrive(rdy_br)
+            gather_r(KVb_r, Kb_t, Rows1, kv_src)
+            T.cp_async_barrier_noinc(rdy_br)
             T.barrier_wait(fr_ar, pair_phase(pb, j) ^ 1)
-            load_r(KVa_r, Ka_t, Rows0, kv_src, rdy_ar)
+            gather_r(KVa_r, Ka_t, Rows0, kv_src)
+            T.cp_async_barrier_noinc(rdy_ar)
             T.barrier_wait(fr_bl, pair_phase(pb, j) ^ 1)
-            load_l(KVb_l, Rows1, kv_src, rdy_bl)
+            gather_l(KVb_l, Rows1, kv_src)
+            T.cp_async_barrier_noinc(rdy_bl)
         if pb is None:
             drain()
 
-    return regs_producer if rows_in_regs else producer
+    return producer
 
 
 def hop_converter():

@@ -415,55 +415,6 @@ __device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has
   }
 }
 
-// fdsa_gather_half<2> with the thread's four rows (g + 16 k, g = t / 8) passed in registers (``gather_producer``
-// ``rows_in_regs``): no shared row list, no producer barrier before the copies.
-__device__ __forceinline__ void fdsa_gather_half_regs(void *tile, void *rope, int has_rope, const void *kv, int ld,
-                                                      int col0, int r0, int r1, int r2, int r3, int t) {
-  const int g = t >> 3, q = t & 7, rows[4] = {r0, r1, r2, r3};
-  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
-  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
-#pragma unroll
-  for (int k = 0; k < 4; ++k)
-    fdsa_row_swz128<4>(tile_s, rope_s, has_rope, fdsa_row_ptr(kv, rows[k], ld * 2), col0 * 2, g + 16 * k, q,
-                       rows[k] >= 0 ? 16 : 0);
-}
-
-// fdsa_gather_half<2> issued part-major (``pair_body`` ``ready_parts`` 4): 64-column part c of every row, then a
-// noinc arrival on bars[c] (it completes once this thread's copies so far landed, i.e. parts 0 .. c); the rope
-// tile (has_rope) is part 4.  bars: the half's ready mbarriers (generic addresses).
-__device__ __forceinline__ void fdsa_bar_noinc(const void *bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(bar))) : "memory");
-}
-__device__ __forceinline__ void fdsa_gather_half_parts(void *tile, void *rope, int has_rope, const void *kv, int ld,
-                                                       int col0, const int *rows, int t, const void *b0,
-                                                       const void *b1, const void *b2, const void *b3, const void *b4) {
-  const int g = t >> 3, q = t & 7;
-  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
-  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
-  const void *bars[4] = {b0, b1, b2, b3};
-  const char *src[4];
-  int sz[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int row = rows[g + 16 * k];
-    src[k] = fdsa_row_ptr(kv, row, ld * 2);
-    sz[k] = row >= 0 ? 16 : 0;
-  }
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      fdsa_cp16(tile_s + c * 8192 + fdsa_swz128(g + 16 * k, q), src[k] + col0 * 2 + c * 128 + q * 16, sz[k]);
-    fdsa_bar_noinc(bars[c]);
-  }
-  if (has_rope) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) fdsa_cp16(rope_s + fdsa_swz128(g + 16 * k, q), src[k] + 1024 + q * 16, sz[k]);
-    fdsa_bar_noinc(b4);
-  }
-}
-
 // The narrow forward's block tile (kernel_fwd_narrow ``row_gather``, 128 threads): KV_b [64, 512] bf16 = 8 chunks
 // of 64 columns, Kt_b [64, 64] one chunk (both 128-byte rows, 128B swizzle).  Thread t: rows t / 8 + 16 k (KV rows
 // r0 .. r3, -1 invalid: zero fill, nothing read), piece t % 8 of each chunk and of the rope row.

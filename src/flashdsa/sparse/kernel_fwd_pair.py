@@ -64,7 +64,6 @@ what it issued.
 """
 
 import functools
-import os
 
 import torch
 
@@ -106,56 +105,7 @@ def row_gather_macros(dqk):
     return gather_l, gather_r
 
 
-def row_gather_regs_macros(dqk):
-    """As ``row_gather_macros`` with each producer thread's four rows in registers (``gather_producer``
-    ``rows_in_regs``): (``gather_l(KVl, rr, kv_src)``, ``gather_r(KVr, Kt, rr, kv_src)``), ``rr`` the thread's rows
-    (local int32 [4]: slots t / 8 + 16 k of the block, -1: zero fill)."""
-
-    @T.macro
-    def gather_rows(KVh, Kt, has_rope, rr, kv_src, col0):
-        KV = kv_src[0]
-        T.call_extern("handle", "fdsa_gather_half_regs", T.address_of(KVh[0, 0]), T.address_of(Kt[0, 0]),
-                      has_rope, T.address_of(KV[0, 0]), dqk, col0, rr[0], rr[1], rr[2], rr[3],
-                      T.get_thread_binding() - 256)
-
-    @T.macro
-    def gather_l(KVl, rr, kv_src):
-        gather_rows(KVl, KVl, 0, rr, kv_src, 0)
-
-    @T.macro
-    def gather_r(KVr, Kt, rr, kv_src):
-        gather_rows(KVr, Kt, 1 if dqk > D_V else 0, rr, kv_src, D_V // 2)
-
-    return gather_l, gather_r
-
-
-def row_gather_parts_macros(dqk):
-    """As ``row_gather_macros`` for ``pair_body``'s ``ready_parts`` 4: (``gather_l(KVl, Rows, kv_src, rdy)``,
-    ``gather_r(KVr, Kt, Rows, kv_src, rdy)``) issue the half part by part (``fdsa_gather_half_parts``) and arrive
-    (noinc) on each of its ready parts themselves."""
-    has_rope, tail = (1, 4) if dqk > D_V else (0, 0)
-
-    @T.macro
-    def gather_rows(KVh, Kt, has_rope, Rows, kv_src, col0, rdy, b4):
-        KV = kv_src[0]
-        T.call_extern("handle", "fdsa_gather_half_parts", T.address_of(KVh[0, 0]), T.address_of(Kt[0, 0]),
-                      has_rope, T.address_of(KV[0, 0]), dqk, col0, T.address_of(Rows[0]),
-                      T.get_thread_binding() - 256, T.address_of(rdy[0]), T.address_of(rdy[1]),
-                      T.address_of(rdy[2]), T.address_of(rdy[3]), T.address_of(rdy[b4]))
-
-    @T.macro
-    def gather_l(KVl, Rows, kv_src, rdy):
-        gather_rows(KVl, KVl, 0, Rows, kv_src, 0, rdy, 0)  # (part 4: unused, any barrier)
-
-    @T.macro
-    def gather_r(KVr, Kt, Rows, kv_src, rdy):
-        gather_rows(KVr, Kt, has_rope, Rows, kv_src, D_V // 2, rdy, tail)
-
-    return gather_l, gather_r
-
-
-def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False, ready_parts=1,
-                   rows_in_regs=False):
+def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False):
     """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
     D = D_V
     DH = D // 2
@@ -193,15 +143,8 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
                     if c == 0:
                         Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
 
-    if ready_parts > 1:
-        assert row_gather and not ablate, "ready_parts: the row gather only"
-        gather_l, gather_r = row_gather_parts_macros(dqk)
-    if rows_in_regs:
-        assert row_gather and not ablate and ready_parts == 1 and prefetch_rows, "rows_in_regs: the row gather"
-        gather_l, gather_r = row_gather_regs_macros(dqk)
     return gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: _ok(row), gather_l=gather_l,
-                           gather_r=gather_r, prefetch_rows=prefetch_rows, ready_parts=ready_parts,
-                           rows_in_regs=rows_in_regs)
+                           gather_r=gather_r, prefetch_rows=prefetch_rows)
 
 
 def build_sparse_mla_fwd(
@@ -221,10 +164,6 @@ def build_sparse_mla_fwd(
     persistent: int = 0,
     row_gather: bool = False,
     hop: bool = False,
-    ready_parts: int = 1,
-    handoff: str = "mbarrier",
-    ready_fence: bool = True,
-    rows_in_regs: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -249,11 +188,10 @@ def build_sparse_mla_fwd(
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
-                              row_gather=row_gather, ready_parts=ready_parts, rows_in_regs=rows_in_regs)
+                              row_gather=row_gather)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
-                     overlap_qk=overlap_qk, persistent=persistent, ready_parts=ready_parts, handoff=handoff,
-                     ready_fence=ready_fence,
+                     overlap_qk=overlap_qk, persistent=persistent,
                      **(dict(converter=hop_converter(), regs=HOP_REGS) if hop else {}),
                      prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.ROW_GATHER_PRELUDE if row_gather
                               else None))
@@ -328,29 +266,11 @@ def dispatched(q, order=None):
     for ``q``'s device: with ``order``, the ordered one-item-per-CTA build; else the persistent grid up to
     ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; all gather by rows (the ordered
     build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
-    parts = variant_kw()
     if order is not None:
-        return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW + parts)
+        return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
                                                       else torch.cuda.current_device())
-    return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm) + parts)
-
-
-VARIANT_ENV = "FLASHDSA_PAIR_VARIANT"
-_VARIANT_KW = {"parts4": ("ready_parts", 4), "named": ("handoff", "named"), "nofence": ("ready_fence", False),
-               "regrows": ("rows_in_regs", True)}
-
-
-def variant_kw(body_only: bool = False) -> tuple:
-    """Timing builds of the bf16 pair kernels (the sparse forward's and the paged decode's): the build keywords
-    named by ``$FLASHDSA_PAIR_VARIANT``, a list (comma or + separated) of ``parts4`` (``pair_body`` ``ready_parts`` 4), ``named``
-    (``handoff="named"``), ``nofence`` (``ready_fence=False``); empty or "none": the default build."""
-    names = [v for v in os.environ.get(VARIANT_ENV, "").replace("+", ",").split(",") if v and v != "none"]
-    bad = [v for v in names if v not in _VARIANT_KW]
-    if bad:
-        raise ValueError(f"${VARIANT_ENV}: unknown {bad}; expected a comma list of {sorted(_VARIANT_KW)}")
-    kw = sorted(_VARIANT_KW[v] for v in names)
-    return tuple(kv for kv in kw if not body_only or kv[0] != "rows_in_regs")  # body_only: ``pair_body``'s
+    return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm))
 
 
 def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
