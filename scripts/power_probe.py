@@ -1,13 +1,14 @@
 """SM clock and board power while one kernel runs back to back: is it held at the power cap?
 
-    python scripts/power_probe.py [--seconds 3] [--cases gemm,pair,pair_no_gather,decode] [--json out.json]
+    python scripts/power_probe.py [--seconds 3] [--cases gemm,pair,pair_no_gather,decode,SUITE:CASE] [--json F]
 
 Each case runs for ``--seconds`` (events around the whole loop give its TFLOP/s) while ``nvidia-smi -lms 20`` samples
 the SM clock, the instantaneous board power and the active clock-event reasons (0x4: software power cap); the
 samples inside the loop's window are summarised (median clock, median / max power, share of samples power-capped).
 Cases: ``gemm`` (torch.mm bf16 8192^3, the ceiling of docs/PERFORMANCE.md), ``pair`` (the dispatched sparse forward
 pair kernel, S 4096 / SKV 8192 / H 128 / topk 2048), ``pair_no_gather`` (the same with ``ablate="no_gather"``:
-no KV loads, wrong results), ``decode`` (the decode suite's dense B 128 H 128 s_q 1 case, backend auto).
+no KV loads, wrong results), ``decode`` (the decode suite's dense B 128 H 128 s_q 1 case, backend auto), or any
+benchmark-suite case as ``suite:case`` (its inputs and run, backend auto; the rate is TFLOP/s or TB/s as it counts).
 Run on the GPU host after ``source .gpu/env.sh``.
 """
 
@@ -40,20 +41,22 @@ def _cases(names):
     if "gemm" in names:
         a, b = (torch.randn(8192, 8192, generator=gen, device="cuda").bfloat16() for _ in range(2))
         c = torch.empty_like(a)
-        out["gemm"] = (lambda: torch.mm(a, b, out=c), 2 * 8192**3)
+        out["gemm"] = (lambda: torch.mm(a, b, out=c), 2 * 8192**3, None)
     if "pair" in names or "pair_no_gather" in names:
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=128)
         flops = sparse_fwd_flops(128, idx.numel(), 576, 512)
         scale = 576**-0.5
-        out["pair"] = (lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=512), flops)
+        out["pair"] = (lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv, idx, sm_scale=scale, d_v=512), flops, None)
         key = (("ablate", "no_gather"),)
         out["pair_no_gather"] = (lambda: kernel_fwd.launch(lambda *a: kernel_fwd_pair._compiled(*a, key), q, kv, idx,
-                                                           sm_scale=scale, d_v=512), flops)
-    if "decode" in names:
-        case = next(c for c in get_cases("decode", torch.device("cuda"))[0]
-                    if c.name == "dense_bf16_B128_H128_sq1_cache8192")
+                                                           sm_scale=scale, d_v=512), flops, None)
+    specs = [("decode", "dense_bf16_B128_H128_sq1_cache8192", "decode")] if "decode" in names else []
+    specs += [(n.split(":")[0], n.split(":")[1], n) for n in names if ":" in n]
+    for suite, case_name, key in specs:
+        case = next(c for c in get_cases(suite, torch.device("cuda"))[0] if c.name == case_name)
         inputs = case.build(torch.device("cuda"), gen)
-        out["decode"] = (lambda: case.run(inputs, "auto"), case.counts(inputs)["flops"])
+        counts = case.counts(inputs)
+        out[key] = (lambda c=case, i=inputs: c.run(i, "auto"), counts["flops"], counts["bytes"])
     return {n: out[n] for n in names}
 
 
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
                             "-lms", "20"], stdout=log, stderr=subprocess.STDOUT)
     windows = {}
     try:
-        for name, (fn, flops) in cases.items():
+        for name, (fn, flops, nbytes) in cases.items():
             fn()  # compile / warm
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
             end.synchronize()
             w1 = datetime.datetime.now()
             ms = start.elapsed_time(end) / reps
-            windows[name] = (w0, w1, ms, flops / ms / 1e9)
+            windows[name] = (w0, w1, ms, flops / ms / 1e9 if flops else None,
+                             nbytes / ms / 1e9 if nbytes else None)
     finally:
         time.sleep(0.1)
         smi.terminate()
@@ -108,7 +112,7 @@ def main(argv=None) -> int:
             continue
     os.unlink(log.name)
     rows = []
-    for name, (w0, w1, ms, tflops) in windows.items():
+    for name, (w0, w1, ms, tflops, tbps) in windows.items():
         # skip the first 0.5 s of the window (the clock settles)
         inside = [s for s in samples if w0 + datetime.timedelta(seconds=0.5) <= s[0] <= w1]
         if not inside:
@@ -117,11 +121,12 @@ def main(argv=None) -> int:
         clock = statistics.median(s[1] for s in inside)
         power = [s[2] for s in inside]
         capped = sum(1 for s in inside if s[3] & 0x4) / len(inside)
-        row = dict(case=name, ms=ms, tflops=tflops, sm_clock_mhz_median=clock,
+        row = dict(case=name, ms=ms, tflops=tflops, tbps=tbps, sm_clock_mhz_median=clock,
                    sm_clock_mhz_min=min(s[1] for s in inside), power_w_median=statistics.median(power),
                    power_w_max=max(power), power_capped_share=capped, samples=len(inside), power_field=fields[2])
         rows.append(row)
-        print(f"{name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s, SM clock median {clock:.0f} MHz"
+        rate = (f"{tflops:.0f} TFLOP/s" if tflops else "") + (f" {tbps:.2f} TB/s" if tbps else "")
+        print(f"{name}: {ms:.3f} ms, {rate}, SM clock median {clock:.0f} MHz"
               f" (min {row['sm_clock_mhz_min']:.0f}), power median {row['power_w_median']:.0f} W"
               f" (max {row['power_w_max']:.0f}), power-capped in"
               f" {100 * capped:.0f}% of {len(inside)} samples", flush=True)
