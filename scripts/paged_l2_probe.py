@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from flashdsa.bench.flops import causal_decode_keys, decode_flops
 from flashdsa.bench.harness import time_fn
 from flashdsa.decode import kernel_dense
 
@@ -31,7 +32,7 @@ def run(B: int, H: int, s_q: int, L: int, shared: bool, causal: bool = False) ->
                                                  variant="pair")
 
     t = time_fn(call, [None], q.device, reps=30)
-    flops = 2 * H * s_q * 1088 * L * B
+    flops = decode_flops(H, causal_decode_keys(lens, s_q, causal))
     return dict(B=B, H=H, s_q=s_q, L=L, shared=shared, ms=t.ms_median, p10=t.ms_p10,
                 tflops=flops / t.ms_median / 1e9)
 

@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+from flashdsa.bench.harness import capture_graph
+
 pytestmark = pytest.mark.gpu
 
 LENS = (0, 20, 140, 4096, 32768)
@@ -82,13 +84,6 @@ def _check(out, lse, ref_out, ref_lse):
         abs_ = (lse[fin].double() - ref_lse[fin].double()).abs()
         ok = (rel <= 8 / 65536) | (abs_ <= 8 / 65536)
         assert ok.all(), f"lse: max rel err {rel.max().item():.3e}"
-
-
-def _capture(fn):
-    """(graph, fn's outputs inside it): ``bench.harness.capture_graph`` (two warm-up runs on a side stream)."""
-    from flashdsa.bench.harness import capture_graph
-
-    return capture_graph(fn)
 
 
 def _reference(q, kv, table, seqlens, *, sm_scale, causal, sink):
@@ -180,8 +175,8 @@ def test_dense_decode_cuda_graph_replay():
     q, kv, table, _ = _make(B, s_q, H, bs, [max(x, y) for x, y in zip(lens_a, lens_b)], seed=11)
     seqlens = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
     scale = 576 ** -0.5
-    graph, (out, lse) = _capture(lambda: K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=scale, d_v=512,
-                                                                causal=True))
+    graph, (out, lse) = capture_graph(lambda: K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=scale,
+                                                                     d_v=512, causal=True))
     for lens in (lens_a, lens_b, lens_a):
         seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
         # the unused tail of a shorter sequence is stale data, not NaN: the kernel must not read it either way

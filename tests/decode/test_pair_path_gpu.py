@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from .test_kernel_gpu import _capture, _check, _kernel, _make, _reference
+from flashdsa.bench.harness import capture_graph
+
+from .test_kernel_gpu import _check, _kernel, _make, _reference
 
 pytestmark = pytest.mark.gpu
 
@@ -74,7 +76,7 @@ def test_pair_path_cuda_graph_replay():
     seqlens = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
     run = lambda: K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=0.05, d_v=512, causal=True,  # noqa: E731
                                          variant="pair")
-    graph, (out, lse) = _capture(run)
+    graph, (out, lse) = capture_graph(run)
     for lens in (lens_a, lens_b, lens_a):
         seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import flashdsa
+from flashdsa.bench.harness import capture_graph
 from flashdsa.quant import quantize_kv_fp8
 
-from .test_kernel_gpu import _capture, _check, _kernel, _make, _reference
+from .test_kernel_gpu import _check, _kernel, _make, _reference
 
 pytestmark = pytest.mark.gpu
 
@@ -114,7 +115,7 @@ def test_plan_cuda_graph_of_a_step(H):
         plan = flashdsa.mla_decode_plan(table, seqlens, layers[0][1], num_heads=H, s_q=s_q, sm_scale=0.05)
         return [plan.run(q, kv) for q, kv in layers]
 
-    graph, outs = _capture(step)
+    graph, outs = capture_graph(step)
     for lens in (lens_b, lens_a):
         seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
