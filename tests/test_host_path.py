@@ -4,7 +4,10 @@
 * ``decode.kernel_dense._workspace``: the four views are the requested shapes and dtypes, 256-byte aligned, and
   do not overlap;
 * ``_tilelang.dummy`` is cached per (dtype, device); ``_tilelang.direct_launcher`` falls back to the kernel object
-  for anything that is not a TVM-FFI adapter without TileLang-allocated outputs.
+  for anything that is not a TVM-FFI adapter without TileLang-allocated outputs;
+* ``_dispatch.call_signature`` tells apart what validation reads (dtype, shape, strides, alignment, argument types,
+  ``$FLASHDSA_BACKEND``); ``_dispatch.PlanCache`` is bounded and ignores unhashable keys; CPU calls never store an
+  eager plan, and bad arguments still raise the plain path's errors.
 """
 
 import random
@@ -12,7 +15,8 @@ import random
 import pytest
 import torch
 
-from flashdsa import _tilelang
+import flashdsa
+from flashdsa import _dispatch, _tilelang
 from flashdsa.sparse import api as sparse_api
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
@@ -90,3 +94,43 @@ def test_direct_launcher_fallbacks(adapter, direct):
     k = _Kernel(adapter)
     got = _tilelang.direct_launcher(k)
     assert (got == "executable") if direct else (got is k)
+
+
+def test_call_signature_tells_apart_what_validation_reads(monkeypatch):
+    x = torch.zeros(4, 8)
+    base = _dispatch.call_signature(x, 1.0, "auto")
+    assert base == _dispatch.call_signature(torch.ones(4, 8), 1.0, "auto")  # values are not part of it
+    assert base != _dispatch.call_signature(x.double(), 1.0, "auto")
+    assert base != _dispatch.call_signature(torch.zeros(8, 4).t(), 1.0, "auto")  # same shape, other strides
+    assert base != _dispatch.call_signature(torch.zeros(4, 9)[:, 1:], 1.0, "auto")  # data pointer mod 16
+    assert base != _dispatch.call_signature(x, 1, "auto")
+    assert _dispatch.call_signature(x, True) != _dispatch.call_signature(x, 1)
+    assert _dispatch.call_signature(x, None) != _dispatch.call_signature(x, 0)
+    monkeypatch.setenv(_dispatch.ENV_VAR, "reference")
+    assert base != _dispatch.call_signature(x, 1.0, "auto")
+
+
+def test_plan_cache_bounded_and_unhashable_keys():
+    cache = _dispatch.PlanCache(size=3)
+    for i in range(3):
+        cache.put(("k", i), i)
+    assert len(cache) == 3 and cache.get(("k", 2)) == 2
+    cache.put(("k", 3), 3)  # full: cleared first
+    assert len(cache) == 1 and cache.get(("k", 0)) is None and cache.get(("k", 3)) == 3
+    cache.put(("k", [1]), 4)
+    assert cache.get(("k", [1])) is None and len(cache) == 1
+
+
+def test_cpu_calls_store_no_plan_and_still_validate():
+    before = len(sparse_api._PLANS)
+    q = torch.randn(2, 1, 4, 512, dtype=torch.bfloat16)
+    kv = torch.randn(2, 10, 512, dtype=torch.bfloat16)
+    idx = torch.tensor([[[0, 1]], [[2, -1]]], dtype=torch.int32)
+    for _ in range(2):
+        flashdsa.sparse_attn(q, kv, None, idx)
+        flashdsa.sparse_mla_fwd(q.view(2, 4, 512), kv[0], idx.view(2, 2))
+    assert len(sparse_api._PLANS) == before
+    with pytest.raises(TypeError, match="softmax_scale"):
+        flashdsa.sparse_attn(q, kv, None, idx, softmax_scale=[1.0])
+    with pytest.raises(TypeError, match="sm_scale"):
+        flashdsa.sparse_mla_fwd(q.view(2, 4, 512), kv[0], idx.view(2, 2), sm_scale=True)

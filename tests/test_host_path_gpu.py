@@ -4,7 +4,12 @@
   indices with negative, out-of-range and extreme int32 values, for several (B, S, topk, S_kv);
 * the batched ``sparse_attn`` / ``sparse_mla_fwd`` forms (which use it) == the reference;
 * ``mla_decode`` dense (one workspace allocation, direct launches, cached dummy sink) == the reference, with and
-  without a sink, and the same numbers call after call (no state leaks between calls through cached buffers).
+  without a sink, and the same numbers call after call (no state leaks between calls through cached buffers);
+* the eager plans of ``sparse_attn`` / ``sparse_mla_fwd`` / ``sparse_mla`` (``_dispatch.PlanCache``): a call that
+  replays a stored plan on new values is bitwise the plain path's result and matches the reference, for the
+  pair (H 64 / 128: the batched forms through its ``batched`` build, which maps per-batch positions itself),
+  narrow (H 16) and padded (H 48) kernels, batched and flat forms, topk_length and max_logits; a gradient request, a strided input or a bad argument still takes the plain path; a plan call
+  captured in a CUDA graph replays correctly on new inputs.
 """
 
 import pytest
@@ -18,6 +23,7 @@ pytest.importorskip("tilelang")
 
 import flashdsa  # noqa: E402
 from flashdsa.sparse import api as sparse_api  # noqa: E402
+from flashdsa.bench.harness import capture_graph  # noqa: E402
 from flashdsa.sparse import kernel_index  # noqa: E402
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
@@ -83,3 +89,104 @@ def test_mla_decode_dense_repeatable_and_correct(sink):
         else:
             assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
     assert torch.all(out[1] == 0) and torch.all(torch.isinf(lse[1]))
+
+
+def _v4_inputs(gen, b, m, n, h, topk):
+    q = (torch.randn(b, m, h, 512, generator=gen, device="cuda") * 0.3).bfloat16()
+    kv = (torch.randn(b, n, 512, generator=gen, device="cuda") * 0.3).bfloat16()
+    idx = torch.randint(-3, n + 3, (b, m, topk), generator=gen, device="cuda", dtype=torch.int32)
+    idx.view(-1)[::97] = INT_MIN
+    idx.view(-1)[5::89] = INT_MAX
+    idx.view(-1)[7::83] = n  # the first invalid position of every batch
+    return q, kv, idx, torch.randn(h, generator=gen, device="cuda")
+
+
+@pytest.mark.parametrize("h", [64, 128, 16, 48])
+def test_sparse_attn_eager_plan_matches_plain_path(h):
+    gen = torch.Generator(device="cuda").manual_seed(h)
+    b, m, n, topk = 6, 2, 700, 200
+    q, kv, idx, sink = _v4_inputs(gen, b, m, n, h, topk)
+    flashdsa.sparse_attn(q, kv, sink, idx)  # plain path: validates, runs, stores the plan
+    assert sparse_api._PLANS.get(sparse_api._plan_key("attn", q, kv, idx, None, sink, None, "auto")) is not None
+    q2, kv2, idx2, sink2 = _v4_inputs(gen, b, m, n, h, topk)  # new values, same signature
+    idx2[1, 0, :] = -1  # an empty row
+    got = flashdsa.sparse_attn(q2, kv2, sink2, idx2)  # the plan
+    plain = flashdsa.sparse_attn(q2, kv2, sink2, idx2, backend="kernel")  # another signature: the plain path
+    assert torch.equal(got, plain)
+    want = flashdsa.sparse_attn(q2, kv2, sink2, idx2, backend="reference")
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.all(got[1, 0] == 0)
+    if h != 64:
+        return
+    # a gradient request goes through autograd (plain path) and still works
+    qg = q2.clone().requires_grad_()
+    out = flashdsa.sparse_attn(qg, kv2, sink2, idx2)
+    assert torch.equal(out.detach(), got)
+    out.float().sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+def test_sparse_mla_fwd_eager_plan_flat_topk_length_max_logits():
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    T, H, SKV, topk = 37, 64, 600, 130
+
+    def inputs():
+        q = (torch.randn(T, H, 576, generator=gen, device="cuda") * 0.3).bfloat16()
+        kv = (torch.randn(SKV, 576, generator=gen, device="cuda") * 0.3).bfloat16()
+        idx = torch.randint(-2, SKV + 2, (T, topk), generator=gen, device="cuda", dtype=torch.int32)
+        tl = torch.randint(0, topk + 1, (T,), generator=gen, device="cuda", dtype=torch.int32)
+        return q, kv, idx, tl
+
+    a = inputs()
+    flashdsa.sparse_mla_fwd(*a[:3], topk_length=a[3], return_max_logits=True)
+    q, kv, idx, tl = inputs()
+    got = flashdsa.sparse_mla_fwd(q, kv, idx, topk_length=tl, return_max_logits=True)  # the plan
+    plain = flashdsa.sparse_mla_fwd(q, kv, idx, topk_length=tl, return_max_logits=True, backend="kernel")
+    assert all(torch.equal(x, y) for x, y in zip(got, plain))
+    want = flashdsa.sparse_mla_fwd(q, kv, idx, topk_length=tl, return_max_logits=True, backend="reference")
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-3)
+    # the batched form with topk_length (H 128: the pair kernel's batched build)
+    B, S, n = 3, 5, 300
+    qb = (torch.randn(B, S, 128, 576, generator=gen, device="cuda") * 0.3).bfloat16()
+    kvb = (torch.randn(B, n, 576, generator=gen, device="cuda") * 0.3).bfloat16()
+    ib = torch.randint(-2, n + 2, (B, S, 70), generator=gen, device="cuda", dtype=torch.int32)
+    tb = torch.randint(0, 71, (B, S), generator=gen, device="cuda", dtype=torch.int32)
+    first = flashdsa.sparse_mla_fwd(qb, kvb, ib, topk_length=tb)  # plain path, stores the plan
+    again = flashdsa.sparse_mla_fwd(qb, kvb, ib, topk_length=tb)  # the plan
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    wb = flashdsa.sparse_mla_fwd(qb, kvb, ib, topk_length=tb, backend="reference")
+    torch.testing.assert_close(again[0].float(), wb[0].float(), atol=2e-2, rtol=2e-2)
+    # differentiable form without a gradient request: a plan too, same numbers
+    with torch.no_grad():
+        flashdsa.sparse_mla(*a[:3], topk_length=a[3])
+        assert torch.equal(flashdsa.sparse_mla(q, kv, idx, topk_length=tl), got[0])
+
+
+def test_eager_plan_strided_and_bad_arguments_take_the_plain_path():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, kv, idx, sink = _v4_inputs(gen, 3, 1, 300, 64, 64)
+    qs = torch.empty(3, 1, 64, 1024, dtype=q.dtype, device="cuda")[..., :512]
+    qs.copy_(q)  # strided (last dim contiguous): no plan, the plain path copies
+    for _ in range(2):
+        assert torch.equal(flashdsa.sparse_attn(qs, kv, sink, idx), flashdsa.sparse_attn(q, kv, sink, idx))
+    assert sparse_api._PLANS.get(sparse_api._plan_key("attn", qs, kv, idx, None, sink, None, "auto")) is None
+    with pytest.raises(TypeError, match="topk_idxs"):
+        flashdsa.sparse_attn(q, kv, sink, idx.long())
+    with pytest.raises(TypeError, match="softmax_scale"):
+        flashdsa.sparse_attn(q, kv, sink, idx, softmax_scale=True)
+    with pytest.raises(ValueError, match="attn_sink"):
+        flashdsa.sparse_attn(q, kv, sink[:10], idx)
+
+
+def test_eager_plan_in_cuda_graph():
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, kv, idx, sink = _v4_inputs(gen, 4, 1, 512, 64, 128)
+    flashdsa.sparse_attn(q, kv, sink, idx)  # stores the plan
+    graph, out = capture_graph(lambda: flashdsa.sparse_attn(q, kv, sink, idx))
+    q2, kv2, idx2, sink2 = _v4_inputs(gen, 4, 1, 512, 64, 128)
+    for dst, src in ((q, q2), (kv, kv2), (idx, idx2), (sink, sink2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flashdsa.sparse_attn(q2, kv2, sink2, idx2, backend="kernel"))

@@ -105,6 +105,52 @@ def kernel_unavailable_reason(op: str, device: torch.device, check: Optional[Cal
     return check() if check is not None else None
 
 
+def call_signature(*args) -> tuple:
+    """A hashable key of everything argument validation and dispatch read from one call: each tensor's shape,
+    strides, dtype, device and data-pointer alignment (mod 16), every other argument with its type (``True`` and
+    ``1`` differ), and ``$FLASHDSA_BACKEND``.  Two calls with equal signatures pass or fail validation alike and
+    take the same path (validation never reads tensor values), which is what lets :class:`PlanCache` skip both."""
+    key = [os.environ.get(ENV_VAR)]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16))
+        else:
+            key.append((type(a), a))
+    return tuple(key)
+
+
+class PlanCache:
+    """Call signature (:func:`call_signature`) -> a prepared kernel launch: the eager fast path of decode-sized
+    calls, whose host time (validation, dispatch, kernel selection: ~100 Python calls) is otherwise as long as the
+    kernel.  A plan is stored only after the plain path accepted the call and chose the kernel; it is used only
+    when nothing needs the PyTorch dispatcher (``_library``'s rule: no tracing, no fake tensors, no gradient).
+    Bounded: cleared when ``size`` signatures are stored."""
+
+    def __init__(self, size: int = 64):
+        self._plans: dict = {}
+        self._size = size
+
+    def get(self, key):
+        """The plan stored under ``key``, or None (also for a key with an unhashable argument: the plain path
+        then reports that argument)."""
+        try:
+            return self._plans.get(key)
+        except TypeError:
+            return None
+
+    def put(self, key, plan) -> None:
+        try:
+            hash(key)
+        except TypeError:
+            return
+        if len(self._plans) >= self._size:
+            self._plans.clear()
+        self._plans[key] = plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
 _LAST_CHOICE: dict[str, str] = {}
 
 

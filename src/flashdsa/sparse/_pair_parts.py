@@ -75,10 +75,18 @@ def drain():
     T.ptx_wait_group(0)  # nothing in flight when the producer threads exit
 
 
-def pair_rows_macro(topk_dim, row_ok):
+def row_select(row_ok, row_base=None):
+    """``select(row, tok, kv_src)``: the KV row an Indices entry names, or -1 where ``row_ok(row, kv_src)`` fails;
+    ``row_base(tok, kv_src)`` (the batched forms: ``(tok // S) * S_kv``) is added to an accepted entry."""
+    if row_base is None:
+        return lambda row, tok, kv_src: T.if_then_else(row_ok(row, kv_src), row, -1)
+    return lambda row, tok, kv_src: T.if_then_else(row_ok(row, kv_src), row + row_base(tok, kv_src), -1)
+
+
+def pair_rows_macro(topk_dim, select):
     """Macro ``pair_rows(Indices, tok, lim, j, pt, row_a, row_b, kv_src)``: producer thread ``pt`` < 64 loads the
-    KV rows of slot ``pt`` of blocks 2j / 2j + 1 into registers (-1 past topk_eff or where ``row_ok(row, kv_src)``
-    fails), so the Indices latency overlaps the waits that follow."""
+    KV rows of slot ``pt`` of blocks 2j / 2j + 1 into registers (``select`` of ``row_select``: -1 past topk_eff or
+    where the entry is out of range), so the Indices latency overlaps the waits that follow."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
 
@@ -86,29 +94,30 @@ def pair_rows_macro(topk_dim, row_ok):
     def pair_rows(Indices, tok, lim, j, pt, row_a, row_b, kv_src):
         if pt < BI:
             row_a[0] = _row(Indices, tok, lim[0], j * 2 * BI + pt)
-            row_a[0] = T.if_then_else(row_ok(row_a[0], kv_src), row_a[0], -1)
+            row_a[0] = select(row_a[0], tok, kv_src)
             row_b[0] = _row(Indices, tok, lim[0], (j * 2 + 1) * BI + pt)
-            row_b[0] = T.if_then_else(row_ok(row_b[0], kv_src), row_b[0], -1)
+            row_b[0] = select(row_b[0], tok, kv_src)
 
     return pair_rows
 
 
-def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True):
+def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True, row_base=None):
     """The non-blocking producer of the module notes for any KV format: ``gather_l(KVl, Rows, kv_src)`` /
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
-    arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists.  ``pb``: None, or the
-    pairs of this CTA's earlier items (``pair_phase``; the caller then drains the cp.async after its item loop)."""
+    arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists; ``row_base``: as in
+    ``row_select``.  ``pb``: None, or the pairs of this CTA's earlier items (``pair_phase``; the caller then drains
+    the cp.async after its item loop)."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
-    pair_rows = pair_rows_macro(topk_dim, row_ok)
+    select = row_select(row_ok, row_base)
+    pair_rows = pair_rows_macro(topk_dim, select)
 
     @T.macro
     def publish_rows(Rows, Indices, tok, lim, blk, kv_src):
         # Rows[r] = KV row of slot blk*64 + r, or -1 (past topk_eff / out of [0, Tkv)); all producer
         # threads see them after the named barrier, the consumers through the ready barrier's ordinary arrival
         for r in T.Parallel(BI):
-            row = _row(Indices, tok, lim, blk * BI + r)
-            Rows[r] = T.if_then_else(row_ok(row, kv_src), row, -1)
+            Rows[r] = select(_row(Indices, tok, lim, blk * BI + r), tok, kv_src)
         T.sync_threads(BAR_PROD, 128)
 
     @T.macro

@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _dispatch
-from .._library import custom_op
+from .._library import _needs_dispatcher, custom_op
 from .._validate import check_float, check_same_device, check_tensor
 from . import fp8, reference
 
@@ -128,7 +128,7 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ----------------------------------------------------------------------------------------------- validation
 def _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, *, dqk_allowed, names=("q", "kv", "indices"),
-             q_dtypes=_FLOATS, kv_dtypes=None, kv_dim=None, backend="auto"):
+             q_dtypes=_FLOATS, kv_dtypes=None, kv_dim=None, backend="auto", scale_name="sm_scale"):
     """Validate and reduce the flat / batched forms to the flat form. Returns (q, kv, idx, tl, scale, lead).
 
     kv must have q's dtype and last dim Dqk unless ``kv_dtypes`` / ``kv_dim`` say otherwise (FP8 forms)."""
@@ -171,7 +171,7 @@ def _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, *, dqk_allow
     check_tensor("topk_length", topk_length, shape=lead, dtypes=_INT32, optional=True,
                  last_dim_contiguous=False)
     check_same_device(**{qn: q, kvn: kv, ixn: indices, "attn_sink": attn_sink, "topk_length": topk_length})
-    scale = check_float("sm_scale", sm_scale)
+    scale = check_float(scale_name, sm_scale)
     scale = dqk ** -0.5 if scale is None else scale
     if batched:
         B, S = lead
@@ -204,6 +204,69 @@ def _offset_batched_indices(indices: torch.Tensor, skv: int, backend: str = "aut
 
 def _unflatten(t: torch.Tensor, lead):
     return t.reshape(*lead, *t.shape[1:])
+
+
+# ------------------------------------------------------------------------------------------- eager fast path
+_PLANS = _dispatch.PlanCache()
+
+
+class _FwdPlan:
+    """The kernel forward that one call signature was validated and dispatched to (``_dispatch.PlanCache``):
+    flat views, the batched-index offset, three outputs and one launch; no validation, no dispatch."""
+
+    __slots__ = ("launch", "offset", "extra", "tokens", "heads", "dqk", "kv_rows", "topk", "d_v", "lead",
+                 "tl_dummy", "sink_dummy")
+
+    def __call__(self, q, kv, indices, topk_length, attn_sink):
+        _dispatch.record_choice("sparse_mla_fwd", "kernel")
+        n, dev = self.tokens, q.device
+        qf = q.view(n, self.heads, self.dqk)
+        kvf = kv.view(self.kv_rows, self.dqk)
+        # flat forms and the fused batched build take the indices as they are; else one offset launch
+        idx = indices.view(n, self.topk) if self.offset is None else self.offset(indices)
+        out = torch.empty((n, self.heads, self.d_v), dtype=torch.bfloat16, device=dev)
+        lse = torch.empty((n, self.heads), dtype=torch.float32, device=dev)
+        mx = torch.empty((n, self.heads), dtype=torch.float32, device=dev)
+        self.launch(qf, kvf, idx, self.tl_dummy if topk_length is None else topk_length.view(n),
+                    self.sink_dummy if attn_sink is None else attn_sink, out, lse, mx, *self.extra)
+        return out, lse, mx
+
+
+def _plan_key(form, q, kv, indices, topk_length, attn_sink, *scalars):
+    """``_dispatch.call_signature`` of a forward call, or None where the plain path must run (tracing, fake
+    tensors, an input that needs a gradient)."""
+    tensors = (q, kv, indices, topk_length, attn_sink)
+    if not all(isinstance(t, torch.Tensor) for t in tensors[:3]) or _needs_dispatcher(tensors):
+        return None
+    return _dispatch.call_signature(form, q, kv, indices, topk_length, attn_sink, *scalars)
+
+
+def _store_plan(key, q, kv, indices, topk_length, attn_sink, flat, d_v, backend):
+    """After the plain path accepted a call (``flat``: what ``_flatten`` returned): store its kernel launch under
+    ``key`` if the kernel ran and the call can be replayed as views of its inputs (all contiguous, T and Tkv > 0;
+    other calls keep taking the plain path)."""
+    qf, kvf, idx, tl, scale, lead = flat
+    if key is None or qf.shape[0] == 0 or kvf.shape[0] == 0:
+        return
+    if not all(t is None or t.is_contiguous() for t in (q, kv, indices, topk_length, attn_sink)):
+        return
+    if _dispatch.resolve_backend("sparse_mla_fwd", backend, qf.device,
+                                 _kernel_check(qf, kvf, idx, d_v, tl, attn_sink)) != "kernel":
+        return
+    from .._tilelang import dummy
+    from . import kernel_index
+
+    batched = q.dim() == 4
+    plan = _FwdPlan()
+    plan.launch, fused = _dispatch.kernel_module("sparse_mla_fwd").launcher(
+        qf, kvf, idx, sm_scale=scale, d_v=d_v, topk_length=tl, attn_sink=attn_sink, batched=batched)
+    skv = kv.shape[1] if batched else None
+    plan.offset = (lambda i: kernel_index.offset_batched_indices(i, skv)) if batched and not fused else None
+    plan.extra = (q.shape[1], skv) if fused else ()
+    plan.tokens, plan.heads, plan.dqk = qf.shape
+    plan.kv_rows, plan.topk, plan.d_v, plan.lead = kvf.shape[0], idx.shape[1], d_v, lead
+    plan.tl_dummy, plan.sink_dummy = dummy(torch.int32, q.device), dummy(torch.float32, q.device)
+    _PLANS.put(key, plan)
 
 
 def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, topk_length=None,
@@ -253,15 +316,26 @@ def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, to
         >>> out.shape, lse.shape
         (torch.Size([2, 4, 512]), torch.Size([2, 4]))
     """
+    key = None
+    if q_scale is None and kv_scale is None:
+        key = _plan_key("fwd", q, kv, indices, topk_length, attn_sink, sm_scale, d_v, backend)
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None:
+            out, lse, mx = plan(q, kv, indices, topk_length, attn_sink)
+            res = (_unflatten(out, plan.lead), _unflatten(lse, plan.lead))
+            return res + (_unflatten(mx, plan.lead),) if return_max_logits else res
     _dispatch.requested_backend(backend)
     if fp8.is_fp8_form(q, kv, q_scale, kv_scale):
         (out, lse, mx), lead = fp8.sparse_mla_fwd_fp8_forms(q, kv, indices, q_scale=q_scale, kv_scale=kv_scale,
                                                             sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
                                                             topk_length=topk_length, backend=backend)
     else:
-        qf, kvf, idx, tl, scale, lead = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink,
-                                                dqk_allowed=(512, 576), backend=backend)
+        flat = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, dqk_allowed=(512, 576),
+                        backend=backend)
+        qf, kvf, idx, tl, scale, lead = flat
         out, lse, mx = _fwd_op(qf, kvf, idx, scale, d_v, attn_sink, tl, False, backend)
+        if key is not None and q.device.type == "cuda":
+            _store_plan(key, q, kv, indices, topk_length, attn_sink, flat, d_v, backend)
     res = (_unflatten(out, lead), _unflatten(lse, lead))
     return res + (_unflatten(mx, lead),) if return_max_logits else res
 
@@ -302,12 +376,19 @@ def sparse_mla(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, topk_l
         >>> q.grad.shape, kv.grad.shape
         (torch.Size([2, 4, 512]), torch.Size([8, 512]))
     """
-    qf, kvf, idx, tl, scale, lead = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink,
-                                            dqk_allowed=(512, 576), backend=backend)
+    key = _plan_key("mla", q, kv, indices, topk_length, attn_sink, sm_scale, d_v, deterministic, backend)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is not None:
+        return _unflatten(plan(q, kv, indices, topk_length, attn_sink)[0], plan.lead)
+    flat = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, dqk_allowed=(512, 576),
+                    backend=backend)
+    qf, kvf, idx, tl, scale, lead = flat
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     _dispatch.requested_backend(backend)
     out, _, _ = _fwd_op(qf, kvf, idx, scale, d_v, attn_sink, tl, deterministic, backend)
+    if key is not None and q.device.type == "cuda":
+        _store_plan(key, q, kv, indices, topk_length, attn_sink, flat, d_v, backend)
     return _unflatten(out, lead)
 
 
@@ -342,9 +423,16 @@ def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale=None, *, backend="aut
         >>> sparse_attn(q, kv, torch.zeros(2), idx).shape
         torch.Size([1, 3, 2, 64])
     """
+    key = _plan_key("attn", q, kv, topk_idxs, None, attn_sink, softmax_scale, backend)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is not None:
+        return _unflatten(plan(q, kv, topk_idxs, None, attn_sink)[0], plan.lead)
     check_tensor("q", q, ndim=4, dtypes=_FLOATS)
-    qf, kvf, idx, tl, scale, lead = _flatten(q, kv, topk_idxs, None, softmax_scale, q.shape[-1], attn_sink,
-                                            dqk_allowed=None, names=("q", "kv", "topk_idxs"), backend=backend)
+    flat = _flatten(q, kv, topk_idxs, None, softmax_scale, q.shape[-1], attn_sink, dqk_allowed=None,
+                    names=("q", "kv", "topk_idxs"), backend=backend, scale_name="softmax_scale")
+    qf, kvf, idx, tl, scale, lead = flat
     _dispatch.requested_backend(backend)
     out, _, _ = _fwd_op(qf, kvf, idx, scale, q.shape[-1], attn_sink, tl, False, backend)
+    if key is not None and q.device.type == "cuda":
+        _store_plan(key, q, kv, topk_idxs, None, attn_sink, flat, q.shape[-1], backend)
     return _unflatten(out, lead)

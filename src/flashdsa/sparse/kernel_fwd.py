@@ -272,25 +272,48 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     {64, 128}); None picks it for every H it takes.  Else this module's padded 64-head-tile kernel.
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it), so it is
     not run twice."""
-    from . import kernel_fwd_narrow, kernel_fwd_pair
-
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"sparse_mla fwd kernel: {reason}")
+    return launch(_select(q, narrow, pair), q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+                  attn_sink=attn_sink)
+
+
+def _select(q, narrow=None, pair=None):
+    """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the kernel
+    ``run_sparse_mla_fwd`` picks for ``q``'s head count (its docstring)."""
+    from . import kernel_fwd_narrow, kernel_fwd_pair
+
     heads = q.shape[1]
     if narrow is None:
         narrow = heads <= kernel_fwd_narrow.MAX_HEADS
     if pair is None:
         pair = heads in kernel_fwd_pair.SUPPORTED_H
     if narrow:
-        compiled = kernel_fwd_narrow._compiled
-    elif pair:
-        compiled = kernel_fwd_pair.dispatched(q)
-    else:
-        compiled = _compiled
-    return launch(compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
-                  attn_sink=attn_sink)
+        return kernel_fwd_narrow._compiled
+    if pair:
+        return kernel_fwd_pair.dispatched(q)
+    return _compiled
+
+
+def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None, batched=False):
+    """The launch ``run_sparse_mla_fwd`` makes for these accepted arguments (contiguous, T > 0, Tkv > 0), as one
+    callable ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)``: what the
+    public API's eager fast path stores per call signature (``_dispatch.PlanCache``).  Returns (launch, fused):
+    with ``batched`` and the pair kernel selected, the launch is its ``batched`` build, which takes the batched
+    forms' per-batch positions as indices and two more arguments (S, S_kv) (``fused`` True); else fused is
+    False and indices are flat kv rows."""
+    from . import kernel_fwd_pair
+
+    n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
+    has_sink, has_tl = attn_sink is not None, topk_length is not None
+    compiled = _select(q)
+    if batched and compiled is not _compiled and q.shape[1] in kernel_fwd_pair.SUPPORTED_H:
+        return kernel_fwd_pair.batched_launcher(q, n_blocks, sm_scale=sm_scale, d_v=d_v, has_sink=has_sink,
+                                                has_topk_length=has_tl), True
+    kernel = compiled(q.shape[1], q.shape[2], d_v, n_blocks, float(sm_scale), has_sink, has_tl)
+    return direct_launcher(kernel), False
 
 
 def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None, extra=()):

@@ -71,6 +71,7 @@ import tilelang
 import tilelang.language as T
 
 from .. import _dispatch
+from .._tilelang import direct_launcher
 from . import _tl_common as tc
 from . import kernel_fwd
 from ._pair_body import SUPPORTED_H, pair_body
@@ -105,8 +106,9 @@ def row_gather_macros(dqk):
     return gather_l, gather_r
 
 
-def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False):
-    """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,)."""
+def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=False, batched=False):
+    """The producer of the bf16 KV format (see the module notes); ``kv_src`` = (KV,), or with ``batched``
+    (KV, S, S_kv): entry i of token t names row i + (t // S) * S_kv where 0 <= i < S_kv (-1 otherwise)."""
     D = D_V
     DH = D // 2
     D_tail = dqk - D
@@ -143,6 +145,10 @@ def _bf16_producer(*, dqk, n_kv, topk_dim, prefetch_rows, ablate, row_gather=Fal
                     if c == 0:
                         Kt[r, d] = T.if_then_else(rk >= 0, KV[rk, D + d], T.cast(0, bf16))
 
+    if batched:
+        return gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[2]),
+                               gather_l=gather_l, gather_r=gather_r, prefetch_rows=prefetch_rows,
+                               row_base=lambda tok, kv_src: (tok // kv_src[1]) * kv_src[2])
     return gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: _ok(row), gather_l=gather_l,
                            gather_r=gather_r, prefetch_rows=prefetch_rows)
 
@@ -164,6 +170,7 @@ def build_sparse_mla_fwd(
     persistent: int = 0,
     row_gather: bool = False,
     hop: bool = False,
+    batched: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -181,14 +188,18 @@ def build_sparse_mla_fwd(
     (timing build, with ``row_gather``): the 656-byte cache kernel's converter warpgroup with nothing to convert
     (``_pair_parts.hop_converter``; 512 threads, each PV two m64n128 wgmmas): what the converter staging's
     structure costs on bf16 tiles (outputs bitwise equal; session 21: 3.917 -> 4.110 ms at S 4096 / SKV 8192 /
-    H 128)."""
+    H 128).  ``batched``: the batched forms' index map inside the producer (``sparse_attn``'s
+    ``topk_idxs [B, S, topk]`` as positions within each batch's ``kv [B, S_kv, D]``): two more arguments
+    ``rows_per_batch`` (S) and ``kv_per_batch`` (S_kv) after MaxLogits, Indices the flat view ``[B * S, topk]``,
+    KV ``[B * S_kv, D]``; the rows are those of ``kernel_index.offset_batched_indices`` (one launch less)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
+    assert not (batched and has_order), "batched: no ordered build"
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
-                              row_gather=row_gather)
+                              row_gather=row_gather, batched=batched)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent,
@@ -212,6 +223,24 @@ def build_sparse_mla_fwd(
             body(Q, (KV,), Indices, TopkLen, Sink, Out, Lse, MaxLogits, Order)
 
         return sparse_mla_fwd_pair_ordered
+
+    if batched:
+        @T.prim_func
+        def sparse_mla_fwd_pair_batched(
+            Q: T.Tensor([n_tok, heads, dqk], bf16),
+            KV: T.Tensor([n_kv, dqk], bf16),
+            Indices: T.Tensor([n_tok, topk_dim], i32),
+            TopkLen: T.Tensor([n_tl], i32),
+            Sink: T.Tensor([n_sink], f32),
+            Out: T.Tensor([n_tok, heads, D_V], bf16),
+            Lse: T.Tensor([n_tok, heads], f32),
+            MaxLogits: T.Tensor([n_tok, heads], f32),
+            rows_per_batch: T.int32,
+            kv_per_batch: T.int32,
+        ):
+            body(Q, (KV, rows_per_batch, kv_per_batch), Indices, TopkLen, Sink, Out, Lse, MaxLogits, None)
+
+        return sparse_mla_fwd_pair_batched
 
     @T.prim_func
     def sparse_mla_fwd_pair(
@@ -268,9 +297,24 @@ def dispatched(q, order=None):
     build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
     if order is not None:
         return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
+    return lambda *a: _compiled(*a, dispatched_kw(q, a[3]))
+
+
+def dispatched_kw(q, n_blocks: int) -> tuple:
+    """``_persistent_kw`` for ``q``'s device (0 SMs off the GPU)."""
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
                                                       else torch.cuda.current_device())
-    return lambda *a: _compiled(*a, _persistent_kw(a[3], n_sm))
+    return _persistent_kw(n_blocks, n_sm)
+
+
+def batched_launcher(q, n_blocks: int, *, sm_scale: float, d_v: int, has_sink: bool, has_topk_length: bool):
+    """The launch of the dispatched grid's ``batched`` build for flat ``q`` [B * S, H, Dqk] (H 64 / 128):
+    ``(q, kv [B * S_kv, Dqk], indices [B * S, topk], topk_length or dummy, attn_sink or dummy, out, lse,
+    max_logits, S, S_kv)`` with the batched forms' per-batch positions as indices (the eager plans of
+    ``sparse.api``)."""
+    kw = dispatched_kw(q, n_blocks) + (("batched", True),)
+    return direct_launcher(_compiled(q.shape[1], q.shape[2], d_v, n_blocks, float(sm_scale), has_sink,
+                                     has_topk_length, kw))
 
 
 def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None) -> str | None:
@@ -310,6 +354,9 @@ def lowering_cases():
         ("pair_h64_d512_topk640_sink_tl_persistent132_row_gather",  # the dispatched grid at V4's topk
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
                               persistent=132, row_gather=True)),
+        ("pair_h64_d512_topk640_sink_persistent132_row_gather_batched",  # sparse_attn's eager plan (decode)
+         build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, persistent=132,
+                              row_gather=True, batched=True)),
     ]
 
 

@@ -81,7 +81,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     set_lim = tc.make_set_lim(has_topk_length, topk_dim)
     _ok = tc.make_row_ok(n_kv)
-    pair_rows = pp.pair_rows_macro(topk_dim, lambda row, kv_src: _ok(row))
+    pair_rows = pp.pair_rows_macro(topk_dim, pp.row_select(lambda row, kv_src: _ok(row)))
     _, normaliser, _, store_lse = tc.padded_head_macros(BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads,
                                                         c_log2=c_log2, has_sink=has_sink, dtype=fp8)
 
