@@ -2,24 +2,25 @@
 b 128, m 1, h 64, d 512, topk 640 (the suite's ``V4_sparse_attn_decode_*`` case, flat form) under builds and
 index pools that separate its parts.
 
-    python scripts/v4_decode_probe.py [--short] [--json FILE]   (--short: the rows up to ``read_flush``)
+    python scripts/v4_decode_probe.py [--short] [--json FILE]   (--short: the rows up to ``read_flush_no_hint``)
 
 Rows (kernel only, ``bench.harness.time_fn`` median, L2 flushed):
-  * ``dispatched``: the dispatched build (persistent grid + row gather), each token's rows in its own 8192-row
-    batch (1 GiB of KV: the gathered rows come from DRAM), as in the suite;
-  * ``l2_pool``: same build, every token's rows drawn from one 16384-row pool (16 MiB, L2-resident after the
-    first touch): the DRAM latency's share;
+  * ``dispatched``: the dispatched build (persistent grid + row gather with the L2 evict_first policy: each KV
+    row is read about once), each token's rows in its own 8192-row batch (1 GiB of KV: the gathered rows come
+    from DRAM), as in the suite;
+  * ``l2_pool``: the build without the policy, every token's rows drawn from one 16384-row pool (16 MiB,
+    L2-resident after the first touch): the DRAM latency's share;
   * ``no_gather``: the ``ablate="no_gather"`` timing build (protocol kept, no copies): the products' and the
     softmax's share;
   * ``per_item_topk{320,640,1280}``: one CTA per token at three topk (fixed per-CTA cost vs per-block cost);
-  * ``l2_prefetch_{C}``: a separate launch first issues one ``cp.async.bulk.prefetch.L2`` per selected row of
+  * ``l2_prefetch_{C}`` (dispatched build): a separate launch first issues one ``cp.async.bulk.prefetch.L2`` per selected row of
     each token's first C top-k columns, then the dispatched forward (both inside the timed call): whether DRAM
     requests kept in flight outside the forward's pipeline shorten it;
-  * ``evict_first`` / ``dispatched_again`` (alternating, twice): the dispatched build with every gather copy
-    carrying an L2 ``evict_first`` policy (``createpolicy``), i.e. the streamed KV rows replace each other in L2
-    instead of the flush's dirty lines (fewer write-backs inside the timed kernel);
-  * ``read_flush``: the dispatched build timed after a read flush (``$FLASHDSA_L2_FLUSH=read``, diagnostic): what
-    the write-back of the suite's write flush costs this DRAM-bound shape.
+  * ``no_hint`` / ``dispatched_again`` (alternating, twice): the gather without / with the evict_first policy
+    (with it the streamed KV rows replace each other in L2 instead of the flush's dirty lines: fewer write-backs
+    inside the timed kernel; session 31: 40.5-40.8 vs 37.3-37.6 us);
+  * ``read_flush_no_hint``: the build without the policy timed after a read flush (``$FLASHDSA_L2_FLUSH=read``,
+    diagnostic): what the write-back of the suite's write flush costs this DRAM-bound shape (35.4 us).
 Outputs of the first two rows are checked against the reference on a few tokens (they must be correct builds).
 """
 
@@ -35,7 +36,7 @@ import tilelang.language as T
 
 from flashdsa import _dispatch
 from flashdsa.bench.harness import time_fn
-from flashdsa.sparse import _tl_common, kernel_fwd, kernel_fwd_pair
+from flashdsa.sparse import kernel_fwd, kernel_fwd_pair
 from flashdsa.sparse.reference import sparse_mla_fwd_reference
 
 B, H, D, NKV = 128, 64, 512, 8192
@@ -47,40 +48,6 @@ __device__ __forceinline__ void fdsa_prefetch_row(const void *p, int bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
 """
-
-
-_CP16 = """__device__ __forceinline__ void fdsa_cp16(unsigned dst, const char *src, int sz) {  // sz 0: zero fill, no read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(sz) : "memory");
-}"""
-_CP16_EVICT_FIRST = """__device__ __forceinline__ void fdsa_cp16(unsigned dst, const char *src, int sz) {
-  unsigned long long pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst), "l"(src), "r"(sz),
-               "l"(pol) : "memory");
-}"""
-
-
-def _evict_first_kernel(n_sm):
-    """``compiled``-style factory of the dispatched build with the evict_first gather (prelude patched while
-    building)."""
-    assert _CP16 in _tl_common.ROW_GATHER_PRELUDE
-    kernels = {}
-
-    def compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_tl):
-        key = (heads, dqk, n_blocks, sm_scale, has_sink, has_tl)
-        if key not in kernels:
-            orig = _tl_common.ROW_GATHER_PRELUDE
-            _tl_common.ROW_GATHER_PRELUDE = orig.replace(_CP16, _CP16_EVICT_FIRST)
-            try:
-                fn = kernel_fwd_pair.build_sparse_mla_fwd(heads=heads, dqk=dqk, d_v=d_v, topk=n_blocks * 64,
-                                                          sm_scale=sm_scale, has_sink=has_sink,
-                                                          has_topk_length=has_tl, persistent=n_sm, row_gather=True)
-            finally:
-                _tl_common.ROW_GATHER_PRELUDE = orig
-            kernels[key] = tilelang.compile(fn, target="cuda", pass_configs=kernel_fwd_pair._pass_configs())
-        return kernels[key]
-
-    return compiled
 
 
 def _build_prefetch(cols):
@@ -121,8 +88,8 @@ def main(json_path=None):
     n_sm = _dispatch.sm_count(0)
     rows = []
 
-    def run(label, build_kw, idx, check=False, prefetch=None, compiled=None):
-        fn = compiled if compiled is not None else (lambda *a: kernel_fwd_pair._compiled(*a, build_kw))
+    def run(label, build_kw, idx, check=False, prefetch=None):
+        fn = (lambda *a: kernel_fwd_pair._compiled(*a, build_kw))
 
         def call(_):
             if prefetch is not None:
@@ -141,20 +108,21 @@ def main(json_path=None):
         print(f"{label}: {ms * 1e3:.1f} us", flush=True)
 
     idx640 = _indices(gen, 640)
-    run("dispatched", kernel_fwd_pair._persistent_kw(10, n_sm), idx640, check=True)
+    dispatched = kernel_fwd_pair.dispatched_kw(q, 10, kv.shape[0])
+    assert ("evict_first", True) in dispatched
+    run("dispatched", dispatched, idx640, check=True)
     run("l2_pool", kernel_fwd_pair._persistent_kw(10, n_sm), _indices(gen, 640, pool=16384), check=True)
-    evict_first = _evict_first_kernel(n_sm)
     for rep in range(2):
-        run("evict_first", None, idx640, check=rep == 0, compiled=evict_first)
-        run("dispatched_again", kernel_fwd_pair._persistent_kw(10, n_sm), idx640)
+        run("no_hint", kernel_fwd_pair._persistent_kw(10, n_sm), idx640, check=rep == 0)
+        run("dispatched_again", dispatched, idx640)
     os.environ["FLASHDSA_L2_FLUSH"] = "read"
-    run("read_flush", kernel_fwd_pair._persistent_kw(10, n_sm), idx640)
+    run("read_flush_no_hint", kernel_fwd_pair._persistent_kw(10, n_sm), idx640)
     del os.environ["FLASHDSA_L2_FLUSH"]
     if "--short" in sys.argv:
         rows_out(rows, json_path)
         return
     for cols in (128, 256, 384, 640):
-        run(f"l2_prefetch_{cols}", kernel_fwd_pair._persistent_kw(10, n_sm), idx640, check=cols == 256,
+        run(f"l2_prefetch_{cols}", dispatched, idx640, check=cols == 256,
             prefetch=_build_prefetch(cols))
     run("no_gather", (("ablate", "no_gather"), ("persistent", n_sm)), idx640)
     for topk in (320, 640, 1280):

@@ -79,7 +79,9 @@ def test_sparse_mla_fwd_pair_unsupported_heads():
 # timing builds that compute the same products in the same order as the default: bitwise equal outputs (the sink
 # normaliser's rounding is pinned, _tl_common.sink_exponent, so the persistent grid does not change a bit either)
 SAME_ORDER_BUILDS = [(("overlap_qk", False),), (("l2_prefetch", True),), (("persistent", 132),),
-                     (("persistent", 7),), (("row_gather", True),), (("persistent", 132), ("row_gather", True))]
+                     (("persistent", 7),), (("row_gather", True),), (("persistent", 132), ("row_gather", True)),
+                     (("row_gather", True), ("evict_first", True)),
+                     (("persistent", 132), ("row_gather", True), ("evict_first", True))]
 
 
 @pytest.mark.parametrize("build_kw", SAME_ORDER_BUILDS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw))
@@ -89,8 +91,8 @@ def test_sparse_mla_fwd_pair_same_order_builds(case, build_kw):
     """Timing builds with the default's products in its order (``overlap_qk=False``: WG0 retires its remote PV
     before it issues the next QK; ``l2_prefetch``: cp.async with the L2 hint; ``persistent``: P CTAs looping over
     the items, 132 = the H200's SM count, 7: many items per CTA, the phase carry and an uneven last round;
-    ``row_gather``: the producer's gather by rows, same bytes and layout): against the reference and bitwise equal
-    to the default build."""
+    ``row_gather``: the producer's gather by rows, same bytes and layout; ``evict_first``: its copies with an L2
+    eviction policy): against the reference and bitwise equal to the default build."""
     _same_as_default(case, build_kw)
 
 

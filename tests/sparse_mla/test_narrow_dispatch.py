@@ -146,3 +146,19 @@ def test_pair_grid_rule(n_blocks, n_sm, expect):
     """The pair kernel's grid: persistent (one CTA per SM looping over the items) up to 10 blocks of 64 slots, else
     one CTA per item; both gather by rows."""
     assert kernel_fwd_pair._persistent_kw(n_blocks, n_sm) == expect
+
+
+@pytest.mark.parametrize("n_tok,heads,n_blocks,kv_rows,single_use", [
+    (128, 64, 10, 128 * 8192, True),  # DeepSeek-V4 decode shape (b 128, m 1): each row read ~0.08 times
+    (64, 128, 32, 64 * 4096, True),  # 2 head groups x 2048 slots over 4096 rows each: exactly once
+    (65, 128, 32, 64 * 4096, False),
+    (4096, 64, 10, 8192, False),  # V4 prefill: 320 reads per row
+    (4096, 128, 32, 131072, False),  # prefill over a 128K cache: 128 reads per row
+])
+def test_pair_evict_first_rule(n_tok, heads, n_blocks, kv_rows, single_use):
+    """The pair kernel's gather takes the L2 evict_first policy exactly when the call reads a KV row at most once
+    on average (T * H / 64 * topk <= Tkv) and H is 64 (one head group)."""
+    assert (kernel_fwd_pair.reads_per_row(n_tok, heads, n_blocks, kv_rows) <= 1) == single_use
+    q = torch.zeros(n_tok, heads, 8, dtype=torch.bfloat16)  # a CPU tensor: no SM count, one CTA per item
+    kw = kernel_fwd_pair.dispatched_kw(q, n_blocks, kv_rows)
+    assert (("evict_first", True) in kw) == (single_use and heads == 64) and ("row_gather", True) in kw

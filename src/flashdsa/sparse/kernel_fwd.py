@@ -276,13 +276,13 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"sparse_mla fwd kernel: {reason}")
-    return launch(_select(q, narrow, pair), q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
-                  attn_sink=attn_sink)
+    return launch(_select(q, kv, narrow, pair), q, kv, indices, sm_scale=sm_scale, d_v=d_v,
+                  topk_length=topk_length, attn_sink=attn_sink)
 
 
-def _select(q, narrow=None, pair=None):
+def _select(q, kv, narrow=None, pair=None):
     """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the kernel
-    ``run_sparse_mla_fwd`` picks for ``q``'s head count (its docstring)."""
+    ``run_sparse_mla_fwd`` picks for ``q``'s head count (its docstring) and ``kv``'s row count."""
     from . import kernel_fwd_narrow, kernel_fwd_pair
 
     heads = q.shape[1]
@@ -293,7 +293,7 @@ def _select(q, narrow=None, pair=None):
     if narrow:
         return kernel_fwd_narrow._compiled
     if pair:
-        return kernel_fwd_pair.dispatched(q)
+        return kernel_fwd_pair.dispatched(q, kv.shape[0])
     return _compiled
 
 
@@ -308,10 +308,10 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
 
     n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
     has_sink, has_tl = attn_sink is not None, topk_length is not None
-    compiled = _select(q)
+    compiled = _select(q, kv)
     if batched and compiled is not _compiled and q.shape[1] in kernel_fwd_pair.SUPPORTED_H:
-        return kernel_fwd_pair.batched_launcher(q, n_blocks, sm_scale=sm_scale, d_v=d_v, has_sink=has_sink,
-                                                has_topk_length=has_tl), True
+        return kernel_fwd_pair.batched_launcher(q, kv.shape[0], n_blocks, sm_scale=sm_scale, d_v=d_v,
+                                                has_sink=has_sink, has_topk_length=has_tl), True
     kernel = compiled(q.shape[1], q.shape[2], d_v, n_blocks, float(sm_scale), has_sink, has_tl)
     return direct_launcher(kernel), False
 

@@ -76,7 +76,7 @@ from . import _tl_common as tc
 from . import kernel_fwd
 from ._pair_body import SUPPORTED_H, pair_body
 from ._pair_parts import gather_producer, hop_converter
-from ._tl_common import BLOCK_I, D_V
+from ._tl_common import BLOCK_H, BLOCK_I, D_V
 
 HOP_REGS = (216, 216, 56, 24)  # the ``hop`` timing build: 512 threads, the producer's 72 cut to 56
 _ASYNC = tc.ASYNC_GATHER
@@ -171,6 +171,7 @@ def build_sparse_mla_fwd(
     row_gather: bool = False,
     hop: bool = False,
     batched: bool = False,
+    evict_first: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -191,21 +192,24 @@ def build_sparse_mla_fwd(
     H 128).  ``batched``: the batched forms' index map inside the producer (``sparse_attn``'s
     ``topk_idxs [B, S, topk]`` as positions within each batch's ``kv [B, S_kv, D]``): two more arguments
     ``rows_per_batch`` (S) and ``kv_per_batch`` (S_kv) after MaxLogits, Indices the flat view ``[B * S, topk]``,
-    KV ``[B * S_kv, D]``; the rows are those of ``kernel_index.offset_batched_indices`` (one launch less)."""
+    KV ``[B * S_kv, D]``; the rows are those of ``kernel_index.offset_batched_indices`` (one launch less).
+    ``evict_first`` (with ``row_gather``): the gather's copies carry an L2 evict_first policy
+    (``_tl_common.EVICT_FIRST_PRELUDE``), for calls that read each KV row about once (``_persistent_kw``)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert not (batched and has_order), "batched: no ordered build"
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
+    assert row_gather or not evict_first, "evict_first: a row_gather build"
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
                               row_gather=row_gather, batched=batched)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent,
                      **(dict(converter=hop_converter(), regs=HOP_REGS) if hop else {}),
-                     prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.ROW_GATHER_PRELUDE if row_gather
-                              else None))
+                     prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.EVICT_FIRST_PRELUDE if evict_first
+                              else tc.ROW_GATHER_PRELUDE if row_gather else None))
 
     if has_order:
         @T.prim_func
@@ -284,35 +288,50 @@ PERSISTENT_MAX_BLOCKS = 10
 ROW_GATHER_KW = (("row_gather", True),)
 
 
-def _persistent_kw(n_blocks: int, n_sm: int) -> tuple:
+def _persistent_kw(n_blocks: int, n_sm: int, single_use: bool = False) -> tuple:
     """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``PERSISTENT_MAX_BLOCKS`` blocks, else
-    one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item); both gather by rows (``ROW_GATHER_KW``)."""
-    return ((("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ()) + ROW_GATHER_KW
+    one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item); both gather by rows (``ROW_GATHER_KW``);
+    ``single_use`` (``reads_per_row`` <= 1): the gather with the evict_first policy."""
+    return (((("persistent", n_sm),) if 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0 else ()) + ROW_GATHER_KW
+            + ((("evict_first", True),) if single_use else ()))
 
 
-def dispatched(q, order=None):
+def reads_per_row(n_tok: int, heads: int, n_blocks: int, kv_rows: int) -> float:
+    """How often the call reads an average KV row: ``T * G * topk / Tkv`` (G = H / 64 head-group CTAs per token).
+    At most 1 (decode: a few tokens over a large cache, e.g. DeepSeek-V4's ``sparse_attn`` at m 1) the rows are
+    streamed once and gathered with the L2 evict_first policy: session 31, V4 decode shape (b 128, h 64, topk 640,
+    n 8192) 40.7 -> 37.5 us after the suite's write flush; prefill (hundreds of reads per row) keeps L2 reuse.
+    Dispatched at H 64 only (one CTA per token: no row is shared by design); at H 128 the two head-group CTAs read
+    each row together (not measured with the policy), and session 26 found the policy 5% slower on the dense
+    decode's TMA loads."""
+    return n_tok * (heads // BLOCK_H) * n_blocks * BLOCK_I / max(kv_rows, 1)
+
+
+def dispatched(q, kv_rows: int, order=None):
     """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the build this module runs
-    for ``q``'s device: with ``order``, the ordered one-item-per-CTA build; else the persistent grid up to
-    ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; all gather by rows (the ordered
-    build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
+    for ``q``'s device and a KV of ``kv_rows`` rows: with ``order``, the ordered one-item-per-CTA build; else the
+    persistent grid up to ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; all gather
+    by rows (the ordered build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
     if order is not None:
         return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
-    return lambda *a: _compiled(*a, dispatched_kw(q, a[3]))
+    return lambda *a: _compiled(*a, dispatched_kw(q, a[3], kv_rows))
 
 
-def dispatched_kw(q, n_blocks: int) -> tuple:
-    """``_persistent_kw`` for ``q``'s device (0 SMs off the GPU)."""
+def dispatched_kw(q, n_blocks: int, kv_rows: int) -> tuple:
+    """``_persistent_kw`` for ``q``'s device (0 SMs off the GPU) and ``reads_per_row``."""
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
                                                       else torch.cuda.current_device())
-    return _persistent_kw(n_blocks, n_sm)
+    single_use = q.shape[1] == BLOCK_H and reads_per_row(q.shape[0], q.shape[1], n_blocks, kv_rows) <= 1
+    return _persistent_kw(n_blocks, n_sm, single_use)
 
 
-def batched_launcher(q, n_blocks: int, *, sm_scale: float, d_v: int, has_sink: bool, has_topk_length: bool):
+def batched_launcher(q, kv_rows: int, n_blocks: int, *, sm_scale: float, d_v: int, has_sink: bool,
+                     has_topk_length: bool):
     """The launch of the dispatched grid's ``batched`` build for flat ``q`` [B * S, H, Dqk] (H 64 / 128):
     ``(q, kv [B * S_kv, Dqk], indices [B * S, topk], topk_length or dummy, attn_sink or dummy, out, lse,
     max_logits, S, S_kv)`` with the batched forms' per-batch positions as indices (the eager plans of
     ``sparse.api``)."""
-    kw = dispatched_kw(q, n_blocks) + (("batched", True),)
+    kw = dispatched_kw(q, n_blocks, kv_rows) + (("batched", True),)
     return direct_launcher(_compiled(q.shape[1], q.shape[2], d_v, n_blocks, float(sm_scale), has_sink,
                                      has_topk_length, kw))
 
@@ -334,7 +353,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"sparse_mla fwd pair kernel: {reason}")
-    return kernel_fwd.launch(dispatched(q, order), q, kv, indices, sm_scale=sm_scale, d_v=d_v,
+    return kernel_fwd.launch(dispatched(q, kv.shape[0], order), q, kv, indices, sm_scale=sm_scale, d_v=d_v,
                              topk_length=topk_length, attn_sink=attn_sink, extra=() if order is None else (order,))
 
 
@@ -354,9 +373,9 @@ def lowering_cases():
         ("pair_h64_d512_topk640_sink_tl_persistent132_row_gather",  # the dispatched grid at V4's topk
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
                               persistent=132, row_gather=True)),
-        ("pair_h64_d512_topk640_sink_persistent132_row_gather_batched",  # sparse_attn's eager plan (decode)
+        ("pair_h64_d512_topk640_sink_persistent132_row_gather_batched_evict_first",  # sparse_attn's decode plan
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, persistent=132,
-                              row_gather=True, batched=True)),
+                              row_gather=True, batched=True, evict_first=True)),
     ]
 
 
