@@ -82,17 +82,23 @@ SAME_ORDER_BUILDS = [(("overlap_qk", False),), (("l2_prefetch", True),), (("pers
                      (("persistent", 7),), (("row_gather", True),), (("persistent", 132), ("row_gather", True)),
                      (("row_gather", True), ("evict_first", True)),
                      (("persistent", 132), ("row_gather", True), ("evict_first", True))]
+# the evict_first gather at Dqk 576 raised "illegal instruction" (session 31): it is built and dispatched for Dqk 512
+_DQK512_ONLY = ("evict_first",)
 
 
-@pytest.mark.parametrize("build_kw", SAME_ORDER_BUILDS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw))
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3], CASES[4]],
-                         ids=["tiny", "odd-blocks", "headline", "d512-topk>tkv"])
+_SAME_ORDER_CASES = {"tiny": CASES[0], "odd-blocks": CASES[1], "headline": CASES[3], "d512-topk>tkv": CASES[4]}
+_SAME_ORDER_PARAMS = [pytest.param(case, kw, id=f"{name}-" + "-".join(f"{k}={v}" for k, v in kw))
+                      for name, case in _SAME_ORDER_CASES.items() for kw in SAME_ORDER_BUILDS
+                      if case[0] == 512 or not any(k in _DQK512_ONLY for k, _ in kw)]
+
+
+@pytest.mark.parametrize("case,build_kw", _SAME_ORDER_PARAMS)
 def test_sparse_mla_fwd_pair_same_order_builds(case, build_kw):
     """Timing builds with the default's products in its order (``overlap_qk=False``: WG0 retires its remote PV
     before it issues the next QK; ``l2_prefetch``: cp.async with the L2 hint; ``persistent``: P CTAs looping over
     the items, 132 = the H200's SM count, 7: many items per CTA, the phase carry and an uneven last round;
     ``row_gather``: the producer's gather by rows, same bytes and layout; ``evict_first``: its copies with an L2
-    eviction policy): against the reference and bitwise equal to the default build."""
+    eviction policy, Dqk 512 cases only): against the reference and bitwise equal to the default build."""
     _same_as_default(case, build_kw)
 
 

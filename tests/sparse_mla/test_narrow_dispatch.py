@@ -157,8 +157,10 @@ def test_pair_grid_rule(n_blocks, n_sm, expect):
 ])
 def test_pair_evict_first_rule(n_tok, heads, n_blocks, kv_rows, single_use):
     """The pair kernel's gather takes the L2 evict_first policy exactly when the call reads a KV row at most once
-    on average (T * H / 64 * topk <= Tkv) and H is 64 (one head group)."""
+    on average (T * H / 64 * topk <= Tkv), H is 64 (one head group) and Dqk 512 (DeepSeek-V4)."""
     assert (kernel_fwd_pair.reads_per_row(n_tok, heads, n_blocks, kv_rows) <= 1) == single_use
-    q = torch.zeros(n_tok, heads, 8, dtype=torch.bfloat16)  # a CPU tensor: no SM count, one CTA per item
-    kw = kernel_fwd_pair.dispatched_kw(q, n_blocks, kv_rows)
-    assert (("evict_first", True) in kw) == (single_use and heads == 64) and ("row_gather", True) in kw
+    for dqk in (512, 576):
+        q = torch.zeros(n_tok, heads, dqk, dtype=torch.bfloat16)  # a CPU tensor: no SM count, one CTA per item
+        kw = kernel_fwd_pair.dispatched_kw(q, n_blocks, kv_rows)
+        assert (("evict_first", True) in kw) == (single_use and heads == 64 and dqk == 512)
+        assert ("row_gather", True) in kw

@@ -202,6 +202,7 @@ def build_sparse_mla_fwd(
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
     assert row_gather or not evict_first, "evict_first: a row_gather build"
+    assert dqk == D_V or not evict_first, "evict_first: Dqk 512 only (illegal instruction at 576, session 31)"
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
                               row_gather=row_gather, batched=batched)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
@@ -301,9 +302,10 @@ def reads_per_row(n_tok: int, heads: int, n_blocks: int, kv_rows: int) -> float:
     At most 1 (decode: a few tokens over a large cache, e.g. DeepSeek-V4's ``sparse_attn`` at m 1) the rows are
     streamed once and gathered with the L2 evict_first policy: session 31, V4 decode shape (b 128, h 64, topk 640,
     n 8192) 40.7 -> 37.5 us after the suite's write flush; prefill (hundreds of reads per row) keeps L2 reuse.
-    Dispatched at H 64 only (one CTA per token: no row is shared by design); at H 128 the two head-group CTAs read
-    each row together (not measured with the policy), and session 26 found the policy 5% slower on the dense
-    decode's TMA loads."""
+    Dispatched at H 64 and Dqk 512 only: one CTA per token (at H 128 the two head-group CTAs read each row
+    together: not measured with the policy; session 26 found the policy 5% slower on the dense decode's TMA
+    loads); the Dqk 576 build (its rope-tile copies) raised "illegal instruction" on the H200 in session 31, as the
+    constant-policy form did at Dqk 576 in session 26, while every Dqk 512 build ran correct (GPU tests)."""
     return n_tok * (heads // BLOCK_H) * n_blocks * BLOCK_I / max(kv_rows, 1)
 
 
@@ -321,7 +323,8 @@ def dispatched_kw(q, n_blocks: int, kv_rows: int) -> tuple:
     """``_persistent_kw`` for ``q``'s device (0 SMs off the GPU) and ``reads_per_row``."""
     n_sm = 0 if not q.is_cuda else _dispatch.sm_count(q.device.index if q.device.index is not None
                                                       else torch.cuda.current_device())
-    single_use = q.shape[1] == BLOCK_H and reads_per_row(q.shape[0], q.shape[1], n_blocks, kv_rows) <= 1
+    single_use = (q.shape[1] == BLOCK_H and q.shape[2] == D_V
+                  and reads_per_row(q.shape[0], q.shape[1], n_blocks, kv_rows) <= 1)
     return _persistent_kw(n_blocks, n_sm, single_use)
 
 
