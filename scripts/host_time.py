@@ -1,6 +1,6 @@
 """Host time per call of benchmark cases (run on the GPU host): is a short case launch-bound?
 
-    python scripts/host_time.py [--profile] [--plan] SUITE CASE_SUBSTRING [...]
+    python scripts/host_time.py [--profile] [--plan] [--no-eager-plans] SUITE CASE_SUBSTRING [...]
 
 For each matching case of ``flashdsa bench --op SUITE``: N calls issued back to back without synchronising
 (host microseconds per call: the GPU queue is deep enough that the launches do not block while the host is the
@@ -9,7 +9,8 @@ slower side), the same N calls timed to the end of the GPU work (us per call, ba
 time per call means the suite's figure for that case includes launch gaps.  ``--profile``: then 200 more calls
 under cProfile, the 30 functions with the most own time and the 40 with the most cumulative time (where the host
 time goes).  ``--plan``: dense decode cases also through ``mla_decode_plan`` (the plan made once, ``plan.run``
-timed).
+timed).  ``--no-eager-plans``: the sparse forward's calls take the plain path (no plan looked up or stored), to compare
+both on one host.
 """
 
 import cProfile
@@ -73,4 +74,8 @@ def main(suite: str, needles: list[str], n: int = 50, profile: bool = False, pla
 if __name__ == "__main__":
     flags = [a for a in sys.argv[1:] if a.startswith("--")]
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if "--no-eager-plans" in flags:
+        from flashdsa.sparse import api as sparse_api
+
+        sparse_api._plan_key = lambda *args: None
     main(args[0], args[1:], profile="--profile" in flags, plan="--plan" in flags)
