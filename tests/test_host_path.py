@@ -134,3 +134,52 @@ def test_cpu_calls_store_no_plan_and_still_validate():
         flashdsa.sparse_attn(q, kv, None, idx, softmax_scale=[1.0])
     with pytest.raises(TypeError, match="sm_scale"):
         flashdsa.sparse_mla_fwd(q.view(2, 4, 512), kv[0], idx.view(2, 2), sm_scale=True)
+
+
+def test_stored_plan_is_replayed_with_the_lead_dims(monkeypatch):
+    """Routing of a hit (no GPU needed): a plan stored under a CPU call's signature is what the next call with that
+    signature returns, reshaped to the call's lead dims, for each public form; other signatures miss it."""
+    monkeypatch.setattr(sparse_api, "_PLANS", _dispatch.PlanCache())  # stubs stay out of the other tests
+
+    class StubPlan:
+        lead = None
+
+        def __init__(self, lead, heads, d_v):
+            self.lead, self.calls = lead, 0
+            n = 1
+            for x in lead:
+                n *= x
+            self.out = (torch.arange(n * heads * d_v, dtype=torch.float32).view(n, heads, d_v).bfloat16(),
+                        torch.full((n, heads), 2.0), torch.full((n, heads), 3.0))
+
+        def __call__(self, q, kv, indices, topk_length, attn_sink):
+            self.calls += 1
+            return self.out
+
+    q = torch.randn(2, 3, 4, 512, dtype=torch.bfloat16)
+    kv = torch.randn(2, 10, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 3, 5, dtype=torch.int32)
+    sink = torch.zeros(4)
+    cases = [
+        (("attn", q, kv, idx, None, sink, None, "auto"), lambda: flashdsa.sparse_attn(q, kv, sink, idx)),
+        (("fwd", q, kv, idx, None, None, None, 512, "auto"),
+         lambda: flashdsa.sparse_mla_fwd(q, kv, idx, return_max_logits=True)),
+        (("mla", q, kv, idx, None, None, None, 512, False, "auto"), lambda: flashdsa.sparse_mla(q, kv, idx)),
+    ]
+    for key_args, call in cases:
+        stub = StubPlan((2, 3), 4, 512)
+        sparse_api._PLANS.put(sparse_api._plan_key(*key_args), stub)
+        got = call()
+        assert stub.calls == 1
+        out = got[0] if isinstance(got, tuple) else got
+        assert torch.equal(out, stub.out[0].view(2, 3, 4, 512))
+        if isinstance(got, tuple):
+            assert torch.equal(got[1], stub.out[1].view(2, 3, 4)) and torch.equal(got[2], stub.out[2].view(2, 3, 4))
+    miss = StubPlan((2, 3), 4, 512)
+    sparse_api._PLANS.put(sparse_api._plan_key("attn", q, kv, idx, None, sink, None, "auto"), miss)
+    flashdsa.sparse_attn(q, kv, sink, idx, softmax_scale=0.5)  # another signature: the plain path
+    flashdsa.sparse_attn(q.float(), kv.float(), sink, idx)
+    assert miss.calls == 0
+    with torch.enable_grad():
+        flashdsa.sparse_attn(q.clone().requires_grad_(), kv, sink, idx)  # needs autograd: the plain path
+    assert miss.calls == 0

@@ -241,12 +241,20 @@ def _plan_key(form, q, kv, indices, topk_length, attn_sink, *scalars):
     return _dispatch.call_signature(form, q, kv, indices, topk_length, attn_sink, *scalars)
 
 
+def _replay(form, q, kv, indices, topk_length, attn_sink, *scalars):
+    """(key, hit): the call's ``_plan_key`` and, where a plan is stored under it, ((out, lse, max_logits) flat,
+    lead dims) from replaying it; hit None otherwise (run the plain path, then ``_store_plan(key, ...)``)."""
+    key = _plan_key(form, q, kv, indices, topk_length, attn_sink, *scalars)
+    plan = None if key is None else _PLANS.get(key)
+    return key, (None if plan is None else (plan(q, kv, indices, topk_length, attn_sink), plan.lead))
+
+
 def _store_plan(key, q, kv, indices, topk_length, attn_sink, flat, d_v, backend):
     """After the plain path accepted a call (``flat``: what ``_flatten`` returned): store its kernel launch under
     ``key`` if the kernel ran and the call can be replayed as views of its inputs (all contiguous, T and Tkv > 0;
     other calls keep taking the plain path)."""
     qf, kvf, idx, tl, scale, lead = flat
-    if key is None or qf.shape[0] == 0 or kvf.shape[0] == 0:
+    if key is None or q.device.type != "cuda" or qf.shape[0] == 0 or kvf.shape[0] == 0:
         return
     if not all(t is None or t.is_contiguous() for t in (q, kv, indices, topk_length, attn_sink)):
         return
@@ -316,14 +324,13 @@ def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, to
         >>> out.shape, lse.shape
         (torch.Size([2, 4, 512]), torch.Size([2, 4]))
     """
-    key = None
+    key, hit = None, None
     if q_scale is None and kv_scale is None:
-        key = _plan_key("fwd", q, kv, indices, topk_length, attn_sink, sm_scale, d_v, backend)
-        plan = None if key is None else _PLANS.get(key)
-        if plan is not None:
-            out, lse, mx = plan(q, kv, indices, topk_length, attn_sink)
-            res = (_unflatten(out, plan.lead), _unflatten(lse, plan.lead))
-            return res + (_unflatten(mx, plan.lead),) if return_max_logits else res
+        key, hit = _replay("fwd", q, kv, indices, topk_length, attn_sink, sm_scale, d_v, backend)
+    if hit is not None:
+        (out, lse, mx), lead = hit
+        res = (_unflatten(out, lead), _unflatten(lse, lead))
+        return res + (_unflatten(mx, lead),) if return_max_logits else res
     _dispatch.requested_backend(backend)
     if fp8.is_fp8_form(q, kv, q_scale, kv_scale):
         (out, lse, mx), lead = fp8.sparse_mla_fwd_fp8_forms(q, kv, indices, q_scale=q_scale, kv_scale=kv_scale,
@@ -334,8 +341,7 @@ def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, to
                         backend=backend)
         qf, kvf, idx, tl, scale, lead = flat
         out, lse, mx = _fwd_op(qf, kvf, idx, scale, d_v, attn_sink, tl, False, backend)
-        if key is not None and q.device.type == "cuda":
-            _store_plan(key, q, kv, indices, topk_length, attn_sink, flat, d_v, backend)
+        _store_plan(key, q, kv, indices, topk_length, attn_sink, flat, d_v, backend)
     res = (_unflatten(out, lead), _unflatten(lse, lead))
     return res + (_unflatten(mx, lead),) if return_max_logits else res
 
@@ -376,10 +382,9 @@ def sparse_mla(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, topk_l
         >>> q.grad.shape, kv.grad.shape
         (torch.Size([2, 4, 512]), torch.Size([8, 512]))
     """
-    key = _plan_key("mla", q, kv, indices, topk_length, attn_sink, sm_scale, d_v, deterministic, backend)
-    plan = None if key is None else _PLANS.get(key)
-    if plan is not None:
-        return _unflatten(plan(q, kv, indices, topk_length, attn_sink)[0], plan.lead)
+    key, hit = _replay("mla", q, kv, indices, topk_length, attn_sink, sm_scale, d_v, deterministic, backend)
+    if hit is not None:
+        return _unflatten(hit[0][0], hit[1])
     flat = _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, dqk_allowed=(512, 576),
                     backend=backend)
     qf, kvf, idx, tl, scale, lead = flat
@@ -387,8 +392,7 @@ def sparse_mla(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, topk_l
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     _dispatch.requested_backend(backend)
     out, _, _ = _fwd_op(qf, kvf, idx, scale, d_v, attn_sink, tl, deterministic, backend)
-    if key is not None and q.device.type == "cuda":
-        _store_plan(key, q, kv, indices, topk_length, attn_sink, flat, d_v, backend)
+    _store_plan(key, q, kv, indices, topk_length, attn_sink, flat, d_v, backend)
     return _unflatten(out, lead)
 
 
@@ -423,16 +427,14 @@ def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale=None, *, backend="aut
         >>> sparse_attn(q, kv, torch.zeros(2), idx).shape
         torch.Size([1, 3, 2, 64])
     """
-    key = _plan_key("attn", q, kv, topk_idxs, None, attn_sink, softmax_scale, backend)
-    plan = None if key is None else _PLANS.get(key)
-    if plan is not None:
-        return _unflatten(plan(q, kv, topk_idxs, None, attn_sink)[0], plan.lead)
+    key, hit = _replay("attn", q, kv, topk_idxs, None, attn_sink, softmax_scale, backend)
+    if hit is not None:
+        return _unflatten(hit[0][0], hit[1])
     check_tensor("q", q, ndim=4, dtypes=_FLOATS)
     flat = _flatten(q, kv, topk_idxs, None, softmax_scale, q.shape[-1], attn_sink, dqk_allowed=None,
                     names=("q", "kv", "topk_idxs"), backend=backend, scale_name="softmax_scale")
     qf, kvf, idx, tl, scale, lead = flat
     _dispatch.requested_backend(backend)
     out, _, _ = _fwd_op(qf, kvf, idx, scale, q.shape[-1], attn_sink, tl, False, backend)
-    if key is not None and q.device.type == "cuda":
-        _store_plan(key, q, kv, topk_idxs, None, attn_sink, flat, q.shape[-1], backend)
+    _store_plan(key, q, kv, topk_idxs, None, attn_sink, flat, q.shape[-1], backend)
     return _unflatten(out, lead)
