@@ -320,8 +320,8 @@ def cache_chunks(kv):
 
 
 # "0": H <= 32 runs this module's 64-head kernel; "1" / "narrow656": kernel_fwd_narrow656 up to H 32; a name in
-# kernel_fwd_narrow656_dual.PREFETCH: that form at H <= 16; unset: the dual form's DEFAULT at H <= 16, narrow656 at
-# 17..32
+# kernel_fwd_narrow656_dual.PREFETCH or "mma" (kernel_fwd_mma656): that form at H <= 16; unset: the dual form's
+# DEFAULT at H <= 16, narrow656 at 17..32
 NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
 
 
@@ -336,12 +336,13 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     of the whole cache instead (``kernel_dequant656.dequantize_cache``; bitwise the same outputs).  ``narrow``: run
     ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
     ``narrow_stages``: its raw stage count, None = its default; ``narrow`` = a name in
-    ``kernel_fwd_narrow656_dual.PREFETCH``: that two-warpgroup form, H <= 16); None: the dual form's DEFAULT at
+    ``kernel_fwd_narrow656_dual.PREFETCH``: that two-warpgroup form, H <= 16; "mma": ``kernel_fwd_mma656``'s
+    per-warp ``mma.sync`` chains, H <= 16); None: the dual form's DEFAULT at
     H <= 16 and narrow656 at H 17..32, unless ``$FLASHDSA_NARROW_CACHE656`` says otherwise (``NARROW_ENV``).
     Otherwise this module's pipelined kernel (heads padded to 64).
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
-    from . import (kernel_dequant656, kernel_fwd_narrow656, kernel_fwd_narrow656_dual, kernel_fwd_pair,
-                   kernel_fwd_pair_cache)
+    from . import (kernel_dequant656, kernel_fwd_mma656, kernel_fwd_narrow656, kernel_fwd_narrow656_dual,
+                   kernel_fwd_pair, kernel_fwd_pair_cache)
 
     if pair is None:
         pair = q.dim() == 3 and q.shape[1] in kernel_fwd_pair_cache.SUPPORTED_H and not narrow
@@ -379,8 +380,15 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         env = os.environ.get(NARROW_ENV, "")
         narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
         if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
-            narrow = env if env in kernel_fwd_narrow656_dual.PREFETCH else kernel_fwd_narrow656_dual.DEFAULT
-    if narrow in kernel_fwd_narrow656_dual.PREFETCH:  # the two-warpgroup forms (H <= 16)
+            forms = kernel_fwd_narrow656_dual.PREFETCH + ("mma",)
+            narrow = env if env in forms else kernel_fwd_narrow656_dual.DEFAULT
+    if narrow == "mma":  # per-warp mma.sync chains (H <= 16)
+        if heads > kernel_fwd_mma656.MAX_HEADS:
+            raise ValueError(f"narrow: the 'mma' form takes H <= {kernel_fwd_mma656.MAX_HEADS}, got H={heads}")
+        if q.data_ptr() % CHUNK != 0:  # its Q loads are 16-byte vectors
+            q = q.clone()
+        kernel = kernel_fwd_mma656.compiled(heads, float(sm_scale), has_sink, has_tl)
+    elif narrow in kernel_fwd_narrow656_dual.PREFETCH:  # the two-warpgroup forms (H <= 16)
         if heads > kernel_fwd_narrow656_dual.MAX_HEADS:
             raise ValueError(f"narrow: the {narrow!r} form takes H <= {kernel_fwd_narrow656_dual.MAX_HEADS}, "
                              f"got H={heads}")

@@ -1,0 +1,530 @@
+"""Few-head sparse MLA forward over the 656-byte FP8 cache on per-warp ``mma.sync`` chains (H <= 16, sm_90a).
+
+Notes
+-----
+Contract, signature and numerics as ``kernel_fwd_narrow656`` (q bf16 [T, H, 576], the cache as 16-byte chunks,
+``rs16`` / ``n_rows``, Indices [T, topk], topk_length, sink, out bf16 [T, H, 512], lse / max_logits f32); one
+CTA of 8 warps per token.  Why another form: the wgmma forms (``kernel_fwd_narrow656`` / ``_dual``) convert every
+row into a bf16 / f16 tile in shared memory and run one serial chain per warpgroup (convert, QK, softmax, PV: ~6
+us per 64-row block, PERFORMANCE.md session 13).  Here no converted tile exists at all:
+
+  * **Key groups.**  Warps 2g and 2g + 1 form group g (4 groups); group g takes the 16-key chunks g, g + 4, ... of
+    the token's top-k and keeps its own online softmax; the four groups are merged at the end (as split-KV).  So
+    four independent chains per SM, each step 16 keys, no CTA-wide barrier inside the loop.
+  * **Raw rows straight into fragments.**  Each group has ``NST`` raw stages of 16 rows (one ``cp.async.bulk`` of
+    656 bytes per row, mbarrier ``expect_tx``; an invalid slot's row is zeroed by its issuing lane and marked in
+    ``Valid``).  A warp loads the e4m3 bytes it needs into registers and converts them with ``cvt.rn.f16x2.e4m3x2``
+    (exact) straight into ``m16n8k16`` B fragments.  The contraction order inside a 16-wide k step is free, so
+    lane quad q takes 4 consecutive dims per step (bytes [32 q, +32) of a 128-dim tile over its 8 steps: two 16-byte
+    loads per key and tile); Q uses the same permutation.
+  * **The pair splits the dims.**  Warp h of a group (h = 0 / 1) owns latent tiles 2h, 2h + 1 (and h = 0 the bf16
+    rope): its QK partial over its dims, in true units (each tile's accumulator times the row's tile scale, times
+    the head's power of two of Q), goes through shared memory; both warps add the two partials in the same order
+    (bitwise the same S), run the same softmax, and each accumulates O for its own 256 output dims (128 fp32
+    registers per thread).
+  * **PV from raw bytes.**  P (f16) is the A fragment (the S accumulator layout reused); V's B fragment needs two
+    consecutive keys of one dim per register: one ``prmt`` per two n-tiles pairs the bytes of two rows, then the
+    exact conversion.  The output dims are permuted the same way (lane r of a quad loads dims [16 r, +16) of a
+    tile: n-tile i holds dim 16 n + i) and put back in order at the merge.
+  * **Scales.**  S = sum over tiles of s_t(row) (Q'_t K8_t) 2^e(head), with Q' = f16(q 2^-e) (each head's largest
+    in [2^13, 2^14): bf16 -> f16 exact there) and K8 the e4m3 values (exact in f16).  For PV, each warp keeps a
+    running reference sigma_t per tile (the largest row scale seen so far): P is multiplied by s_t(row) / sigma_t
+    (<= 1, a power of two for the format's scales, so exact) before the f16 cast, and O_t is rescaled when sigma_t
+    grows (exact power-of-two ratio) and multiplied by sigma_t at the merge.  Rows whose tile scale is 2^14 below
+    sigma_t lose low bits in f16, as in ``kernel_fwd_narrow656_dual``'s f16 form (module notes there).
+Numerics otherwise as the other kernels: fp32 accumulators and softmax state, exp2 with ``sm_scale * log2(e)``
+folded, a finite running-max start (-1e30), invalid rows never read (zeroed, score -inf), natural-log lse without the
+sink, empty rows -> out 0, lse +inf, max_logits -inf; ``inv = 1 / (l + 2^(sink log2 e - m c))``.
+
+Shared memory: stages 4 x ``NST`` x 16 x 656 B (NST 4: 167,936 B; they hold the merge buffer at the end),
+Q' 16 KB (the bf16 output staging at the end), rope 2 KB, partial-S exchange 16 KB, flags and barriers.
+The per-warp fragment work is an extern device function (``fdsa_m656_kernel``): TileLang's tile operators express
+block-wide gemms, not independent per-warp ``mma.sync`` chains with their own softmax state.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from . import _tl_common as tc
+from . import kernel_fwd_fp8cache as fc
+from ._tl_common import LOG2E
+from .kernel_fwd_narrow656 import _SRC as _NARROW_SRC, _pass_configs  # fdsa_bulk_row
+
+MAX_HEADS = 16
+GROUPS = 4  # key groups (pairs of warps)
+NST = 4  # raw stages of 16 rows per group
+CHUNK = 16  # keys per step
+THREADS = 256
+EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads; no wgmma)
+
+_SRC = _NARROW_SRC + r"""
+#define FDSA_M656_G 4
+#define FDSA_M656_NST 4
+#define FDSA_M656_ROW 656
+__device__ __forceinline__ unsigned fdsa_m656_cvt(unsigned v) {  // the low two e4m3 bytes of v -> f16x2 (exact)
+  unsigned r;
+  const unsigned short h = (unsigned short)(v & 0xffffu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
+  return r;
+}
+__device__ __forceinline__ unsigned fdsa_m656_pack(float lo, float hi) {  // f16x2 {lo, hi}
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ unsigned short fdsa_m656_bf16(float x) {  // round to nearest even
+  unsigned short r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+#define FDSA_M656_INF __int_as_float(0x7f800000)
+__device__ __forceinline__ unsigned fdsa_m656_prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+__device__ __forceinline__ void fdsa_m656_mma_f16(float *c, const unsigned *a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void fdsa_m656_mma_bf16(float *c, const unsigned *a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void fdsa_m656_wait(unsigned bar, unsigned parity) {
+  asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\t"
+               "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra WAIT;\n\t}\n"
+               :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ float fdsa_m656_max4(float a, float b, float c, float d) {
+  return fmaxf(fmaxf(a, b), fmaxf(c, d));
+}
+__device__ __forceinline__ float fdsa_m656_quad_max(float x) {  // over the 4 lanes of a quad
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+// 16-byte unit u of Q' row h (1 KiB rows of f16) after the swizzle that keeps the fragment loads conflict-free
+__device__ __forceinline__ int fdsa_m656_qswz(int h, int u) { return u ^ ((u >> 2) & 2) ^ (h & 1); }
+
+// The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
+template <int H, int HAS_SINK, int HAS_TL>
+__device__ __forceinline__ void fdsa_m656_kernel(
+    const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
+    const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
+    float *xch, int *valid, float *misc, void *bars_v, int tok, float c) {
+  constexpr int G = FDSA_M656_G, NST = FDSA_M656_NST, ROW = FDSA_M656_ROW;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = warp >> 1, hh = warp & 1, r = lane >> 2, q = lane & 3;
+  unsigned char *stage = static_cast<unsigned char *>(stage_v);
+  const unsigned char *kv = static_cast<const unsigned char *>(KVv);
+  unsigned char *qs = static_cast<unsigned char *>(qs_v);
+  unsigned char *qr = static_cast<unsigned char *>(qr_v);
+  const long long rs = static_cast<long long>(rs16) * 16;
+  const unsigned bars = static_cast<unsigned>(__cvta_generic_to_shared(bars_v));
+  float *qf = misc;                 // [2][16]: 2^e per (dim half, head)
+  float *mlx = misc + 32;           // [G][2][16]: each group's m and l per head
+  float *smx = misc + 32 + G * 32;  // [G][4]: each group's final scale reference per tile
+  int lim = topk;
+  if (HAS_TL) {
+    lim = TopkLen[tok];
+    lim = lim < 0 ? 0 : (lim > topk ? topk : lim);
+  }
+  const int nc = (lim + 15) >> 4;
+  const int nsteps = nc > g ? (nc - g + G - 1) / G : 0;
+
+  // step s of this group: chunk g + G s into stage s % NST; lanes 0-7 of each warp take 8 of its 16 rows
+  auto slot_row = [&](int step) -> int {
+    const int slot = (g + G * step) * 16 + hh * 8 + lane;
+    return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
+  };
+  auto issue = [&](int step, int row) {
+    if (lane < 8) {
+      const int k = hh * 8 + lane, bi = g * NST + step % NST;
+      const int ok = row >= 0 && row < n_rows;
+      valid[bi * 16 + k] = ok;
+      fdsa_bulk_row(stage + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs,
+                    static_cast<char *>(bars_v) + bi * 8, ok);
+    }
+  };
+  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, lane < 8 ? slot_row(s) : -1);
+
+  {  // Q' (f16, per-(half, head) power of two) and the bf16 rope into shared memory: 16 threads per head
+    const int h = tid >> 4, p = tid & 15;
+    uint4 w[4] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u),
+                  make_uint4(0u, 0u, 0u, 0u)};
+    uint2 rw = make_uint2(0u, 0u);
+    if (h < H) {
+      const unsigned short *row = static_cast<const unsigned short *>(Qv) + (static_cast<long long>(tok) * H + h) * 576;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const uint4 *>(row + 32 * p)[i];
+      rw = *reinterpret_cast<const uint2 *>(row + 512 + 4 * p);
+    }
+    const unsigned *wu = reinterpret_cast<const unsigned *>(w);
+    float mx = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      mx = fmaxf(mx, fmaxf(fabsf(__uint_as_float(wu[i] << 16)), fabsf(__uint_as_float(wu[i] & 0xffff0000u))));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    const int ex = mx > 0.f ? static_cast<int>((__float_as_uint(mx) >> 23) & 255u) - 127 : 0;
+    const int sh = max(-120, min(120, 13 - ex));  // the head's largest * 2^sh in [2^13, 2^14)
+    const float up = __uint_as_float(static_cast<unsigned>(sh + 127) << 23);
+    if ((p & 7) == 0) qf[(p >> 3) * 16 + h] = __uint_as_float(static_cast<unsigned>(127 - sh) << 23);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      unsigned o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const unsigned x = wu[4 * k + j];
+        o[j] = fdsa_m656_pack(__uint_as_float(x << 16) * up, __uint_as_float(x & 0xffff0000u) * up);
+      }
+      uint4 *dst = reinterpret_cast<uint4 *>(qs + h * 1024 + fdsa_m656_qswz(h, 4 * p + k) * 16);
+      *dst = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    *reinterpret_cast<uint2 *>(qr + h * 128 + (((p >> 1) ^ (h & 1)) * 16) + (p & 1) * 8) = rw;
+  }
+  __syncthreads();
+
+  float o[2][16][4];
+#pragma unroll
+  for (int tt = 0; tt < 2; ++tt)
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[tt][i][e] = 0.f;
+  float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, sref0 = 0.f, sref1 = 0.f;
+  const float qf0 = qf[hh * 16 + r], qf1 = qf[hh * 16 + r + 8];
+  int next_row = (nsteps > NST && lane < 8) ? slot_row(NST) : -1;
+
+  for (int it = 0; it < nsteps; ++it) {
+    const int bi = g * NST + it % NST;
+    fdsa_m656_wait(bars + bi * 8, (it / NST) & 1);
+    const unsigned char *sb = stage + bi * 16 * ROW;
+    // ---- QK partial over this warp's tiles 2 hh, 2 hh + 1 (+ the rope for hh 0)
+    float acc[2][2][4];
+#pragma unroll
+    for (int tt = 0; tt < 2; ++tt) {
+      const int t = 2 * hh + tt;
+      uint4 kw[2][2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const uint4 *kp = reinterpret_cast<const uint4 *>(sb + (8 * j + r) * ROW + 128 * t + 32 * q);
+        kw[j][0] = kp[0];
+        kw[j][1] = kp[1];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[tt][j][e] = 0.f;
+      }
+      const unsigned *kwu = reinterpret_cast<const unsigned *>(kw);
+#pragma unroll
+      for (int u2 = 0; u2 < 4; ++u2) {  // two k steps per 16-byte unit of Q'
+        const int u = 16 * t + 4 * q + u2;
+        const uint4 qa = *reinterpret_cast<const uint4 *>(qs + r * 1024 + fdsa_m656_qswz(r, u) * 16);
+        const uint4 qb = *reinterpret_cast<const uint4 *>(qs + (r + 8) * 1024 + fdsa_m656_qswz(r + 8, u) * 16);
+#pragma unroll
+        for (int s1 = 0; s1 < 2; ++s1) {
+          const int s = 2 * u2 + s1;
+          const unsigned a[4] = {s1 ? qa.z : qa.x, s1 ? qb.z : qb.x, s1 ? qa.w : qa.y, s1 ? qb.w : qb.y};
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const unsigned x = kwu[j * 8 + s];
+            fdsa_m656_mma_f16(acc[tt][j], a, fdsa_m656_cvt(x), fdsa_m656_cvt(x >> 16));
+          }
+        }
+      }
+    }
+    float accr[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    if (hh == 0) {
+      uint4 kr[2][2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const uint4 *kp = reinterpret_cast<const uint4 *>(sb + (8 * j + r) * ROW + 528 + 32 * q);
+        kr[j][0] = kp[0];
+        kr[j][1] = kp[1];
+      }
+      const unsigned *kru = reinterpret_cast<const unsigned *>(kr);
+#pragma unroll
+      for (int u2 = 0; u2 < 2; ++u2) {
+        const uint4 qa = *reinterpret_cast<const uint4 *>(qr + r * 128 + ((2 * q + u2) ^ (r & 1)) * 16);
+        const uint4 qb = *reinterpret_cast<const uint4 *>(qr + (r + 8) * 128 + ((2 * q + u2) ^ (r & 1)) * 16);
+#pragma unroll
+        for (int s1 = 0; s1 < 2; ++s1) {
+          const int s = 2 * u2 + s1;
+          const unsigned a[4] = {s1 ? qa.z : qa.x, s1 ? qb.z : qb.x, s1 ? qa.w : qa.y, s1 ? qb.w : qb.y};
+#pragma unroll
+          for (int j = 0; j < 2; ++j) fdsa_m656_mma_bf16(accr[j], a, kru[j * 8 + 2 * s], kru[j * 8 + 2 * s + 1]);
+        }
+      }
+    }
+    // the lane's S columns: keys 8 j + 2 q + b (j, b in {0, 1}); their tile scales and flags
+    float2 sc[2][2];
+    int vd[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int key = 8 * j + 2 * q + b;
+        sc[j][b] = *reinterpret_cast<const float2 *>(sb + key * ROW + 512 + 8 * hh);
+        vd[j][b] = valid[bi * 16 + key];
+      }
+    float part[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 s2 = sc[j][e & 1];
+        float x = (acc[0][j][e] * s2.x + acc[1][j][e] * s2.y) * (e < 2 ? qf0 : qf1);
+        if (hh == 0) x += accr[j][e];
+        part[j][e] = x;
+      }
+    // exchange the partials: both warps add them in the same order
+    float *xb = xch + (g * 2 + (it & 1)) * 512;  // [hh][j][lane][4]
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
+          make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+    asm volatile("bar.sync %0, 64;" :: "r"(8 + g) : "memory");
+    // the stage of step it - 1 is free (both warps are past its PV): refill it with step it + NST - 1
+    if (it >= 1 && it + NST - 1 < nsteps) {
+      issue(it + NST - 1, next_row);
+      next_row = (it + NST < nsteps && lane < 8) ? slot_row(it + NST) : -1;
+    }
+    float S[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float4 pa = *reinterpret_cast<const float4 *>(xb + (j * 32 + lane) * 4);
+      const float4 pb = *reinterpret_cast<const float4 *>(xb + 256 + (j * 32 + lane) * 4);
+      S[j][0] = vd[j][0] ? pa.x + pb.x : -FDSA_M656_INF;
+      S[j][1] = vd[j][1] ? pa.y + pb.y : -FDSA_M656_INF;
+      S[j][2] = vd[j][0] ? pa.z + pb.z : -FDSA_M656_INF;
+      S[j][3] = vd[j][1] ? pa.w + pb.w : -FDSA_M656_INF;
+    }
+    // ---- online softmax (rows r, r + 8), identical in both warps
+    const float mn0 = fmaxf(m0, fdsa_m656_quad_max(fdsa_m656_max4(S[0][0], S[0][1], S[1][0], S[1][1])));
+    const float mn1 = fmaxf(m1, fdsa_m656_quad_max(fdsa_m656_max4(S[0][2], S[0][3], S[1][2], S[1][3])));
+    const float al0 = exp2f((m0 - mn0) * c), al1 = exp2f((m1 - mn1) * c);
+    m0 = mn0;
+    m1 = mn1;
+    float P[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) P[j][e] = exp2f(fmaf(S[j][e], c, -(e < 2 ? mn0 : mn1) * c));
+    l0 = l0 * al0 + ((P[0][0] + P[0][1]) + (P[1][0] + P[1][1]));
+    l1 = l1 * al1 + ((P[0][2] + P[0][3]) + (P[1][2] + P[1][3]));
+    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {
+#pragma unroll
+      for (int tt = 0; tt < 2; ++tt)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          o[tt][i][0] *= al0;
+          o[tt][i][1] *= al0;
+          o[tt][i][2] *= al1;
+          o[tt][i][3] *= al1;
+        }
+    }
+    // ---- PV for each of the warp's tiles
+#pragma unroll
+    for (int tt = 0; tt < 2; ++tt) {
+      const int t = 2 * hh + tt;
+      float cm = 0.f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) cm = fmaxf(cm, vd[j][b] ? (tt ? sc[j][b].y : sc[j][b].x) : 0.f);
+      cm = fdsa_m656_quad_max(cm);  // the chunk's largest scale of tile t (the same in every lane)
+      float &sref = tt ? sref1 : sref0;
+      if (cm > sref) {
+        if (sref > 0.f) {
+          const float ratio = sref / cm;
+#pragma unroll
+          for (int i = 0; i < 16; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[tt][i][e] *= ratio;
+        }
+        sref = cm;
+      }
+      const float inv = sref > 0.f ? 1.f / sref : 0.f;
+      float pv[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 s2 = sc[j][e & 1];
+          pv[j][e] = P[j][e] * ((tt ? s2.y : s2.x) * inv);
+        }
+      const unsigned a[4] = {fdsa_m656_pack(pv[0][0], pv[0][1]), fdsa_m656_pack(pv[0][2], pv[0][3]),
+                             fdsa_m656_pack(pv[1][0], pv[1][1]), fdsa_m656_pack(pv[1][2], pv[1][3])};
+      // V: keys 2q, 2q + 1, 8 + 2q, 9 + 2q (the A fragment's k positions), dims [16 r, +16) of tile t
+      uint4 vw[4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        vw[kk] = *reinterpret_cast<const uint4 *>(sb + ((kk >> 1) * 8 + 2 * q + (kk & 1)) * ROW + 128 * t + 16 * r);
+      const unsigned *v0 = reinterpret_cast<const unsigned *>(&vw[0]), *v1 = reinterpret_cast<const unsigned *>(&vw[1]);
+      const unsigned *v2 = reinterpret_cast<const unsigned *>(&vw[2]), *v3 = reinterpret_cast<const unsigned *>(&vw[3]);
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+#pragma unroll
+        for (int hb = 0; hb < 2; ++hb) {  // bytes 2 hb, 2 hb + 1 of each word: n-tiles 4 wi + 2 hb, + 1
+          const unsigned sel = hb ? 0x7362u : 0x5140u;
+          const unsigned x = fdsa_m656_prmt(v0[wi], v1[wi], sel), y = fdsa_m656_prmt(v2[wi], v3[wi], sel);
+          fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb], a, fdsa_m656_cvt(x), fdsa_m656_cvt(y));
+          fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, fdsa_m656_cvt(x >> 16), fdsa_m656_cvt(y >> 16));
+        }
+      }
+    }
+  }
+
+  // ---- merge the four groups
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  if (hh == 0 && q == 0) {
+    mlx[g * 32 + r] = m0;
+    mlx[g * 32 + r + 8] = m1;
+    mlx[g * 32 + 16 + r] = l0;
+    mlx[g * 32 + 16 + r + 8] = l1;
+  }
+  if (lane == 0) {
+    smx[g * 4 + 2 * hh] = sref0;
+    smx[g * 4 + 2 * hh + 1] = sref1;
+  }
+  __syncthreads();  // every group is done: no copy in flight, the stages hold the merge buffer now
+  float *mrg = reinterpret_cast<float *>(stage);  // [g][hh][fragment 0..31][lane][4]
+#pragma unroll
+  for (int tt = 0; tt < 2; ++tt)
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      *reinterpret_cast<float4 *>(mrg + (((g * 2 + hh) * 32 + tt * 16 + i) * 32 + lane) * 4) =
+          make_float4(o[tt][i][0], o[tt][i][1], o[tt][i][2], o[tt][i][3]);
+  __syncthreads();
+  float wgt[G][2], inv0, inv1;
+  {
+    float M0 = -1e30f, M1 = -1e30f;
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) {
+      M0 = fmaxf(M0, mlx[gg * 32 + r]);
+      M1 = fmaxf(M1, mlx[gg * 32 + r + 8]);
+    }
+    float L0 = 0.f, L1 = 0.f;
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) {
+      wgt[gg][0] = exp2f((mlx[gg * 32 + r] - M0) * c);
+      wgt[gg][1] = exp2f((mlx[gg * 32 + r + 8] - M1) * c);
+      L0 += mlx[gg * 32 + 16 + r] * wgt[gg][0];
+      L1 += mlx[gg * 32 + 16 + r + 8] * wgt[gg][1];
+    }
+    float sk0 = 0.f, sk1 = 0.f;
+    if (HAS_SINK) {
+      sk0 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r, H - 1)], 1.4426950408889634f), __fmul_rn(M0, c)));
+      sk1 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r + 8, H - 1)], 1.4426950408889634f), __fmul_rn(M1, c)));
+    }
+    inv0 = L0 > 0.f ? 1.f / (L0 + sk0) : 0.f;
+    inv1 = L1 > 0.f ? 1.f / (L1 + sk1) : 0.f;
+  }
+  unsigned short *ob = reinterpret_cast<unsigned short *>(qs);  // [16][512] bf16 staging (Q' is dead)
+#pragma unroll
+  for (int f = 0; f < 4; ++f) {  // warp (g, hh) merges fragments [4 g, 4 g + 4) of tile 2 hh and of tile 2 hh + 1
+#pragma unroll
+    for (int tt = 0; tt < 2; ++tt) {
+      const int fr = tt * 16 + 4 * g + f, t = 2 * hh + tt, i = 4 * g + f;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int gg = 0; gg < G; ++gg) {
+        const float4 v = *reinterpret_cast<const float4 *>(mrg + (((gg * 2 + hh) * 32 + fr) * 32 + lane) * 4);
+        const float s = smx[gg * 4 + t], f0 = s * wgt[gg][0], f1 = s * wgt[gg][1];
+        sum.x += v.x * f0;
+        sum.y += v.y * f0;
+        sum.z += v.z * f1;
+        sum.w += v.w * f1;
+      }
+      const int d0 = 128 * t + 16 * (2 * q) + i, d1 = d0 + 16;
+      ob[r * 512 + d0] = fdsa_m656_bf16(sum.x * inv0);
+      ob[r * 512 + d1] = fdsa_m656_bf16(sum.y * inv0);
+      ob[(r + 8) * 512 + d0] = fdsa_m656_bf16(sum.z * inv1);
+      ob[(r + 8) * 512 + d1] = fdsa_m656_bf16(sum.w * inv1);
+    }
+  }
+  __syncthreads();
+  unsigned short *out = static_cast<unsigned short *>(Outv) + static_cast<long long>(tok) * H * 512;
+  for (int k = tid; k < H * 64; k += 256)  // 16-byte pieces of the real heads' rows
+    reinterpret_cast<uint4 *>(out)[k] = reinterpret_cast<const uint4 *>(ob)[k];
+  if (tid < H) {
+    float M = -1e30f, L = 0.f;
+    for (int gg = 0; gg < G; ++gg) M = fmaxf(M, mlx[gg * 32 + tid]);
+    for (int gg = 0; gg < G; ++gg) L += mlx[gg * 32 + 16 + tid] * exp2f((mlx[gg * 32 + tid] - M) * c);
+    Lse[static_cast<long long>(tok) * H + tid] = L > 0.f ? (log2f(L) + M * c) * 0.6931471805599453f : FDSA_M656_INF;
+    MaxLogits[static_cast<long long>(tok) * H + tid] = L > 0.f ? M * c * 0.6931471805599453f : -FDSA_M656_INF;
+  }
+}
+"""
+
+
+def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool = False,
+                                has_topk_length: bool = False):
+    """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature (Q[T,H,576] bf16, KV8 /
+    KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
+    MaxLogits); H <= 16, any topk."""
+    assert 1 <= heads <= MAX_HEADS, heads
+    assert sm_scale > 0
+    c_log2 = float(sm_scale) * LOG2E
+    bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
+    n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
+    CH = fc.CHUNK
+    stage_bytes = GROUPS * NST * CHUNK * fc.ROW_BYTES
+    assert stage_bytes >= GROUPS * 2 * 32 * 32 * 4 * 4  # the merge buffer
+    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}>"
+
+    @T.prim_func
+    def sparse_mla_fwd_mma656(
+        Q: T.Tensor([n_tok, heads, fc.DQK], bf16),
+        KV8: T.Tensor([n_ch, CH], fc.FP8),
+        KVf: T.Tensor([n_ch, CH // 4], f32),
+        KVb: T.Tensor([n_ch, CH // 2], bf16),
+        rs16: T.int32,
+        n_rows: T.int32,
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, fc.D_V], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok, threads=THREADS, prelude=_SRC) as bx:
+            Stage = T.alloc_shared([stage_bytes], u8)
+            Qs = T.alloc_shared([MAX_HEADS * 1024], u8)
+            Xch = T.alloc_shared([GROUPS * 2 * 512], f32)
+            Qr = T.alloc_shared([MAX_HEADS * 128], u8)
+            Valid = T.alloc_shared([GROUPS * NST * CHUNK], i32)
+            Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4], f32)
+            bars = T.alloc_barrier([CHUNK] * (GROUPS * NST))
+            T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV8[0, 0]), rs16, n_rows,
+                          T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
+                          T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
+                          T.address_of(Stage[0]), T.address_of(Qs[0]), T.address_of(Qr[0]), T.address_of(Xch[0]),
+                          T.address_of(Valid[0]), T.address_of(Misc[0]), T.address_of(bars[0]), bx, c_log2)
+
+    return sparse_mla_fwd_mma656
+
+
+@functools.lru_cache(maxsize=64)
+def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+    func = build_sparse_mla_fwd_mma656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
+                                       has_topk_length=has_topk_length)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    return [
+        ("mma656_h16_sink_tl", build_sparse_mla_fwd_mma656(heads=16, sm_scale=576 ** -0.5, has_sink=True,
+                                                           has_topk_length=True)),
+        ("mma656_h3", build_sparse_mla_fwd_mma656(heads=3, sm_scale=0.05)),
+    ]
