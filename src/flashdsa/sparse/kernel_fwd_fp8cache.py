@@ -380,14 +380,14 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         env = os.environ.get(NARROW_ENV, "")
         narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
         if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
-            forms = kernel_fwd_narrow656_dual.PREFETCH + ("mma",)
+            forms = kernel_fwd_narrow656_dual.PREFETCH + ("mma", "mma_alu")
             narrow = env if env in forms else kernel_fwd_narrow656_dual.DEFAULT
-    if narrow == "mma":  # per-warp mma.sync chains (H <= 16)
+    if isinstance(narrow, str) and narrow.startswith("mma"):  # per-warp mma.sync chains (H <= 16)
         if heads > kernel_fwd_mma656.MAX_HEADS:
             raise ValueError(f"narrow: the 'mma' form takes H <= {kernel_fwd_mma656.MAX_HEADS}, got H={heads}")
         if q.data_ptr() % CHUNK != 0:  # its Q loads are 16-byte vectors
             q = q.clone()
-        kernel = kernel_fwd_mma656.compiled(heads, float(sm_scale), has_sink, has_tl)
+        kernel = kernel_fwd_mma656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
     elif narrow in kernel_fwd_narrow656_dual.PREFETCH:  # the two-warpgroup forms (H <= 16)
         if heads > kernel_fwd_narrow656_dual.MAX_HEADS:
             raise ValueError(f"narrow: the {narrow!r} form takes H <= {kernel_fwd_narrow656_dual.MAX_HEADS}, "

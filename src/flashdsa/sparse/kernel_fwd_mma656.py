@@ -71,6 +71,14 @@ __device__ __forceinline__ unsigned fdsa_m656_cvt(unsigned v) {  // the low two 
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
   return r;
 }
+// the same two values times 2^-8 by integer ops only (CVT 1): the byte's sign to bit 15, its 7 other bits to bits
+// 7..13 (an f16 with the e4m3 exponent bias 7 read under bias 15: value * 2^-8, subnormals included, exact).
+// sel: prmt selector giving each 16-bit lane one byte and its sign-replicated copy (0x9180: bytes 0 / 1 of a)
+__device__ __forceinline__ unsigned fdsa_m656_cvt_alu(unsigned a, unsigned b, unsigned sel) {
+  unsigned x;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(x) : "r"(a), "r"(b), "r"(sel));
+  return (x << 7) & 0xBF80BF80u;
+}
 __device__ __forceinline__ unsigned fdsa_m656_pack(float lo, float hi) {  // f16x2 {lo, hi}
   unsigned r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -113,7 +121,10 @@ __device__ __forceinline__ float fdsa_m656_quad_max(float x) {  // over the 4 la
 __device__ __forceinline__ int fdsa_m656_qswz(int h, int u) { return u ^ ((u >> 2) & 2) ^ (h & 1); }
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
-template <int H, int HAS_SINK, int HAS_TL>
+// CVT 0: cvt.rn.f16x2.e4m3x2; CVT 1: fdsa_m656_cvt_alu (K and V carry 2^-8, folded into Q's and O's factors).
+// ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
+// 16 no PV at all, 32 no QK products at all; 64 (correct results): the refill issued after the PV
+template <int H, int HAS_SINK, int HAS_TL, int CVT = 0, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
@@ -200,7 +211,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[tt][i][e] = 0.f;
   float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, sref0 = 0.f, sref1 = 0.f;
-  const float qf0 = qf[hh * 16 + r], qf1 = qf[hh * 16 + r + 8];
+  const float kf = CVT ? 256.f : 1.f;  // the conversion's 2^-8 back
+  const float qf0 = qf[hh * 16 + r] * kf, qf1 = qf[hh * 16 + r + 8] * kf;
   int next_row = (nsteps > NST && lane < 8) ? slot_row(NST) : -1;
 
   for (int it = 0; it < nsteps; ++it) {
@@ -212,6 +224,11 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
     for (int tt = 0; tt < 2; ++tt) {
       const int t = 2 * hh + tt;
+      if (ABL & 32) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[tt][e >> 2][e & 3] = 0.f;
+        continue;
+      }
       uint4 kw[2][2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -225,8 +242,10 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
       for (int u2 = 0; u2 < 4; ++u2) {  // two k steps per 16-byte unit of Q'
         const int u = 16 * t + 4 * q + u2;
-        const uint4 qa = *reinterpret_cast<const uint4 *>(qs + r * 1024 + fdsa_m656_qswz(r, u) * 16);
-        const uint4 qb = *reinterpret_cast<const uint4 *>(qs + (r + 8) * 1024 + fdsa_m656_qswz(r + 8, u) * 16);
+        const uint4 qa = (ABL & 4) ? kw[0][u2 & 1]
+                                   : *reinterpret_cast<const uint4 *>(qs + r * 1024 + fdsa_m656_qswz(r, u) * 16);
+        const uint4 qb = (ABL & 4) ? kw[1][u2 & 1]
+                                   : *reinterpret_cast<const uint4 *>(qs + (r + 8) * 1024 + fdsa_m656_qswz(r + 8, u) * 16);
 #pragma unroll
         for (int s1 = 0; s1 < 2; ++s1) {
           const int s = 2 * u2 + s1;
@@ -234,7 +253,18 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             const unsigned x = kwu[j * 8 + s];
-            fdsa_m656_mma_f16(acc[tt][j], a, fdsa_m656_cvt(x), fdsa_m656_cvt(x >> 16));
+            unsigned b0, b1;
+            if (ABL & 1) {
+              b0 = x;
+              b1 = x >> 16;
+            } else if (CVT) {
+              b0 = fdsa_m656_cvt_alu(x, 0u, 0x9180u);
+              b1 = fdsa_m656_cvt_alu(x, 0u, 0xB3A2u);
+            } else {
+              b0 = fdsa_m656_cvt(x);
+              b1 = fdsa_m656_cvt(x >> 16);
+            }
+            fdsa_m656_mma_f16(acc[tt][j], a, b0, b1);
           }
         }
       }
@@ -289,17 +319,21 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     for (int j = 0; j < 2; ++j)
       *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
           make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
-    asm volatile("bar.sync %0, 64;" :: "r"(8 + g) : "memory");
+    if (!(ABL & 8)) asm volatile("bar.sync %0, 64;" :: "r"(8 + g) : "memory");
     // the stage of step it - 1 is free (both warps are past its PV): refill it with step it + NST - 1
-    if (it >= 1 && it + NST - 1 < nsteps) {
-      issue(it + NST - 1, next_row);
-      next_row = (it + NST < nsteps && lane < 8) ? slot_row(it + NST) : -1;
-    }
+    auto refill = [&]() {
+      if (it >= 1 && it + NST - 1 < nsteps) {
+        issue(it + NST - 1, next_row);
+        next_row = (it + NST < nsteps && lane < 8) ? slot_row(it + NST) : -1;
+      }
+    };
+    if (!(ABL & 64)) refill();
     float S[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const float4 pa = *reinterpret_cast<const float4 *>(xb + (j * 32 + lane) * 4);
-      const float4 pb = *reinterpret_cast<const float4 *>(xb + 256 + (j * 32 + lane) * 4);
+      const float4 own = make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+      const float4 pa = (ABL & 8) ? own : *reinterpret_cast<const float4 *>(xb + (j * 32 + lane) * 4);
+      const float4 pb = (ABL & 8) ? own : *reinterpret_cast<const float4 *>(xb + 256 + (j * 32 + lane) * 4);
       S[j][0] = vd[j][0] ? pa.x + pb.x : -FDSA_M656_INF;
       S[j][1] = vd[j][1] ? pa.y + pb.y : -FDSA_M656_INF;
       S[j][2] = vd[j][0] ? pa.z + pb.z : -FDSA_M656_INF;
@@ -331,7 +365,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     }
     // ---- PV for each of the warp's tiles
 #pragma unroll
-    for (int tt = 0; tt < 2; ++tt) {
+    for (int tt = 0; tt < ((ABL & 16) ? 0 : 2); ++tt) {
       const int t = 2 * hh + tt;
       float cm = 0.f;
 #pragma unroll
@@ -372,13 +406,28 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       for (int wi = 0; wi < 4; ++wi) {
 #pragma unroll
         for (int hb = 0; hb < 2; ++hb) {  // bytes 2 hb, 2 hb + 1 of each word: n-tiles 4 wi + 2 hb, + 1
+          if (CVT && !(ABL & 2)) {  // byte k of both rows with their sign copies: selectors 0xC480 + 0x1111 k
+#pragma unroll
+            for (int k2 = 0; k2 < 2; ++k2) {
+              const unsigned sel = 0xC480u + 0x1111u * (2 * hb + k2);
+              fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + k2], a, fdsa_m656_cvt_alu(v0[wi], v1[wi], sel),
+                                fdsa_m656_cvt_alu(v2[wi], v3[wi], sel));
+            }
+            continue;
+          }
           const unsigned sel = hb ? 0x7362u : 0x5140u;
           const unsigned x = fdsa_m656_prmt(v0[wi], v1[wi], sel), y = fdsa_m656_prmt(v2[wi], v3[wi], sel);
-          fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb], a, fdsa_m656_cvt(x), fdsa_m656_cvt(y));
-          fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, fdsa_m656_cvt(x >> 16), fdsa_m656_cvt(y >> 16));
+          if (ABL & 2) {
+            fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb], a, x, y);
+            fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, x >> 16, y >> 16);
+          } else {
+            fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb], a, fdsa_m656_cvt(x), fdsa_m656_cvt(y));
+            fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, fdsa_m656_cvt(x >> 16), fdsa_m656_cvt(y >> 16));
+          }
         }
       }
     }
+    if (ABL & 64) refill();
   }
 
   // ---- merge the four groups
@@ -439,7 +488,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
       for (int gg = 0; gg < G; ++gg) {
         const float4 v = *reinterpret_cast<const float4 *>(mrg + (((gg * 2 + hh) * 32 + fr) * 32 + lane) * 4);
-        const float s = smx[gg * 4 + t], f0 = s * wgt[gg][0], f1 = s * wgt[gg][1];
+        const float s = smx[gg * 4 + t] * (CVT ? 256.f : 1.f), f0 = s * wgt[gg][0], f1 = s * wgt[gg][1];
         sum.x += v.x * f0;
         sum.y += v.y * f0;
         sum.z += v.z * f1;
@@ -467,11 +516,20 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 """
 
 
+def form(name: str) -> tuple:
+    """(cvt, ablate) of a form name: "mma" (``cvt.rn.f16x2.e4m3x2``), "mma_alu" (integer-op conversion), and the
+    timing builds "mma_a<N>" / "mma_alu_a<N>" (``ablate`` N: the kernel's ABL bits, wrong results)."""
+    base, _, abl = name.partition("_a") if not name.startswith("mma_alu") else ("mma_alu", "", name[9:])
+    if base not in ("mma", "mma_alu") or (abl and not abl.isdigit()):
+        raise ValueError(f"narrow: unknown mma form {name!r}")
+    return int(base == "mma_alu"), int(abl or 0)
+
+
 def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False):
+                                has_topk_length: bool = False, cvt: int = 0, ablate: int = 0):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
-    MaxLogits); H <= 16, any topk."""
+    MaxLogits); H <= 16, any topk.  ``cvt`` / ``ablate``: the kernel's CVT / ABL (``form``)."""
     assert 1 <= heads <= MAX_HEADS, heads
     assert sm_scale > 0
     c_log2 = float(sm_scale) * LOG2E
@@ -480,7 +538,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     CH = fc.CHUNK
     stage_bytes = GROUPS * NST * CHUNK * fc.ROW_BYTES
     assert stage_bytes >= GROUPS * 2 * 32 * 32 * 4 * 4  # the merge buffer
-    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}>"
+    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(cvt)}, {int(ablate)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma656(
@@ -515,9 +573,10 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
 
 
 @functools.lru_cache(maxsize=64)
-def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, name: str = "mma"):
+    cvt, ablate = form(name)
     func = build_sparse_mla_fwd_mma656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length)
+                                       has_topk_length=has_topk_length, cvt=cvt, ablate=ablate)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
