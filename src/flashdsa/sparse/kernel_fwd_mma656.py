@@ -11,9 +11,11 @@ us per 64-row block, PERFORMANCE.md session 13).  Here no converted tile exists 
   * **Key groups.**  Warps 2g and 2g + 1 form group g (4 groups); group g takes the 16-key chunks g, g + 4, ... of
     the token's top-k and keeps its own online softmax; the four groups are merged at the end (as split-KV).  So
     four independent chains per SM, each step 16 keys, no CTA-wide barrier inside the loop.
-  * **Raw rows straight into fragments.**  Each group has ``NST`` raw stages of 16 rows (one ``cp.async.bulk`` of
-    656 bytes per row, mbarrier ``expect_tx``; an invalid slot's row is zeroed by its issuing lane and marked in
-    ``Valid``).  A warp loads the e4m3 bytes it needs into registers and converts them with ``cvt.rn.f16x2.e4m3x2``
+  * **Raw rows straight into fragments.**  Each group has ``NST`` raw stages of 16 rows, copied by the group's 64
+    threads in 16-byte ``cp.async`` pieces (4 threads per row; an invalid slot gets src-size 0: zeros, nothing
+    read) that arrive ``noinc`` on the stage's mbarrier, plus one ordinary arrival per row after its flag in
+    ``Valid`` (one ``cp.async.bulk`` per row, the "_bulk" forms, tops out near 20 GB/s per SM: session 32).  A warp
+    loads the e4m3 bytes it needs into registers and converts them with ``cvt.rn.f16x2.e4m3x2``
     (exact) straight into ``m16n8k16`` B fragments.  The contraction order inside a 16-wide k step is free, so
     lane quad q takes 4 consecutive dims per step (bytes [32 q, +32) of a 128-dim tile over its 8 steps: two 16-byte
     loads per key and tile); Q uses the same permutation.
@@ -124,7 +126,7 @@ __device__ __forceinline__ int fdsa_m656_qswz(int h, int u) { return u ^ ((u >> 
 // CVT 0: cvt.rn.f16x2.e4m3x2; CVT 1: fdsa_m656_cvt_alu (K and V carry 2^-8, folded into Q's and O's factors).
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
 // 16 no PV at all, 32 no QK products at all; 64 (correct results): the refill issued after the PV
-template <int H, int HAS_SINK, int HAS_TL, int CVT = 0, int ABL = 0>
+template <int H, int HAS_SINK, int HAS_TL, int CVT = 0, int ABL = 0, int BULK = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
@@ -149,21 +151,45 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   const int nc = (lim + 15) >> 4;
   const int nsteps = nc > g ? (nc - g + G - 1) / G : 0;
 
-  // step s of this group: chunk g + G s into stage s % NST; lanes 0-7 of each warp take 8 of its 16 rows
+  // step s of this group: chunk g + G s into stage s % NST.  BULK 0 (default): the group's 64 threads copy 16-byte
+  // pieces (cp.async; 4 threads per row, src-size 0 for an invalid row: zeros, nothing read) and arrive "noinc"
+  // when they land (64 arrivals), and one thread per row writes its flag and arrives (16): 80 per phase.
+  // BULK 1: one cp.async.bulk per row from lanes 0-7 of each warp (16 arrivals; slower: ~20 GB/s per SM).
+  const int ti = hh * 32 + lane;  // thread in the group
   auto slot_row = [&](int step) -> int {
-    const int slot = (g + G * step) * 16 + hh * 8 + lane;
+    const int slot = (g + G * step) * 16 + (BULK ? hh * 8 + (lane & 7) : (ti >> 2));
     return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
   };
   auto issue = [&](int step, int row) {
-    if (lane < 8) {
-      const int k = hh * 8 + lane, bi = g * NST + step % NST;
-      const int ok = row >= 0 && row < n_rows;
+    const int bi = g * NST + step % NST;
+    const int ok = row >= 0 && row < n_rows;
+    char *bar = static_cast<char *>(bars_v) + bi * 8;
+    if (BULK) {
+      if (lane < 8) {
+        const int k = hh * 8 + lane;
+        valid[bi * 16 + k] = ok;
+        fdsa_bulk_row(stage + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bar, ok);
+      }
+      return;
+    }
+    const int k = ti >> 2, part = ti & 3;
+    const char *src = reinterpret_cast<const char *>(kv + (ok ? row : 0) * rs);
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(stage + (bi * 16 + k) * ROW));
+    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+#pragma unroll
+    for (int j = 0; j < 11; ++j) {
+      const int pc = part + 4 * j;
+      if (pc < ROW / 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst + pc * 16), "l"(src + pc * 16),
+                     "r"(ok ? 16 : 0) : "memory");
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(b) : "memory");
+    if (part == 0) {
       valid[bi * 16 + k] = ok;
-      fdsa_bulk_row(stage + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs,
-                    static_cast<char *>(bars_v) + bi * 8, ok);
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(b) : "memory");
     }
   };
-  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, lane < 8 ? slot_row(s) : -1);
+  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, (BULK && lane >= 8) ? -1 : slot_row(s));
 
   {  // Q' (f16, per-(half, head) power of two) and the bf16 rope into shared memory: 16 threads per head
     const int h = tid >> 4, p = tid & 15;
@@ -213,7 +239,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, sref0 = 0.f, sref1 = 0.f;
   const float kf = CVT ? 256.f : 1.f;  // the conversion's 2^-8 back
   const float qf0 = qf[hh * 16 + r] * kf, qf1 = qf[hh * 16 + r + 8] * kf;
-  int next_row = (nsteps > NST && lane < 8) ? slot_row(NST) : -1;
+  int next_row = (nsteps > NST && (!BULK || lane < 8)) ? slot_row(NST) : -1;
 
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
@@ -245,7 +271,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
         const uint4 qa = (ABL & 4) ? kw[0][u2 & 1]
                                    : *reinterpret_cast<const uint4 *>(qs + r * 1024 + fdsa_m656_qswz(r, u) * 16);
         const uint4 qb = (ABL & 4) ? kw[1][u2 & 1]
-                                   : *reinterpret_cast<const uint4 *>(qs + (r + 8) * 1024 + fdsa_m656_qswz(r + 8, u) * 16);
+                                   : *reinterpret_cast<const uint4 *>(qs + (r + 8) * 1024 + fdsa_m656_qswz(r, u) * 16);
 #pragma unroll
         for (int s1 = 0; s1 < 2; ++s1) {
           const int s = 2 * u2 + s1;
@@ -324,7 +350,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     auto refill = [&]() {
       if (it >= 1 && it + NST - 1 < nsteps) {
         issue(it + NST - 1, next_row);
-        next_row = (it + NST < nsteps && lane < 8) ? slot_row(it + NST) : -1;
+        next_row = (it + NST < nsteps && (!BULK || lane < 8)) ? slot_row(it + NST) : -1;
       }
     };
     if (!(ABL & 64)) refill();
@@ -517,19 +543,24 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 
 
 def form(name: str) -> tuple:
-    """(cvt, ablate) of a form name: "mma" (``cvt.rn.f16x2.e4m3x2``), "mma_alu" (integer-op conversion), and the
-    timing builds "mma_a<N>" / "mma_alu_a<N>" (``ablate`` N: the kernel's ABL bits, wrong results)."""
-    base, _, abl = name.partition("_a") if not name.startswith("mma_alu") else ("mma_alu", "", name[9:])
-    if base not in ("mma", "mma_alu") or (abl and not abl.isdigit()):
+    """(cvt, ablate, bulk) of a form name: "mma" (``cvt.rn.f16x2.e4m3x2``), "mma_alu" (integer-op conversion), an
+    optional "_bulk" (rows by ``cp.async.bulk``), and the timing builds with "_a<N>" (``ablate`` N: the kernel's ABL
+    bits, wrong results), e.g. "mma_bulk_a48"."""
+    rest = name.removeprefix("mma")
+    cvt = rest.startswith("_alu")
+    rest = rest.removeprefix("_alu")
+    bulk = rest.startswith("_bulk")
+    rest = rest.removeprefix("_bulk")
+    if not name.startswith("mma") or (rest and not (rest.startswith("_a") and rest[2:].isdigit())):
         raise ValueError(f"narrow: unknown mma form {name!r}")
-    return int(base == "mma_alu"), int(abl or 0)
+    return int(cvt), int(rest[2:] or 0), int(bulk)
 
 
 def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, cvt: int = 0, ablate: int = 0):
+                                has_topk_length: bool = False, cvt: int = 0, ablate: int = 0, bulk: int = 0):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
-    MaxLogits); H <= 16, any topk.  ``cvt`` / ``ablate``: the kernel's CVT / ABL (``form``)."""
+    MaxLogits); H <= 16, any topk.  ``cvt`` / ``ablate`` / ``bulk``: the kernel's CVT / ABL / BULK (``form``)."""
     assert 1 <= heads <= MAX_HEADS, heads
     assert sm_scale > 0
     c_log2 = float(sm_scale) * LOG2E
@@ -538,7 +569,8 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     CH = fc.CHUNK
     stage_bytes = GROUPS * NST * CHUNK * fc.ROW_BYTES
     assert stage_bytes >= GROUPS * 2 * 32 * 32 * 4 * 4  # the merge buffer
-    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(cvt)}, {int(ablate)}>"
+    fn = (f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(cvt)}, {int(ablate)}, "
+          f"{int(bulk)}>")
 
     @T.prim_func
     def sparse_mla_fwd_mma656(
@@ -562,7 +594,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
             Qr = T.alloc_shared([MAX_HEADS * 128], u8)
             Valid = T.alloc_shared([GROUPS * NST * CHUNK], i32)
             Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4], f32)
-            bars = T.alloc_barrier([CHUNK] * (GROUPS * NST))
+            bars = T.alloc_barrier([CHUNK if bulk else 5 * CHUNK] * (GROUPS * NST))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV8[0, 0]), rs16, n_rows,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
@@ -574,9 +606,9 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
 
 @functools.lru_cache(maxsize=64)
 def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, name: str = "mma"):
-    cvt, ablate = form(name)
+    cvt, ablate, bulk = form(name)
     func = build_sparse_mla_fwd_mma656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, cvt=cvt, ablate=ablate)
+                                       has_topk_length=has_topk_length, cvt=cvt, ablate=ablate, bulk=bulk)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
