@@ -185,6 +185,22 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig")}
 
 
+def _with_env(name, value, fn):
+    """fn() with $name = value (e.g. a kernel form switch read at dispatch time)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+TARGETS["sparse_cache656_mma"] = lambda: _with_env("FLASHDSA_NARROW_CACHE656", "mma", lambda: sparse("cache656"))
+
+
 def main():
     ok = True
     for name in sys.argv[1:]:

@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("tilelang")
 
 from flashdsa.sparse import (  # noqa: E402
-    kernel_dequant656, kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_narrow, kernel_fwd_narrow656,
+    kernel_dequant656, kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_mma656, kernel_fwd_narrow, kernel_fwd_narrow656,
     kernel_fwd_narrow656_dual, kernel_fwd_pair, kernel_fwd_pair_cache,
 )
 
@@ -29,6 +29,7 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd_fp8cache, "_compiled", _fake_kernel(calls, "padded656"))
     monkeypatch.setattr(kernel_fwd_narrow656, "compiled", _fake_kernel(calls, "narrow656"))
     monkeypatch.setattr(kernel_fwd_narrow656_dual, "compiled", _fake_kernel(calls, "narrow656_dual"))
+    monkeypatch.setattr(kernel_fwd_mma656, "compiled", _fake_kernel(calls, "mma656"))
     monkeypatch.setattr(kernel_fwd_pair_cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_pair_cache, "_compiled", _fake_kernel(calls, "pair656"))
 
@@ -55,8 +56,8 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
 
 
 @pytest.mark.parametrize("env,heads,pair,expect", [
-    ("", 16, None, "narrow656_dual:ring_er_f16"), ("0", 16, None, "padded656"),
-    ("", 1, None, "narrow656_dual:ring_er_f16"),
+    ("", 16, None, "mma656"), ("0", 16, None, "padded656"),  # 3 x 100 slots over 1000 rows: read once
+    ("", 1, None, "mma656"), ("mma", 9, None, "mma656"), ("mma", 17, None, "narrow656"),
     ("", 17, None, "narrow656"), ("", 32, None, "narrow656"), ("1", 16, None, "narrow656"),
     ("narrow656", 9, None, "narrow656"), ("", 33, None, "padded656"), ("", 64, None, "pair656"),
     ("", 128, None, "pair656"), ("", 96, None, "padded656"), ("", 128, False, "padded656"),
@@ -71,6 +72,32 @@ def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, ex
     idx = torch.zeros(3, 100, dtype=torch.int32)
     kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, pair=pair)
     assert [_named(name, key) for name, key in record] == [expect]
+
+
+@pytest.mark.parametrize("n_tok,topk,kv_rows,expect", [
+    (128, 2048, 128 * 32768, "mma"), (512, 2048, 512 * 8192, "mma"),  # decode over a paged cache (session 32)
+    (4096, 2048, 8192, "ring_er_f16"), (3, 100, 299, "ring_er_f16"), (3, 100, 300, "mma"),  # rows reused / not
+])
+def test_few_head_form_rule(n_tok, topk, kv_rows, expect):
+    """H <= 16 over the 656-byte cache: the per-warp mma.sync kernel where each row is read at most once on
+    average, the two-warpgroup form where rows are reused (prefill)."""
+    assert kernel_fwd_fp8cache.few_head_form(n_tok, topk, kv_rows) == expect
+
+
+def test_cache656_few_head_prefill_picks_dual(record, monkeypatch):
+    monkeypatch.delenv(kernel_fwd_fp8cache.NARROW_ENV, raising=False)
+    q = torch.zeros(30, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(1000, 656, dtype=torch.uint8)  # 30 x 100 slots over 1000 rows: reused
+    kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, torch.zeros(30, 100, dtype=torch.int32), sm_scale=0.1, d_v=512)
+    assert [_named(n, k) for n, k in record] == ["narrow656_dual:ring_er_f16"]
+
+
+def test_cache656_mma_rejects_wide_heads(record):
+    q = torch.zeros(3, 17, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="H=17"):
+        kernel_fwd_fp8cache.run_sparse_mla_fwd(q, torch.zeros(10, 656, dtype=torch.uint8),
+                                               torch.zeros(3, 100, dtype=torch.int32), sm_scale=0.1, d_v=512,
+                                               narrow="mma")
 
 
 def _named(name, key):

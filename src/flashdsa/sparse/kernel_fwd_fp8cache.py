@@ -320,9 +320,20 @@ def cache_chunks(kv):
 
 
 # "0": H <= 32 runs this module's 64-head kernel; "1" / "narrow656": kernel_fwd_narrow656 up to H 32; a name in
-# kernel_fwd_narrow656_dual.PREFETCH or "mma" (kernel_fwd_mma656): that form at H <= 16; unset: the dual form's
-# DEFAULT at H <= 16, narrow656 at 17..32
+# kernel_fwd_narrow656_dual.PREFETCH or "mma" (kernel_fwd_mma656): that form at H <= 16; unset: few_head_form at
+# H <= 16, narrow656 at 17..32
 NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
+
+
+def few_head_form(n_tok: int, topk: int, kv_rows: int) -> str:
+    """The form run at H <= 16 without an explicit choice: ``kernel_fwd_mma656`` ("mma") where the call reads each
+    cache row at most once on average (``T * topk <= Tkv``: decode over a paged cache), else the two-warpgroup form
+    (``kernel_fwd_narrow656_dual.DEFAULT``).  Session 32 (H 16, topk 2048, ``--variants``): decode B 128 over 32768
+    rows per token 94.0 vs 99.8 us, B 512 over 8192 347.4 vs 359.9 us; prefill S 4096 over SKV 8192 (each row read
+    ~1000 times) 2.668 vs 2.547 ms."""
+    from .kernel_fwd_narrow656_dual import DEFAULT
+
+    return "mma" if n_tok * topk <= kv_rows else DEFAULT
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
@@ -337,8 +348,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
     ``narrow_stages``: its raw stage count, None = its default; ``narrow`` = a name in
     ``kernel_fwd_narrow656_dual.PREFETCH``: that two-warpgroup form, H <= 16; "mma": ``kernel_fwd_mma656``'s
-    per-warp ``mma.sync`` chains, H <= 16); None: the dual form's DEFAULT at
-    H <= 16 and narrow656 at H 17..32, unless ``$FLASHDSA_NARROW_CACHE656`` says otherwise (``NARROW_ENV``).
+    per-warp ``mma.sync`` chains, H <= 16); None: ``few_head_form`` at H <= 16 and narrow656 at H 17..32, unless
+    ``$FLASHDSA_NARROW_CACHE656`` says otherwise (``NARROW_ENV``).
     Otherwise this module's pipelined kernel (heads padded to 64).
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
     from . import (kernel_dequant656, kernel_fwd_mma656, kernel_fwd_narrow656, kernel_fwd_narrow656_dual,
@@ -380,8 +391,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         env = os.environ.get(NARROW_ENV, "")
         narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
         if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
-            forms = kernel_fwd_narrow656_dual.PREFETCH + ("mma", "mma_alu")
-            narrow = env if env in forms else kernel_fwd_narrow656_dual.DEFAULT
+            forms = kernel_fwd_narrow656_dual.PREFETCH + ("mma",)
+            narrow = env if env in forms else few_head_form(q.shape[0], indices.shape[1], kv.shape[0])
     if isinstance(narrow, str) and narrow.startswith("mma"):  # per-warp mma.sync chains (H <= 16)
         if heads > kernel_fwd_mma656.MAX_HEADS:
             raise ValueError(f"narrow: the 'mma' form takes H <= {kernel_fwd_mma656.MAX_HEADS}, got H={heads}")

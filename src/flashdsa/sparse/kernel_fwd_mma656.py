@@ -11,11 +11,9 @@ us per 64-row block, PERFORMANCE.md session 13).  Here no converted tile exists 
   * **Key groups.**  Warps 2g and 2g + 1 form group g (4 groups); group g takes the 16-key chunks g, g + 4, ... of
     the token's top-k and keeps its own online softmax; the four groups are merged at the end (as split-KV).  So
     four independent chains per SM, each step 16 keys, no CTA-wide barrier inside the loop.
-  * **Raw rows straight into fragments.**  Each group has ``NST`` raw stages of 16 rows, copied by the group's 64
-    threads in 16-byte ``cp.async`` pieces (4 threads per row; an invalid slot gets src-size 0: zeros, nothing
-    read) that arrive ``noinc`` on the stage's mbarrier, plus one ordinary arrival per row after its flag in
-    ``Valid`` (one ``cp.async.bulk`` per row, the "_bulk" forms, tops out near 20 GB/s per SM: session 32).  A warp
-    loads the e4m3 bytes it needs into registers and converts them with ``cvt.rn.f16x2.e4m3x2``
+  * **Raw rows straight into fragments.**  Each group has ``NST`` raw stages of 16 rows (one ``cp.async.bulk`` of
+    656 bytes per row, mbarrier ``expect_tx``; an invalid slot's row is zeroed by its issuing lane and flagged in
+    ``Valid``).  A warp loads the e4m3 bytes it needs into registers and converts them with ``cvt.rn.f16x2.e4m3x2``
     (exact) straight into ``m16n8k16`` B fragments.  The contraction order inside a 16-wide k step is free, so
     lane quad q takes 4 consecutive dims per step (bytes [32 q, +32) of a 128-dim tile over its 8 steps: two 16-byte
     loads per key and tile); Q uses the same permutation.
@@ -73,14 +71,6 @@ __device__ __forceinline__ unsigned fdsa_m656_cvt(unsigned v) {  // the low two 
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
   return r;
 }
-// the same two values times 2^-8 by integer ops only (CVT 1): the byte's sign to bit 15, its 7 other bits to bits
-// 7..13 (an f16 with the e4m3 exponent bias 7 read under bias 15: value * 2^-8, subnormals included, exact).
-// sel: prmt selector giving each 16-bit lane one byte and its sign-replicated copy (0x9180: bytes 0 / 1 of a)
-__device__ __forceinline__ unsigned fdsa_m656_cvt_alu(unsigned a, unsigned b, unsigned sel) {
-  unsigned x;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(x) : "r"(a), "r"(b), "r"(sel));
-  return (x << 7) & 0xBF80BF80u;
-}
 __device__ __forceinline__ unsigned fdsa_m656_pack(float lo, float hi) {  // f16x2 {lo, hi}
   unsigned r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -123,10 +113,9 @@ __device__ __forceinline__ float fdsa_m656_quad_max(float x) {  // over the 4 la
 __device__ __forceinline__ int fdsa_m656_qswz(int h, int u) { return u ^ ((u >> 2) & 2) ^ (h & 1); }
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
-// CVT 0: cvt.rn.f16x2.e4m3x2; CVT 1: fdsa_m656_cvt_alu (K and V carry 2^-8, folded into Q's and O's factors).
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
 // 16 no PV at all, 32 no QK products at all; 64 (correct results): the refill issued after the PV
-template <int H, int HAS_SINK, int HAS_TL, int CVT = 0, int ABL = 0, int BULK = 0>
+template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
@@ -151,45 +140,22 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   const int nc = (lim + 15) >> 4;
   const int nsteps = nc > g ? (nc - g + G - 1) / G : 0;
 
-  // step s of this group: chunk g + G s into stage s % NST.  BULK 0 (default): the group's 64 threads copy 16-byte
-  // pieces (cp.async; 4 threads per row, src-size 0 for an invalid row: zeros, nothing read) and arrive "noinc"
-  // when they land (64 arrivals), and one thread per row writes its flag and arrives (16): 80 per phase.
-  // BULK 1: one cp.async.bulk per row from lanes 0-7 of each warp (16 arrivals; slower: ~20 GB/s per SM).
-  const int ti = hh * 32 + lane;  // thread in the group
+  // step s of this group: chunk g + G s into stage s % NST; lanes 0-7 of each warp copy 8 of its 16 rows, one
+  // cp.async.bulk each (an invalid slot's row is zeroed instead: nothing read), after writing the row's flag
   auto slot_row = [&](int step) -> int {
-    const int slot = (g + G * step) * 16 + (BULK ? hh * 8 + (lane & 7) : (ti >> 2));
+    const int slot = (g + G * step) * 16 + hh * 8 + (lane & 7);
     return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
   };
   auto issue = [&](int step, int row) {
-    const int bi = g * NST + step % NST;
-    const int ok = row >= 0 && row < n_rows;
-    char *bar = static_cast<char *>(bars_v) + bi * 8;
-    if (BULK) {
-      if (lane < 8) {
-        const int k = hh * 8 + lane;
-        valid[bi * 16 + k] = ok;
-        fdsa_bulk_row(stage + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bar, ok);
-      }
-      return;
-    }
-    const int k = ti >> 2, part = ti & 3;
-    const char *src = reinterpret_cast<const char *>(kv + (ok ? row : 0) * rs);
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(stage + (bi * 16 + k) * ROW));
-    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-#pragma unroll
-    for (int j = 0; j < 11; ++j) {
-      const int pc = part + 4 * j;
-      if (pc < ROW / 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst + pc * 16), "l"(src + pc * 16),
-                     "r"(ok ? 16 : 0) : "memory");
-    }
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(b) : "memory");
-    if (part == 0) {
+    if (lane < 8) {
+      const int k = hh * 8 + lane, bi = g * NST + step % NST;
+      const int ok = row >= 0 && row < n_rows;
       valid[bi * 16 + k] = ok;
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(b) : "memory");
+      fdsa_bulk_row(stage + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs,
+                    static_cast<char *>(bars_v) + bi * 8, ok);
     }
   };
-  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, (BULK && lane >= 8) ? -1 : slot_row(s));
+  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, lane < 8 ? slot_row(s) : -1);
 
   {  // Q' (f16, per-(half, head) power of two) and the bf16 rope into shared memory: 16 threads per head
     const int h = tid >> 4, p = tid & 15;
@@ -237,9 +203,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[tt][i][e] = 0.f;
   float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, sref0 = 0.f, sref1 = 0.f;
-  const float kf = CVT ? 256.f : 1.f;  // the conversion's 2^-8 back
-  const float qf0 = qf[hh * 16 + r] * kf, qf1 = qf[hh * 16 + r + 8] * kf;
-  int next_row = (nsteps > NST && (!BULK || lane < 8)) ? slot_row(NST) : -1;
+  const float qf0 = qf[hh * 16 + r], qf1 = qf[hh * 16 + r + 8];
+  int next_row = (nsteps > NST && lane < 8) ? slot_row(NST) : -1;
 
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
@@ -279,17 +244,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             const unsigned x = kwu[j * 8 + s];
-            unsigned b0, b1;
-            if (ABL & 1) {
-              b0 = x;
-              b1 = x >> 16;
-            } else if (CVT) {
-              b0 = fdsa_m656_cvt_alu(x, 0u, 0x9180u);
-              b1 = fdsa_m656_cvt_alu(x, 0u, 0xB3A2u);
-            } else {
-              b0 = fdsa_m656_cvt(x);
-              b1 = fdsa_m656_cvt(x >> 16);
-            }
+            const unsigned b0 = (ABL & 1) ? x : fdsa_m656_cvt(x), b1 = (ABL & 1) ? x >> 16 : fdsa_m656_cvt(x >> 16);
             fdsa_m656_mma_f16(acc[tt][j], a, b0, b1);
           }
         }
@@ -350,7 +305,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     auto refill = [&]() {
       if (it >= 1 && it + NST - 1 < nsteps) {
         issue(it + NST - 1, next_row);
-        next_row = (it + NST < nsteps && (!BULK || lane < 8)) ? slot_row(it + NST) : -1;
+        next_row = (it + NST < nsteps && lane < 8) ? slot_row(it + NST) : -1;
       }
     };
     if (!(ABL & 64)) refill();
@@ -432,15 +387,6 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       for (int wi = 0; wi < 4; ++wi) {
 #pragma unroll
         for (int hb = 0; hb < 2; ++hb) {  // bytes 2 hb, 2 hb + 1 of each word: n-tiles 4 wi + 2 hb, + 1
-          if (CVT && !(ABL & 2)) {  // byte k of both rows with their sign copies: selectors 0xC480 + 0x1111 k
-#pragma unroll
-            for (int k2 = 0; k2 < 2; ++k2) {
-              const unsigned sel = 0xC480u + 0x1111u * (2 * hb + k2);
-              fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + k2], a, fdsa_m656_cvt_alu(v0[wi], v1[wi], sel),
-                                fdsa_m656_cvt_alu(v2[wi], v3[wi], sel));
-            }
-            continue;
-          }
           const unsigned sel = hb ? 0x7362u : 0x5140u;
           const unsigned x = fdsa_m656_prmt(v0[wi], v1[wi], sel), y = fdsa_m656_prmt(v2[wi], v3[wi], sel);
           if (ABL & 2) {
@@ -514,7 +460,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
       for (int gg = 0; gg < G; ++gg) {
         const float4 v = *reinterpret_cast<const float4 *>(mrg + (((gg * 2 + hh) * 32 + fr) * 32 + lane) * 4);
-        const float s = smx[gg * 4 + t] * (CVT ? 256.f : 1.f), f0 = s * wgt[gg][0], f1 = s * wgt[gg][1];
+        const float s = smx[gg * 4 + t], f0 = s * wgt[gg][0], f1 = s * wgt[gg][1];
         sum.x += v.x * f0;
         sum.y += v.y * f0;
         sum.z += v.z * f1;
@@ -542,25 +488,19 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 """
 
 
-def form(name: str) -> tuple:
-    """(cvt, ablate, bulk) of a form name: "mma" (``cvt.rn.f16x2.e4m3x2``), "mma_alu" (integer-op conversion), an
-    optional "_bulk" (rows by ``cp.async.bulk``), and the timing builds with "_a<N>" (``ablate`` N: the kernel's ABL
-    bits, wrong results), e.g. "mma_bulk_a48"."""
+def form(name: str) -> int:
+    """The ``ablate`` bits of a form name: "mma" (0), or the timing builds "mma_a<N>" (the kernel's ABL bits N)."""
     rest = name.removeprefix("mma")
-    cvt = rest.startswith("_alu")
-    rest = rest.removeprefix("_alu")
-    bulk = rest.startswith("_bulk")
-    rest = rest.removeprefix("_bulk")
     if not name.startswith("mma") or (rest and not (rest.startswith("_a") and rest[2:].isdigit())):
         raise ValueError(f"narrow: unknown mma form {name!r}")
-    return int(cvt), int(rest[2:] or 0), int(bulk)
+    return int(rest[2:] or 0)
 
 
 def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, cvt: int = 0, ablate: int = 0, bulk: int = 0):
+                                has_topk_length: bool = False, ablate: int = 0):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
-    MaxLogits); H <= 16, any topk.  ``cvt`` / ``ablate`` / ``bulk``: the kernel's CVT / ABL / BULK (``form``)."""
+    MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds)."""
     assert 1 <= heads <= MAX_HEADS, heads
     assert sm_scale > 0
     c_log2 = float(sm_scale) * LOG2E
@@ -569,8 +509,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     CH = fc.CHUNK
     stage_bytes = GROUPS * NST * CHUNK * fc.ROW_BYTES
     assert stage_bytes >= GROUPS * 2 * 32 * 32 * 4 * 4  # the merge buffer
-    fn = (f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(cvt)}, {int(ablate)}, "
-          f"{int(bulk)}>")
+    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma656(
@@ -594,7 +533,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
             Qr = T.alloc_shared([MAX_HEADS * 128], u8)
             Valid = T.alloc_shared([GROUPS * NST * CHUNK], i32)
             Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4], f32)
-            bars = T.alloc_barrier([CHUNK if bulk else 5 * CHUNK] * (GROUPS * NST))
+            bars = T.alloc_barrier([CHUNK] * (GROUPS * NST))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV8[0, 0]), rs16, n_rows,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
@@ -606,9 +545,8 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
 
 @functools.lru_cache(maxsize=64)
 def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, name: str = "mma"):
-    cvt, ablate, bulk = form(name)
     func = build_sparse_mla_fwd_mma656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, cvt=cvt, ablate=ablate, bulk=bulk)
+                                       has_topk_length=has_topk_length, ablate=form(name))
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 

@@ -255,7 +255,7 @@ def lowering_cases():
 
 
 VARIANTS = ("narrow656", "regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx",
-            "ring_er_f16", "mma", "mma_alu")  # this kernel, kernel_fwd_narrow656_dual's forms, kernel_fwd_mma656
+            "ring_er_f16", "mma")  # this kernel, kernel_fwd_narrow656_dual's forms, kernel_fwd_mma656
 
 
 def _variant_kernel(name: str, sm: float):
