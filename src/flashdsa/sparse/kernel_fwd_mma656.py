@@ -33,8 +33,10 @@ us per 64-row block, PERFORMANCE.md session 13).  Here no converted tile exists 
     grows (exact power-of-two ratio) and multiplied by sigma_t at the merge.  Rows whose tile scale is 2^14 below
     sigma_t lose low bits in f16, as in ``kernel_fwd_narrow656_dual``'s f16 form (module notes there).
 Numerics otherwise as the other kernels: fp32 accumulators and softmax state, exp2 with ``sm_scale * log2(e)``
-folded, a finite running-max start (-1e30), invalid rows never read (zeroed, score -inf), natural-log lse without the
-sink, empty rows -> out 0, lse +inf, max_logits -inf; ``inv = 1 / (l + 2^(sink log2 e - m c))``.
+folded, a finite running-max start (-1e30) -- the exp reference moves only when a max grows by more than 2^8 in the
+exp2 domain (so P <= 2^8; the true max is kept apart for max_logits) -- invalid rows never read (zeroed, score
+-inf), natural-log lse without the sink, empty rows -> out 0, lse +inf, max_logits -inf;
+``inv = 1 / (l + 2^(sink log2 e - m c))``.
 
 Shared memory: stages 4 x ``NST`` x 16 x 656 B (NST 4: 167,936 B; they hold the merge buffer at the end),
 Q' 16 KB (the bf16 output staging at the end), rope 2 KB, partial-S exchange 16 KB, flags and barriers.
@@ -132,6 +134,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   float *qf = misc;                 // [2][16]: 2^e per (dim half, head)
   float *mlx = misc + 32;           // [G][2][16]: each group's m and l per head
   float *smx = misc + 32 + G * 32;  // [G][4]: each group's final scale reference per tile
+  float *mtx = smx + G * 4;         // [G][16]: each group's true max score per head (max_logits)
   int lim = topk;
   if (HAS_TL) {
     lim = TopkLen[tok];
@@ -202,7 +205,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     for (int i = 0; i < 16; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[tt][i][e] = 0.f;
-  float m0 = -1e30f, m1 = -1e30f, l0 = 0.f, l1 = 0.f, sref0 = 0.f, sref1 = 0.f;
+  float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f, sref0 = 0.f, sref1 = 0.f;
   const float qf0 = qf[hh * 16 + r], qf1 = qf[hh * 16 + r + 8];
   int next_row = (nsteps > NST && lane < 8) ? slot_row(NST) : -1;
 
@@ -320,20 +323,22 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       S[j][2] = vd[j][0] ? pa.z + pb.z : -FDSA_M656_INF;
       S[j][3] = vd[j][1] ? pa.w + pb.w : -FDSA_M656_INF;
     }
-    // ---- online softmax (rows r, r + 8), identical in both warps
-    const float mn0 = fmaxf(m0, fdsa_m656_quad_max(fdsa_m656_max4(S[0][0], S[0][1], S[1][0], S[1][1])));
-    const float mn1 = fmaxf(m1, fdsa_m656_quad_max(fdsa_m656_max4(S[0][2], S[0][3], S[1][2], S[1][3])));
-    const float al0 = exp2f((m0 - mn0) * c), al1 = exp2f((m1 - mn1) * c);
-    m0 = mn0;
-    m1 = mn1;
-    float P[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) P[j][e] = exp2f(fmaf(S[j][e], c, -(e < 2 ? mn0 : mn1) * c));
-    l0 = l0 * al0 + ((P[0][0] + P[0][1]) + (P[1][0] + P[1][1]));
-    l1 = l1 * al1 + ((P[0][2] + P[0][3]) + (P[1][2] + P[1][3]));
-    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {
+    // ---- online softmax (rows r, r + 8), identical in both warps.  The exp reference m moves only when a chunk's
+    // max exceeds it by more than 2^8 in the exp2 domain (P <= 2^8: exact enough in f16 and fp32), so O is rescaled
+    // on few steps (every max change rescaled on most steps at H 16: 14% of the instructions, session 32's ncu);
+    // t keeps the true running max for max_logits
+    const float mx0 = fdsa_m656_quad_max(fdsa_m656_max4(S[0][0], S[0][1], S[1][0], S[1][1]));
+    const float mx1 = fdsa_m656_quad_max(fdsa_m656_max4(S[0][2], S[0][3], S[1][2], S[1][3]));
+    t0 = fmaxf(t0, mx0);
+    t1 = fmaxf(t1, mx1);
+    const bool up0 = (mx0 - m0) * c > 8.f, up1 = (mx1 - m1) * c > 8.f;
+    if (__any_sync(0xffffffffu, up0 || up1)) {
+      const float n0 = up0 ? mx0 : m0, n1 = up1 ? mx1 : m1;
+      const float al0 = exp2f((m0 - n0) * c), al1 = exp2f((m1 - n1) * c);
+      m0 = n0;
+      m1 = n1;
+      l0 *= al0;
+      l1 *= al1;
 #pragma unroll
       for (int tt = 0; tt < 2; ++tt)
 #pragma unroll
@@ -344,6 +349,13 @@ __device__ __forceinline__ void fdsa_m656_kernel(
           o[tt][i][3] *= al1;
         }
     }
+    float P[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) P[j][e] = exp2f(fmaf(S[j][e], c, -(e < 2 ? m0 : m1) * c));
+    l0 += (P[0][0] + P[0][1]) + (P[1][0] + P[1][1]);
+    l1 += (P[0][2] + P[0][3]) + (P[1][2] + P[1][3]);
     // ---- PV for each of the warp's tiles
 #pragma unroll
     for (int tt = 0; tt < ((ABL & 16) ? 0 : 2); ++tt) {
@@ -412,6 +424,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     mlx[g * 32 + r + 8] = m1;
     mlx[g * 32 + 16 + r] = l0;
     mlx[g * 32 + 16 + r + 8] = l1;
+    mtx[g * 16 + r] = t0;
+    mtx[g * 16 + r + 8] = t1;
   }
   if (lane == 0) {
     smx[g * 4 + 2 * hh] = sref0;
@@ -478,11 +492,14 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   for (int k = tid; k < H * 64; k += 256)  // 16-byte pieces of the real heads' rows
     reinterpret_cast<uint4 *>(out)[k] = reinterpret_cast<const uint4 *>(ob)[k];
   if (tid < H) {
-    float M = -1e30f, L = 0.f;
-    for (int gg = 0; gg < G; ++gg) M = fmaxf(M, mlx[gg * 32 + tid]);
+    float M = -1e30f, L = 0.f, Mt = -1e30f;
+    for (int gg = 0; gg < G; ++gg) {
+      M = fmaxf(M, mlx[gg * 32 + tid]);
+      Mt = fmaxf(Mt, mtx[gg * 16 + tid]);
+    }
     for (int gg = 0; gg < G; ++gg) L += mlx[gg * 32 + 16 + tid] * exp2f((mlx[gg * 32 + tid] - M) * c);
     Lse[static_cast<long long>(tok) * H + tid] = L > 0.f ? (log2f(L) + M * c) * 0.6931471805599453f : FDSA_M656_INF;
-    MaxLogits[static_cast<long long>(tok) * H + tid] = L > 0.f ? M * c * 0.6931471805599453f : -FDSA_M656_INF;
+    MaxLogits[static_cast<long long>(tok) * H + tid] = L > 0.f ? Mt * c * 0.6931471805599453f : -FDSA_M656_INF;
   }
 }
 """
@@ -532,7 +549,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
             Xch = T.alloc_shared([GROUPS * 2 * 512], f32)
             Qr = T.alloc_shared([MAX_HEADS * 128], u8)
             Valid = T.alloc_shared([GROUPS * NST * CHUNK], i32)
-            Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4], f32)
+            Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4 + GROUPS * 16], f32)
             bars = T.alloc_barrier([CHUNK] * (GROUPS * NST))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV8[0, 0]), rs16, n_rows,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
