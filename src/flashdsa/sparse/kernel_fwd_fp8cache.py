@@ -328,9 +328,9 @@ NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
 def few_head_form(n_tok: int, topk: int, kv_rows: int) -> str:
     """The form run at H <= 16 without an explicit choice: ``kernel_fwd_mma656`` ("mma") where the call reads each
     cache row at most once on average (``T * topk <= Tkv``: decode over a paged cache), else the two-warpgroup form
-    (``kernel_fwd_narrow656_dual.DEFAULT``).  Session 32 (H 16, topk 2048, ``--variants``): decode B 128 over 32768
-    rows per token 94.0 vs 99.8 us, B 512 over 8192 347.4 vs 359.9 us; prefill S 4096 over SKV 8192 (each row read
-    ~1000 times) 2.668 vs 2.547 ms."""
+    (``kernel_fwd_narrow656_dual.DEFAULT``).  Session 32 (H 16, topk 2048, ``--variants`` at d26deef): decode B 128
+    over 32768 rows per token 91.3 vs 100.0 us, B 512 over 8192 335.6 vs 361.8 us; prefill S 4096 over SKV 8192
+    (each row read ~1000 times) 2.564 vs 2.549 ms."""
     from .kernel_fwd_narrow656_dual import DEFAULT
 
     return "mma" if n_tok * topk <= kv_rows else DEFAULT

@@ -38,6 +38,17 @@ exp2 domain (so P <= 2^8; the true max is kept apart for max_logits) -- invalid 
 -inf), natural-log lse without the sink, empty rows -> out 0, lse +inf, max_logits -inf;
 ``inv = 1 / (l + 2^(sink log2 e - m c))``.
 
+Measured (H200, session 32, H 16, topk 2048, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``; JSONs
+``benchmarks/results/2026-12-03_h200_*_variants_session32_*.json``; docs/PERFORMANCE.md "Session 32"): decode B 128
+over 32768 rows per token 91.3 us against the dual form's 100.0 (decode suite row 0.0909 ms = 1.94 TB/s, 1.77
+before), B 512 335.6 vs 361.8 us, prefill S 4096 over SKV 8192 2.564 vs 2.549 ms (``kernel_fwd_fp8cache.
+few_head_form`` runs this kernel where rows are read about once).  Timing builds (ABL bits): without any QK or PV
+product the kernel still takes ~69 us at B 128 (the per-row bulk copies deliver ~20-25 GB/s per SM plus ~15 us per
+CTA outside the loop); the conversions cost ~5 us in all; rows by 16-byte ``cp.async`` pieces from the group's 64
+threads were slower (111.6 vs 94.8 us), and an integer-op e4m3 -> f16 conversion (prmt, shift, mask) too (100.7 vs
+94.0).  ncu (before the lazy reference): 1.81 issued IPC with 2 warps per scheduler, ~1,090 instructions per warp and
+16-key step, 14% of them O rescales, 13% F2FP (the conversions), 6% HMMA.
+
 Shared memory: stages 4 x ``NST`` x 16 x 656 B (NST 4: 167,936 B; they hold the merge buffer at the end),
 Q' 16 KB (the bf16 output staging at the end), rope 2 KB, partial-S exchange 16 KB, flags and barriers.
 The per-warp fragment work is an extern device function (``fdsa_m656_kernel``): TileLang's tile operators express

@@ -305,7 +305,12 @@ def reads_per_row(n_tok: int, heads: int, n_blocks: int, kv_rows: int) -> float:
     Dispatched at H 64 and Dqk 512 only: one CTA per token (at H 128 the two head-group CTAs read each row
     together: not measured with the policy; session 26 found the policy 5% slower on the dense decode's TMA
     loads); the Dqk 576 build (its rope-tile copies) raised "illegal instruction" on the H200 in session 31, as the
-    constant-policy form did at Dqk 576 in session 26, while every Dqk 512 build ran correct (GPU tests)."""
+    constant-policy form did at Dqk 576 in session 26, while every Dqk 512 build ran correct (GPU tests).  Session
+    32's SASS (cuobjdump on the GPU host) shows why, and it is not registers (the producer uses at most R35 under its
+    setmaxnreg 72): in the Dqk 576 build every hinted copy is ``LDGSTS ... [R+UR0+0x18000], desc[UR1]`` with UR0 /
+    UR1 never written in the kernel, where the Dqk 512 build has ``[R+imm], desc[UR6]`` with UR6:UR7 the policy
+    built by ``createpolicy``.  So ptxas 13.0 emits a descriptor register nothing sets; the visible difference is
+    the immediate offsets (up to 0x30000 at Dqk 576, below 0x10000 at Dqk 512), a likely trigger not yet tested."""
     return n_tok * (heads // BLOCK_H) * n_blocks * BLOCK_I / max(kv_rows, 1)
 
 
