@@ -219,6 +219,15 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f, sref0 = 0.f, sref1 = 0.f;
   const float qf0 = qf[hh * 16 + r], qf1 = qf[hh * 16 + r + 8];
   int next_row = (nsteps > NST && lane < 8) ? slot_row(NST) : -1;
+  // per-thread byte offsets (the loads below add compile-time displacements only; session 32's ncu counted ~280 of
+  // ~1,090 instructions per warp and step in recomputed index arithmetic): K / rope rows 8 j + r from byte 32 q of
+  // the warp's tiles, V rows 2 q (+1, +8, +9) from byte 16 r, scales of rows 2 q (+1, +8, +9); Q' unit
+  // 32 hh + 16 tt + 4 q + u2 of row r is at qoff + 256 tt, swizzled as ^ (u2 << 4) (fdsa_m656_qswz: the XOR only
+  // touches bits 4-5, which qoff leaves to it), the rope's unit 2 q + u2 at roff ^ (u2 << 4)
+  const int koff = r * ROW + 32 * q + 256 * hh, voff = 2 * q * ROW + 16 * r + 256 * hh;
+  const int soff = 2 * q * ROW + 512 + 8 * hh;
+  const unsigned qoff = static_cast<unsigned>(r * 1024 + (32 * hh + 4 * q) * 16) | (((q & 2) ^ (r & 1)) << 4);
+  const unsigned roff = static_cast<unsigned>(r * 128 + 32 * q) | ((r & 1) << 4);
 
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
@@ -227,8 +236,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     // ---- QK partial over this warp's tiles 2 hh, 2 hh + 1 (+ the rope for hh 0)
     float acc[2][2][4];
 #pragma unroll
-    for (int tt = 0; tt < 2; ++tt) {
-      const int t = 2 * hh + tt;
+    for (int tt = 0; tt < 2; ++tt) {  // tile 2 hh + tt
       if (ABL & 32) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[tt][e >> 2][e & 3] = 0.f;
@@ -237,7 +245,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       uint4 kw[2][2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const uint4 *kp = reinterpret_cast<const uint4 *>(sb + (8 * j + r) * ROW + 128 * t + 32 * q);
+        const uint4 *kp = reinterpret_cast<const uint4 *>(sb + koff + 8 * j * ROW + 128 * tt);
         kw[j][0] = kp[0];
         kw[j][1] = kp[1];
 #pragma unroll
@@ -246,11 +254,9 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       const unsigned *kwu = reinterpret_cast<const unsigned *>(kw);
 #pragma unroll
       for (int u2 = 0; u2 < 4; ++u2) {  // two k steps per 16-byte unit of Q'
-        const int u = 16 * t + 4 * q + u2;
-        const uint4 qa = (ABL & 4) ? kw[0][u2 & 1]
-                                   : *reinterpret_cast<const uint4 *>(qs + r * 1024 + fdsa_m656_qswz(r, u) * 16);
-        const uint4 qb = (ABL & 4) ? kw[1][u2 & 1]
-                                   : *reinterpret_cast<const uint4 *>(qs + (r + 8) * 1024 + fdsa_m656_qswz(r, u) * 16);
+        const unsigned char *qp = qs + ((qoff + 256 * tt) ^ (u2 << 4));
+        const uint4 qa = (ABL & 4) ? kw[0][u2 & 1] : *reinterpret_cast<const uint4 *>(qp);
+        const uint4 qb = (ABL & 4) ? kw[1][u2 & 1] : *reinterpret_cast<const uint4 *>(qp + 8 * 1024);
 #pragma unroll
         for (int s1 = 0; s1 < 2; ++s1) {
           const int s = 2 * u2 + s1;
@@ -269,15 +275,16 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       uint4 kr[2][2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const uint4 *kp = reinterpret_cast<const uint4 *>(sb + (8 * j + r) * ROW + 528 + 32 * q);
+        const uint4 *kp = reinterpret_cast<const uint4 *>(sb + koff + 8 * j * ROW + 528);  // hh 0: koff has no 256
         kr[j][0] = kp[0];
         kr[j][1] = kp[1];
       }
       const unsigned *kru = reinterpret_cast<const unsigned *>(kr);
 #pragma unroll
       for (int u2 = 0; u2 < 2; ++u2) {
-        const uint4 qa = *reinterpret_cast<const uint4 *>(qr + r * 128 + ((2 * q + u2) ^ (r & 1)) * 16);
-        const uint4 qb = *reinterpret_cast<const uint4 *>(qr + (r + 8) * 128 + ((2 * q + u2) ^ (r & 1)) * 16);
+        const unsigned char *rp = qr + (roff ^ (u2 << 4));
+        const uint4 qa = *reinterpret_cast<const uint4 *>(rp);
+        const uint4 qb = *reinterpret_cast<const uint4 *>(rp + 8 * 128);
 #pragma unroll
         for (int s1 = 0; s1 < 2; ++s1) {
           const int s = 2 * u2 + s1;
@@ -295,7 +302,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
         const int key = 8 * j + 2 * q + b;
-        sc[j][b] = *reinterpret_cast<const float2 *>(sb + key * ROW + 512 + 8 * hh);
+        sc[j][b] = *reinterpret_cast<const float2 *>(sb + soff + (8 * j + b) * ROW);
         vd[j][b] = valid[bi * 16 + key];
       }
     float part[2][4];
@@ -369,8 +376,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     l1 += (P[0][2] + P[0][3]) + (P[1][2] + P[1][3]);
     // ---- PV for each of the warp's tiles
 #pragma unroll
-    for (int tt = 0; tt < ((ABL & 16) ? 0 : 2); ++tt) {
-      const int t = 2 * hh + tt;
+    for (int tt = 0; tt < ((ABL & 16) ? 0 : 2); ++tt) {  // tile t = 2 hh + tt
       float cm = 0.f;
 #pragma unroll
       for (int j = 0; j < 2; ++j)
@@ -403,7 +409,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       uint4 vw[4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        vw[kk] = *reinterpret_cast<const uint4 *>(sb + ((kk >> 1) * 8 + 2 * q + (kk & 1)) * ROW + 128 * t + 16 * r);
+        vw[kk] = *reinterpret_cast<const uint4 *>(sb + voff + ((kk >> 1) * 8 + (kk & 1)) * ROW + 128 * tt);
       const unsigned *v0 = reinterpret_cast<const unsigned *>(&vw[0]), *v1 = reinterpret_cast<const unsigned *>(&vw[1]);
       const unsigned *v2 = reinterpret_cast<const unsigned *>(&vw[2]), *v3 = reinterpret_cast<const unsigned *>(&vw[3]);
 #pragma unroll
