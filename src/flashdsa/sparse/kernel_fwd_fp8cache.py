@@ -328,9 +328,10 @@ NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
 def few_head_form(n_tok: int, topk: int, kv_rows: int) -> str:
     """The form run at H <= 16 without an explicit choice: ``kernel_fwd_mma656`` ("mma") where the call reads each
     cache row at most once on average (``T * topk <= Tkv``: decode over a paged cache), else the two-warpgroup form
-    (``kernel_fwd_narrow656_dual.DEFAULT``).  Session 32 (H 16, topk 2048, ``--variants`` at d26deef): decode B 128
-    over 32768 rows per token 91.3 vs 100.0 us, B 512 over 8192 335.6 vs 361.8 us; prefill S 4096 over SKV 8192
-    (each row read ~1000 times) 2.564 vs 2.549 ms."""
+    (``kernel_fwd_narrow656_dual.DEFAULT``).  Session 32 (H 16, topk 2048, ``--variants`` at 16162f9): decode B 128
+    over 32768 rows per token 89.1 vs 99.8 us, B 512 over 8192 328.9 vs 361.3 us; prefill S 4096 over SKV 8192
+    (each row read ~1000 times) 2.511 vs 2.569 ms in that run (2.564 vs 2.549 one build earlier): too close to
+    move the prefill calls without more shapes measured."""
     from .kernel_fwd_narrow656_dual import DEFAULT
 
     return "mma" if n_tok * topk <= kv_rows else DEFAULT

@@ -40,8 +40,8 @@ exp2 domain (so P <= 2^8; the true max is kept apart for max_logits) -- invalid 
 
 Measured (H200, session 32, H 16, topk 2048, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``; JSONs
 ``benchmarks/results/2026-12-03_h200_*_variants_session32_*.json``; docs/PERFORMANCE.md "Session 32"): decode B 128
-over 32768 rows per token 91.3 us against the dual form's 100.0 (decode suite row 0.0909 ms = 1.94 TB/s, 1.77
-before), B 512 335.6 vs 361.8 us, prefill S 4096 over SKV 8192 2.564 vs 2.549 ms (``kernel_fwd_fp8cache.
+over 32768 rows per token 89.1 us against the dual form's 99.8 (decode suite row 0.0882 ms = 2.00 TB/s, 1.77
+before), B 512 328.9 vs 361.3 us, prefill S 4096 over SKV 8192 2.511 vs 2.569 ms (``kernel_fwd_fp8cache.
 few_head_form`` runs this kernel where rows are read about once).  Timing builds (ABL bits): without any QK or PV
 product the kernel still takes ~69 us at B 128 (the per-row bulk copies deliver ~20-25 GB/s per SM plus ~15 us per
 CTA outside the loop); the conversions cost ~5 us in all; rows by 16-byte ``cp.async`` pieces from the group's 64
