@@ -12,6 +12,7 @@ backward, fast and deterministic), decode / decode_bs16 (narrow dense decode, TM
 
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -185,20 +186,13 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig")}
 
 
-def _with_env(name, value, fn):
-    """fn() with $name = value (e.g. a kernel form switch read at dispatch time)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
+def sparse_cache656_mma():
+    """The 656-byte cache forward with H <= 16 on kernel_fwd_mma656 (the form switch read at dispatch time)."""
+    with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": "mma"}):
+        return sparse("cache656")
 
 
-TARGETS["sparse_cache656_mma"] = lambda: _with_env("FLASHDSA_NARROW_CACHE656", "mma", lambda: sparse("cache656"))
+TARGETS["sparse_cache656_mma"] = sparse_cache656_mma
 
 
 def main():
