@@ -85,6 +85,13 @@ __device__ __forceinline__ unsigned fdsa_m656_cvt(unsigned v) {  // the low two 
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
   return r;
 }
+// the high two e4m3 bytes of v -> f16x2, the half taken by the PTX unpack (ptxas may read it as a register half
+// instead of shifting first)
+__device__ __forceinline__ unsigned fdsa_m656_cvt_hi(unsigned v) {
+  unsigned r;
+  asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, hi;\n\t}" : "=r"(r) : "r"(v));
+  return r;
+}
 __device__ __forceinline__ unsigned fdsa_m656_pack(float lo, float hi) {  // f16x2 {lo, hi}
   unsigned r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -128,7 +135,8 @@ __device__ __forceinline__ int fdsa_m656_qswz(int h, int u) { return u ^ ((u >> 
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
-// 16 no PV at all, 32 no QK products at all
+// 16 no PV at all, 32 no QK products at all; correct timing forms: 64 session 32's per-step row-number loads,
+// 128 the high bytes shifted down before their conversion
 template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
@@ -156,11 +164,15 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   const int nsteps = nc > g ? (nc - g + G - 1) / G : 0;
 
   // step s of this group: chunk g + G s into stage s % NST; lanes 0-7 of each warp copy 8 of its 16 rows, one
-  // cp.async.bulk each (an invalid slot's row is zeroed instead: nothing read), after writing the row's flag
+  // cp.async.bulk each (an invalid slot's row is zeroed instead: nothing read), after writing the row's flag.
+  // The row numbers come in blocks of 4 steps, one load per lane (lane l: step 4 k + l / 8, row l % 8 of the
+  // warp's half), a block ahead of their use and handed to lanes 0-7 by a shuffle: a load per step issued one step
+  // ahead put an L2 / DRAM round trip on every step's refill (ABL 64 keeps that form for timing)
   auto slot_row = [&](int step) -> int {
     const int slot = (g + G * step) * 16 + hh * 8 + (lane & 7);
     return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
   };
+  auto block_rows = [&](int k) -> int { return slot_row(4 * k + (lane >> 3)); };
   auto issue = [&](int step, int row) {
     if (lane < 8) {
       const int k = hh * 8 + lane, bi = g * NST + step % NST;
@@ -170,7 +182,14 @@ __device__ __forceinline__ void fdsa_m656_kernel(
                     static_cast<char *>(bars_v) + bi * 8, ok);
     }
   };
-  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, lane < 8 ? slot_row(s) : -1);
+  static_assert(NST == 4, "the row blocks hold 4 steps: the prologue issues block 0");
+  int rows_cur = 0, rows_next = 0;
+  if (ABL & 64) {
+    for (int s = 0; s < NST && s < nsteps; ++s) issue(s, lane < 8 ? slot_row(s) : -1);
+  } else {
+    rows_cur = block_rows(0);
+    rows_next = block_rows(1);
+  }
 
   {  // Q' (f16, per-(half, head) power of two) and the bf16 rope into shared memory: 16 threads per head
     const int h = tid >> 4, p = tid & 15;
@@ -183,6 +202,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const uint4 *>(row + 32 * p)[i];
       rw = *reinterpret_cast<const uint2 *>(row + 512 + 4 * p);
     }
+    if (!(ABL & 64))  // block 0's copies go out while Q's loads are in flight
+      for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
     const unsigned *wu = reinterpret_cast<const unsigned *>(w);
     float mx = 0.f;
 #pragma unroll
@@ -218,8 +239,9 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[tt][i][e] = 0.f;
   float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f, sref0 = 0.f, sref1 = 0.f;
+  float sinv0 = 0.f, sinv1 = 0.f;
   const float qf0 = qf[hh * 16 + r], qf1 = qf[hh * 16 + r + 8];
-  int next_row = (nsteps > NST && lane < 8) ? slot_row(NST) : -1;
+  int next_row = ((ABL & 64) && nsteps > NST && lane < 8) ? slot_row(NST) : -1;
   // per-thread byte offsets (the loads below add compile-time displacements only; session 32's ncu counted ~280 of
   // ~1,090 instructions per warp and step in recomputed index arithmetic): K / rope rows 8 j + r from byte 32 q of
   // the warp's tiles, V rows 2 q (+1, +8, +9) from byte 16 r, scales of rows 2 q (+1, +8, +9); Q' unit
@@ -265,7 +287,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             const unsigned x = kwu[j * 8 + s];
-            const unsigned b0 = (ABL & 1) ? x : fdsa_m656_cvt(x), b1 = (ABL & 1) ? x >> 16 : fdsa_m656_cvt(x >> 16);
+            const unsigned b0 = (ABL & 1) ? x : fdsa_m656_cvt(x);
+            const unsigned b1 = (ABL & 1) ? x >> 16 : (ABL & 128) ? fdsa_m656_cvt(x >> 16) : fdsa_m656_cvt_hi(x);
             fdsa_m656_mma_f16(acc[tt][j], a, b0, b1);
           }
         }
@@ -326,8 +349,17 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     // the stage of step it - 1 is free (both warps are past its PV): refill it with step it + NST - 1
     // (issuing it after the PV instead measured slower: 95.5 vs 94.0 us, session 32)
     if (it >= 1 && it + NST - 1 < nsteps) {
-      issue(it + NST - 1, next_row);
-      next_row = (it + NST < nsteps && lane < 8) ? slot_row(it + NST) : -1;
+      const int st = it + NST - 1;
+      if (ABL & 64) {
+        issue(st, next_row);
+        next_row = (it + NST < nsteps && lane < 8) ? slot_row(it + NST) : -1;
+      } else {
+        if ((st & 3) == 0) {  // the first step of block st / 4: load block st / 4 + 1
+          rows_cur = rows_next;
+          rows_next = block_rows((st >> 2) + 1);
+        }
+        issue(st, __shfl_sync(0xffffffffu, rows_cur, 8 * (st & 3) + (lane & 7)));
+      }
     }
     float S[2][4];
 #pragma unroll
@@ -382,7 +414,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
         for (int b = 0; b < 2; ++b) cm = fmaxf(cm, vd[j][b] ? (tt ? sc[j][b].y : sc[j][b].x) : 0.f);
       cm = fdsa_m656_quad_max(cm);  // the chunk's largest scale of tile t (the same in every lane)
-      float &sref = tt ? sref1 : sref0;
+      float &sref = tt ? sref1 : sref0, &inv = tt ? sinv1 : sinv0;  // inv = 1 / sref (0 while sref is 0)
       if (cm > sref) {
         if (sref > 0.f) {
           const float ratio = sref / cm;
@@ -392,8 +424,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
             for (int e = 0; e < 4; ++e) o[tt][i][e] *= ratio;
         }
         sref = cm;
+        inv = 1.f / cm;
       }
-      const float inv = sref > 0.f ? 1.f / sref : 0.f;
       float pv[2][4];
 #pragma unroll
       for (int j = 0; j < 2; ++j)
@@ -422,7 +454,10 @@ __device__ __forceinline__ void fdsa_m656_kernel(
             fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, x >> 16, y >> 16);
           } else {
             fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb], a, fdsa_m656_cvt(x), fdsa_m656_cvt(y));
-            fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, fdsa_m656_cvt(x >> 16), fdsa_m656_cvt(y >> 16));
+            if (ABL & 128)
+              fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, fdsa_m656_cvt(x >> 16), fdsa_m656_cvt(y >> 16));
+            else
+              fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, fdsa_m656_cvt_hi(x), fdsa_m656_cvt_hi(y));
           }
         }
       }
