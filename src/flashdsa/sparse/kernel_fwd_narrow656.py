@@ -272,7 +272,7 @@ def _bench_variants(names, compile_only: bool = False):
     """Kernel times (``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants [NAME ...]``; ``--compile-only``
     fills the TileLang cache, one process per name runs them in parallel): three shapes at H 16, topk 2048 --
     decode with 128 and 512 tokens, each token its own 32768 / 8192 rows (2.75 GB of cache, rows from DRAM), and
-    prefill S 4096 over SKV 8192 shared rows (L2-resident) -- for this kernel and the two-warpgroup forms; max
+    prefill S 4096 / 256 over SKV 8192 shared rows (L2-resident) -- for this kernel and the two-warpgroup forms; max
     |out - out(narrow656)| and TB/s of unique cache rows touched.  Rows also go to ``$OUT/variants_narrow656.json``
     when ``$OUT`` is set."""
     import json
@@ -291,7 +291,8 @@ def _bench_variants(names, compile_only: bool = False):
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows_out = []
     for label, n_tok, tkv, per_token in (("decode_B128", 128, 32768, True), ("decode_B512", 512, 8192, True),
-                                         ("prefill_S4096", 4096, 8192, False)):
+                                         ("prefill_S4096", 4096, 8192, False),
+                                         ("prefill_S256", 256, 8192, False)):
         heads, topk = 16, 2048
         rows = n_tok * tkv if per_token else tkv
         kv8 = torch.empty(rows, ROW, dtype=torch.uint8, device="cuda")
