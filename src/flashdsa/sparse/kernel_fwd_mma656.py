@@ -130,13 +130,28 @@ __device__ __forceinline__ float fdsa_m656_quad_max(float x) {  // over the 4 la
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
-// 16-byte unit u of Q' row h (1 KiB rows of f16) after the swizzle that keeps the fragment loads conflict-free
-__device__ __forceinline__ int fdsa_m656_qswz(int h, int u) { return u ^ ((u >> 2) & 2) ^ (h & 1); }
+// One 656-byte row into the stage row at shared address dst, counted on the mbarrier at shared address bar; an
+// invalid row (ok 0) is zeroed instead (nothing read; its bytes convert to zeros).  No proxy fence before a copy:
+// the stage's earlier generic reads are ordered before it by the pair barrier (WAR, as CUTLASS's TMA pipelines);
+// only the zero fill's generic writes need one before a later copy into the same row (always by this thread).
+template <int FENCE_ALL>
+__device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, unsigned bar, int ok, void *dst_g) {
+  if (ok) {
+    if (FENCE_ALL) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(656) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 656, [%2];"
+                 :: "r"(dst), "l"(src), "r"(bar) : "memory");
+  } else {
+#pragma unroll
+    for (int k = 0; k < 41; ++k) reinterpret_cast<uint4 *>(dst_g)[k] = make_uint4(0u, 0u, 0u, 0u);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+  }
+}
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
-// 16 no PV at all, 32 no QK products at all; correct timing forms: 64 session 32's per-step row-number loads,
-// 128 the high bytes shifted down before their conversion
+// 16 no PV at all, 32 no QK products at all; 64 (correct, timing) a proxy fence before every row copy
 template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
@@ -173,23 +188,18 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
   };
   auto block_rows = [&](int k) -> int { return slot_row(4 * k + (lane >> 3)); };
+  const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
   auto issue = [&](int step, int row) {
     if (lane < 8) {
       const int k = hh * 8 + lane, bi = g * NST + step % NST;
       const int ok = row >= 0 && row < n_rows;
       valid[bi * 16 + k] = ok;
-      fdsa_bulk_row(stage + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs,
-                    static_cast<char *>(bars_v) + bi * 8, ok);
+      fdsa_m656_row<(ABL & 64) ? 1 : 0>(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
+                                        stage + (bi * 16 + k) * ROW);
     }
   };
   static_assert(NST == 4, "the row blocks hold 4 steps: the prologue issues block 0");
-  int rows_cur = 0, rows_next = 0;
-  if (ABL & 64) {
-    for (int s = 0; s < NST && s < nsteps; ++s) issue(s, lane < 8 ? slot_row(s) : -1);
-  } else {
-    rows_cur = block_rows(0);
-    rows_next = block_rows(1);
-  }
+  int rows_cur = block_rows(0), rows_next = block_rows(1);
 
   {  // Q' (f16, per-(half, head) power of two) and the bf16 rope into shared memory: 16 threads per head
     const int h = tid >> 4, p = tid & 15;
@@ -202,8 +212,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const uint4 *>(row + 32 * p)[i];
       rw = *reinterpret_cast<const uint2 *>(row + 512 + 4 * p);
     }
-    if (!(ABL & 64))  // block 0's copies go out while Q's loads are in flight
-      for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
+    // block 0's copies go out while Q's loads are in flight
+    for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
     const unsigned *wu = reinterpret_cast<const unsigned *>(w);
     float mx = 0.f;
 #pragma unroll
@@ -216,18 +226,22 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     const int sh = max(-120, min(120, 13 - ex));  // the head's largest * 2^sh in [2^13, 2^14)
     const float up = __uint_as_float(static_cast<unsigned>(sh + 127) << 23);
     if ((p & 7) == 0) qf[(p >> 3) * 16 + h] = __uint_as_float(static_cast<unsigned>(127 - sh) << 23);
+    // fragment-native layouts (one 16-byte load per lane and k step gives the m16n8k16 A fragment {a0, a1, a2, a3}
+    // in order: no register moves before the mma): Q' unit (t, s, lane) holds, for lane (r, q), heads r / r + 8,
+    // dims d, d + 1 (a0 / a1) and d + 2, d + 3 (a2 / a3) of d = 128 t + 32 q + 4 s -- the order the K fragments
+    // take from the raw rows; this thread holds dims [32 p, +32) of head h (t = p / 4, q = p % 4)
+    const int top = h >> 3;
+    unsigned *qw = reinterpret_cast<unsigned *>(qs + (((p >> 2) * 8) * 32 + 4 * (h & 7) + (p & 3)) * 16) + top;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      unsigned o[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const unsigned x = wu[4 * k + j];
-        o[j] = fdsa_m656_pack(__uint_as_float(x << 16) * up, __uint_as_float(x & 0xffff0000u) * up);
-      }
-      uint4 *dst = reinterpret_cast<uint4 *>(qs + h * 1024 + fdsa_m656_qswz(h, 4 * p + k) * 16);
-      *dst = make_uint4(o[0], o[1], o[2], o[3]);
+    for (int i = 0; i < 16; ++i) {  // f16 word i: dims 32 p + 2 i, + 1 (k step i / 2, low / high pair)
+      const unsigned x = wu[i];
+      qw[(i >> 1) * 128 + 2 * (i & 1)] =
+          fdsa_m656_pack(__uint_as_float(x << 16) * up, __uint_as_float(x & 0xffff0000u) * up);
     }
-    *reinterpret_cast<uint2 *>(qr + h * 128 + (((p >> 1) ^ (h & 1)) * 16) + (p & 1) * 8) = rw;
+    // the bf16 rope the same way: unit (s, lane) holds dims 16 q + 4 s (+1, +2, +3); this thread has dims [4 p, +4)
+    unsigned *rp = reinterpret_cast<unsigned *>(qr + ((p & 3) * 32 + 4 * (h & 7) + (p >> 2)) * 16) + top;
+    rp[0] = rw.x;
+    rp[2] = rw.y;
   }
   __syncthreads();
 
@@ -241,16 +255,13 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f, sref0 = 0.f, sref1 = 0.f;
   float sinv0 = 0.f, sinv1 = 0.f;
   const float qf0 = qf[hh * 16 + r], qf1 = qf[hh * 16 + r + 8];
-  int next_row = ((ABL & 64) && nsteps > NST && lane < 8) ? slot_row(NST) : -1;
   // per-thread byte offsets (the loads below add compile-time displacements only; session 32's ncu counted ~280 of
   // ~1,090 instructions per warp and step in recomputed index arithmetic): K / rope rows 8 j + r from byte 32 q of
-  // the warp's tiles, V rows 2 q (+1, +8, +9) from byte 16 r, scales of rows 2 q (+1, +8, +9); Q' unit
-  // 32 hh + 16 tt + 4 q + u2 of row r is at qoff + 256 tt, swizzled as ^ (u2 << 4) (fdsa_m656_qswz: the XOR only
-  // touches bits 4-5, which qoff leaves to it), the rope's unit 2 q + u2 at roff ^ (u2 << 4)
+  // the warp's tiles, V rows 2 q (+1, +8, +9) from byte 16 r, scales of rows 2 q (+1, +8, +9); the Q' fragment of
+  // tile 2 hh + tt and k step s at qoff + (8 tt + s) 512, the rope's of k step s at roff + 512 s
   const int koff = r * ROW + 32 * q + 256 * hh, voff = 2 * q * ROW + 16 * r + 256 * hh;
   const int soff = 2 * q * ROW + 512 + 8 * hh;
-  const unsigned qoff = static_cast<unsigned>(r * 1024 + (32 * hh + 4 * q) * 16) | (((q & 2) ^ (r & 1)) << 4);
-  const unsigned roff = static_cast<unsigned>(r * 128 + 32 * q) | ((r & 1) << 4);
+  const int qoff = hh * 8192 + lane * 16, roff = lane * 16;
 
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
@@ -276,21 +287,16 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       }
       const unsigned *kwu = reinterpret_cast<const unsigned *>(kw);
 #pragma unroll
-      for (int u2 = 0; u2 < 4; ++u2) {  // two k steps per 16-byte unit of Q'
-        const unsigned char *qp = qs + ((qoff + 256 * tt) ^ (u2 << 4));
-        const uint4 qa = (ABL & 4) ? kw[0][u2 & 1] : *reinterpret_cast<const uint4 *>(qp);
-        const uint4 qb = (ABL & 4) ? kw[1][u2 & 1] : *reinterpret_cast<const uint4 *>(qp + 8 * 1024);
+      for (int s = 0; s < 8; ++s) {  // k step s: the A fragment is one 16-byte load
+        const uint4 qa = (ABL & 4) ? kw[s & 1][(s >> 1) & 1]
+                                   : *reinterpret_cast<const uint4 *>(qs + qoff + (8 * tt + s) * 512);
+        const unsigned a[4] = {qa.x, qa.y, qa.z, qa.w};
 #pragma unroll
-        for (int s1 = 0; s1 < 2; ++s1) {
-          const int s = 2 * u2 + s1;
-          const unsigned a[4] = {s1 ? qa.z : qa.x, s1 ? qb.z : qb.x, s1 ? qa.w : qa.y, s1 ? qb.w : qb.y};
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const unsigned x = kwu[j * 8 + s];
-            const unsigned b0 = (ABL & 1) ? x : fdsa_m656_cvt(x);
-            const unsigned b1 = (ABL & 1) ? x >> 16 : (ABL & 128) ? fdsa_m656_cvt(x >> 16) : fdsa_m656_cvt_hi(x);
-            fdsa_m656_mma_f16(acc[tt][j], a, b0, b1);
-          }
+        for (int j = 0; j < 2; ++j) {
+          const unsigned x = kwu[j * 8 + s];
+          const unsigned b0 = (ABL & 1) ? x : fdsa_m656_cvt(x);
+          const unsigned b1 = (ABL & 1) ? x >> 16 : fdsa_m656_cvt_hi(x);
+          fdsa_m656_mma_f16(acc[tt][j], a, b0, b1);
         }
       }
     }
@@ -305,17 +311,11 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       }
       const unsigned *kru = reinterpret_cast<const unsigned *>(kr);
 #pragma unroll
-      for (int u2 = 0; u2 < 2; ++u2) {
-        const unsigned char *rp = qr + (roff ^ (u2 << 4));
-        const uint4 qa = *reinterpret_cast<const uint4 *>(rp);
-        const uint4 qb = *reinterpret_cast<const uint4 *>(rp + 8 * 128);
+      for (int s = 0; s < 4; ++s) {
+        const uint4 qa = *reinterpret_cast<const uint4 *>(qr + roff + s * 512);
+        const unsigned a[4] = {qa.x, qa.y, qa.z, qa.w};
 #pragma unroll
-        for (int s1 = 0; s1 < 2; ++s1) {
-          const int s = 2 * u2 + s1;
-          const unsigned a[4] = {s1 ? qa.z : qa.x, s1 ? qb.z : qb.x, s1 ? qa.w : qa.y, s1 ? qb.w : qb.y};
-#pragma unroll
-          for (int j = 0; j < 2; ++j) fdsa_m656_mma_bf16(accr[j], a, kru[j * 8 + 2 * s], kru[j * 8 + 2 * s + 1]);
-        }
+        for (int j = 0; j < 2; ++j) fdsa_m656_mma_bf16(accr[j], a, kru[j * 8 + 2 * s], kru[j * 8 + 2 * s + 1]);
       }
     }
     // the lane's S columns: keys 8 j + 2 q + b (j, b in {0, 1}); their tile scales and flags
@@ -350,16 +350,11 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     // (issuing it after the PV instead measured slower: 95.5 vs 94.0 us, session 32)
     if (it >= 1 && it + NST - 1 < nsteps) {
       const int st = it + NST - 1;
-      if (ABL & 64) {
-        issue(st, next_row);
-        next_row = (it + NST < nsteps && lane < 8) ? slot_row(it + NST) : -1;
-      } else {
-        if ((st & 3) == 0) {  // the first step of block st / 4: load block st / 4 + 1
-          rows_cur = rows_next;
-          rows_next = block_rows((st >> 2) + 1);
-        }
-        issue(st, __shfl_sync(0xffffffffu, rows_cur, 8 * (st & 3) + (lane & 7)));
+      if ((st & 3) == 0) {  // the first step of block st / 4: load block st / 4 + 1
+        rows_cur = rows_next;
+        rows_next = block_rows((st >> 2) + 1);
       }
+      issue(st, __shfl_sync(0xffffffffu, rows_cur, 8 * (st & 3) + (lane & 7)));
     }
     float S[2][4];
 #pragma unroll
@@ -454,10 +449,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
             fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, x >> 16, y >> 16);
           } else {
             fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb], a, fdsa_m656_cvt(x), fdsa_m656_cvt(y));
-            if (ABL & 128)
-              fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, fdsa_m656_cvt(x >> 16), fdsa_m656_cvt(y >> 16));
-            else
-              fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, fdsa_m656_cvt_hi(x), fdsa_m656_cvt_hi(y));
+            fdsa_m656_mma_f16(o[tt][4 * wi + 2 * hb + 1], a, fdsa_m656_cvt_hi(x), fdsa_m656_cvt_hi(y));
           }
         }
       }
