@@ -9,7 +9,7 @@ slower side), the same N calls timed to the end of the GPU work (us per call, ba
 time per call means the suite's figure for that case includes launch gaps.  ``--profile``: then 200 more calls
 under cProfile, the 30 functions with the most own time and the 40 with the most cumulative time (where the host
 time goes).  ``--plan``: dense decode cases also through ``mla_decode_plan`` (the plan made once, ``plan.run``
-timed).  ``--no-eager-plans``: the sparse forward's calls take the plain path (no plan looked up or stored), to compare
+timed).  ``--no-eager-plans``: the sparse forward's and sparse FP8 decode's calls take the plain path (no plan looked up or stored), to compare
 both on one host.
 """
 
@@ -75,7 +75,9 @@ if __name__ == "__main__":
     flags = [a for a in sys.argv[1:] if a.startswith("--")]
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if "--no-eager-plans" in flags:
+        from flashdsa.decode import api as decode_api
         from flashdsa.sparse import api as sparse_api
 
         sparse_api._plan_key = lambda *args: None
+        decode_api._plan_key = lambda *args: None
     main(args[0], args[1:], profile="--profile" in flags, plan="--plan" in flags)

@@ -114,3 +114,40 @@ def test_sparse_decode_fp8_cuda_graph_replay(H):
         ref_out, ref_lse = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), None, None, indices=idx,
                                                topk_length=tl, backend="reference")
         _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
+
+
+@pytest.mark.parametrize("H,s_q,sink", [(16, 1, False), (16, 2, True), (64, 1, True), (3, 2, False)])
+def test_sparse_decode_fp8_eager_plan(H, s_q, sink):
+    """The eager plan of a sparse FP8 decode signature (``decode.api._PLANS``): stored by the first call, replayed
+    by the next ones (new index values and lengths, outputs bitwise equal to the plain path's), and checked
+    against the reference; an environment switch of the kernel choice is part of the signature."""
+    from flashdsa.decode import api as decode_api
+
+    B, bs, topk = 6, 64, 512
+    lens = [4096, 140, 20, 0, 1000, 77]
+    q, kv, table, seqlens = _make(B, s_q, H, bs, lens, seed=5)
+    cache = flashdsa.quantize_kv_fp8(kv)
+    sink_t = torch.randn(H, device="cuda") if sink else None
+    n_slots = kv.shape[0] * bs
+    decode_api._PLANS._plans.clear()
+    for seed in (1, 2, 3):
+        idx = _sparse_indices(table, seqlens, bs, s_q, topk, seed=seed, n_slots=n_slots)
+        tl = torch.randint(0, topk + 1, (B,), device="cuda", dtype=torch.int32)
+        out, lse = flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, attn_sink=sink_t)
+        assert len(decode_api._PLANS) == 1
+        key = decode_api._plan_key(q, cache, None, None, None, 512, True, idx, tl, sink_t, "auto")
+        plain = decode_api._PLANS._plans.pop(key)  # the plain path once more, then the plan back
+        out2, lse2 = flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, attn_sink=sink_t)
+        decode_api._PLANS.put(key, plain)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        ref_out, ref_lse = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), None, None, indices=idx,
+                                               topk_length=tl, attn_sink=sink_t, backend="reference")
+        _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
+    if H <= 16:
+        import os
+        from unittest import mock
+
+        with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": "ring_er_f16"}):
+            out3, lse3 = flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, attn_sink=sink_t)
+        assert len(decode_api._PLANS) == 2
+        _check(out3, lse3, ref_out.to(torch.bfloat16), ref_lse.float())

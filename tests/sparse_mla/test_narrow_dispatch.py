@@ -74,22 +74,14 @@ def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, ex
     assert [_named(name, key) for name, key in record] == [expect]
 
 
-@pytest.mark.parametrize("n_tok,topk,kv_rows,expect", [
-    (128, 2048, 128 * 32768, "mma"), (512, 2048, 512 * 8192, "mma"),  # decode over a paged cache (session 32)
-    (4096, 2048, 8192, "ring_er_f16"), (3, 100, 299, "ring_er_f16"), (3, 100, 300, "mma"),  # rows reused / not
-])
-def test_few_head_form_rule(n_tok, topk, kv_rows, expect):
-    """H <= 16 over the 656-byte cache: the per-warp mma.sync kernel where each row is read at most once on
-    average, the two-warpgroup form where rows are reused (prefill)."""
-    assert kernel_fwd_fp8cache.few_head_form(n_tok, topk, kv_rows) == expect
-
-
-def test_cache656_few_head_prefill_picks_dual(record, monkeypatch):
+def test_cache656_few_head_prefill_picks_mma(record, monkeypatch):
+    """H <= 16 over the 656-byte cache: the per-warp mma.sync kernel also where rows are reused (prefill; session 33
+    measured it faster than the two-warpgroup form at S 256 and 4096 as well as in decode)."""
     monkeypatch.delenv(kernel_fwd_fp8cache.NARROW_ENV, raising=False)
     q = torch.zeros(30, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(1000, 656, dtype=torch.uint8)  # 30 x 100 slots over 1000 rows: reused
     kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, torch.zeros(30, 100, dtype=torch.int32), sm_scale=0.1, d_v=512)
-    assert [_named(n, k) for n, k in record] == ["narrow656_dual:ring_er_f16"]
+    assert [_named(n, k) for n, k in record] == ["mma656"]
 
 
 def test_cache656_mma_rejects_wide_heads(record):
@@ -110,8 +102,7 @@ def test_cache656_explicit_forms(record):
     idx = torch.zeros(3, 100, dtype=torch.int32)
     for narrow in (None, True, "regs", False):
         kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=narrow)
-    assert [_named(n, k) for n, k in record] == ["narrow656_dual:ring_er_f16", "narrow656", "narrow656_dual:regs",
-                                                  "padded656"]
+    assert [_named(n, k) for n, k in record] == ["mma656", "narrow656", "narrow656_dual:regs", "padded656"]
 
 
 @pytest.mark.parametrize("n_tok,heads,tkv,env,choice,expect", [

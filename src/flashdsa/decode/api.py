@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
 from .. import _dispatch
-from .._library import custom_op
+from .._library import _needs_dispatcher, custom_op
 from .._validate import check_float, check_same_device, check_tensor
 from ..quant import KV_DIM, KV_FP8_BYTES
 from . import _pair_path, reference
@@ -122,6 +123,71 @@ def _check_args(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, 
     return kv_cache, scale
 
 
+# ------------------------------------------------------------------------------------------- eager fast path
+_PLANS = _dispatch.PlanCache()
+
+
+class _Cache656Plan:
+    """The kernel launch one sparse-decode call signature over the 656-byte cache was validated and dispatched to
+    (``_dispatch.PlanCache``, as ``sparse_mla_fwd``'s plans): views, three outputs, one launch."""
+
+    __slots__ = ("launch", "B", "s_q", "H", "rows", "topk", "d_v", "tl_dummy", "sink_dummy")
+
+    def __call__(self, q, kv_cache, indices, topk_length, attn_sink):
+        _dispatch.record_choice("mla_decode", "kernel")
+        B, s_q, H, n = self.B, self.s_q, self.H, self.B * self.s_q
+        if topk_length is None:
+            tl = self.tl_dummy
+        else:  # one length per request, for each of its s_q query tokens
+            tl = topk_length if s_q == 1 else topk_length.view(B, 1).expand(B, s_q).reshape(n)
+        out = torch.empty((n, H, self.d_v), dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty((n, H), dtype=torch.float32, device=q.device)
+        mx = torch.empty((n, H), dtype=torch.float32, device=q.device)
+        self.launch(q.view(n, H, KV_DIM), kv_cache.view(self.rows, KV_FP8_BYTES), indices.view(n, self.topk), tl,
+                    self.sink_dummy if attn_sink is None else attn_sink, out, lse, mx)
+        return out.view(B, s_q, H, self.d_v), lse.view(B, s_q, H)
+
+
+def _plan_key(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, topk_length, attn_sink,
+              backend):
+    """The call signature of a sparse decode over the 656-byte cache (the only form with plans), else None (also
+    where the PyTorch dispatcher must run).  The environment switches the kernel choice reads are part of it."""
+    if not (isinstance(indices, torch.Tensor) and isinstance(q, torch.Tensor) and isinstance(kv_cache, torch.Tensor)
+            and kv_cache.dtype == torch.uint8 and q.device.type == "cuda"):
+        return None
+    if _needs_dispatcher((q, kv_cache, indices, topk_length, attn_sink)):
+        return None
+    from ..sparse import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair_cache
+
+    env = tuple(os.environ.get(v) for v in (kernel_fwd_fp8cache.NARROW_ENV, kernel_fwd_pair_cache.STAGING_ENV,
+                                            kernel_dequant656.DEQUANT_ONCE_ENV))
+    return _dispatch.call_signature("mla_decode_cache656", q, kv_cache, block_table, cache_seqlens, indices,
+                                    topk_length, attn_sink, sm_scale, d_v, causal, backend, env)
+
+
+def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v) -> None:
+    """After the plain path ran a call on the kernel: store its launch under ``key`` where the call can be replayed
+    as views of its inputs (all contiguous, a non-empty cache) and is one launch (not the whole-cache copy)."""
+    if key is None or _dispatch.last_choice("mla_decode") != "kernel" or kv_cache.numel() == 0:
+        return
+    if not all(t is None or t.is_contiguous() for t in (q, kv_cache, indices, topk_length, attn_sink)):
+        return
+    from .._tilelang import dummy
+
+    B, s_q, H, _ = q.shape
+    n, topk, rows = B * s_q, indices.shape[-1], kv_cache.shape[0] * kv_cache.shape[1]
+    tl = None if topk_length is None else torch.empty(n, dtype=torch.int32, device=q.device)
+    launch = _dispatch.kernel_module("sparse_mla_fwd_cache656").launcher(
+        q.view(n, H, KV_DIM), kv_cache.view(rows, KV_FP8_BYTES), indices.view(n, topk), sm_scale=sm_scale, d_v=d_v,
+        topk_length=tl, attn_sink=attn_sink)
+    if launch is None:
+        return
+    plan = _Cache656Plan()
+    plan.launch, plan.B, plan.s_q, plan.H, plan.rows, plan.topk, plan.d_v = launch, B, s_q, H, rows, topk, d_v
+    plan.tl_dummy, plan.sink_dummy = dummy(torch.int32, q.device), dummy(torch.float32, q.device)
+    _PLANS.put(key, plan)
+
+
 def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=512, causal=True, indices=None,
                topk_length=None, attn_sink=None, backend="auto"):
     """MLA decode: a few new query tokens per sequence attend a paged latent KV cache (MQA), dense or sparse.
@@ -167,8 +233,15 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
         >>> out.shape, float(lse[1, 0, 0])
         (torch.Size([2, 1, 4, 512]), inf)
     """
+    key = _plan_key(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, topk_length, attn_sink,
+                    backend)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is not None:
+        return plan(q, kv_cache, indices, topk_length, attn_sink)
     kv_cache, scale = _check_args(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices,
                                   topk_length, attn_sink, backend)
     sparse = indices is not None
-    return _decode_op(q, kv_cache, block_table if not sparse else None, cache_seqlens if not sparse else None, scale,
-                      d_v, causal, indices, topk_length, attn_sink, backend)
+    result = _decode_op(q, kv_cache, block_table if not sparse else None, cache_seqlens if not sparse else None,
+                        scale, d_v, causal, indices, topk_length, attn_sink, backend)
+    _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, scale, d_v)
+    return result

@@ -320,21 +320,64 @@ def cache_chunks(kv):
 
 
 # "0": H <= 32 runs this module's 64-head kernel; "1" / "narrow656": kernel_fwd_narrow656 up to H 32; a name in
-# kernel_fwd_narrow656_dual.PREFETCH or "mma" (kernel_fwd_mma656): that form at H <= 16; unset: few_head_form at
+# kernel_fwd_narrow656_dual.PREFETCH or "mma" (kernel_fwd_mma656): that form at H <= 16; unset: FEW_HEAD_FORM at
 # H <= 16, narrow656 at 17..32
 NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
+# The form run at H <= 16 without an explicit choice: kernel_fwd_mma656's per-warp mma.sync chains, faster than the
+# two-warpgroup form on every shape measured (session 33, H 16, topk 2048, d569f0e: decode B 128 75.2 vs 98.9 us,
+# B 512 273.4 vs 361.1 us, prefill S 4096 over SKV 8192 2.075 vs 2.570 ms, S 256 136.8 vs 166.4 us)
+FEW_HEAD_FORM = "mma"
 
 
-def few_head_form(n_tok: int, topk: int, kv_rows: int) -> str:
-    """The form run at H <= 16 without an explicit choice: ``kernel_fwd_mma656`` ("mma") where the call reads each
-    cache row at most once on average (``T * topk <= Tkv``: decode over a paged cache), else the two-warpgroup form
-    (``kernel_fwd_narrow656_dual.DEFAULT``).  Session 32 (H 16, topk 2048, ``--variants`` at 16162f9): decode B 128
-    over 32768 rows per token 89.1 vs 99.8 us, B 512 over 8192 328.9 vs 361.3 us; prefill S 4096 over SKV 8192
-    (each row read ~1000 times) 2.511 vs 2.569 ms in that run (2.564 vs 2.549 one build earlier): too close to
-    move the prefill calls without more shapes measured."""
-    from .kernel_fwd_narrow656_dual import DEFAULT
+def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
+             narrow: bool | str | None = None, pair: bool | None = None, narrow_stages: int | None = None,
+             dequant_once: bool | None = None):
+    """The one kernel launch ``run_sparse_mla_fwd`` makes for these accepted arguments (T > 0, Tkv > 0), as a
+    callable ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)`` (q and indices
+    contiguous); None where the call takes the whole-cache bf16 copy (``dequant_once``: two launches).  What
+    ``mla_decode``'s eager plans store per call signature.  Arguments: as ``run_sparse_mla_fwd``."""
+    from . import (kernel_dequant656, kernel_fwd_mma656, kernel_fwd_narrow656, kernel_fwd_narrow656_dual,
+                   kernel_fwd_pair_cache)
 
-    return "mma" if n_tok * topk <= kv_rows else DEFAULT
+    heads = q.shape[1]
+    has_sink, has_tl = attn_sink is not None, topk_length is not None
+    n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
+    if pair is None:
+        pair = q.dim() == 3 and heads in kernel_fwd_pair_cache.SUPPORTED_H and not narrow
+    if pair:
+        if kernel_dequant656.use_dequant_once(q.shape[0], indices.shape[-1], heads, kv.shape[0], dequant_once):
+            return None
+        return kernel_fwd_pair_cache.launcher(heads, n_blocks, float(sm_scale), has_sink, has_tl)
+    if narrow is None:
+        env = os.environ.get(NARROW_ENV, "")
+        narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
+        if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
+            known = env in kernel_fwd_narrow656_dual.PREFETCH or env.startswith("mma")  # "mma_a<N>": timing builds
+            narrow = env if known else FEW_HEAD_FORM
+    if isinstance(narrow, str) and narrow.startswith("mma"):  # per-warp mma.sync chains (H <= 16)
+        if heads > kernel_fwd_mma656.MAX_HEADS:
+            raise ValueError(f"narrow: the 'mma' form takes H <= {kernel_fwd_mma656.MAX_HEADS}, got H={heads}")
+        kernel = kernel_fwd_mma656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
+    elif narrow in kernel_fwd_narrow656_dual.PREFETCH:  # the two-warpgroup forms (H <= 16)
+        if heads > kernel_fwd_narrow656_dual.MAX_HEADS:
+            raise ValueError(f"narrow: the {narrow!r} form takes H <= {kernel_fwd_narrow656_dual.MAX_HEADS}, "
+                             f"got H={heads}")
+        kernel = kernel_fwd_narrow656_dual.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
+    elif narrow:
+        kernel = kernel_fwd_narrow656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow_stages)
+    else:
+        kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
+    run = direct_launcher(kernel)
+    aligned_q = isinstance(narrow, str) and narrow.startswith("mma")  # its Q loads are 16-byte vectors
+
+    def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
+        if aligned_q and q.data_ptr() % CHUNK != 0:
+            q = q.clone()
+        chunks = cache_chunks(kv)
+        run(q, chunks.view(torch.float8_e4m3fn), chunks.view(torch.float32), chunks.view(torch.bfloat16), _rs16(kv),
+            kv.shape[0], indices, tl_arg, sink_arg, out, lse, max_logits)
+
+    return launch
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
@@ -349,67 +392,33 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
     ``narrow_stages``: its raw stage count, None = its default; ``narrow`` = a name in
     ``kernel_fwd_narrow656_dual.PREFETCH``: that two-warpgroup form, H <= 16; "mma": ``kernel_fwd_mma656``'s
-    per-warp ``mma.sync`` chains, H <= 16); None: ``few_head_form`` at H <= 16 and narrow656 at H 17..32, unless
+    per-warp ``mma.sync`` chains, H <= 16); None: ``FEW_HEAD_FORM`` at H <= 16 and narrow656 at H 17..32, unless
     ``$FLASHDSA_NARROW_CACHE656`` says otherwise (``NARROW_ENV``).
     Otherwise this module's pipelined kernel (heads padded to 64).
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
-    from . import (kernel_dequant656, kernel_fwd_mma656, kernel_fwd_narrow656, kernel_fwd_narrow656_dual,
-                   kernel_fwd_pair, kernel_fwd_pair_cache)
+    from . import kernel_dequant656, kernel_fwd_pair, kernel_fwd_pair_cache
 
     if pair is None:
         pair = q.dim() == 3 and q.shape[1] in kernel_fwd_pair_cache.SUPPORTED_H and not narrow
+    if not checked:
+        check = kernel_fwd_pair_cache.kernel_unsupported if pair else kernel_unsupported
+        reason = check(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
+        if reason is not None:
+            raise ValueError(f"sparse_mla fwd {'pair ' if pair else ''}fp8-cache kernel: {reason}")
     if pair and kernel_dequant656.use_dequant_once(q.shape[0], indices.shape[-1], q.shape[1], kv.shape[0],
                                                    dequant_once):
-        if not checked:
-            reason = kernel_fwd_pair_cache.kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length,
-                                                              attn_sink=attn_sink)
-            if reason is not None:
-                raise ValueError(f"sparse_mla fwd pair fp8-cache kernel: {reason}")
         return kernel_fwd_pair.run_sparse_mla_fwd(q, kernel_dequant656.dequantize_cache(kv), indices,
                                                   sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
                                                   attn_sink=attn_sink, checked=True)
-    if pair:
-        return kernel_fwd_pair_cache.run_sparse_mla_fwd(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
-                                                        topk_length=topk_length, attn_sink=attn_sink,
-                                                        checked=checked)
-
-    if not checked:
-        reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
-        if reason is not None:
-            raise ValueError(f"sparse_mla fwd fp8-cache kernel: {reason}")
     (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
     if done:
         return out, lse, max_logits
-    heads = q.shape[1]
     q = q.contiguous()
     indices = indices.contiguous()
-    chunks = cache_chunks(kv)
-    kv8 = chunks.view(torch.float8_e4m3fn)
-    kvf = chunks.view(torch.float32)
-    kvb = chunks.view(torch.bfloat16)
-    has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    if narrow is None:
-        env = os.environ.get(NARROW_ENV, "")
-        narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
-        if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
-            forms = kernel_fwd_narrow656_dual.PREFETCH + ("mma",)
-            narrow = env if env in forms else few_head_form(q.shape[0], indices.shape[1], kv.shape[0])
-    if isinstance(narrow, str) and narrow.startswith("mma"):  # per-warp mma.sync chains (H <= 16)
-        if heads > kernel_fwd_mma656.MAX_HEADS:
-            raise ValueError(f"narrow: the 'mma' form takes H <= {kernel_fwd_mma656.MAX_HEADS}, got H={heads}")
-        if q.data_ptr() % CHUNK != 0:  # its Q loads are 16-byte vectors
-            q = q.clone()
-        kernel = kernel_fwd_mma656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
-    elif narrow in kernel_fwd_narrow656_dual.PREFETCH:  # the two-warpgroup forms (H <= 16)
-        if heads > kernel_fwd_narrow656_dual.MAX_HEADS:
-            raise ValueError(f"narrow: the {narrow!r} form takes H <= {kernel_fwd_narrow656_dual.MAX_HEADS}, "
-                             f"got H={heads}")
-        kernel = kernel_fwd_narrow656_dual.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
-    elif narrow:
-        kernel = kernel_fwd_narrow656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow_stages)
-    else:
-        kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
-    direct_launcher(kernel)(q, kv8, kvf, kvb, _rs16(kv), kv.shape[0], indices, tl_arg, sink_arg, out, lse, max_logits)
+    launch = launcher(q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink,
+                      narrow=narrow, pair=pair, narrow_stages=narrow_stages, dequant_once=False)
+    _, _, tl_arg, sink_arg, _ = tc.optional_args(indices, topk_length, attn_sink, q.device)
+    launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 
 

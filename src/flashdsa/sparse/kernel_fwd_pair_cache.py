@@ -472,6 +472,25 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
     return reason
 
 
+def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
+             overlap_qk: bool = True, staging: str | None = None):
+    """This kernel's launch as ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)``
+    (q and indices contiguous; ``kernel_fwd_fp8cache.launcher``'s form).  ``staging``: None reads
+    ``$FLASHDSA_PAIR_CACHE_STAGING`` (``STAGING_ENV``) now."""
+    staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
+    if staging not in STAGINGS:
+        raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
+    run = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate, overlap_qk,
+                                    staging))
+
+    def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
+        chunks = fc.cache_chunks(kv)
+        run(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0], indices, tl_arg,
+            sink_arg, out, lse, max_logits)
+
+    return launch
+
+
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
                        checked: bool = False, ablate: str = "", overlap_qk: bool = True, staging: str | None = None):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
@@ -485,14 +504,9 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         return out, lse, max_logits
     q = q.contiguous()
     indices = indices.contiguous()
-    chunks = fc.cache_chunks(kv)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
-    if staging not in STAGINGS:
-        raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
-    kernel = _compiled(q.shape[1], n_blocks, float(sm_scale), has_sink, has_tl, ablate, overlap_qk, staging)
-    direct_launcher(kernel)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0],
-                            indices, tl_arg, sink_arg, out, lse, max_logits)
+    launch = launcher(q.shape[1], n_blocks, sm_scale, has_sink, has_tl, ablate, overlap_qk, staging)
+    launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 
 
