@@ -47,7 +47,6 @@ CASES += [c + ("ring16_er",) for c in _DUAL[1:3]]
 CASES += [c + ("mma",) for c in _DUAL]
 CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "mma"), (3, 8192, 2048, 7, True, True, "strided", 656, "mma"),
           (16, 8192, 2048, 20, False, False, "contig", 688, "mma"), (16, 64, 16, 5, True, False, "contig", 656, "mma")]
-CASES += [c[:8] + ("mma_a256",) for c in CASES if c[8] == "mma"]  # the producer-warp build
 CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "ring16"),
           (16, 8192, 2048, 20, False, False, "contig", 688, "ring16")]
 

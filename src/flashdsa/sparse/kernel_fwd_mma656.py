@@ -71,8 +71,7 @@ MAX_HEADS = 16
 GROUPS = 4  # key groups (pairs of warps)
 NST = 4  # raw stages of 16 rows per group
 CHUNK = 16  # keys per step
-THREADS = 256  # the 8 consumer warps; the PROD form adds a producer warpgroup (one working warp)
-PRODUCER = 256  # form bit: "mma_a256" builds the PROD form
+THREADS = 256
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads; no wgmma)
 
 _SRC = _NARROW_SRC + tc.FAST_EXP2_PRELUDE + f"""
@@ -124,14 +123,6 @@ __device__ __forceinline__ void fdsa_m656_wait(unsigned bar, unsigned parity) {
                "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra WAIT;\n\t}\n"
                :: "r"(bar), "r"(parity) : "memory");
 }
-// the CTA-wide barrier of the kernel's working threads: all 256 (8 consumer warps), or those + the producer warp
-template <int PROD>
-__device__ __forceinline__ void fdsa_m656_sync() {
-  if (PROD)
-    asm volatile("bar.sync 1, 288;" ::: "memory");
-  else
-    __syncthreads();
-}
 __device__ __forceinline__ float fdsa_m656_max4(float a, float b, float c, float d) {
   return fmaxf(fmaxf(a, b), fmaxf(c, d));
 }
@@ -143,10 +134,8 @@ __device__ __forceinline__ float fdsa_m656_quad_max(float x) {  // over the 4 la
 // invalid row (ok 0) is zeroed instead (nothing read; its bytes convert to zeros).  No proxy fence before a copy:
 // the stage's earlier generic reads are ordered before it by the pair barrier (WAR, as CUTLASS's TMA pipelines);
 // only the zero fill's generic writes need one before a later copy into the same row (always by this thread).
-template <int FENCE_ALL>
 __device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, unsigned bar, int ok, void *dst_g) {
   if (ok) {
-    if (FENCE_ALL) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(656) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 656, [%2];"
                  :: "r"(dst), "l"(src), "r"(bar) : "memory");
@@ -160,13 +149,12 @@ __device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, uns
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
-// 16 no PV at all, 32 no QK products at all; 64 (correct, timing) a proxy fence before every row copy.
-// PROD: a ninth warp issues every row copy (fdsa_m656_producer); the pairs only release their stages.
-template <int H, int HAS_SINK, int HAS_TL, int ABL = 0, int PROD = 0>
+// 16 no PV at all, 32 no QK products at all
+template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
-    float *xch, int *valid, float *misc, void *bars_v, void *empty_v, int tok, float c) {
+    float *xch, int *valid, float *misc, void *bars_v, int tok, float c) {
   constexpr int G = FDSA_M656_G, NST = FDSA_M656_NST, ROW = FDSA_M656_ROW;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = warp >> 1, hh = warp & 1, r = lane >> 2, q = lane & 3;
@@ -192,7 +180,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   // cp.async.bulk each (an invalid slot's row is zeroed instead: nothing read), after writing the row's flag.
   // The row numbers come in blocks of 4 steps, one load per lane (lane l: step 4 k + l / 8, row l % 8 of the
   // warp's half), a block ahead of their use and handed to lanes 0-7 by a shuffle: a load per step issued one step
-  // ahead put an L2 / DRAM round trip on every step's refill (ABL 64 keeps that form for timing)
+  // ahead put an L2 / DRAM round trip on every step's refill (session 33: 82.9 -> 79.2 us at B 128)
   auto slot_row = [&](int step) -> int {
     const int slot = (g + G * step) * 16 + hh * 8 + (lane & 7);
     return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
@@ -204,13 +192,12 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       const int k = hh * 8 + lane, bi = g * NST + step % NST;
       const int ok = row >= 0 && row < n_rows;
       valid[bi * 16 + k] = ok;
-      fdsa_m656_row<(ABL & 64) ? 1 : 0>(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
-                                        stage + (bi * 16 + k) * ROW);
+      fdsa_m656_row(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
+                    stage + (bi * 16 + k) * ROW);
     }
   };
   static_assert(NST == 4, "the row blocks hold 4 steps: the prologue issues block 0");
-  int rows_cur = PROD ? 0 : block_rows(0), rows_next = PROD ? 0 : block_rows(1);
-  const unsigned empties = static_cast<unsigned>(__cvta_generic_to_shared(empty_v));
+  int rows_cur = block_rows(0), rows_next = block_rows(1);
 
   {  // Q' (f16, per-(half, head) power of two) and the bf16 rope into shared memory: 16 threads per head
     const int h = tid >> 4, p = tid & 15;
@@ -224,8 +211,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       rw = *reinterpret_cast<const uint2 *>(row + 512 + 4 * p);
     }
     // block 0's copies go out while Q's loads are in flight
-    if (!PROD)
-      for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
+    for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
     const unsigned *wu = reinterpret_cast<const unsigned *>(w);
     float mx = 0.f;
 #pragma unroll
@@ -255,7 +241,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     rp[0] = rw.x;
     rp[2] = rw.y;
   }
-  fdsa_m656_sync<PROD>();
+  __syncthreads();
 
   float o[2][16][4];
 #pragma unroll
@@ -360,7 +346,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     if (!(ABL & 8)) asm volatile("bar.sync %0, 64;" :: "r"(8 + g) : "memory");
     // the stage of step it - 1 is free (both warps are past its PV): refill it with step it + NST - 1
     // (issuing it after the PV instead measured slower: 95.5 vs 94.0 us, session 32)
-    if (!PROD && it >= 1 && it + NST - 1 < nsteps) {
+    if (it >= 1 && it + NST - 1 < nsteps) {
       const int st = it + NST - 1;
       if ((st & 3) == 0) {  // the first step of block st / 4: load block st / 4 + 1
         rows_cur = rows_next;
@@ -466,10 +452,6 @@ __device__ __forceinline__ void fdsa_m656_kernel(
         }
       }
     }
-    if (PROD) {  // this warp's reads of the stage are done (its registers hold them): release it to the producer
-      __syncwarp();
-      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(empties + bi * 8) : "memory");
-    }
   }
 
   // ---- merge the four groups
@@ -489,7 +471,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     smx[g * 4 + 2 * hh] = sref0;
     smx[g * 4 + 2 * hh + 1] = sref1;
   }
-  fdsa_m656_sync<PROD>();  // every group is done: no copy in flight, the stages hold the merge buffer now
+  __syncthreads();  // every group is done: no copy in flight, the stages hold the merge buffer now
   float *mrg = reinterpret_cast<float *>(stage);  // [g][hh][fragment 0..31][lane][4]
 #pragma unroll
   for (int tt = 0; tt < 2; ++tt)
@@ -497,7 +479,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     for (int i = 0; i < 16; ++i)
       *reinterpret_cast<float4 *>(mrg + (((g * 2 + hh) * 32 + tt * 16 + i) * 32 + lane) * 4) =
           make_float4(o[tt][i][0], o[tt][i][1], o[tt][i][2], o[tt][i][3]);
-  fdsa_m656_sync<PROD>();
+  __syncthreads();
   float wgt[G][2], inv0, inv1;
   {
     float M0 = -1e30f, M1 = -1e30f;
@@ -545,7 +527,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       ob[(r + 8) * 512 + d1] = fdsa_m656_bf16(sum.w * inv1);
     }
   }
-  fdsa_m656_sync<PROD>();
+  __syncthreads();
   unsigned short *out = static_cast<unsigned short *>(Outv) + static_cast<long long>(tok) * H * 512;
   for (int k = tid; k < H * 64; k += 256)  // 16-byte pieces of the real heads' rows
     reinterpret_cast<uint4 *>(out)[k] = reinterpret_cast<const uint4 *>(ob)[k];
@@ -559,83 +541,6 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     Lse[static_cast<long long>(tok) * H + tid] = L > 0.f ? (log2f(L) + M * c) * 0.6931471805599453f : FDSA_M656_INF;
     MaxLogits[static_cast<long long>(tok) * H + tid] = L > 0.f ? Mt * c * 0.6931471805599453f : -FDSA_M656_INF;
   }
-}
-
-// The producer warp of the PROD form (warp 8; warps 9-11, the rest of its warpgroup, only give their registers
-// back): every row copy of the four groups.  Round rd issues step rd of each group (16
-// rows each, lanes 0-15, one cp.async.bulk per row; an invalid slot's row zeroed and flagged instead) once both
-// warps of the group released that stage (its empty barrier); the 64 row numbers of a round are one coalesced load
-// (two per lane), a round ahead.  It takes part in the consumers' four CTA barriers (after the first NST rounds,
-// the prologue's; then the three of the merge).
-template <int HAS_TL>
-__device__ __forceinline__ void fdsa_m656_producer(const void *KVv, int rs16, int n_rows, const int *Indices, int topk,
-                                                   const int *TopkLen, void *stage_v, int *valid, void *bars_v,
-                                                   void *empty_v, int tok) {
-  constexpr int G = FDSA_M656_G, NST = FDSA_M656_NST, ROW = FDSA_M656_ROW;
-  const int lane = threadIdx.x & 31;
-  unsigned char *stage = static_cast<unsigned char *>(stage_v);
-  const unsigned char *kv = static_cast<const unsigned char *>(KVv);
-  const long long rs = static_cast<long long>(rs16) * 16;
-  const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
-  const unsigned bars = static_cast<unsigned>(__cvta_generic_to_shared(bars_v));
-  const unsigned empties = static_cast<unsigned>(__cvta_generic_to_shared(empty_v));
-  int lim = topk;
-  if (HAS_TL) {
-    lim = TopkLen[tok];
-    lim = lim < 0 ? 0 : (lim > topk ? topk : lim);
-  }
-  const int nc = (lim + 15) >> 4;
-  const int rounds = nc > 0 ? (nc + G - 1) / G : 0;  // group 0's step count, the largest
-  auto slot_row = [&](int rd, int half) -> int {  // slot 64 rd + 32 half + lane: chunk 4 rd + 2 half + lane / 16
-    const int slot = 64 * rd + 32 * half + lane;
-    return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
-  };
-  int cur0 = slot_row(0, 0), cur1 = slot_row(0, 1), nxt0 = slot_row(1, 0), nxt1 = slot_row(1, 1);
-  for (int rd = 0; rd < rounds; ++rd) {
-    if (rd == NST) fdsa_m656_sync<1>();  // the prologue's barrier, before any wait on a release
-    if (rd >= 1) {
-      cur0 = nxt0;
-      cur1 = nxt1;
-      nxt0 = slot_row(rd + 1, 0);
-      nxt1 = slot_row(rd + 1, 1);
-    }
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      if (4 * rd + gg >= nc) break;  // group gg has no step rd (nor do the groups after it)
-      const int bi = gg * NST + rd % NST;
-      if (rd >= NST) fdsa_m656_wait(empties + bi * 8, ((rd / NST) - 1) & 1);
-      const int row = __shfl_sync(0xffffffffu, gg >= 2 ? cur1 : cur0, ((gg & 1) << 4) | (lane & 15));
-      if (lane < 16) {
-        const int ok = row >= 0 && row < n_rows;
-        valid[bi * 16 + lane] = ok;
-        fdsa_m656_row<0>(stage_s + (bi * 16 + lane) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
-                         stage + (bi * 16 + lane) * ROW);
-      }
-    }
-  }
-  if (rounds <= NST) fdsa_m656_sync<1>();
-  fdsa_m656_sync<1>();  // the merge's three
-  fdsa_m656_sync<1>();
-  fdsa_m656_sync<1>();
-}
-
-template <int H, int HAS_SINK, int HAS_TL, int ABL, int PROD>
-__device__ __forceinline__ void fdsa_m656_entry(
-    const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
-    const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
-    float *xch, int *valid, float *misc, void *bars_v, void *empty_v, int tok, float c) {
-  if (PROD) {  // 384 threads launch with 168 registers each: the consumers take 232, the producer warpgroup 40
-    if (threadIdx.x >= 256) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-      if (threadIdx.x < 288)
-        fdsa_m656_producer<HAS_TL>(KVv, rs16, n_rows, Indices, topk, TopkLen, stage_v, valid, bars_v, empty_v, tok);
-      return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  }
-  fdsa_m656_kernel<H, HAS_SINK, HAS_TL, ABL, PROD>(Qv, KVv, rs16, n_rows, Indices, topk, TopkLen, Sink, Outv, Lse,
-                                                     MaxLogits, stage_v, qs_v, qr_v, xch, valid, misc, bars_v,
-                                                     empty_v, tok, c);
 }
 """
 
@@ -654,8 +559,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
     MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds)."""
     assert 1 <= heads <= MAX_HEADS, heads
-    prod = bool(ablate & PRODUCER)
-    threads = THREADS + (128 if prod else 0)
+
     assert sm_scale > 0
     c_log2 = float(sm_scale) * LOG2E
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
@@ -663,8 +567,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     CH = fc.CHUNK
     stage_bytes = GROUPS * NST * CHUNK * fc.ROW_BYTES
     assert stage_bytes >= GROUPS * 2 * 32 * 32 * 4 * 4  # the merge buffer
-    fn = (f"fdsa_m656_entry<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate & ~PRODUCER)}, "
-          f"{int(prod)}>")
+    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma656(
@@ -681,7 +584,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=threads, prelude=_SRC) as bx:
+        with T.Kernel(n_tok, threads=THREADS, prelude=_SRC) as bx:
             Stage = T.alloc_shared([stage_bytes], u8)
             Qs = T.alloc_shared([MAX_HEADS * 1024], u8)
             Xch = T.alloc_shared([GROUPS * 2 * 512], f32)
@@ -689,13 +592,11 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
             Valid = T.alloc_shared([GROUPS * NST * CHUNK], i32)
             Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4 + GROUPS * 16], f32)
             bars = T.alloc_barrier([CHUNK] * (GROUPS * NST))
-            empties = T.alloc_barrier([2] * (GROUPS * NST))  # PROD: both warps of a pair release a stage
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV8[0, 0]), rs16, n_rows,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
                           T.address_of(Stage[0]), T.address_of(Qs[0]), T.address_of(Qr[0]), T.address_of(Xch[0]),
-                          T.address_of(Valid[0]), T.address_of(Misc[0]), T.address_of(bars[0]),
-                          T.address_of(empties[0]), bx, c_log2)
+                          T.address_of(Valid[0]), T.address_of(Misc[0]), T.address_of(bars[0]), bx, c_log2)
 
     return sparse_mla_fwd_mma656
 
