@@ -186,14 +186,13 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig")}
 
 
-def sparse_cache656_mma(form="mma"):
+def sparse_cache656_mma():
     """The 656-byte cache forward with H <= 16 on kernel_fwd_mma656 (the form switch read at dispatch time)."""
-    with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": form}):
+    with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": "mma"}):
         return sparse("cache656")
 
 
 TARGETS["sparse_cache656_mma"] = sparse_cache656_mma
-TARGETS["sparse_cache656_mma_mixed"] = lambda: sparse_cache656_mma("mma_mixed")
 
 
 def main():

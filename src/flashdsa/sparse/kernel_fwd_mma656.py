@@ -149,7 +149,7 @@ __device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, uns
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
-// 16 no PV at all, 32 no QK products at all; 64 (correct) warp 1 of each pair copies its rows by cp.async pieces
+// 16 no PV at all, 32 no QK products at all
 template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
@@ -187,33 +187,13 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   };
   auto block_rows = [&](int k) -> int { return slot_row(4 * k + (lane >> 3)); };
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
-  auto issue = [&](int step, int row) {  // every lane holds the row number of its warp's row lane % 8
-    const int bi = g * NST + step % NST;
-    if (!(ABL & 64) || hh == 0) {
-      if (lane < 8) {
-        const int k = hh * 8 + lane;
-        const int ok = row >= 0 && row < n_rows;
-        valid[bi * 16 + k] = ok;
-        fdsa_m656_row(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
-                      stage + (bi * 16 + k) * ROW);
-      }
-    } else {  // ABL 64: warp 1's 8 rows by 16-byte cp.async pieces (the LSU path next to warp 0's bulk copies)
-      if (lane < 8) {
-        valid[bi * 16 + 8 + lane] = row >= 0 && row < n_rows;
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + bi * 8) : "memory");
-      }
-#pragma unroll
-      for (int rr = 0; rr < 8; ++rr) {  // lane l: pieces l and 32 + l (l < 9) of row rr; invalid rows read nothing
-        const int rw = __shfl_sync(0xffffffffu, row, rr);
-        const int n = rw >= 0 && rw < n_rows ? 16 : 0;
-        const unsigned char *src = kv + (n ? rw : 0) * rs + 16 * lane;
-        const unsigned dst = stage_s + (bi * 16 + 8 + rr) * ROW + 16 * lane;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(n) : "memory");
-        if (lane < 9)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst + 512), "l"(src + 512), "r"(n)
-                       : "memory");
-      }
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bars + bi * 8) : "memory");
+  auto issue = [&](int step, int row) {
+    if (lane < 8) {
+      const int k = hh * 8 + lane, bi = g * NST + step % NST;
+      const int ok = row >= 0 && row < n_rows;
+      valid[bi * 16 + k] = ok;
+      fdsa_m656_row(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
+                    stage + (bi * 16 + k) * ROW);
     }
   };
   static_assert(NST == 4, "the row blocks hold 4 steps: the prologue issues block 0");
@@ -565,14 +545,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 """
 
 
-MIXED = 64  # ABL bit of the "mma_mixed" form: warp 1 of each pair copies its rows by cp.async pieces
-
-
 def form(name: str) -> int:
-    """The ABL bits of a form name: "mma" (0), "mma_mixed" (``MIXED``: half of each stage's rows through the
-    LSU's 16-byte ``cp.async`` pieces, half through bulk copies), or the timing builds "mma_a<N>" (bits N)."""
-    if name == "mma_mixed":
-        return MIXED
+    """The ``ablate`` bits of a form name: "mma" (0), or the timing builds "mma_a<N>" (the kernel's ABL bits N)."""
     rest = name.removeprefix("mma")
     if not name.startswith("mma") or (rest and not (rest.startswith("_a") and rest[2:].isdigit())):
         raise ValueError(f"narrow: unknown mma form {name!r}")
@@ -617,9 +591,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
             Qr = T.alloc_shared([MAX_HEADS * 128], u8)
             Valid = T.alloc_shared([GROUPS * NST * CHUNK], i32)
             Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4 + GROUPS * 16], f32)
-            # arrivals per stage: one per row (bulk: with its bytes); ABL 64: 8 bulk rows, 8 flag writers and the
-            # 32 cp.async lanes of warp 1
-            bars = T.alloc_barrier([48 if ablate & MIXED else CHUNK] * (GROUPS * NST))
+            bars = T.alloc_barrier([CHUNK] * (GROUPS * NST))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV8[0, 0]), rs16, n_rows,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
