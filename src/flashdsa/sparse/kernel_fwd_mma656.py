@@ -13,10 +13,12 @@ us per 64-row block, PERFORMANCE.md session 13).  Here no converted tile exists 
     four independent chains per SM, each step 16 keys, no CTA-wide barrier inside the loop.
   * **Raw rows straight into fragments.**  Each group has ``NST`` raw stages of 16 rows (one ``cp.async.bulk`` of
     656 bytes per row, mbarrier ``expect_tx``; an invalid slot's row is zeroed by its issuing lane and flagged in
-    ``Valid``).  A warp loads the e4m3 bytes it needs into registers and converts them with ``cvt.rn.f16x2.e4m3x2``
+    ``Valid``).  The row numbers come in blocks of 4 steps (one load per lane, a block ahead, handed out by
+    shuffles), so no index load sits on a step's refill.  A warp loads the e4m3 bytes it needs into registers and converts them with ``cvt.rn.f16x2.e4m3x2``
     (exact) straight into ``m16n8k16`` B fragments.  The contraction order inside a 16-wide k step is free, so
     lane quad q takes 4 consecutive dims per step (bytes [32 q, +32) of a 128-dim tile over its 8 steps: two 16-byte
-    loads per key and tile); Q uses the same permutation.
+    loads per key and tile); Q' is stored in that order as ready A fragments (one 16-byte load per lane and k step,
+    no register moves), the bf16 rope likewise.
   * **The pair splits the dims.**  Warp h of a group (h = 0 / 1) owns latent tiles 2h, 2h + 1 (and h = 0 the bf16
     rope): its QK partial over its dims, in true units (each tile's accumulator times the row's tile scale, times
     the head's power of two of Q), goes through shared memory; both warps add the two partials in the same order
@@ -38,16 +40,17 @@ exp2 domain (so P <= 2^8; the true max is kept apart for max_logits) -- invalid 
 -inf), natural-log lse without the sink, empty rows -> out 0, lse +inf, max_logits -inf;
 ``inv = 1 / (l + 2^(sink log2 e - m c))``.
 
-Measured (H200, session 32, H 16, topk 2048, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``; JSONs
-``benchmarks/results/2026-12-03_h200_*_variants_session32_*.json``; docs/PERFORMANCE.md "Session 32"): decode B 128
-over 32768 rows per token 89.1 us against the dual form's 99.8 (decode suite row 0.0882 ms = 2.00 TB/s, 1.77
-before), B 512 328.9 vs 361.3 us, prefill S 4096 over SKV 8192 2.511 vs 2.569 ms (``kernel_fwd_fp8cache.
-few_head_form`` runs this kernel where rows are read about once).  Timing builds (ABL bits): without any QK or PV
-product the kernel still takes ~69 us at B 128 (the per-row bulk copies deliver ~20-25 GB/s per SM plus ~15 us per
-CTA outside the loop); the conversions cost ~5 us in all; rows by 16-byte ``cp.async`` pieces from the group's 64
-threads were slower (111.6 vs 94.8 us), and an integer-op e4m3 -> f16 conversion (prmt, shift, mask) too (100.7 vs
-94.0).  ncu (before the lazy reference): 1.81 issued IPC with 2 warps per scheduler, ~1,090 instructions per warp and
-16-key step, 14% of them O rescales, 13% F2FP (the conversions), 6% HMMA.
+Measured (H200, H 16, topk 2048, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``; JSONs
+``benchmarks/results/2026-12-03_h200_*_variants_session3[23]_*.json``; docs/PERFORMANCE.md "Session 32", "Session 33").
+Session 33's build (6e8a3c4) against the two-warpgroup form: decode B 128 over 32768 rows per token 75.1 vs 98.9 us
+(decode suite row 0.0754 ms = 2.34 TB/s; 2.00 with session 32's build), B 512 268.6 vs 358.4 us, prefill S 4096 over
+SKV 8192 2.026 vs 2.550 ms, S 256 134.4 vs 165.8 us: ``kernel_fwd_fp8cache.FEW_HEAD_FORM`` runs it at every H <= 16
+call.  Without any QK or PV product (ABL 48) the loop takes 65.9 us at B 128, 211 us at B 512 (3.25 TB/s): at B 128
+the kernel is within ~9 us of its copy-and-softmax skeleton.  Measured slower: a producer warp issuing every row
+copy (109.9 us), half the rows by 16-byte ``cp.async`` pieces next to the bulk copies (81.0), rows by ``cp.async``
+pieces only (session 32), an integer-op e4m3 -> f16 conversion (session 32).  ncu (B 128): ~875 instructions per
+warp and 16-key step at 1e46066 (issued IPC 0.44 per scheduler with 2 warps; 1,090 in session 32), ~705 with the
+fragment-native Q' (d569f0e; stalls spread: fixed-latency waits 30%, short scoreboard 14%, the copy issue ~10%).
 
 Shared memory: stages 4 x ``NST`` x 16 x 656 B (NST 4: 167,936 B; they hold the merge buffer at the end),
 Q' 16 KB (the bf16 output staging at the end), rope 2 KB, partial-S exchange 16 KB, flags and barriers.
