@@ -324,8 +324,8 @@ def cache_chunks(kv):
 # H <= 16, narrow656 at 17..32
 NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
 # The form run at H <= 16 without an explicit choice: kernel_fwd_mma656's per-warp mma.sync chains, faster than the
-# two-warpgroup form on every shape measured (session 33, H 16, topk 2048, d569f0e: decode B 128 75.2 vs 98.9 us,
-# B 512 273.4 vs 361.1 us, prefill S 4096 over SKV 8192 2.075 vs 2.570 ms, S 256 136.8 vs 166.4 us)
+# two-warpgroup form on every shape measured (session 33, H 16, topk 2048, 6e8a3c4: decode B 128 75.1 vs 98.9 us,
+# B 512 268.6 vs 358.4 us, prefill S 4096 over SKV 8192 2.026 vs 2.550 ms, S 256 134.4 vs 165.8 us)
 FEW_HEAD_FORM = "mma"
 
 
