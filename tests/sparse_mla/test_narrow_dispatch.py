@@ -182,3 +182,18 @@ def test_pair_evict_first_rule(n_tok, heads, n_blocks, kv_rows, single_use):
         kw = kernel_fwd_pair.dispatched_kw(q, n_blocks, kv_rows)
         assert (("evict_first", True) in kw) == (single_use and heads == 64 and dqk == 512)
         assert ("row_gather", True) in kw
+
+
+@pytest.mark.parametrize("n_tok,heads,tkv,expect", [
+    (40, 128, 1000, None),  # rows reused: the whole-cache copy + the bf16 pair kernel, two launches: no single launch
+    (3, 128, 1000, "pair656"), (3, 16, 1000, "mma656"), (3, 33, 1000, "padded656"),
+])
+def test_cache656_launcher(record, monkeypatch, n_tok, heads, tkv, expect):
+    """``kernel_fwd_fp8cache.launcher`` (what ``mla_decode``'s eager plans store): the kernel ``run_sparse_mla_fwd``
+    would launch, or None where that call is not one launch."""
+    monkeypatch.delenv(kernel_fwd_fp8cache.NARROW_ENV, raising=False)
+    q = torch.zeros(n_tok, heads, 576, dtype=torch.bfloat16)
+    launch = kernel_fwd_fp8cache.launcher(q, torch.zeros(tkv, 656, dtype=torch.uint8),
+                                          torch.zeros(n_tok, 100, dtype=torch.int32), sm_scale=0.1, d_v=512)
+    assert (launch is None) == (expect is None)
+    assert [name for name, _ in record] == ([] if expect is None else [expect])
