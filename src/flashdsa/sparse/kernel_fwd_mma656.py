@@ -15,10 +15,10 @@ us per 64-row block, PERFORMANCE.md session 13).  Here no converted tile exists 
     656 bytes per row, mbarrier ``expect_tx``; an invalid slot's row is zeroed by its issuing lane and flagged in
     ``Valid``).  The row numbers come in blocks of 4 steps (one load per lane, a block ahead, handed out by
     shuffles), so no index load sits on a step's refill.  A warp loads the e4m3 bytes it needs into registers and
-    converts them with ``cvt.rn.f16x2.e4m3x2`` (exact) straight into ``m16n8k16`` B fragments.  The contraction order inside a 16-wide k step is free, so
-    lane quad q takes 4 consecutive dims per step (bytes [32 q, +32) of a 128-dim tile over its 8 steps: two 16-byte
-    loads per key and tile); Q' is stored in that order as ready A fragments (one 16-byte load per lane and k step,
-    no register moves), the bf16 rope likewise.
+    converts them with ``cvt.rn.f16x2.e4m3x2`` (exact) straight into ``m16n8k16`` B fragments.  The contraction
+    order inside a 16-wide k step is free, so lane quad q takes 4 consecutive dims per step (bytes [32 q, +32) of a
+    128-dim tile over its 8 steps: two 16-byte loads per key and tile); Q' is stored in that order as ready A
+    fragments (one 16-byte load per lane and k step, no register moves), the bf16 rope likewise.
   * **The pair splits the dims.**  Warp h of a group (h = 0 / 1) owns latent tiles 2h, 2h + 1 (and h = 0 the bf16
     rope): its QK partial over its dims, in true units (each tile's accumulator times the row's tile scale, times
     the head's power of two of Q), goes through shared memory; both warps add the two partials in the same order
