@@ -329,6 +329,14 @@ NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
 FEW_HEAD_FORM = "mma"
 
 
+def _use_pair(q, pair, narrow) -> bool:
+    """``pair`` as given, or by default: the pair cache kernel for H 64 / 128 unless a narrow form was asked."""
+    from . import kernel_fwd_pair_cache
+
+    return pair if pair is not None else (q.dim() == 3 and q.shape[1] in kernel_fwd_pair_cache.SUPPORTED_H
+                                          and not narrow)
+
+
 def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
              narrow: bool | str | None = None, pair: bool | None = None, narrow_stages: int | None = None,
              dequant_once: bool | None = None):
@@ -342,9 +350,7 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     heads = q.shape[1]
     has_sink, has_tl = attn_sink is not None, topk_length is not None
     n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
-    if pair is None:
-        pair = q.dim() == 3 and heads in kernel_fwd_pair_cache.SUPPORTED_H and not narrow
-    if pair:
+    if _use_pair(q, pair, narrow):
         if kernel_dequant656.use_dequant_once(q.shape[0], indices.shape[-1], heads, kv.shape[0], dequant_once):
             return None
         return kernel_fwd_pair_cache.launcher(heads, n_blocks, float(sm_scale), has_sink, has_tl)
@@ -398,8 +404,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
     from . import kernel_dequant656, kernel_fwd_pair, kernel_fwd_pair_cache
 
-    if pair is None:
-        pair = q.dim() == 3 and q.shape[1] in kernel_fwd_pair_cache.SUPPORTED_H and not narrow
+    pair = _use_pair(q, pair, narrow)
     if not checked:
         check = kernel_fwd_pair_cache.kernel_unsupported if pair else kernel_unsupported
         reason = check(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)

@@ -68,7 +68,7 @@ import tilelang.language as T
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
 from ._tl_common import LOG2E
-from .kernel_fwd_narrow656 import _SRC as _NARROW_SRC, _pass_configs  # fdsa_bulk_row
+from .kernel_fwd_narrow656 import _pass_configs
 
 MAX_HEADS = 16
 GROUPS = 4  # key groups (pairs of warps)
@@ -77,7 +77,7 @@ CHUNK = 16  # keys per step
 THREADS = 256
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads; no wgmma)
 
-_SRC = _NARROW_SRC + tc.FAST_EXP2_PRELUDE + f"""
+_SRC = tc.FAST_EXP2_PRELUDE + f"""
 #define FDSA_M656_G {GROUPS}
 #define FDSA_M656_NST {NST}
 #define FDSA_M656_ROW {fc.ROW_BYTES}
