@@ -53,7 +53,7 @@ warp and 16-key step at 1e46066 (issued IPC 0.44 per scheduler with 2 warps; 1,0
 fragment-native Q' (d569f0e; stalls spread: fixed-latency waits 30%, short scoreboard 14%, the copy issue ~10%).
 
 Shared memory: stages 4 x ``NST`` x 16 x 656 B (NST 4: 167,936 B; they hold the merge buffer at the end),
-Q' 16 KB (the bf16 output staging at the end), rope 2 KB, partial-S exchange 16 KB, flags and barriers.
+Q' 16 KB, rope 2 KB, partial-S exchange 16 KB, flags and barriers.
 The per-warp fragment work is an extern device function (``fdsa_m656_kernel``): TileLang's tile operators express
 block-wide gemms, not independent per-warp ``mma.sync`` chains with their own softmax state.
 """
@@ -98,11 +98,6 @@ __device__ __forceinline__ unsigned fdsa_m656_cvt_hi(unsigned v) {
 __device__ __forceinline__ unsigned fdsa_m656_pack(float lo, float hi) {  // f16x2 {lo, hi}
   unsigned r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ unsigned short fdsa_m656_bf16(float x) {  // round to nearest even
-  unsigned short r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
   return r;
 }
 #define FDSA_M656_INF __int_as_float(0x7f800000)
@@ -152,7 +147,10 @@ __device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, uns
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
-// 16 no PV at all, 32 no QK products at all
+// 16 no PV at all, 32 no QK products at all, 64 timestamps instead of out (H 16; u32 words per token: 0 / 1 the
+// globaltimer at entry, 2 after the prologue (6 / 7: warp 0's copies issued / Q' stored), 3 merge start (8 / 9 / 10: O stored, synced, weights), 4 end, 5 globaltimer at the end, 64 + 32 w + it warp
+// w's wait of step it done, 320 + .. its exchange barrier passed, 576 + .. its step done, 832 + w its loop end;
+// clock64 deltas from entry in cycles)
 template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
@@ -161,6 +159,18 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   constexpr int G = FDSA_M656_G, NST = FDSA_M656_NST, ROW = FDSA_M656_ROW;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = warp >> 1, hh = warp & 1, r = lane >> 2, q = lane & 3;
+  const long long t_entry = (ABL & 64) ? clock64() : 0;
+  unsigned *dbg = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * 4096;
+  auto stamp = [&](int at) {
+    if ((ABL & 64) && lane == 0) dbg[at] = static_cast<unsigned>(clock64() - t_entry);
+  };
+  auto gtime = [&](int at) {
+    unsigned long long gt;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt));
+    dbg[at] = static_cast<unsigned>(gt);
+    if (at == 0) dbg[1] = static_cast<unsigned>(gt >> 32);
+  };
+  if ((ABL & 64) && tid == 0) gtime(0);
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned char *kv = static_cast<const unsigned char *>(KVv);
   unsigned char *qs = static_cast<unsigned char *>(qs_v);
@@ -215,6 +225,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     }
     // block 0's copies go out while Q's loads are in flight
     for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
+    if (warp == 0) stamp(6);
     const unsigned *wu = reinterpret_cast<const unsigned *>(w);
     float mx = 0.f;
 #pragma unroll
@@ -243,8 +254,10 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     unsigned *rp = reinterpret_cast<unsigned *>(qr + ((p & 3) * 32 + 4 * (h & 7) + (p >> 2)) * 16) + top;
     rp[0] = rw.x;
     rp[2] = rw.y;
+    if (warp == 0) stamp(7);
   }
   __syncthreads();
+  if (tid == 0) stamp(2);
 
   float o[2][16][4];
 #pragma unroll
@@ -267,6 +280,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
     fdsa_m656_wait(bars + bi * 8, (it / NST) & 1);
+    if (it < 32) stamp(64 + 32 * warp + it);
     const unsigned char *sb = stage + bi * 16 * ROW;
     // ---- QK partial over this warp's tiles 2 hh, 2 hh + 1 (+ the rope for hh 0)
     float acc[2][2][4];
@@ -347,6 +361,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
           make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
     if (!(ABL & 8)) asm volatile("bar.sync %0, 64;" :: "r"(8 + g) : "memory");
+    if (it < 32) stamp(320 + 32 * warp + it);
     // the stage of step it - 1 is free (both warps are past its PV): refill it with step it + NST - 1
     // (issuing it after the PV instead measured slower: 95.5 vs 94.0 us, session 32)
     if (it >= 1 && it + NST - 1 < nsteps) {
@@ -457,6 +472,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     }
   }
 
+  stamp(832 + warp);
   // ---- merge the four groups
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -475,6 +491,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     smx[g * 4 + 2 * hh + 1] = sref1;
   }
   __syncthreads();  // every group is done: no copy in flight, the stages hold the merge buffer now
+  if (tid == 0) stamp(3);
   float *mrg = reinterpret_cast<float *>(stage);  // [g][hh][fragment 0..31][lane][4]
 #pragma unroll
   for (int tt = 0; tt < 2; ++tt)
@@ -482,7 +499,9 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     for (int i = 0; i < 16; ++i)
       *reinterpret_cast<float4 *>(mrg + (((g * 2 + hh) * 32 + tt * 16 + i) * 32 + lane) * 4) =
           make_float4(o[tt][i][0], o[tt][i][1], o[tt][i][2], o[tt][i][3]);
+  if (tid == 0) stamp(8);
   __syncthreads();
+  if (tid == 0) stamp(9);
   float wgt[G][2], inv0, inv1;
   {
     float M0 = -1e30f, M1 = -1e30f;
@@ -507,33 +526,54 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     inv0 = L0 > 0.f ? 1.f / (L0 + sk0) : 0.f;
     inv1 = L1 > 0.f ? 1.f / (L1 + sk1) : 0.f;
   }
-  unsigned short *ob = reinterpret_cast<unsigned short *>(qs);  // [16][512] bf16 staging (Q' is dead)
+  // warp (g, hh) merges fragments [4 g, 4 g + 4) of tiles 2 hh and 2 hh + 1: for tile t, dims 128 t + 32 q + 4 g
+  // (+ 0..3, and + 16) of heads r and r + 8, stored straight to global as 8-byte pieces (session 34: a bf16 staging
+  // tile in shared memory with 2-byte stores took 2.8 us per CTA, 16-way bank conflicts; the output is 16 KB)
+  unsigned short *out = static_cast<unsigned short *>(Outv) + static_cast<long long>(tok) * H * 512;
+  if (tid == 0) stamp(10);
 #pragma unroll
-  for (int f = 0; f < 4; ++f) {  // warp (g, hh) merges fragments [4 g, 4 g + 4) of tile 2 hh and of tile 2 hh + 1
+  for (int tt = 0; tt < 2; ++tt) {
+    const int t = 2 * hh + tt;
+    float sum[4][4];  // [f][x, y, z, w]
 #pragma unroll
-    for (int tt = 0; tt < 2; ++tt) {
-      const int fr = tt * 16 + 4 * g + f, t = 2 * hh + tt, i = 4 * g + f;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int f = 0; f < 4; ++f) {
+      const int fr = tt * 16 + 4 * g + f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sum[f][e] = 0.f;
 #pragma unroll
       for (int gg = 0; gg < G; ++gg) {
         const float4 v = *reinterpret_cast<const float4 *>(mrg + (((gg * 2 + hh) * 32 + fr) * 32 + lane) * 4);
-        const float s = smx[gg * 4 + t], f0 = s * wgt[gg][0], f1 = s * wgt[gg][1];
-        sum.x += v.x * f0;
-        sum.y += v.y * f0;
-        sum.z += v.z * f1;
-        sum.w += v.w * f1;
+        const float sc_ = smx[gg * 4 + t], f0 = sc_ * wgt[gg][0], f1 = sc_ * wgt[gg][1];
+        sum[f][0] += v.x * f0;
+        sum[f][1] += v.y * f0;
+        sum[f][2] += v.z * f1;
+        sum[f][3] += v.w * f1;
       }
-      const int d0 = 128 * t + 16 * (2 * q) + i, d1 = d0 + 16;
-      ob[r * 512 + d0] = fdsa_m656_bf16(sum.x * inv0);
-      ob[r * 512 + d1] = fdsa_m656_bf16(sum.y * inv0);
-      ob[(r + 8) * 512 + d0] = fdsa_m656_bf16(sum.z * inv1);
-      ob[(r + 8) * 512 + d1] = fdsa_m656_bf16(sum.w * inv1);
+    }
+    unsigned pk[4][2];  // bf16 pairs (dims f = 2 p, 2 p + 1) of x, y, z, w
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float sinv = e < 2 ? inv0 : inv1;
+#pragma unroll
+      for (int p2 = 0; p2 < 2; ++p2)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk[e][p2]) : "f"(sum[2 * p2 + 1][e] * sinv), "f"(sum[2 * p2][e] * sinv));
+    }
+    const int d0 = 128 * t + 32 * q + 4 * g;
+    if (!(ABL & 64)) {
+      if (r < H) {
+        *reinterpret_cast<uint2 *>(out + r * 512 + d0) = make_uint2(pk[0][0], pk[0][1]);
+        *reinterpret_cast<uint2 *>(out + r * 512 + d0 + 16) = make_uint2(pk[1][0], pk[1][1]);
+      }
+      if (r + 8 < H) {
+        *reinterpret_cast<uint2 *>(out + (r + 8) * 512 + d0) = make_uint2(pk[2][0], pk[2][1]);
+        *reinterpret_cast<uint2 *>(out + (r + 8) * 512 + d0 + 16) = make_uint2(pk[3][0], pk[3][1]);
+      }
     }
   }
-  __syncthreads();
-  unsigned short *out = static_cast<unsigned short *>(Outv) + static_cast<long long>(tok) * H * 512;
-  for (int k = tid; k < H * 64; k += 256)  // 16-byte pieces of the real heads' rows
-    reinterpret_cast<uint4 *>(out)[k] = reinterpret_cast<const uint4 *>(ob)[k];
+  if ((ABL & 64) && tid == 0) {
+    stamp(4);
+    gtime(5);
+  }
   if (tid < H) {
     float M = -1e30f, L = 0.f, Mt = -1e30f;
     for (int gg = 0; gg < G; ++gg) {
@@ -562,6 +602,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
     MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds)."""
     assert 1 <= heads <= MAX_HEADS, heads
+    assert not ablate & 64 or heads == 16, "the timestamp build writes 4096 words per token"
 
     assert sm_scale > 0
     c_log2 = float(sm_scale) * LOG2E
