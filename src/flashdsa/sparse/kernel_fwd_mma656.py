@@ -111,31 +111,6 @@ __device__ __forceinline__ void fdsa_m656_mma_f16(float *c, const unsigned *a, u
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void fdsa_m656_mma_e4m3(float *c, const uint4 a, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned fdsa_m656_e4m3x4(float v0, float v1, float v2, float v3) {  // byte i = e4m3(vi)
-  unsigned short lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v1), "f"(v0));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v3), "f"(v2));
-  return static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
-}
-__device__ __forceinline__ float fdsa_m656_e4m3_byte(unsigned w, int i) {  // the value of byte i of w
-  const unsigned h = fdsa_m656_cvt(i < 2 ? w : w >> 16);
-  unsigned short x = static_cast<unsigned short>((i & 1) ? h >> 16 : h & 0xffffu);
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-  return f;
-}
-// v (4 floats) as hi + lo, both e4m3 x4 words: hi = e4m3(v), lo = e4m3(v - hi).  Exact for a bf16 v whose lowest
-// bit is >= 2^-9 (e4m3's subnormal step): its 8 significant bits split into two 4-bit halves
-__device__ __forceinline__ void fdsa_m656_split(const float *v, unsigned &hi, unsigned &lo) {
-  hi = fdsa_m656_e4m3x4(v[0], v[1], v[2], v[3]);
-  lo = fdsa_m656_e4m3x4(v[0] - fdsa_m656_e4m3_byte(hi, 0), v[1] - fdsa_m656_e4m3_byte(hi, 1),
-                        v[2] - fdsa_m656_e4m3_byte(hi, 2), v[3] - fdsa_m656_e4m3_byte(hi, 3));
-}
 __device__ __forceinline__ void fdsa_m656_mma_bf16(float *c, const unsigned *a, unsigned b0, unsigned b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -171,12 +146,11 @@ __device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, uns
 }
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
-// ABL (timing builds, wrong results): 1 no conversion in QK (with 256), 2 none in PV, 4 no Q loads per step, 8 no S
-// exchange, 16 no PV at all, 32 no QK products at all, 256 session 33's QK (f16 Q', K converted, m16n8k16), 64
-// timestamps instead of out (H 16; u32 words per token: 0 / 1 the globaltimer at entry, 2 after the prologue (6 / 7:
-// warp 0's copies issued / Q' stored), 3 merge start (8 / 9 / 10: O stored, synced, weights), 4 end, 5 the
-// globaltimer at the end, 64 + 32 w + it warp w's wait of step it done, 320 + .. its exchange barrier passed, 832 + w
-// its loop end; clock64 deltas from entry in cycles)
+// ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
+// 16 no PV at all, 32 no QK products at all, 64 timestamps instead of out (H 16; u32 words per token: 0 / 1 the
+// globaltimer at entry, 2 after the prologue (6 / 7: warp 0's copies issued / Q' stored), 3 merge start (8 / 9 / 10: O stored, synced, weights), 4 end, 5 globaltimer at the end, 64 + 32 w + it warp
+// w's wait of step it done, 320 + .. its exchange barrier passed, 576 + .. its step done, 832 + w its loop end;
+// clock64 deltas from entry in cycles)
 template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
@@ -261,40 +235,20 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
     const int ex = mx > 0.f ? static_cast<int>((__float_as_uint(mx) >> 23) & 255u) - 127 : 0;
-    // Q' = q 2^sh as hi + lo e4m3 (QK on the FP8 mma: the raw K bytes are its B fragments, no conversion); f16
-    // Q' for the timing build ABL 256 (session 33's form)
-    // the head's largest * 2^sh in [2^7, 2^8) (e4m3) / [2^13, 2^14) (f16)
-    const int sh = max(-120, min(120, (ABL & 256) ? 13 - ex : 7 - ex));
+    const int sh = max(-120, min(120, 13 - ex));  // the head's largest * 2^sh in [2^13, 2^14)
     const float up = __uint_as_float(static_cast<unsigned>(sh + 127) << 23);
     if ((p & 7) == 0) qf[(p >> 3) * 16 + h] = __uint_as_float(static_cast<unsigned>(127 - sh) << 23);
+    // fragment-native layouts (one 16-byte load per lane and k step gives the m16n8k16 A fragment {a0, a1, a2, a3}
+    // in order: no register moves before the mma): Q' unit (t, s, lane) holds, for lane (r, q), heads r / r + 8,
+    // dims d, d + 1 (a0 / a1) and d + 2, d + 3 (a2 / a3) of d = 128 t + 32 q + 4 s -- the order the K fragments
+    // take from the raw rows; this thread holds dims [32 p, +32) of head h (t = p / 4, q = p % 4)
     const int top = h >> 3;
-    if (ABL & 256) {
-      // fragment-native f16 units (t, s, lane), s < 8: for lane (r, q), heads r / r + 8, dims d, d + 1 (a0 / a1) and
-      // d + 2, d + 3 (a2 / a3) of d = 128 t + 32 q + 4 s; this thread holds dims [32 p, +32) of head h
-      unsigned *qw = reinterpret_cast<unsigned *>(qs + (((p >> 2) * 8) * 32 + 4 * (h & 7) + (p & 3)) * 16) + top;
+    unsigned *qw = reinterpret_cast<unsigned *>(qs + (((p >> 2) * 8) * 32 + 4 * (h & 7) + (p & 3)) * 16) + top;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {  // f16 word i: dims 32 p + 2 i, + 1 (k step i / 2, low / high pair)
-        const unsigned x = wu[i];
-        qw[(i >> 1) * 128 + 2 * (i & 1)] =
-            fdsa_m656_pack(__uint_as_float(x << 16) * up, __uint_as_float(x & 0xffff0000u) * up);
-      }
-    } else {
-      // fragment-native m16n8k32 e4m3 units (t, s, hi / lo, lane), s < 4: for lane (r, q), heads r / r + 8 (a0 / a1)
-      // dims [d, d + 4) and (a2 / a3) [d + 4, d + 8) of d = 128 t + 32 q + 8 s -- the B fragments are the raw
-      // row words 2 s / 2 s + 1 of bytes [32 q, +32) of the tile; this thread holds dims [32 p, +32) of head h
-      unsigned *qw = reinterpret_cast<unsigned *>(qs + (((p >> 2) * 8) * 32 + 4 * (h & 7) + (p & 3)) * 16) + top;
-#pragma unroll
-      for (int s4 = 0; s4 < 4; ++s4)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // dims 8 s4 + 4 half + [0, 4): bf16 words 4 s4 + 2 half, + 1
-          const unsigned x0 = wu[4 * s4 + 2 * half], x1 = wu[4 * s4 + 2 * half + 1];
-          const float v[4] = {__uint_as_float(x0 << 16) * up, __uint_as_float(x0 & 0xffff0000u) * up,
-                              __uint_as_float(x1 << 16) * up, __uint_as_float(x1 & 0xffff0000u) * up};
-          unsigned hi, lo;
-          fdsa_m656_split(v, hi, lo);
-          qw[(2 * s4) * 128 + 2 * half] = hi;
-          qw[(2 * s4 + 1) * 128 + 2 * half] = lo;
-        }
+    for (int i = 0; i < 16; ++i) {  // f16 word i: dims 32 p + 2 i, + 1 (k step i / 2, low / high pair)
+      const unsigned x = wu[i];
+      qw[(i >> 1) * 128 + 2 * (i & 1)] =
+          fdsa_m656_pack(__uint_as_float(x << 16) * up, __uint_as_float(x & 0xffff0000u) * up);
     }
     // the bf16 rope the same way: unit (s, lane) holds dims 16 q + 4 s (+1, +2, +3); this thread has dims [4 p, +4)
     unsigned *rp = reinterpret_cast<unsigned *>(qr + ((p & 3) * 32 + 4 * (h & 7) + (p >> 2)) * 16) + top;
@@ -347,38 +301,18 @@ __device__ __forceinline__ void fdsa_m656_kernel(
         for (int e = 0; e < 4; ++e) acc[tt][j][e] = 0.f;
       }
       const unsigned *kwu = reinterpret_cast<const unsigned *>(kw);
-      if (ABL & 256) {  // f16 Q' (session 33): K converted, 8 m16n8k16 steps
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {  // k step s: the A fragment is one 16-byte load
-          const uint4 qa = (ABL & 4) ? kw[s & 1][(s >> 1) & 1]
-                                     : *reinterpret_cast<const uint4 *>(qs + qoff + (8 * tt + s) * 512);
-          const unsigned a[4] = {qa.x, qa.y, qa.z, qa.w};
+      for (int s = 0; s < 8; ++s) {  // k step s: the A fragment is one 16-byte load
+        const uint4 qa = (ABL & 4) ? kw[s & 1][(s >> 1) & 1]
+                                   : *reinterpret_cast<const uint4 *>(qs + qoff + (8 * tt + s) * 512);
+        const unsigned a[4] = {qa.x, qa.y, qa.z, qa.w};
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const unsigned x = kwu[j * 8 + s];
-            const unsigned b0 = (ABL & 1) ? x : fdsa_m656_cvt(x);
-            const unsigned b1 = (ABL & 1) ? x >> 16 : fdsa_m656_cvt_hi(x);
-            fdsa_m656_mma_f16(acc[tt][j], a, b0, b1);
-          }
+        for (int j = 0; j < 2; ++j) {
+          const unsigned x = kwu[j * 8 + s];
+          const unsigned b0 = (ABL & 1) ? x : fdsa_m656_cvt(x);
+          const unsigned b1 = (ABL & 1) ? x >> 16 : fdsa_m656_cvt_hi(x);
+          fdsa_m656_mma_f16(acc[tt][j], a, b0, b1);
         }
-      } else {  // e4m3 Q' hi / lo: 4 m16n8k32 steps each, the raw K words as B fragments
-        float accl[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const uint4 qh = (ABL & 4) ? kw[0][s & 1]
-                                     : *reinterpret_cast<const uint4 *>(qs + qoff + (8 * tt + 2 * s) * 512);
-          const uint4 ql = (ABL & 4) ? kw[1][s & 1]
-                                     : *reinterpret_cast<const uint4 *>(qs + qoff + (8 * tt + 2 * s + 1) * 512);
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            fdsa_m656_mma_e4m3(acc[tt][j], qh, kwu[j * 8 + 2 * s], kwu[j * 8 + 2 * s + 1]);
-            fdsa_m656_mma_e4m3(accl[j], ql, kwu[j * 8 + 2 * s], kwu[j * 8 + 2 * s + 1]);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[tt][j][e] += accl[j][e];
       }
     }
     float accr[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -622,8 +556,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       const float sinv = e < 2 ? inv0 : inv1;
 #pragma unroll
       for (int p2 = 0; p2 < 2; ++p2)
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
-            : "=r"(pk[e][p2]) : "f"(sum[2 * p2 + 1][e] * sinv), "f"(sum[2 * p2][e] * sinv));
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk[e][p2]) : "f"(sum[2 * p2 + 1][e] * sinv), "f"(sum[2 * p2][e] * sinv));
     }
     const int d0 = 128 * t + 32 * q + 4 * g;
     if (!(ABL & 64)) {
