@@ -5,10 +5,11 @@ first copies issued, Q' stored, the prologue's barrier, each warp's wait of step
 barrier passed, each warp's loop end, the merge's parts and the end (word layout: the kernel's ABL comment) into
 ``out`` instead of the output.  Add bits to time other builds (``mma_a112`` = + no QK / PV products).
 
-Usage (GPU host): ``source .gpu/env.sh && python scripts/mma656_timestamps.py mma_a64[,mma_a112]``; decode shape B 128,
-topk 2048 over 32768 rows per token (the suite's); medians over CTAs in us (clock64 cycles over the globaltimer's
-rate); JSON to ``$OUT/stamps2.json``.  Session 34 (docs/PERFORMANCE.md): the prologue ~6.5 us (the first index /
-Q loads), ~1.9 us per 16-key step with products against 1.44 without, the merge 4.1 -> 1.0 us.
+Usage (GPU host): ``source .gpu/env.sh && python scripts/mma656_timestamps.py mma_a64[,mma_a112]``; decode shape
+B 128, topk 2048 over 32768 rows per token (the suite's); medians over CTAs in us (clock64 cycles over the
+globaltimer's rate); JSON to ``$OUT/stamps2.json``; ``$FLASHDSA_L2_FLUSH=read``: L2 flushed by a read, as the
+harness.  Session 34 (docs/PERFORMANCE.md): the prologue ~6.5 us (the first index / Q loads), ~1.9 us per 16-key
+step with products against 1.44 without, the merge 4.1 -> 1.0 us.
 """
 
 import json
@@ -44,7 +45,10 @@ def main():
         t = time_fn(fn, [None], q.device, reps=30)
         runs = []
         for rep in range(3):
-            flush.fill_(rep + 1)  # as the harness: L2 flushed by a write before the launch
+            if os.environ.get("FLASHDSA_L2_FLUSH", "write") == "read":  # as the harness
+                flush.sum()
+            else:
+                flush.fill_(rep + 1)
             torch.cuda.synchronize()
             o = fn()[0]
             torch.cuda.synchronize()
@@ -69,7 +73,8 @@ def main():
         print(f"{name}: event {t.ms_median * 1e3:.1f} us, {ghz:.3f} GHz; copies issued {d['issued']:.2f}, prologue "
               f"{d['prologue']:.2f}, first wait {d['wait_w0'][0]:.2f}, last wait {d['wait_w0'][-1]:.2f} "
               f"({steps.mean():.2f} per step), merge {d['merge_start']:.2f} -> end {d['end']:.2f}", flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "stamps2.json"), "w") as f:
+    tag = "_read" if os.environ.get("FLASHDSA_L2_FLUSH") == "read" else ""
+    with open(os.path.join(os.environ.get("OUT", "."), f"stamps2{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 
