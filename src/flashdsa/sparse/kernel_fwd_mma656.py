@@ -51,6 +51,12 @@ copy (109.9 us), half the rows by 16-byte ``cp.async`` pieces next to the bulk c
 pieces only (session 32), an integer-op e4m3 -> f16 conversion (session 32).  ncu (B 128): ~875 instructions per
 warp and 16-key step at 1e46066 (issued IPC 0.44 per scheduler with 2 warps; 1,090 in session 32), ~705 with the
 fragment-native Q' (d569f0e; stalls spread: fixed-latency waits 30%, short scoreboard 14%, the copy issue ~10%).
+Session 34 (95ed1cf, PERFORMANCE.md "Session 34"): the merge stores its output straight to global (a bf16 staging
+tile's 2-byte stores had 16-way bank conflicts: 4.1 -> 1.0 us per CTA): B 128 73.3-73.7 us (suite 0.0736-0.0741 ms =
+2.38-2.40 TB/s), B 512 263-264, S 4096 1.984 ms.  The timestamp build (ABL 64, ``scripts/mma656_timestamps.py``)
+shows ~6.4 us before the first copies go out (the first index / Q loads), then 1.98 us per 16-key step against 1.44
+without products: the steady state is product-bound.  Measured slower: QK on ``mma.sync.m16n8k32.e4m3`` with Q' as
+exact hi + lo e4m3 parts (ptxas emulates it on sm_90a with unpacks and two HMMA: 87.3 us).
 
 Shared memory: stages 4 x ``NST`` x 16 x 656 B (NST 4: 167,936 B; they hold the merge buffer at the end),
 Q' 16 KB, rope 2 KB, partial-S exchange 16 KB, flags and barriers.
@@ -148,9 +154,9 @@ __device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, uns
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
 // 16 no PV at all, 32 no QK products at all, 64 timestamps instead of out (H 16; u32 words per token: 0 / 1 the
-// globaltimer at entry, 2 after the prologue (6 / 7: warp 0's copies issued / Q' stored), 3 merge start (8 / 9 / 10: O stored, synced, weights), 4 end, 5 globaltimer at the end, 64 + 32 w + it warp
-// w's wait of step it done, 320 + .. its exchange barrier passed, 576 + .. its step done, 832 + w its loop end;
-// clock64 deltas from entry in cycles)
+// globaltimer at entry, 2 after the prologue (6 / 7: warp 0's copies issued / Q' stored), 3 merge start (8 / 9 / 10:
+// O stored, synced, weights), 4 end, 5 the globaltimer at the end, 64 + 32 w + it warp w's wait of step it done,
+// 320 + .. its exchange barrier passed, 832 + w its loop end; clock64 deltas from entry in cycles)
 template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
@@ -556,7 +562,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       const float sinv = e < 2 ? inv0 : inv1;
 #pragma unroll
       for (int p2 = 0; p2 < 2; ++p2)
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk[e][p2]) : "f"(sum[2 * p2 + 1][e] * sinv), "f"(sum[2 * p2][e] * sinv));
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
+            : "=r"(pk[e][p2]) : "f"(sum[2 * p2 + 1][e] * sinv), "f"(sum[2 * p2][e] * sinv));
     }
     const int d0 = 128 * t + 32 * q + 4 * g;
     if (!(ABL & 64)) {
