@@ -20,22 +20,15 @@ import numpy as np
 import torch
 
 from flashdsa.bench.harness import time_fn
-from flashdsa.quant import quantize_kv_fp8
 from flashdsa.sparse import kernel_fwd_fp8cache as fc
+from flashdsa.sparse.kernel_fwd_narrow656 import variant_inputs
 
 
 def main():
     names = (sys.argv[1] if len(sys.argv) > 1 else "mma_a64").split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    n_tok, tkv, topk = 128, 32768, 2048
-    rows = n_tok * tkv
-    kv8 = torch.empty(rows, 656, dtype=torch.uint8, device="cuda")
-    for a in range(0, rows, 1 << 20):
-        b = min(rows, a + (1 << 20))
-        kv8[a:b] = quantize_kv_fp8(torch.randn(b - a, 576, generator=gen, device="cuda").to(torch.bfloat16))
-    q = torch.randn(n_tok, 16, 576, generator=gen, device="cuda").to(torch.bfloat16)
-    idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk]
-    idx = (idx + torch.arange(n_tok, device="cuda").unsqueeze(1) * tkv).sort(dim=1).values.to(torch.int32)
+    n_tok = 128
+    q, kv8, idx = variant_inputs(n_tok, 32768, True, gen)  # the --variants decode_B128 inputs
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     res = {}
     for name in names:

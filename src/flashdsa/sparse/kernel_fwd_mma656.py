@@ -106,6 +106,11 @@ __device__ __forceinline__ unsigned fdsa_m656_pack(float lo, float hi) {  // f16
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+__device__ __forceinline__ unsigned fdsa_m656_pack_bf16(float lo, float hi) {  // bf16x2 {lo, hi}, round to nearest
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
 #define FDSA_M656_INF __int_as_float(0x7f800000)
 __device__ __forceinline__ unsigned fdsa_m656_prmt(unsigned a, unsigned b, unsigned sel) {
   unsigned r;
@@ -549,7 +554,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
       for (int gg = 0; gg < G; ++gg) {
         const float4 v = *reinterpret_cast<const float4 *>(mrg + (((gg * 2 + hh) * 32 + fr) * 32 + lane) * 4);
-        const float sc_ = smx[gg * 4 + t], f0 = sc_ * wgt[gg][0], f1 = sc_ * wgt[gg][1];
+        const float s = smx[gg * 4 + t], f0 = s * wgt[gg][0], f1 = s * wgt[gg][1];
         sum[f][0] += v.x * f0;
         sum[f][1] += v.y * f0;
         sum[f][2] += v.z * f1;
@@ -561,9 +566,10 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     for (int e = 0; e < 4; ++e) {
       const float sinv = e < 2 ? inv0 : inv1;
 #pragma unroll
-      for (int p2 = 0; p2 < 2; ++p2)
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
-            : "=r"(pk[e][p2]) : "f"(sum[2 * p2 + 1][e] * sinv), "f"(sum[2 * p2][e] * sinv));
+      for (int p2 = 0; p2 < 2; ++p2) {
+        const float hi = sum[2 * p2 + 1][e] * sinv, lo = sum[2 * p2][e] * sinv;
+        pk[e][p2] = fdsa_m656_pack_bf16(lo, hi);
+      }
     }
     const int d0 = 128 * t + 32 * q + 4 * g;
     if (!(ABL & 64)) {

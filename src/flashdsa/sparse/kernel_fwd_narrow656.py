@@ -268,6 +268,27 @@ def _variant_kernel(name: str, sm: float):
     return kernel_fwd_narrow656_dual.compiled(16, sm, False, False, name)
 
 
+def variant_inputs(n_tok: int, tkv: int, per_token: bool, gen, *, heads: int = 16, topk: int = 2048):
+    """(q [n_tok, heads, 576] bf16, cache [rows, 656] uint8, indices [n_tok, topk] int32) of the ``--variants``
+    shapes on ``gen``'s device: random rows quantized in 1M-row pieces, each token's ``topk`` sorted unique indices
+    into its own ``tkv`` rows (``per_token``, decode: rows = n_tok * tkv) or into ``tkv`` shared rows (prefill)."""
+    import torch
+
+    from ..quant import quantize_kv_fp8
+
+    dev = gen.device
+    rows = n_tok * tkv if per_token else tkv
+    kv8 = torch.empty(rows, ROW, dtype=torch.uint8, device=dev)
+    for a in range(0, rows, 1 << 20):
+        b = min(rows, a + (1 << 20))
+        kv8[a:b] = quantize_kv_fp8(torch.randn(b - a, fc.DQK, generator=gen, device=dev).to(torch.bfloat16))
+    q = torch.randn(n_tok, heads, fc.DQK, generator=gen, device=dev).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device=dev), dim=1)[:, :topk]
+    if per_token:
+        idx = idx + torch.arange(n_tok, device=dev).unsqueeze(1) * tkv
+    return q, kv8, idx.sort(dim=1).values.to(torch.int32)
+
+
 def _bench_variants(names, compile_only: bool = False):
     """Kernel times (``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants [NAME ...]``; ``--compile-only``
     fills the TileLang cache, one process per name runs them in parallel): three shapes at H 16, topk 2048 --
@@ -281,7 +302,6 @@ def _bench_variants(names, compile_only: bool = False):
     import torch
 
     from ..bench.harness import time_fn
-    from ..quant import quantize_kv_fp8
 
     sm = fc.DQK ** -0.5
     for name in names:
@@ -294,16 +314,7 @@ def _bench_variants(names, compile_only: bool = False):
                                          ("prefill_S4096", 4096, 8192, False),
                                          ("prefill_S256", 256, 8192, False)):
         heads, topk = 16, 2048
-        rows = n_tok * tkv if per_token else tkv
-        kv8 = torch.empty(rows, ROW, dtype=torch.uint8, device="cuda")
-        for a in range(0, rows, 1 << 20):
-            b = min(rows, a + (1 << 20))
-            kv8[a:b] = quantize_kv_fp8(torch.randn(b - a, fc.DQK, generator=gen, device="cuda").to(torch.bfloat16))
-        q = torch.randn(n_tok, heads, fc.DQK, generator=gen, device="cuda").to(torch.bfloat16)
-        idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk]
-        if per_token:
-            idx = idx + torch.arange(n_tok, device="cuda").unsqueeze(1) * tkv
-        idx = idx.sort(dim=1).values.to(torch.int32)
+        q, kv8, idx = variant_inputs(n_tok, tkv, per_token, gen, heads=heads, topk=topk)
         touched = int(torch.unique(idx).numel()) * ROW
         ref = None
         for name in names:
