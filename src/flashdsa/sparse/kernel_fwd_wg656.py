@@ -142,7 +142,9 @@ __device__ __forceinline__ void fdsa_w656_rope(float *d, unsigned a0, unsigned a
 __device__ __forceinline__ void fdsa_w656_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void fdsa_w656_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void fdsa_w656_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+__device__ __forceinline__ void fdsa_w656_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
 // registers read or written by an in-flight wgmma stay allocated and untouched until after the caller's wait
 __device__ __forceinline__ void fdsa_w656_keep(uint4 (&w)[4]) {
 #pragma unroll
@@ -528,7 +530,8 @@ __device__ __forceinline__ void fdsa_w656_kernel(
   if (g == 1) {
 #pragma unroll
     for (int i = 0; i < 16; ++i)
-      *reinterpret_cast<float4 *>(mrg + ((wi * 16 + i) * 32 + lane) * 4) = make_float4(o[i][0], o[i][1], o[i][2], o[i][3]);
+      *reinterpret_cast<float4 *>(mrg + ((wi * 16 + i) * 32 + lane) * 4) =
+          make_float4(o[i][0], o[i][1], o[i][2], o[i][3]);
   }
   __syncthreads();
   if (tid < 32) {  // l per (warpgroup, head): the sum of the four warps'
