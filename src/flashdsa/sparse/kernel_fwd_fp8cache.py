@@ -358,16 +358,16 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
         env = os.environ.get(NARROW_ENV, "")
         narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
         if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
-            known = env in kernel_fwd_narrow656_dual.PREFETCH or env.startswith("mma") or env == "wg"
+            known = env in kernel_fwd_narrow656_dual.PREFETCH or env.startswith(("mma", "wg"))
             narrow = env if known else FEW_HEAD_FORM
     if isinstance(narrow, str) and narrow.startswith("mma"):  # per-warp mma.sync chains (H <= 16)
         if heads > kernel_fwd_mma656.MAX_HEADS:
             raise ValueError(f"narrow: the 'mma' form takes H <= {kernel_fwd_mma656.MAX_HEADS}, got H={heads}")
         kernel = kernel_fwd_mma656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
-    elif narrow == "wg":  # QK on the FP8 wgmma from raw rows (H <= 16)
+    elif isinstance(narrow, str) and narrow.startswith("wg"):  # QK on the FP8 wgmma from raw rows (H <= 16)
         if heads > kernel_fwd_wg656.MAX_HEADS:
             raise ValueError(f"narrow: the 'wg' form takes H <= {kernel_fwd_wg656.MAX_HEADS}, got H={heads}")
-        kernel = kernel_fwd_wg656.compiled(heads, float(sm_scale), has_sink, has_tl)
+        kernel = kernel_fwd_wg656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
     elif narrow in kernel_fwd_narrow656_dual.PREFETCH:  # the two-warpgroup forms (H <= 16)
         if heads > kernel_fwd_narrow656_dual.MAX_HEADS:
             raise ValueError(f"narrow: the {narrow!r} form takes H <= {kernel_fwd_narrow656_dual.MAX_HEADS}, "
@@ -378,7 +378,7 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     else:
         kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
     run = direct_launcher(kernel)
-    aligned_q = isinstance(narrow, str) and (narrow.startswith("mma") or narrow == "wg")  # 16-byte Q loads
+    aligned_q = isinstance(narrow, str) and narrow.startswith(("mma", "wg"))  # 16-byte Q loads
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
         if aligned_q and q.data_ptr() % CHUNK != 0:

@@ -263,8 +263,8 @@ def _variant_kernel(name: str, sm: float):
 
     if name == "narrow656":
         return compiled(16, sm, False, False)
-    if name == "wg":
-        return kernel_fwd_wg656.compiled(16, sm, False, False)
+    if name.startswith("wg"):
+        return kernel_fwd_wg656.compiled(16, sm, False, False, name)
     if name.startswith("mma"):
         return kernel_fwd_mma656.compiled(16, sm, False, False, name)
     return kernel_fwd_narrow656_dual.compiled(16, sm, False, False, name)

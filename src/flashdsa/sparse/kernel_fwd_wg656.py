@@ -183,7 +183,8 @@ __device__ __forceinline__ void fdsa_w656_row(unsigned dst, const void *src, uns
 }
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_wg656.py.
-template <int H, int HAS_SINK, int HAS_TL>
+// ABL (timing builds, wrong results): 1 no PV products (nor their conversions), 2 no QK products
+template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_w656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *smem_v, void *bars_v, int tok, float c) {
@@ -336,6 +337,7 @@ __device__ __forceinline__ void fdsa_w656_kernel(
     };
     load_tile(ka, 0);
     load_tile(kb, 128);
+    if (!(ABL & 2)) {
     fdsa_w656_fence();
     qk_tile(0, ka);
     qk_tile(1, kb);
@@ -366,6 +368,7 @@ __device__ __forceinline__ void fdsa_w656_kernel(
 #pragma unroll
     for (int t = 0; t < 4; ++t) fdsa_w656_keepf<16>(acc[t]);
     fdsa_w656_keepf<8>(accr);
+    }
 
     // ---- S in true units: keys 16 wi + r (registers j with j & 2 == 0) and + 8
     const float4 sc0 = *reinterpret_cast<const float4 *>(sb + koff - 32 * q + 512);
@@ -398,15 +401,6 @@ __device__ __forceinline__ void fdsa_w656_kernel(
       }
     }
     asm volatile("bar.sync %0, 128;" :: "r"(8 + g) : "memory");
-    // every warp is past the PV of step it - 1: refill its stage with step it + 1
-    if (it >= 1 && it + 1 < nsteps) {
-      const int st = it + 1;
-      if ((st & 1) == 0) {  // the first step of block st / 2: load block st / 2 + 1
-        rows_cur = rows_next;
-        rows_next = block_rows((st >> 1) + 1);
-      }
-      issue(st, __shfl_sync(0xffffffffu, rows_cur, 16 * (st & 1) + (lane & 15)));
-    }
     float Mh[4], MO[2], CM[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -481,7 +475,7 @@ __device__ __forceinline__ void fdsa_w656_kernel(
     asm volatile("bar.sync %0, 128;" :: "r"(8 + g) : "memory");
     // ---- PV: warp wi, tile wi, k step i = the 16 keys of warp i (physical keys (x, x + 8) = logical 2x, 2x + 1)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < ((ABL & 1) ? 0 : 4); ++i) {
       const uint4 pa = *reinterpret_cast<const uint4 *>(pw_me + i * 512);
       const unsigned a[4] = {pa.x, pa.y, pa.z, pa.w};
       uint4 vw[4];  // keys q, q + 8 (b0) and q + 4, q + 12 (b1) of warp i's 16
@@ -499,6 +493,17 @@ __device__ __forceinline__ void fdsa_w656_kernel(
           fdsa_w656_mma_f16(o[4 * wd + 2 * hb], a, fdsa_w656_cvt(x), fdsa_w656_cvt(y));
           fdsa_w656_mma_f16(o[4 * wd + 2 * hb + 1], a, fdsa_w656_cvt_hi(x), fdsa_w656_cvt_hi(y));
         }
+    }
+    // every warp is past this step's PV: refill its stage with step it + 2 at once (issuing it at the next step's
+    // first barrier instead put that step's data wait on the refill: 72.7 us at B 128, session 35)
+    asm volatile("bar.sync %0, 128;" :: "r"(8 + g) : "memory");
+    if (it + 2 < nsteps) {
+      const int st = it + 2;
+      if ((st & 1) == 0) {  // the first step of block st / 2: load block st / 2 + 1
+        rows_cur = rows_next;
+        rows_next = block_rows((st >> 1) + 1);
+      }
+      issue(st, __shfl_sync(0xffffffffu, rows_cur, 16 * (st & 1) + (lane & 15)));
     }
   }
 
@@ -584,18 +589,26 @@ __device__ __forceinline__ void fdsa_w656_kernel(
 """
 
 
+def form(name: str) -> int:
+    """The ``ablate`` bits of a form name: "wg" (0), or the timing builds "wg_a<N>" (the kernel's ABL bits N)."""
+    rest = name.removeprefix("wg")
+    if not name.startswith("wg") or (rest and not (rest.startswith("_a") and rest[2:].isdigit())):
+        raise ValueError(f"narrow: unknown wg form {name!r}")
+    return int(rest[2:] or 0)
+
+
 def build_sparse_mla_fwd_wg656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                               has_topk_length: bool = False):
+                               has_topk_length: bool = False, ablate: int = 0):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
-    MaxLogits); H <= 16, any topk."""
+    MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds)."""
     assert 1 <= heads <= MAX_HEADS, heads
     assert sm_scale > 0
     c_log2 = float(sm_scale) * LOG2E
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     CH = fc.CHUNK
-    fn = f"fdsa_w656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}>"
+    fn = f"fdsa_w656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}>"
 
     @T.prim_func
     def sparse_mla_fwd_wg656(
@@ -624,9 +637,9 @@ def build_sparse_mla_fwd_wg656(*, heads: int, sm_scale: float, has_sink: bool = 
 
 
 @functools.lru_cache(maxsize=64)
-def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, name: str = "wg"):
     func = build_sparse_mla_fwd_wg656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                      has_topk_length=has_topk_length)
+                                      has_topk_length=has_topk_length, ablate=form(name))
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
