@@ -195,15 +195,6 @@ def sparse_cache656_mma():
 TARGETS["sparse_cache656_mma"] = sparse_cache656_mma
 
 
-def sparse_cache656_wg():
-    """The 656-byte cache forward with H <= 16 on kernel_fwd_wg656 (QK on the FP8 wgmma)."""
-    with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": "wg"}):
-        return sparse("cache656")
-
-
-TARGETS["sparse_cache656_wg"] = sparse_cache656_wg
-
-
 def main():
     ok = True
     for name in sys.argv[1:]:

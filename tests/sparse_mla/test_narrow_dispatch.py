@@ -7,7 +7,7 @@ pytest.importorskip("tilelang")
 
 from flashdsa.sparse import (  # noqa: E402
     kernel_dequant656, kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_mma656, kernel_fwd_narrow, kernel_fwd_narrow656,
-    kernel_fwd_narrow656_dual, kernel_fwd_pair, kernel_fwd_pair_cache, kernel_fwd_wg656,
+    kernel_fwd_narrow656_dual, kernel_fwd_pair, kernel_fwd_pair_cache,
 )
 
 
@@ -30,7 +30,6 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd_narrow656, "compiled", _fake_kernel(calls, "narrow656"))
     monkeypatch.setattr(kernel_fwd_narrow656_dual, "compiled", _fake_kernel(calls, "narrow656_dual"))
     monkeypatch.setattr(kernel_fwd_mma656, "compiled", _fake_kernel(calls, "mma656"))
-    monkeypatch.setattr(kernel_fwd_wg656, "compiled", _fake_kernel(calls, "wg656"))
     monkeypatch.setattr(kernel_fwd_pair_cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_pair_cache, "_compiled", _fake_kernel(calls, "pair656"))
 
@@ -65,7 +64,6 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
     ("regs", 9, None, "narrow656_dual:regs"), ("ring16", 16, None, "narrow656_dual:ring16"),
     ("ring", 16, None, "narrow656_dual:ring"), ("ring_er", 16, None, "narrow656_dual:ring_er"),
     ("ring", 17, None, "narrow656"), ("ring_er_f16", 3, None, "narrow656_dual:ring_er_f16"),
-    ("wg", 16, None, "wg656"), ("wg", 1, None, "wg656"), ("wg", 17, None, "narrow656"),
 ])
 def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, expect):
     monkeypatch.setenv(kernel_fwd_fp8cache.NARROW_ENV, env)
@@ -147,7 +145,7 @@ def test_narrow_rejects_wide_heads():
         kernel_fwd_narrow.rows_tile(33)
 
 
-@pytest.mark.parametrize("form", ["ring", "ring_er_f16", "mma", "wg"])
+@pytest.mark.parametrize("form", ["ring", "ring_er_f16"])
 def test_cache656_few_head_forms_reject_wide_heads(record, form):
     q = torch.zeros(3, 17, 576, dtype=torch.bfloat16)
     kv = torch.zeros(10, 656, dtype=torch.uint8)

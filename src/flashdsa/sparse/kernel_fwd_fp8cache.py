@@ -320,8 +320,8 @@ def cache_chunks(kv):
 
 
 # "0": H <= 32 runs this module's 64-head kernel; "1" / "narrow656": kernel_fwd_narrow656 up to H 32; a name in
-# kernel_fwd_narrow656_dual.PREFETCH, "mma" (kernel_fwd_mma656) or "wg" (kernel_fwd_wg656): that form at H <= 16;
-# unset: FEW_HEAD_FORM at H <= 16, narrow656 at 17..32
+# kernel_fwd_narrow656_dual.PREFETCH or "mma" (kernel_fwd_mma656): that form at H <= 16; unset: FEW_HEAD_FORM at
+# H <= 16, narrow656 at 17..32
 NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
 # The form run at H <= 16 without an explicit choice: kernel_fwd_mma656's per-warp mma.sync chains, faster than the
 # two-warpgroup form on every shape measured (session 33, H 16, topk 2048, 6e8a3c4: decode B 128 75.1 vs 98.9 us,
@@ -345,7 +345,7 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     contiguous); None where the call takes the whole-cache bf16 copy (``dequant_once``: two launches).  What
     ``mla_decode``'s eager plans store per call signature.  Arguments: as ``run_sparse_mla_fwd``."""
     from . import (kernel_dequant656, kernel_fwd_mma656, kernel_fwd_narrow656, kernel_fwd_narrow656_dual,
-                   kernel_fwd_pair_cache, kernel_fwd_wg656)
+                   kernel_fwd_pair_cache)
 
     heads = q.shape[1]
     has_sink, has_tl = attn_sink is not None, topk_length is not None
@@ -358,16 +358,12 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
         env = os.environ.get(NARROW_ENV, "")
         narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
         if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
-            known = env in kernel_fwd_narrow656_dual.PREFETCH or env.startswith(("mma", "wg"))
+            known = env in kernel_fwd_narrow656_dual.PREFETCH or env.startswith("mma")  # "mma_a<N>": timing builds
             narrow = env if known else FEW_HEAD_FORM
     if isinstance(narrow, str) and narrow.startswith("mma"):  # per-warp mma.sync chains (H <= 16)
         if heads > kernel_fwd_mma656.MAX_HEADS:
             raise ValueError(f"narrow: the 'mma' form takes H <= {kernel_fwd_mma656.MAX_HEADS}, got H={heads}")
         kernel = kernel_fwd_mma656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
-    elif isinstance(narrow, str) and narrow.startswith("wg"):  # QK on the FP8 wgmma from raw rows (H <= 16)
-        if heads > kernel_fwd_wg656.MAX_HEADS:
-            raise ValueError(f"narrow: the 'wg' form takes H <= {kernel_fwd_wg656.MAX_HEADS}, got H={heads}")
-        kernel = kernel_fwd_wg656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
     elif narrow in kernel_fwd_narrow656_dual.PREFETCH:  # the two-warpgroup forms (H <= 16)
         if heads > kernel_fwd_narrow656_dual.MAX_HEADS:
             raise ValueError(f"narrow: the {narrow!r} form takes H <= {kernel_fwd_narrow656_dual.MAX_HEADS}, "
@@ -378,7 +374,7 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     else:
         kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
     run = direct_launcher(kernel)
-    aligned_q = isinstance(narrow, str) and narrow.startswith(("mma", "wg"))  # 16-byte Q loads
+    aligned_q = isinstance(narrow, str) and narrow.startswith("mma")  # its Q loads are 16-byte vectors
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
         if aligned_q and q.data_ptr() % CHUNK != 0:
@@ -402,9 +398,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     ``kernel_fwd_narrow656`` (bulk row copies, keys on the wgmma M side, H <= 32;
     ``narrow_stages``: its raw stage count, None = its default; ``narrow`` = a name in
     ``kernel_fwd_narrow656_dual.PREFETCH``: that two-warpgroup form, H <= 16; "mma": ``kernel_fwd_mma656``'s
-    per-warp ``mma.sync`` chains, H <= 16; "wg": ``kernel_fwd_wg656``, QK on the FP8 wgmma, H <= 16); None:
-    ``FEW_HEAD_FORM`` at H <= 16 and narrow656 at H 17..32, unless ``$FLASHDSA_NARROW_CACHE656`` says otherwise
-    (``NARROW_ENV``).
+    per-warp ``mma.sync`` chains, H <= 16); None: ``FEW_HEAD_FORM`` at H <= 16 and narrow656 at H 17..32, unless
+    ``$FLASHDSA_NARROW_CACHE656`` says otherwise (``NARROW_ENV``).
     Otherwise this module's pipelined kernel (heads padded to 64).
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it)."""
     from . import kernel_dequant656, kernel_fwd_pair, kernel_fwd_pair_cache

@@ -255,16 +255,14 @@ def lowering_cases():
 
 
 VARIANTS = ("narrow656", "regs", "ring", "ring16", "ring64", "ring_er", "ring16_er", "ringx",
-            "ring_er_f16", "mma", "wg")  # this kernel, kernel_fwd_narrow656_dual's forms, kernel_fwd_mma656 / _wg656
+            "ring_er_f16", "mma")  # this kernel, kernel_fwd_narrow656_dual's forms, kernel_fwd_mma656
 
 
 def _variant_kernel(name: str, sm: float):
-    from . import kernel_fwd_mma656, kernel_fwd_narrow656_dual, kernel_fwd_wg656
+    from . import kernel_fwd_mma656, kernel_fwd_narrow656_dual
 
     if name == "narrow656":
         return compiled(16, sm, False, False)
-    if name.startswith("wg"):
-        return kernel_fwd_wg656.compiled(16, sm, False, False, name)
     if name.startswith("mma"):
         return kernel_fwd_mma656.compiled(16, sm, False, False, name)
     return kernel_fwd_narrow656_dual.compiled(16, sm, False, False, name)
