@@ -195,15 +195,6 @@ def sparse_cache656_mma():
 TARGETS["sparse_cache656_mma"] = sparse_cache656_mma
 
 
-def sparse_cache656_mma4():
-    """The same with 4 warps per key group (kernel_fwd_mma656's "mma4" form)."""
-    with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": "mma4"}):
-        return sparse("cache656")
-
-
-TARGETS["sparse_cache656_mma4"] = sparse_cache656_mma4
-
-
 def main():
     ok = True
     for name in sys.argv[1:]:

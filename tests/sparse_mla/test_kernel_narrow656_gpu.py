@@ -47,12 +47,6 @@ CASES += [c + ("ring16_er",) for c in _DUAL[1:3]]
 CASES += [c + ("mma",) for c in _DUAL]
 CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "mma"), (3, 8192, 2048, 7, True, True, "strided", 656, "mma"),
           (16, 8192, 2048, 20, False, False, "contig", 688, "mma"), (16, 64, 16, 5, True, False, "contig", 656, "mma")]
-# the same kernel with 4 warps per key group ("mma4": 16 warps, one latent tile each)
-CASES += [c + ("mma4",) for c in _DUAL]
-CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "mma4"),
-          (3, 8192, 2048, 7, True, True, "strided", 656, "mma4"),
-          (16, 8192, 2048, 20, False, False, "contig", 688, "mma4"), (16, 64, 16, 5, True, False, "contig", 656, "mma4"),
-          (16, 20000, 2048, 3, True, True, "contig", 656, "mma4")]
 CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "ring16"),
           (16, 8192, 2048, 20, False, False, "contig", 688, "ring16")]
 
@@ -79,7 +73,7 @@ def test_sparse_mla_fwd_narrow656(heads, tkv, topk, n_tok, sink, use_tl, layout,
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("form", ["ring_er_f16", "mma", "mma4"])
+@pytest.mark.parametrize("form", ["ring_er_f16", "mma"])
 @pytest.mark.parametrize("spread", [4, 10])
 def test_f16_form_scale_spread(spread, form):
     """The f16 form ("ring_er_f16": each row's latent tile scaled by its scale over the token's largest, q by the

@@ -64,7 +64,6 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
     ("regs", 9, None, "narrow656_dual:regs"), ("ring16", 16, None, "narrow656_dual:ring16"),
     ("ring", 16, None, "narrow656_dual:ring"), ("ring_er", 16, None, "narrow656_dual:ring_er"),
     ("ring", 17, None, "narrow656"), ("ring_er_f16", 3, None, "narrow656_dual:ring_er_f16"),
-    ("mma4", 16, None, "mma656"), ("mma4_a16", 3, None, "mma656"),
 ])
 def test_cache656_forward_picks_kernel(record, monkeypatch, env, heads, pair, expect):
     monkeypatch.setenv(kernel_fwd_fp8cache.NARROW_ENV, env)
@@ -198,15 +197,3 @@ def test_cache656_launcher(record, monkeypatch, n_tok, heads, tkv, expect):
                                           torch.zeros(n_tok, 100, dtype=torch.int32), sm_scale=0.1, d_v=512)
     assert (launch is None) == (expect is None)
     assert [name for name, _ in record] == ([] if expect is None else [expect])
-
-
-@pytest.mark.parametrize("name,expect", [("mma", (2, 0)), ("mma_a48", (2, 48)), ("mma4", (4, 0)),
-                                         ("mma4_a16", (4, 16))])
-def test_mma656_form_names(name, expect):
-    assert kernel_fwd_mma656.form(name) == expect
-
-
-@pytest.mark.parametrize("name", ["mma8", "mma_b1", "mma4_", "wg", "mma4_ax"])
-def test_mma656_form_rejects(name):
-    with pytest.raises(ValueError, match="unknown mma form"):
-        kernel_fwd_mma656.form(name)

@@ -77,10 +77,10 @@ from ._tl_common import LOG2E
 from .kernel_fwd_narrow656 import _pass_configs
 
 MAX_HEADS = 16
-GROUPS = 4  # key groups (pairs of warps; quads in the "mma4" form)
+GROUPS = 4  # key groups (pairs of warps)
 NST = 4  # raw stages of 16 rows per group
 CHUNK = 16  # keys per step
-THREADS = 256  # the "mma" form; "mma4": 512
+THREADS = 256
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads; no wgmma)
 
 _SRC = tc.FAST_EXP2_PRELUDE + f"""
@@ -162,20 +162,14 @@ __device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, uns
 // globaltimer at entry, 2 after the prologue (6 / 7: warp 0's copies issued / Q' stored), 3 merge start (8 / 9 / 10:
 // O stored, synced, weights), 4 end, 5 the globaltimer at the end, 64 + 32 w + it warp w's wait of step it done,
 // 320 + .. its exchange barrier passed, 832 + w its loop end; clock64 deltas from entry in cycles)
-// W: warps per key group (2: each owns two latent tiles and, warp 0, the rope; 4: one tile and a quarter of the
-// rope each, 16 warps, O in 64 registers)
-template <int H, int HAS_SINK, int HAS_TL, int ABL = 0, int W = 2>
+template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
     float *xch, int *valid, float *misc, void *bars_v, int tok, float c) {
   constexpr int G = FDSA_M656_G, NST = FDSA_M656_NST, ROW = FDSA_M656_ROW;
-  constexpr int NT = 4 / W, RPW = 16 / W, BLK = 32 / RPW;  // tiles per warp, rows per warp and step, steps per block
-  static_assert(W == 2 || W == 4, "2 or 4 warps per group");
-  static_assert(W == 2 || !(ABL & 64), "the timestamp layout is for 8 warps");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  constexpr int LW = W == 2 ? 1 : 2, LR = W == 2 ? 3 : 2, LB = W == 2 ? 2 : 3;  // log2 of W, RPW, BLK
-  const int g = warp >> LW, hh = warp & (W - 1), r = lane >> 2, q = lane & 3;
+  const int g = warp >> 1, hh = warp & 1, r = lane >> 2, q = lane & 3;
   const long long t_entry = (ABL & 64) ? clock64() : 0;
   unsigned *dbg = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * 4096;
   auto stamp = [&](int at) {
@@ -206,46 +200,43 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   const int nc = (lim + 15) >> 4;
   const int nsteps = nc > g ? (nc - g + G - 1) / G : 0;
 
-  // step s of this group: chunk g + G s into stage s % NST; lanes 0-7 of each warp copy 8 of its 16 rows (W 4:
-  // lanes 0-3, 4 rows), one
+  // step s of this group: chunk g + G s into stage s % NST; lanes 0-7 of each warp copy 8 of its 16 rows, one
   // cp.async.bulk each (an invalid slot's row is zeroed instead: nothing read), after writing the row's flag.
   // The row numbers come in blocks of 4 steps, one load per lane (lane l: step 4 k + l / 8, row l % 8 of the
   // warp's half), a block ahead of their use and handed to lanes 0-7 by a shuffle: a load per step issued one step
   // ahead put an L2 / DRAM round trip on every step's refill (session 33: 82.9 -> 79.2 us at B 128)
   auto slot_row = [&](int step) -> int {
-    const int slot = (g + G * step) * 16 + hh * RPW + (lane & (RPW - 1));
+    const int slot = (g + G * step) * 16 + hh * 8 + (lane & 7);
     return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
   };
-  auto block_rows = [&](int k) -> int { return slot_row(BLK * k + (lane >> LR)); };
+  auto block_rows = [&](int k) -> int { return slot_row(4 * k + (lane >> 3)); };
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
   auto issue = [&](int step, int row) {
-    if (lane < RPW) {
-      const int k = hh * RPW + lane, bi = g * NST + step % NST;
+    if (lane < 8) {
+      const int k = hh * 8 + lane, bi = g * NST + step % NST;
       const int ok = row >= 0 && row < n_rows;
       valid[bi * 16 + k] = ok;
       fdsa_m656_row(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
                     stage + (bi * 16 + k) * ROW);
     }
   };
-  static_assert(NST == 4 && BLK >= NST, "the prologue issues steps 0-3 from block 0");
+  static_assert(NST == 4, "the row blocks hold 4 steps: the prologue issues block 0");
   int rows_cur = block_rows(0), rows_next = block_rows(1);
 
   {  // Q' (f16, per-(half, head) power of two) and the bf16 rope into shared memory: 16 threads per head
-    const int h = W == 2 ? tid >> 4 : (tid >> 4) & 15, p = tid & 15;  // W 4: threads 256-511 only issue copies
+    const int h = tid >> 4, p = tid & 15;
     uint4 w[4] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u),
                   make_uint4(0u, 0u, 0u, 0u)};
     uint2 rw = make_uint2(0u, 0u);
-    if (h < H && (W == 2 || tid < 256)) {
+    if (h < H) {
       const unsigned short *row = static_cast<const unsigned short *>(Qv) + (static_cast<long long>(tok) * H + h) * 576;
 #pragma unroll
       for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const uint4 *>(row + 32 * p)[i];
       rw = *reinterpret_cast<const uint2 *>(row + 512 + 4 * p);
     }
     // block 0's copies go out while Q's loads are in flight
-    for (int s = 0; s < NST && s < nsteps; ++s)
-      issue(s, __shfl_sync(0xffffffffu, rows_cur, RPW * s + (lane & (RPW - 1))));
+    for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
     if (warp == 0) stamp(6);
-    if (W == 2 || tid < 256) {
     const unsigned *wu = reinterpret_cast<const unsigned *>(w);
     float mx = 0.f;
 #pragma unroll
@@ -275,40 +266,37 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     rp[0] = rw.x;
     rp[2] = rw.y;
     if (warp == 0) stamp(7);
-    }
   }
   __syncthreads();
   if (tid == 0) stamp(2);
 
-  float o[NT][16][4];
+  float o[2][16][4];
 #pragma unroll
-  for (int tt = 0; tt < NT; ++tt)
+  for (int tt = 0; tt < 2; ++tt)
 #pragma unroll
     for (int i = 0; i < 16; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[tt][i][e] = 0.f;
-  float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f, srefs[NT], sinvs[NT];
-#pragma unroll
-  for (int tt = 0; tt < NT; ++tt) srefs[tt] = sinvs[tt] = 0.f;
-  const int hf = (NT * hh) >> 1;  // the dim half of this warp's tiles (Q' has a power of two per half and head)
-  const float qf0 = qf[hf * 16 + r], qf1 = qf[hf * 16 + r + 8];
+  float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f, sref0 = 0.f, sref1 = 0.f;
+  float sinv0 = 0.f, sinv1 = 0.f;
+  const float qf0 = qf[hh * 16 + r], qf1 = qf[hh * 16 + r + 8];
   // per-thread byte offsets (the loads below add compile-time displacements only; session 32's ncu counted ~280 of
   // ~1,090 instructions per warp and step in recomputed index arithmetic): K / rope rows 8 j + r from byte 32 q of
   // the warp's tiles, V rows 2 q (+1, +8, +9) from byte 16 r, scales of rows 2 q (+1, +8, +9); the Q' fragment of
-  // tile NT hh + tt and k step s at qoff + (8 tt + s) 512, the rope's of k step s at roff + 512 s
-  const int koff = r * ROW + 32 * q + 128 * NT * hh, voff = 2 * q * ROW + 16 * r + 128 * NT * hh;
-  const int soff = 2 * q * ROW + 512 + 4 * NT * hh;
-  const int qoff = hh * NT * 4096 + lane * 16, roff = lane * 16;
+  // tile 2 hh + tt and k step s at qoff + (8 tt + s) 512, the rope's of k step s at roff + 512 s
+  const int koff = r * ROW + 32 * q + 256 * hh, voff = 2 * q * ROW + 16 * r + 256 * hh;
+  const int soff = 2 * q * ROW + 512 + 8 * hh;
+  const int qoff = hh * 8192 + lane * 16, roff = lane * 16;
 
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
     fdsa_m656_wait(bars + bi * 8, (it / NST) & 1);
     if (it < 32) stamp(64 + 32 * warp + it);
     const unsigned char *sb = stage + bi * 16 * ROW;
-    // ---- QK partial over this warp's tiles NT hh + tt (+ the rope: all of it for hh 0 (W 2), k step hh (W 4))
-    float acc[NT][2][4];
+    // ---- QK partial over this warp's tiles 2 hh, 2 hh + 1 (+ the rope for hh 0)
+    float acc[2][2][4];
 #pragma unroll
-    for (int tt = 0; tt < NT; ++tt) {  // tile NT hh + tt
+    for (int tt = 0; tt < 2; ++tt) {  // tile 2 hh + tt
       if (ABL & 32) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[tt][e >> 2][e & 3] = 0.f;
@@ -339,16 +327,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       }
     }
     float accr[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    if (W == 4) {  // k step hh of the rope: words 2 hh, 2 hh + 1 of the lane's 32 rope bytes
-      uint2 kr[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        kr[j] = *reinterpret_cast<const uint2 *>(sb + koff - 128 * NT * hh + 8 * j * ROW + 528 + 8 * hh);
-      const uint4 qa = *reinterpret_cast<const uint4 *>(qr + roff + hh * 512);
-      const unsigned a[4] = {qa.x, qa.y, qa.z, qa.w};
-#pragma unroll
-      for (int j = 0; j < 2; ++j) fdsa_m656_mma_bf16(accr[j], a, kr[j].x, kr[j].y);
-    } else if (hh == 0) {
+    if (hh == 0) {
       uint4 kr[2][2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -365,21 +344,15 @@ __device__ __forceinline__ void fdsa_m656_kernel(
         for (int j = 0; j < 2; ++j) fdsa_m656_mma_bf16(accr[j], a, kru[j * 8 + 2 * s], kru[j * 8 + 2 * s + 1]);
       }
     }
-    // the lane's S columns: keys 8 j + 2 q + b (j, b in {0, 1}); their tile scales (this warp's tiles) and flags
-    float sc[2][2][NT];
+    // the lane's S columns: keys 8 j + 2 q + b (j, b in {0, 1}); their tile scales and flags
+    float2 sc[2][2];
     int vd[2][2];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
         const int key = 8 * j + 2 * q + b;
-        if constexpr (NT == 2) {
-          const float2 s2 = *reinterpret_cast<const float2 *>(sb + soff + (8 * j + b) * ROW);
-          sc[j][b][0] = s2.x;
-          sc[j][b][NT - 1] = s2.y;
-        } else {
-          sc[j][b][0] = *reinterpret_cast<const float *>(sb + soff + (8 * j + b) * ROW);
-        }
+        sc[j][b] = *reinterpret_cast<const float2 *>(sb + soff + (8 * j + b) * ROW);
         vd[j][b] = valid[bi * 16 + key];
       }
     float part[2][4];
@@ -387,43 +360,35 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float *s2 = sc[j][e & 1];
-        float x = acc[0][j][e] * s2[0];
-        if (NT == 2) x += acc[NT - 1][j][e] * s2[NT - 1];
-        x *= e < 2 ? qf0 : qf1;
-        if (W == 4 || hh == 0) x += accr[j][e];
+        const float2 s2 = sc[j][e & 1];
+        float x = (acc[0][j][e] * s2.x + acc[1][j][e] * s2.y) * (e < 2 ? qf0 : qf1);
+        if (hh == 0) x += accr[j][e];
         part[j][e] = x;
       }
     // exchange the partials: both warps add them in the same order
-    float *xb = xch + (g * 2 + (it & 1)) * (256 * W);  // [hh][j][lane][4]
+    float *xb = xch + (g * 2 + (it & 1)) * 512;  // [hh][j][lane][4]
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
           make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
-    if (!(ABL & 8)) asm volatile("bar.sync %0, %1;" :: "r"(8 + g), "n"(32 * W) : "memory");
+    if (!(ABL & 8)) asm volatile("bar.sync %0, 64;" :: "r"(8 + g) : "memory");
     if (it < 32) stamp(320 + 32 * warp + it);
     // the stage of step it - 1 is free (both warps are past its PV): refill it with step it + NST - 1
     // (issuing it after the PV instead measured slower: 95.5 vs 94.0 us, session 32)
     if (it >= 1 && it + NST - 1 < nsteps) {
       const int st = it + NST - 1;
-      if ((st & (BLK - 1)) == 0) {  // the first step of block st / BLK: load block st / BLK + 1
+      if ((st & 3) == 0) {  // the first step of block st / 4: load block st / 4 + 1
         rows_cur = rows_next;
-        rows_next = block_rows((st >> LB) + 1);
+        rows_next = block_rows((st >> 2) + 1);
       }
-      issue(st, __shfl_sync(0xffffffffu, rows_cur, RPW * (st & (BLK - 1)) + (lane & (RPW - 1))));
+      issue(st, __shfl_sync(0xffffffffu, rows_cur, 8 * (st & 3) + (lane & 7)));
     }
     float S[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float4 own = make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
-      float4 pa = (ABL & 8) ? own : *reinterpret_cast<const float4 *>(xb + (j * 32 + lane) * 4);
-      float4 pb = (ABL & 8) ? own : *reinterpret_cast<const float4 *>(xb + 256 + (j * 32 + lane) * 4);
-      if (W == 4) {  // ((p0 + p1) + p2) + p3, the same order in every warp of the group
-        const float4 pc = (ABL & 8) ? own : *reinterpret_cast<const float4 *>(xb + 512 + (j * 32 + lane) * 4);
-        const float4 pd = (ABL & 8) ? own : *reinterpret_cast<const float4 *>(xb + 768 + (j * 32 + lane) * 4);
-        pa = make_float4((pa.x + pb.x) + pc.x, (pa.y + pb.y) + pc.y, (pa.z + pb.z) + pc.z, (pa.w + pb.w) + pc.w);
-        pb = pd;
-      }
+      const float4 pa = (ABL & 8) ? own : *reinterpret_cast<const float4 *>(xb + (j * 32 + lane) * 4);
+      const float4 pb = (ABL & 8) ? own : *reinterpret_cast<const float4 *>(xb + 256 + (j * 32 + lane) * 4);
       S[j][0] = vd[j][0] ? pa.x + pb.x : -FDSA_M656_INF;
       S[j][1] = vd[j][1] ? pa.y + pb.y : -FDSA_M656_INF;
       S[j][2] = vd[j][0] ? pa.z + pb.z : -FDSA_M656_INF;
@@ -446,7 +411,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       l0 *= al0;
       l1 *= al1;
 #pragma unroll
-      for (int tt = 0; tt < NT; ++tt)
+      for (int tt = 0; tt < 2; ++tt)
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           o[tt][i][0] *= al0;
@@ -464,14 +429,14 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     l1 += (P[0][2] + P[0][3]) + (P[1][2] + P[1][3]);
     // ---- PV for each of the warp's tiles
 #pragma unroll
-    for (int tt = 0; tt < ((ABL & 16) ? 0 : NT); ++tt) {  // tile t = NT hh + tt
+    for (int tt = 0; tt < ((ABL & 16) ? 0 : 2); ++tt) {  // tile t = 2 hh + tt
       float cm = 0.f;
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int b = 0; b < 2; ++b) cm = fmaxf(cm, vd[j][b] ? sc[j][b][tt] : 0.f);
+        for (int b = 0; b < 2; ++b) cm = fmaxf(cm, vd[j][b] ? (tt ? sc[j][b].y : sc[j][b].x) : 0.f);
       cm = fdsa_m656_quad_max(cm);  // the chunk's largest scale of tile t (the same in every lane)
-      float &sref = srefs[tt], &inv = sinvs[tt];  // inv = 1 / sref (0 while sref is 0)
+      float &sref = tt ? sref1 : sref0, &inv = tt ? sinv1 : sinv0;  // inv = 1 / sref (0 while sref is 0)
       if (cm > sref) {
         if (sref > 0.f) {
           const float ratio = sref / cm;
@@ -488,7 +453,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          pv[j][e] = P[j][e] * (sc[j][e & 1][tt] * inv);
+          const float2 s2 = sc[j][e & 1];
+          pv[j][e] = P[j][e] * ((tt ? s2.y : s2.x) * inv);
         }
       const unsigned a[4] = {fdsa_m656_pack(pv[0][0], pv[0][1]), fdsa_m656_pack(pv[0][2], pv[0][3]),
                              fdsa_m656_pack(pv[1][0], pv[1][1]), fdsa_m656_pack(pv[1][2], pv[1][3])};
@@ -532,17 +498,17 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     mtx[g * 16 + r + 8] = t1;
   }
   if (lane == 0) {
-#pragma unroll
-    for (int tt = 0; tt < NT; ++tt) smx[g * 4 + NT * hh + tt] = srefs[tt];
+    smx[g * 4 + 2 * hh] = sref0;
+    smx[g * 4 + 2 * hh + 1] = sref1;
   }
   __syncthreads();  // every group is done: no copy in flight, the stages hold the merge buffer now
   if (tid == 0) stamp(3);
-  float *mrg = reinterpret_cast<float *>(stage);  // [g][hh][fragment 0..16 NT - 1][lane][4]
+  float *mrg = reinterpret_cast<float *>(stage);  // [g][hh][fragment 0..31][lane][4]
 #pragma unroll
-  for (int tt = 0; tt < NT; ++tt)
+  for (int tt = 0; tt < 2; ++tt)
 #pragma unroll
     for (int i = 0; i < 16; ++i)
-      *reinterpret_cast<float4 *>(mrg + (((g * W + hh) * 16 * NT + tt * 16 + i) * 32 + lane) * 4) =
+      *reinterpret_cast<float4 *>(mrg + (((g * 2 + hh) * 32 + tt * 16 + i) * 32 + lane) * 4) =
           make_float4(o[tt][i][0], o[tt][i][1], o[tt][i][2], o[tt][i][3]);
   if (tid == 0) stamp(8);
   __syncthreads();
@@ -571,14 +537,14 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     inv0 = L0 > 0.f ? 1.f / (L0 + sk0) : 0.f;
     inv1 = L1 > 0.f ? 1.f / (L1 + sk1) : 0.f;
   }
-  // warp (g, hh) merges fragments [4 g, 4 g + 4) of its tiles NT hh + tt: for tile t, dims 128 t + 32 q + 4 g
+  // warp (g, hh) merges fragments [4 g, 4 g + 4) of tiles 2 hh and 2 hh + 1: for tile t, dims 128 t + 32 q + 4 g
   // (+ 0..3, and + 16) of heads r and r + 8, stored straight to global as 8-byte pieces (session 34: a bf16 staging
   // tile in shared memory with 2-byte stores took 2.8 us per CTA, 16-way bank conflicts; the output is 16 KB)
   unsigned short *out = static_cast<unsigned short *>(Outv) + static_cast<long long>(tok) * H * 512;
   if (tid == 0) stamp(10);
 #pragma unroll
-  for (int tt = 0; tt < NT; ++tt) {
-    const int t = NT * hh + tt;
+  for (int tt = 0; tt < 2; ++tt) {
+    const int t = 2 * hh + tt;
     float sum[4][4];  // [f][x, y, z, w]
 #pragma unroll
     for (int f = 0; f < 4; ++f) {
@@ -587,7 +553,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       for (int e = 0; e < 4; ++e) sum[f][e] = 0.f;
 #pragma unroll
       for (int gg = 0; gg < G; ++gg) {
-        const float4 v = *reinterpret_cast<const float4 *>(mrg + (((gg * W + hh) * 16 * NT + fr) * 32 + lane) * 4);
+        const float4 v = *reinterpret_cast<const float4 *>(mrg + (((gg * 2 + hh) * 32 + fr) * 32 + lane) * 4);
         const float s = smx[gg * 4 + t], f0 = s * wgt[gg][0], f1 = s * wgt[gg][1];
         sum[f][0] += v.x * f0;
         sum[f][1] += v.y * f0;
@@ -635,25 +601,21 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 """
 
 
-def form(name: str) -> tuple[int, int]:
-    """(warps per key group, ``ablate`` bits) of a form name: "mma" (2, 0) or "mma4" (4, 0: 16 warps, each owning
-    one latent tile), and their timing builds "mma_a<N>" / "mma4_a<N>" (the kernel's ABL bits N)."""
-    warps = 4 if name.startswith("mma4") else 2
-    rest = name.removeprefix("mma4" if warps == 4 else "mma")
+def form(name: str) -> int:
+    """The ``ablate`` bits of a form name: "mma" (0), or the timing builds "mma_a<N>" (the kernel's ABL bits N)."""
+    rest = name.removeprefix("mma")
     if not name.startswith("mma") or (rest and not (rest.startswith("_a") and rest[2:].isdigit())):
         raise ValueError(f"narrow: unknown mma form {name!r}")
-    return warps, int(rest[2:] or 0)
+    return int(rest[2:] or 0)
 
 
 def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, ablate: int = 0, warps: int = 2):
+                                has_topk_length: bool = False, ablate: int = 0):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
-    MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds); ``warps``: per key
-    group (2, or 4: 512 threads at <= 128 registers)."""
+    MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds)."""
     assert 1 <= heads <= MAX_HEADS, heads
-    assert warps in (2, 4), warps
-    assert not ablate & 64 or (heads == 16 and warps == 2), "the timestamp build writes 4096 words per token"
+    assert not ablate & 64 or heads == 16, "the timestamp build writes 4096 words per token"
 
     assert sm_scale > 0
     c_log2 = float(sm_scale) * LOG2E
@@ -662,7 +624,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     CH = fc.CHUNK
     stage_bytes = GROUPS * NST * CHUNK * fc.ROW_BYTES
     assert stage_bytes >= GROUPS * 2 * 32 * 32 * 4 * 4  # the merge buffer
-    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, {warps}>"
+    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma656(
@@ -679,10 +641,10 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=GROUPS * warps * 32, prelude=_SRC) as bx:
+        with T.Kernel(n_tok, threads=THREADS, prelude=_SRC) as bx:
             Stage = T.alloc_shared([stage_bytes], u8)
             Qs = T.alloc_shared([MAX_HEADS * 1024], u8)
-            Xch = T.alloc_shared([GROUPS * 2 * warps * 256], f32)
+            Xch = T.alloc_shared([GROUPS * 2 * 512], f32)
             Qr = T.alloc_shared([MAX_HEADS * 128], u8)
             Valid = T.alloc_shared([GROUPS * NST * CHUNK], i32)
             Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4 + GROUPS * 16], f32)
@@ -698,9 +660,8 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
 
 @functools.lru_cache(maxsize=64)
 def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, name: str = "mma"):
-    warps, ablate = form(name)
     func = build_sparse_mla_fwd_mma656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, ablate=ablate, warps=warps)
+                                       has_topk_length=has_topk_length, ablate=form(name))
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -710,6 +671,4 @@ def lowering_cases():
         ("mma656_h16_sink_tl", build_sparse_mla_fwd_mma656(heads=16, sm_scale=576 ** -0.5, has_sink=True,
                                                            has_topk_length=True)),
         ("mma656_h3", build_sparse_mla_fwd_mma656(heads=3, sm_scale=0.05)),
-        ("mma656x4_h16_sink_tl", build_sparse_mla_fwd_mma656(heads=16, sm_scale=576 ** -0.5, has_sink=True,
-                                                             has_topk_length=True, warps=4)),
     ]
