@@ -139,26 +139,6 @@ __device__ __forceinline__ float fdsa_m656_quad_max(float x) {  // over the 4 la
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
-// One warp's rows of a step: lane l < 8 with ok copies one 656-byte row (src) into the stage row at shared address
-// dst, an invalid one (ok 0) zeroes it instead (nothing read); one arrive.expect_tx per warp (lane 0, the bytes of
-// the warp's valid rows; the mbarrier counts 2 arrivals, one per warp of the group) instead of one per row: the
-// bulk copy takes uniform registers, so ptxas loops over the lanes and each iteration carried the arrive too
-__device__ __forceinline__ void fdsa_m656_rows(unsigned dst, const void *src, unsigned bar, int ok, void *dst_g,
-                                               int lane) {
-  const unsigned okm = __ballot_sync(0xffffffffu, ok);
-  if (lane < 8 && !ok) {
-#pragma unroll
-    for (int k = 0; k < 41; ++k) reinterpret_cast<uint4 *>(dst_g)[k] = make_uint4(0u, 0u, 0u, 0u);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncwarp();  // the zero fills happen before lane 0's arrive releases them
-  if (lane == 0)
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(__popc(okm) * 656)
-                 : "memory");
-  if (ok)
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 656, [%2];"
-                 :: "r"(dst), "l"(src), "r"(bar) : "memory");
-}
 // One 656-byte row into the stage row at shared address dst, counted on the mbarrier at shared address bar; an
 // invalid row (ok 0) is zeroed instead (nothing read; its bytes convert to zeros).  No proxy fence before a copy:
 // the stage's earlier generic reads are ordered before it by the pair barrier (WAR, as CUTLASS's TMA pipelines);
@@ -178,9 +158,7 @@ __device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, uns
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
-// 16 no PV at all, 32 no QK products at all, 128 session 34's row-number loads (a select on the loaded value), 256
-// session 34's one arrive.expect_tx per row (mbarriers count 16), 64 timestamps instead of out (H 16; u32 words per
-// token: 0 / 1 the
+// 16 no PV at all, 32 no QK products at all, 64 timestamps instead of out (H 16; u32 words per token: 0 / 1 the
 // globaltimer at entry, 2 after the prologue (6 / 7: warp 0's copies issued / Q' stored), 3 merge start (8 / 9 / 10:
 // O stored, synced, weights), 4 end, 5 the globaltimer at the end, 64 + 32 w + it warp w's wait of step it done,
 // 320 + .. its exchange barrier passed, 832 + w its loop end; clock64 deltas from entry in cycles)
@@ -227,39 +205,23 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   // The row numbers come in blocks of 4 steps, one load per lane (lane l: step 4 k + l / 8, row l % 8 of the
   // warp's half), a block ahead of their use and handed to lanes 0-7 by a shuffle: a load per step issued one step
   // ahead put an L2 / DRAM round trip on every step's refill (session 33: 82.9 -> 79.2 us at B 128)
-  auto slot_of = [&](int step) -> int { return (g + G * step) * 16 + hh * 8 + (lane & 7); };
-  // the row number of a slot: loaded unconditionally (clamped to the last slot; the issue checks slot < lim) --
-  // a select on the loaded value made the warp wait for the load right where it was issued, every 4th step
-  // (~0.6 us each, session 35's reading of session 34's timestamps); only called while topk >= 1
   auto slot_row = [&](int step) -> int {
-    const int slot = slot_of(step);
-    if (ABL & 128) return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
-    return Indices[static_cast<long long>(tok) * topk + min(slot, topk - 1)];
+    const int slot = (g + G * step) * 16 + hh * 8 + (lane & 7);
+    return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
   };
   auto block_rows = [&](int k) -> int { return slot_row(4 * k + (lane >> 3)); };
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
   auto issue = [&](int step, int row) {
-    const int k = hh * 8 + (lane & 7), bi = g * NST + step % NST;
-    if (ABL & 256) {
-      if (lane < 8) {
-        const int ok = row >= 0 && row < n_rows && ((ABL & 128) || slot_of(step) < lim);
-        valid[bi * 16 + k] = ok;
-        fdsa_m656_row(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
-                      stage + (bi * 16 + k) * ROW);
-      }
-    } else {
-      const int ok = lane < 8 && row >= 0 && row < n_rows && ((ABL & 128) || slot_of(step) < lim);
-      if (lane < 8) valid[bi * 16 + k] = ok;
-      fdsa_m656_rows(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
-                     stage + (bi * 16 + k) * ROW, lane);
+    if (lane < 8) {
+      const int k = hh * 8 + lane, bi = g * NST + step % NST;
+      const int ok = row >= 0 && row < n_rows;
+      valid[bi * 16 + k] = ok;
+      fdsa_m656_row(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
+                    stage + (bi * 16 + k) * ROW);
     }
   };
   static_assert(NST == 4, "the row blocks hold 4 steps: the prologue issues block 0");
-  int rows_cur = -1, rows_next = -1;
-  if (nsteps > 0) {  // lim >= 1, so topk >= 1
-    rows_cur = block_rows(0);
-    rows_next = block_rows(1);
-  }
+  int rows_cur = block_rows(0), rows_next = block_rows(1);
 
   {  // Q' (f16, per-(half, head) power of two) and the bf16 rope into shared memory: 16 threads per head
     const int h = tid >> 4, p = tid & 15;
@@ -686,8 +648,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
             Qr = T.alloc_shared([MAX_HEADS * 128], u8)
             Valid = T.alloc_shared([GROUPS * NST * CHUNK], i32)
             Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4 + GROUPS * 16], f32)
-            # arrivals per stage: one per warp of the group, or one per row (ABL 256: session 34's form)
-            bars = T.alloc_barrier([CHUNK if ablate & 256 else 2] * (GROUPS * NST))
+            bars = T.alloc_barrier([CHUNK] * (GROUPS * NST))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV8[0, 0]), rs16, n_rows,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
