@@ -158,8 +158,7 @@ __device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, uns
 
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
-// 16 no PV at all, 32 no QK products at all, 128 session 34's row-number blocks in registers (a global load per
-// block), 64 timestamps instead of out (H 16; u32 words per token: 0 / 1 the
+// 16 no PV at all, 32 no QK products at all, 64 timestamps instead of out (H 16; u32 words per token: 0 / 1 the
 // globaltimer at entry, 2 after the prologue (6 / 7: warp 0's copies issued / Q' stored), 3 merge start (8 / 9 / 10:
 // O stored, synced, weights), 4 end, 5 the globaltimer at the end, 64 + 32 w + it warp w's wait of step it done,
 // 320 + .. its exchange barrier passed, 832 + w its loop end; clock64 deltas from entry in cycles)
@@ -167,7 +166,7 @@ template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
-    float *xch, int *valid, float *misc, void *bars_v, int tok, float c, int *idx_ring) {
+    float *xch, int *valid, float *misc, void *bars_v, int tok, float c) {
   constexpr int G = FDSA_M656_G, NST = FDSA_M656_NST, ROW = FDSA_M656_ROW;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = warp >> 1, hh = warp & 1, r = lane >> 2, q = lane & 3;
@@ -211,18 +210,6 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
   };
   auto block_rows = [&](int k) -> int { return slot_row(4 * k + (lane >> 3)); };
-  // blocks after the first two arrive by a 4-byte cp.async into this warp's two-block ring in shared memory (no
-  // register waits on a global load: session 34's timestamps showed the wait of every block's third step ~0.6 us
-  // longer -- the step that had issued the block's register load; ABL 128 keeps session 34's register loads)
-  int *ring = idx_ring + warp * 64;
-  auto block_to_ring = [&](int k) {
-    const int step = 4 * k + (lane >> 3), slot = (g + G * step) * 16 + hh * 8 + (lane & 7);
-    const int ok = slot < lim;
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(ring + (k & 1) * 32 + lane));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n\tcp.async.commit_group;"
-                 :: "r"(dst), "l"(Indices + static_cast<long long>(tok) * topk + (ok ? slot : 0)), "r"(ok ? 4 : 0)
-                 : "memory");
-  };
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
   auto issue = [&](int step, int row) {
     if (lane < 8) {
@@ -391,19 +378,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     if (it >= 1 && it + NST - 1 < nsteps) {
       const int st = it + NST - 1;
       if ((st & 3) == 0) {  // the first step of block st / 4: load block st / 4 + 1
-        if (ABL & 128) {
-          rows_cur = rows_next;
-          rows_next = block_rows((st >> 2) + 1);
-        } else if (st == 4) {  // block 1 is in a register
-          rows_cur = rows_next;
-          block_to_ring((st >> 2) + 1);
-        } else {  // block st / 4 came by cp.async one block ago; a zero-filled slot (past lim) reads -1
-          // (each lane copies and reads only its own ring entries: no warp sync needed)
-          asm volatile("cp.async.wait_group 0;" ::: "memory");
-          const int slot = (g + G * (st + (lane >> 3))) * 16 + hh * 8 + (lane & 7);
-          rows_cur = slot < lim ? ring[((st >> 2) & 1) * 32 + lane] : -1;
-          block_to_ring((st >> 2) + 1);
-        }
+        rows_cur = rows_next;
+        rows_next = block_rows((st >> 2) + 1);
       }
       issue(st, __shfl_sync(0xffffffffu, rows_cur, 8 * (st & 3) + (lane & 7)));
     }
@@ -672,14 +648,12 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
             Qr = T.alloc_shared([MAX_HEADS * 128], u8)
             Valid = T.alloc_shared([GROUPS * NST * CHUNK], i32)
             Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4 + GROUPS * 16], f32)
-            IdxRing = T.alloc_shared([THREADS // 32 * 64], i32)  # per warp two blocks of 32 row numbers
             bars = T.alloc_barrier([CHUNK] * (GROUPS * NST))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV8[0, 0]), rs16, n_rows,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
                           T.address_of(Stage[0]), T.address_of(Qs[0]), T.address_of(Qr[0]), T.address_of(Xch[0]),
-                          T.address_of(Valid[0]), T.address_of(Misc[0]), T.address_of(bars[0]), bx, c_log2,
-                          T.address_of(IdxRing[0]))
+                          T.address_of(Valid[0]), T.address_of(Misc[0]), T.address_of(bars[0]), bx, c_log2)
 
     return sparse_mla_fwd_mma656
 
