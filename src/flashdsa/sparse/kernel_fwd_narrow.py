@@ -43,6 +43,31 @@ from ._tl_common import BLOCK_I, D_V, LOG2E
 
 MAX_HEADS = 32
 THREADS = 128
+RING_FORMS = ((64, 2), (48, 3), (32, 4), (16, 8))  # (block_rows, n_buf) builds of the row gather
+SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per block
+
+# The ring's gather: block_rows (16 NR) rows of a top-k block into ring slot ``tile`` (the slot's first row; the
+# ring is TileLang's 128B-swizzled [R, 512] bf16 layout: 8 chunks of 64 columns, ``chunk`` = R * 128 bytes apart)
+# and its rope rows into ``rope`` ([R, 64], one chunk).  Thread t: rows t / 8 + 16 k (k < NR; -1 invalid: zero fill,
+# nothing read), piece t % 8 of each chunk and of the rope row.
+_RING_SRC = r"""
+template <int NR>
+__device__ __forceinline__ void fdsa_gather_ring(void *tile, void *rope, int has_rope, const void *kv, int ld,
+                                                 int chunk, int r0, int r1, int r2, int r3, int t) {
+  const int g = t >> 3, q = t & 7, rows[4] = {r0, r1, r2, r3};
+  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
+#pragma unroll
+  for (int k = 0; k < NR; ++k) {
+    const int r = g + 16 * k, sz = rows[k] >= 0 ? 16 : 0;
+    const char *src = fdsa_row_ptr(kv, rows[k], ld * 2) + q * 16;
+    const unsigned dst = tile_s + fdsa_swz128(r, q);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) fdsa_cp16(dst + c * chunk, src + c * 128, sz);
+    if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), src + 1024, sz);
+  }
+}
+"""
 
 
 def rows_tile(heads: int) -> int:
@@ -101,13 +126,23 @@ def _epilogue_macro(*, BR, D, heads, normaliser, store_lse, bar=None):
 
 
 def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, row_gather: bool = False):
+                                has_topk_length: bool = False, row_gather: bool = False, block_rows: int = BLOCK_I,
+                                n_buf: int = 2):
     """prim_func with ``kernel_fwd.build_sparse_mla_fwd``'s signature (Q[T,H,Dqk], KV[Tkv,Dqk], Indices[T,topk],
     TopkLen[n_tl], Sink[n_sink], Out[T,H,d_v], Lse[T,H], MaxLogits[T,H]); any topk (dynamic trip count).
     ``row_gather`` (dispatched since session 19: S 4096 / SKV 8192 / topk 2048 H 16 3.143 -> 2.327 ms, H 32 3.950 ->
     3.019): each thread looks up 4 rows and copies 8 (+1 rope) 16-byte pieces of each (``_tl_common``'s
     fdsa_gather_narrow) instead of one Indices load and check per copy; same bytes and swizzled layout, so the same
-    outputs bitwise."""
+    outputs bitwise.  With ``row_gather``, (``block_rows``, ``n_buf``) shape the tile ring (``RING_FORMS``):
+    blocks of ``block_rows`` top-k rows, ``n_buf`` slots, ``n_buf - 1`` blocks in flight while one is computed.  The
+    QK reads 64 rows from a slot's start (the wgmma M), the rows past ``block_rows`` belong to the next slot (or
+    the ring's tail) and their scores are masked; the PV contracts over the block's rows only."""
+    if row_gather:
+        assert (block_rows, n_buf) in RING_FORMS, (block_rows, n_buf)
+        if ring_smem_bytes(heads, dqk, block_rows, n_buf) > SMEM_LIMIT:
+            raise ValueError(f"narrow sparse forward: ring {block_rows}x{n_buf} does not fit H={heads}, Dqk={dqk}")
+    else:
+        assert (block_rows, n_buf) == (BLOCK_I, 2), (block_rows, n_buf)
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     BR = rows_tile(heads)
     BI, D, DT = BLOCK_I, d_v, dqk - d_v
@@ -229,23 +264,156 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
 
             epilogue(acc_ot, inv, l_i, m_i, Sink, Alpha_s, Q_s, Out, Lse, MaxLogits, bx)
 
-    return sparse_mla_fwd_narrow
+    if not row_gather:
+        return sparse_mla_fwd_narrow
+    return _build_ring(heads=heads, dqk=dqk, D=D, DT=DT, BR=BR, BI=block_rows, n_buf=n_buf, c_log2=c_log2,
+                       normaliser=normaliser, store_lse=store_lse, row=_row, ok=_ok, topk_dim=topk_dim,
+                       dims=(n_tok, n_kv, n_tl, n_sink), has_topk_length=has_topk_length)
+
+
+def _build_ring(*, heads, dqk, D, DT, BR, BI, n_buf, c_log2, normaliser, store_lse, row, ok, topk_dim, dims,
+                has_topk_length):
+    """The row-gather build over a ring of ``n_buf`` slots of ``BI`` rows (``build_sparse_mla_fwd_narrow``).
+
+    Layout: one shared buffer ``KV_r [NCH * R, 64]`` (TileLang's 128B swizzle: 128-byte rows, R rows per 64-column
+    chunk of the row, NCH = 8 latent chunks + the rope chunk), Q likewise ``[NCH * BR, 64]``; every product is per
+    chunk (a K-major or MN-major operand of one 64-column atom), so a slot is a row range of each chunk.  The
+    output accumulator is one ``[64, BR]`` fragment per latent chunk (O^T by chunk)."""
+    MW = BLOCK_I  # the wgmma M of the QK
+    R = n_buf * BI + MW - BI  # rows per chunk: the last slot's QK reads MW - BI rows past it
+    NC, NCH = D // 64, dqk // 64
+    NR = BI // 16
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    n_tok, n_kv, n_tl, n_sink = dims
+    _, _, softmax_stage = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=DT > 0, c_log2=c_log2)
+
+    @T.macro
+    def gather(KV, Indices, tok, lim, blk, slot, KV_r, rows_l):
+        # cp.async (no commit, no wait) of block blk's rows into ring slot ``slot``; invalid slots: zero fill
+        tx = T.get_thread_binding()
+        for k in T.unroll(4):
+            if k < NR:
+                r = row(Indices, tok, lim, blk * BI + tx // 8 + 16 * k)
+                rows_l[k] = T.if_then_else(ok(r), r, -1)
+            else:
+                rows_l[k] = -1
+        T.call_extern("handle", f"fdsa_gather_ring<{NR}>", T.address_of(KV_r[slot * BI, 0]),
+                      T.address_of(KV_r[NC * R + slot * BI, 0]), 1 if DT > 0 else 0, T.address_of(KV[0, 0]), dqk,
+                      R * 128, rows_l[0], rows_l[1], rows_l[2], rows_l[3], tx)
+
+    @T.macro
+    def attend(Indices, tok, lim, blk, slot, KV_r, Q_s, ST_s, P_s, Alpha_s, acc_t, acc_o, s_f, m_i, m_prev, alpha,
+               l_i, l_blk):
+        r0 = slot * BI
+        T.clear(acc_t)
+        for c in tuple(range(NCH)):  # a Python iterable: unrolled while tracing
+            T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + MW, :], Q_s[c * BR : c * BR + BR, :], acc_t,
+                         transpose_B=True)
+        T.wait_wgmma(0)
+        T.copy(acc_t, ST_s)
+        for n, r in T.Parallel(BR, BI):
+            rw = row(Indices, tok, lim, blk * BI + r)
+            s_f[n, r] = T.if_then_else(ok(rw), ST_s[r, n], -T.infinity(f32))
+        softmax_stage(s_f, P_s, Alpha_s, m_i, m_prev, alpha, l_i, l_blk)
+        for c in tuple(range(NC)):
+            for d, n in T.Parallel(64, BR):
+                acc_o[c][d, n] = acc_o[c][d, n] * Alpha_s[n]
+        for c in tuple(range(NC)):
+            T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + BI, :], P_s, acc_o[c], transpose_A=True, transpose_B=True)
+        T.wait_wgmma(0)
+
+    @T.prim_func
+    def sparse_mla_fwd_narrow_ring(
+        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        KV: T.Tensor([n_kv, dqk], bf16),
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok, threads=THREADS, prelude=tc.ROW_GATHER_PRELUDE + _RING_SRC) as bx:
+            Q_s = T.alloc_shared([NCH * BR, 64], bf16)
+            KV_r = T.alloc_shared([NCH * R, 64], bf16)
+            ST_s = T.alloc_shared([MW, BR], f32)
+            P_s = T.alloc_shared([BR, BI], bf16)
+            Alpha_s = T.alloc_shared([BR], f32)
+
+            acc_t = T.alloc_fragment([MW, BR], f32)
+            acc_o = [T.alloc_fragment([64, BR], f32) for _ in range(NC)]
+            s_f = T.alloc_fragment([BR, BI], f32)
+            m_i = T.alloc_fragment([BR], f32)
+            m_prev = T.alloc_fragment([BR], f32)
+            alpha = T.alloc_fragment([BR], f32)
+            l_i = T.alloc_fragment([BR], f32)
+            l_blk = T.alloc_fragment([BR], f32)
+            inv = T.alloc_fragment([BR], f32)
+            lim = T.alloc_local([1], i32)
+            nblk = T.alloc_local([1], i32)
+            rows_l = T.alloc_local([4], i32)
+
+            if has_topk_length:
+                lim[0] = T.max(T.min(TopkLen[bx], topk_dim), 0)
+            else:
+                lim[0] = topk_dim
+            nblk[0] = T.ceildiv(lim[0], BI)
+            for h, d in T.Parallel(BR, dqk):  # chunk d // 64 of head h (heads past H -> 0)
+                Q_s[(d // 64) * BR + h, d % 64] = T.if_then_else(h < heads, Q[bx, T.min(h, heads - 1), d],
+                                                                  T.cast(0, bf16))
+            for c in tuple(range(NC)):
+                T.fill(acc_o[c], 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, tc.NEG_BIG)
+            for b in T.unroll(n_buf - 1):
+                if b < nblk[0]:
+                    gather(KV, Indices, bx, lim[0], b, b, KV_r, rows_l)
+                T.ptx_commit_group()  # one group per block, empty past the last: wait_group's count stays fixed
+            for it in T.serial(nblk[0]):
+                # block it + n_buf - 1 into the slot block it - 1 released, then wait for block it only
+                if it + n_buf - 1 < nblk[0]:
+                    gather(KV, Indices, bx, lim[0], it + n_buf - 1, (it + n_buf - 1) % n_buf, KV_r, rows_l)
+                T.ptx_commit_group()
+                T.ptx_wait_group(n_buf - 1)
+                T.sync_threads()
+                attend(Indices, bx, lim[0], it, it % n_buf, KV_r, Q_s, ST_s, P_s, Alpha_s, acc_t, acc_o, s_f, m_i,
+                       m_prev, alpha, l_i, l_blk)
+                T.sync_threads()  # the slot just read is refilled in the next iteration
+
+            normaliser(inv, l_i, m_i, Sink, 0)
+            T.copy(inv, Alpha_s)
+            T.sync_threads()
+            for c in tuple(range(NC)):
+                for d, n in T.Parallel(64, BR):
+                    if n < heads:
+                        Out[bx, n, c * 64 + d] = T.cast(acc_o[c][d, n] * Alpha_s[n], bf16)
+            store_lse(l_i, m_i, Lse, MaxLogits, bx, 0)
+
+    return sparse_mla_fwd_narrow_ring
 
 
 def _pass_configs():
     return tc.plain_pass_configs()
 
 
+def ring_smem_bytes(heads: int, dqk: int, block_rows: int, n_buf: int) -> int:
+    """Shared memory of the row-gather build (ring, Q, staged scores, P, alpha)."""
+    BR = rows_tile(heads)
+    rows = n_buf * block_rows + BLOCK_I - block_rows
+    return 2 * dqk * (rows + BR) + 4 * BLOCK_I * BR + 2 * BR * block_rows + 4 * BR
+
+
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              row_gather: bool = True):
+              row_gather: bool = True, ring: tuple = (BLOCK_I, 2)):
     # n_blocks is not a build parameter (the trip count is dynamic): one kernel per (H, Dqk, sink, topk_length)
-    return _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather)
+    return _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather, tuple(ring))
 
 
 @functools.lru_cache(maxsize=64)
-def _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather=False):
+def _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather=False, ring=(BLOCK_I, 2)):
     func = build_sparse_mla_fwd_narrow(heads=heads, dqk=dqk, d_v=d_v, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, row_gather=row_gather)
+                                       has_topk_length=has_topk_length, row_gather=row_gather, block_rows=ring[0],
+                                       n_buf=ring[1])
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -258,6 +426,10 @@ def lowering_cases():
         ("h16_d576_sink_tl_row_gather", build_sparse_mla_fwd_narrow(heads=16, dqk=576, sm_scale=576 ** -0.5,
                                                                     has_sink=True, has_topk_length=True,
                                                                     row_gather=True)),  # dispatched
+        ("h16_d576_ring48x3", build_sparse_mla_fwd_narrow(heads=16, dqk=576, sm_scale=576 ** -0.5, row_gather=True,
+                                                          block_rows=48, n_buf=3)),
+        ("h3_d512_ring16x8", build_sparse_mla_fwd_narrow(heads=3, dqk=512, sm_scale=512 ** -0.5, has_sink=True,
+                                                         row_gather=True, block_rows=16, n_buf=8)),
     ]
 
 
@@ -275,16 +447,20 @@ def _bench_variants():
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=heads, topk=2048)
         flops = sparse_fwd_flops(heads, idx.numel(), 576, D_V)  # every index is valid here
         ref = None
-        for label, rows in (("narrow", False), ("narrow_row_gather", True)):  # narrow: the T.Parallel gather
-            def fn(rg=rows):
-                return kernel_fwd.launch(lambda *a: _compiled(*a, rg), q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
+        forms = [("narrow", False, (BLOCK_I, 2))] + [
+            (f"ring_{bi}x{nb}", True, (bi, nb)) for bi, nb in RING_FORMS
+            if ring_smem_bytes(heads, 576, bi, nb) <= SMEM_LIMIT]  # narrow: the T.Parallel gather
+        for label, rows, ring in forms:
+            def fn(rg=rows, rf=ring):
+                return kernel_fwd.launch(lambda *a: _compiled(*a, rg, rf), q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
 
             out = fn()
             ref = out if ref is None else ref
             same = all(map(torch.equal, out, ref))
+            err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out[:2], ref[:2]))
             ms = time_fn(lambda _: fn(), [None], q.device, reps=10).ms_median
             print(f"variant H {heads} {label}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s (bitwise equal to narrow:"
-                  f" {same})", flush=True)
+                  f" {same}, max |out / lse difference| {err:.2e})", flush=True)
 
 
 if __name__ == "__main__":
