@@ -194,18 +194,15 @@ def test_sparse_mla_fwd_narrow_row_gather(case):
         assert torch.equal(a, b), f"{name}: the row gather differs from the T.Parallel gather"
 
 
-RING_FORMS = ((48, 3, 1), (32, 4, 1), (32, 4, 2), (16, 8, 2))
-RING_CASES = [(c, f) for c in CASES if c[1] <= 32 for f in RING_FORMS]
+RING_CASES = [(c, f) for c in CASES if c[1] <= 32 for f in ((48, 3), (32, 4), (16, 8))]
 
 
 @pytest.mark.parametrize("case,form", RING_CASES, ids=[
-    f"d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}{'-tl' if c[6] else ''}-{c[7]}"
-    f"-ring{f[0]}x{f[1]}-wg{f[2]}"
+    f"d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}{'-tl' if c[6] else ''}-{c[7]}-ring{f[0]}x{f[1]}"
     for c, f in RING_CASES])
 def test_sparse_mla_fwd_narrow_ring(case, form):
-    """The narrow kernel's ring forms (blocks of 48 / 32 / 16 rows, 3 / 4 / 8 slots, one or two warpgroups with
-    their own softmax state, merged at the end; the QK reads 64 rows from a slot's start, the rows past the block
-    masked) against the reference."""
+    """The narrow kernel's ring forms (blocks of 48 / 32 / 16 rows, 3 / 4 / 8 slots; the QK reads 64 rows from a
+    slot's start, the rows past the block masked) against the reference."""
     from flashdsa.sparse import kernel_fwd_narrow
 
     dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case

@@ -43,8 +43,7 @@ from ._tl_common import BLOCK_I, D_V, LOG2E
 
 MAX_HEADS = 32
 THREADS = 128
-RING_FORMS = ((64, 2, 1), (48, 3, 1), (32, 4, 1), (16, 8, 1), (32, 4, 2), (16, 8, 2))  # (block_rows, n_buf,
-# warpgroups) builds of the row gather
+RING_FORMS = ((64, 2), (48, 3), (32, 4), (16, 8))  # (block_rows, n_buf) builds of the row gather
 SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per block
 
 # The ring's gather: block_rows (16 NR) rows of a top-k block into ring slot ``tile`` (the slot's first row; the
@@ -128,24 +127,22 @@ def _epilogue_macro(*, BR, D, heads, normaliser, store_lse, bar=None):
 
 def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scale: float, has_sink: bool = False,
                                 has_topk_length: bool = False, row_gather: bool = False, block_rows: int = BLOCK_I,
-                                n_buf: int = 2, warpgroups: int = 1):
+                                n_buf: int = 2, chains=(1, False)):
     """prim_func with ``kernel_fwd.build_sparse_mla_fwd``'s signature (Q[T,H,Dqk], KV[Tkv,Dqk], Indices[T,topk],
     TopkLen[n_tl], Sink[n_sink], Out[T,H,d_v], Lse[T,H], MaxLogits[T,H]); any topk (dynamic trip count).
     ``row_gather`` (dispatched since session 19: S 4096 / SKV 8192 / topk 2048 H 16 3.143 -> 2.327 ms, H 32 3.950 ->
     3.019): each thread looks up 4 rows and copies 8 (+1 rope) 16-byte pieces of each (``_tl_common``'s
     fdsa_gather_narrow) instead of one Indices load and check per copy; same bytes and swizzled layout, so the same
-    outputs bitwise.  With ``row_gather``, (``block_rows``, ``n_buf``, ``warpgroups``) shape the tile ring
-    (``RING_FORMS``): blocks of ``block_rows`` top-k rows, ``n_buf`` slots, ``n_buf / warpgroups - 1`` blocks in
-    flight per warpgroup while it computes one (``_build_ring``).  The
+    outputs bitwise.  With ``row_gather``, (``block_rows``, ``n_buf``) shape the tile ring (``RING_FORMS``):
+    blocks of ``block_rows`` top-k rows, ``n_buf`` slots, ``n_buf - 1`` blocks in flight while one is computed.  The
     QK reads 64 rows from a slot's start (the wgmma M), the rows past ``block_rows`` belong to the next slot (or
     the ring's tail) and their scores are masked; the PV contracts over the block's rows only."""
     if row_gather:
-        form = (block_rows, n_buf, warpgroups)
-        assert form in RING_FORMS, form
-        if ring_smem_bytes(heads, dqk, *form) > SMEM_LIMIT:
-            raise ValueError(f"narrow sparse forward: ring {form} does not fit H={heads}, Dqk={dqk}")
+        assert (block_rows, n_buf) in RING_FORMS, (block_rows, n_buf)
+        if ring_smem_bytes(heads, dqk, block_rows, n_buf) > SMEM_LIMIT:
+            raise ValueError(f"narrow sparse forward: ring {block_rows}x{n_buf} does not fit H={heads}, Dqk={dqk}")
     else:
-        assert (block_rows, n_buf, warpgroups) == (BLOCK_I, 2, 1), (block_rows, n_buf, warpgroups)
+        assert (block_rows, n_buf) == (BLOCK_I, 2), (block_rows, n_buf)
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     BR = rows_tile(heads)
     BI, D, DT = BLOCK_I, d_v, dqk - d_v
@@ -269,123 +266,74 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
 
     if not row_gather:
         return sparse_mla_fwd_narrow
-    return _build_ring(heads=heads, dqk=dqk, D=D, DT=DT, BR=BR, BI=block_rows, n_buf=n_buf, wgs=warpgroups,
-                       c_log2=c_log2,
+    return _build_ring(heads=heads, dqk=dqk, D=D, DT=DT, BR=BR, BI=block_rows, n_buf=n_buf, c_log2=c_log2,
                        normaliser=normaliser, store_lse=store_lse, row=_row, ok=_ok, topk_dim=topk_dim,
-                       dims=(n_tok, n_kv, n_tl, n_sink), has_topk_length=has_topk_length)
+                       dims=(n_tok, n_kv, n_tl, n_sink), has_topk_length=has_topk_length, qk_chains=chains[0],
+                       pv_interleave=chains[1])
 
 
-def _build_ring(*, heads, dqk, D, DT, BR, BI, n_buf, wgs, c_log2, normaliser, store_lse, row, ok, topk_dim, dims,
-                has_topk_length):
+def _build_ring(*, heads, dqk, D, DT, BR, BI, n_buf, c_log2, normaliser, store_lse, row, ok, topk_dim, dims,
+                has_topk_length, qk_chains=1, pv_interleave=False):
     """The row-gather build over a ring of ``n_buf`` slots of ``BI`` rows (``build_sparse_mla_fwd_narrow``).
 
     Layout: one shared buffer ``KV_r [NCH * R, 64]`` (TileLang's 128B swizzle: 128-byte rows, R rows per 64-column
     chunk of the row, NCH = 8 latent chunks + the rope chunk), Q likewise ``[NCH * BR, 64]``; every product is per
     chunk (a K-major or MN-major operand of one 64-column atom), so a slot is a row range of each chunk.  The
-    output accumulator is one ``[64, BR]`` fragment per latent chunk (O^T by chunk).
-
-    ``wgs`` warpgroups, each a whole chain (gather, QK, softmax, PV) on its own blocks w, w + wgs, ... with its own
-    slots (w + wgs i) and softmax state; with two, warpgroup 1's state is merged into warpgroup 0's at the end
-    (chunk by chunk through the S^T tiles).  Each thread loads its row numbers of a block one block before it
-    issues the block's copies (the load's latency off the issue), and the issuing thread of a row records its
-    validity in shared memory for the mask (no ``Indices`` reload per block)."""
+    output accumulator is one ``[64, BR]`` fragment per latent chunk (O^T by chunk)."""
     MW = BLOCK_I  # the wgmma M of the QK
     R = n_buf * BI + MW - BI  # rows per chunk: the last slot's QK reads MW - BI rows past it
     NC, NCH = D // 64, dqk // 64
     NR = BI // 16
-    NBW = n_buf // wgs  # slots (blocks in flight + 1) per warpgroup
-    BAR = (1, 2)  # named barriers of the warpgroups
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink = dims
     _, _, softmax_stage = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=DT > 0, c_log2=c_log2)
 
     @T.macro
-    def wg_sync(w):
-        if wgs == 1:
-            T.sync_threads()
-        else:
-            T.sync_threads(BAR[w], 128)
-
-    @T.macro
-    def load_rows(Indices, tok, lim, blk, rows_n, t):
-        # this thread's row numbers of block blk (rows t / 8 + 16 k), -1 where invalid or past topk_eff
+    def gather(KV, Indices, tok, lim, blk, slot, KV_r, rows_l):
+        # cp.async (no commit, no wait) of block blk's rows into ring slot ``slot``; invalid slots: zero fill
+        tx = T.get_thread_binding()
         for k in T.unroll(4):
             if k < NR:
-                r = row(Indices, tok, lim, blk * BI + t // 8 + 16 * k)
-                rows_n[k] = T.if_then_else(ok(r), r, -1)
+                r = row(Indices, tok, lim, blk * BI + tx // 8 + 16 * k)
+                rows_l[k] = T.if_then_else(ok(r), r, -1)
             else:
-                rows_n[k] = -1
-
-    @T.macro
-    def gather(KV, slot, KV_r, Valid_s, rows_n, t):
-        # cp.async (no commit, no wait) of the rows in rows_n into ring slot ``slot``; invalid: zero fill
+                rows_l[k] = -1
         T.call_extern("handle", f"fdsa_gather_ring<{NR}>", T.address_of(KV_r[slot * BI, 0]),
                       T.address_of(KV_r[NC * R + slot * BI, 0]), 1 if DT > 0 else 0, T.address_of(KV[0, 0]), dqk,
-                      R * 128, rows_n[0], rows_n[1], rows_n[2], rows_n[3], t)
-        if t % 8 == 0:
-            for k in T.unroll(NR):
-                Valid_s[slot * BI + t // 8 + 16 * k] = rows_n[k]
+                      R * 128, rows_l[0], rows_l[1], rows_l[2], rows_l[3], tx)
 
     @T.macro
-    def attend(slot, KV_r, Valid_s, Q_s, ST_s, P_s, Alpha_s, acc_t, acc_o, s_f, m_i, m_prev, alpha, l_i, l_blk, w):
+    def attend(Indices, tok, lim, blk, slot, KV_r, Q_s, ST_s, P_s, Alpha_s, acc_t, acc_o, s_f, m_i, m_prev, alpha,
+               l_i, l_blk):
         r0 = slot * BI
-        T.clear(acc_t)
+        for a in tuple(range(qk_chains)):
+            T.clear(acc_t[a])
         for c in tuple(range(NCH)):  # a Python iterable: unrolled while tracing
-            T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + MW, :], Q_s[c * BR : c * BR + BR, :], acc_t,
+            T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + MW, :], Q_s[c * BR : c * BR + BR, :], acc_t[c % qk_chains],
                          transpose_B=True)
         T.wait_wgmma(0)
-        T.copy(acc_t, ST_s)
-        wg_sync(w)
+        if qk_chains == 1:
+            T.copy(acc_t[0], ST_s)
+        else:
+            for r, n in T.Parallel(MW, BR):
+                ST_s[r, n] = acc_t[0][r, n] + acc_t[1][r, n] + acc_t[2][r, n]
         for n, r in T.Parallel(BR, BI):
-            s_f[n, r] = T.if_then_else(Valid_s[r0 + r] >= 0, ST_s[r, n], -T.infinity(f32))
+            rw = row(Indices, tok, lim, blk * BI + r)
+            s_f[n, r] = T.if_then_else(ok(rw), ST_s[r, n], -T.infinity(f32))
         softmax_stage(s_f, P_s, Alpha_s, m_i, m_prev, alpha, l_i, l_blk)
-        T.fence_proxy_async()
-        wg_sync(w)
         for c in tuple(range(NC)):
             for d, n in T.Parallel(64, BR):
                 acc_o[c][d, n] = acc_o[c][d, n] * Alpha_s[n]
-        for c in tuple(range(NC)):
-            T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + BI, :], P_s, acc_o[c], transpose_A=True, transpose_B=True)
+        if pv_interleave:  # 16 keys at a time over all chunks: neighbouring wgmmas write different accumulators
+            for ks in tuple(range(BI // 16)):
+                for c in tuple(range(NC)):
+                    T.wgmma_gemm(KV_r[c * R + r0 + 16 * ks : c * R + r0 + 16 * ks + 16, :],
+                                 P_s[:, 16 * ks : 16 * ks + 16], acc_o[c], transpose_A=True, transpose_B=True)
+        else:
+            for c in tuple(range(NC)):
+                T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + BI, :], P_s, acc_o[c], transpose_A=True,
+                             transpose_B=True)
         T.wait_wgmma(0)
-
-    @T.macro
-    def chain(KV, Indices, tok, lim, nblk, KV_r, Valid_s, Q_s, st, rows_n, w, t):
-        # warpgroup w: blocks w, w + wgs, ...; its j-th block in slot w + wgs (j % NBW)
-        ST_s, P_s, Alpha_s, acc_t, acc_o, s_f, m_i, m_prev, alpha, l_i, l_blk = st
-        for c in tuple(range(NC)):
-            T.fill(acc_o[c], 0)
-        T.fill(l_i, 0)
-        T.fill(m_i, tc.NEG_BIG)
-        for j in T.unroll(NBW - 1):
-            if wgs * j + w < nblk:
-                load_rows(Indices, tok, lim, wgs * j + w, rows_n, t)
-                gather(KV, w + wgs * j, KV_r, Valid_s, rows_n, t)
-            T.ptx_commit_group()  # one group per block, empty past the last: wait_group's count stays fixed
-        load_rows(Indices, tok, lim, wgs * (NBW - 1) + w, rows_n, t)
-        for j in T.serial(T.ceildiv(nblk - w, wgs)):
-            # this warpgroup's block j + NBW - 1 into the slot its block j - 1 released, then wait for block j
-            if wgs * (j + NBW - 1) + w < nblk:
-                gather(KV, w + wgs * ((j + NBW - 1) % NBW), KV_r, Valid_s, rows_n, t)
-                load_rows(Indices, tok, lim, wgs * (j + NBW) + w, rows_n, t)
-            T.ptx_commit_group()
-            T.ptx_wait_group(NBW - 1)
-            T.fence_proxy_async()
-            wg_sync(w)
-            attend(w + wgs * (j % NBW), KV_r, Valid_s, Q_s, ST_s, P_s, Alpha_s, acc_t, acc_o, s_f, m_i, m_prev,
-                   alpha, l_i, l_blk, w)
-            wg_sync(w)  # the slot just read is refilled in the next iteration
-
-    def wg_state():
-        return (T.alloc_shared([MW, BR], f32), T.alloc_shared([BR, BI], bf16), T.alloc_shared([BR], f32),
-                T.alloc_fragment([MW, BR], f32), [T.alloc_fragment([64, BR], f32) for _ in range(NC)],
-                T.alloc_fragment([BR, BI], f32), *[T.alloc_fragment([BR], f32) for _ in range(5)])
-
-    @T.macro
-    def store_out(acc_o, inv, Alpha_s, Out, tok):
-        for c in tuple(range(NC)):
-            for d, n in T.Parallel(64, BR):
-                if n < heads:
-                    Out[tok, n, c * 64 + d] = T.cast(acc_o[c][d, n] * Alpha_s[n], bf16)
 
     @T.prim_func
     def sparse_mla_fwd_narrow_ring(
@@ -398,70 +346,61 @@ def _build_ring(*, heads, dqk, D, DT, BR, BI, n_buf, wgs, c_log2, normaliser, st
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=THREADS * wgs, prelude=tc.ROW_GATHER_PRELUDE + _RING_SRC) as bx:
-            tx = T.get_thread_binding()
+        with T.Kernel(n_tok, threads=THREADS, prelude=tc.ROW_GATHER_PRELUDE + _RING_SRC) as bx:
             Q_s = T.alloc_shared([NCH * BR, 64], bf16)
             KV_r = T.alloc_shared([NCH * R, 64], bf16)
-            Valid_s = T.alloc_shared([n_buf * BI], i32)
-            st0 = wg_state()
-            st1 = wg_state() if wgs == 2 else None
-            Ml_s = T.alloc_shared([2, BR], f32)
+            ST_s = T.alloc_shared([MW, BR], f32)
+            P_s = T.alloc_shared([BR, BI], bf16)
+            Alpha_s = T.alloc_shared([BR], f32)
+
+            acc_t = [T.alloc_fragment([MW, BR], f32) for _ in range(qk_chains)]
+            acc_o = [T.alloc_fragment([64, BR], f32) for _ in range(NC)]
+            s_f = T.alloc_fragment([BR, BI], f32)
+            m_i = T.alloc_fragment([BR], f32)
+            m_prev = T.alloc_fragment([BR], f32)
+            alpha = T.alloc_fragment([BR], f32)
+            l_i = T.alloc_fragment([BR], f32)
+            l_blk = T.alloc_fragment([BR], f32)
             inv = T.alloc_fragment([BR], f32)
             lim = T.alloc_local([1], i32)
-            rows_n = T.alloc_local([4], i32)
+            nblk = T.alloc_local([1], i32)
+            rows_l = T.alloc_local([4], i32)
 
             if has_topk_length:
                 lim[0] = T.max(T.min(TopkLen[bx], topk_dim), 0)
             else:
                 lim[0] = topk_dim
-            nblk = T.ceildiv(lim[0], BI)
+            nblk[0] = T.ceildiv(lim[0], BI)
             for h, d in T.Parallel(BR, dqk):  # chunk d // 64 of head h (heads past H -> 0)
                 Q_s[(d // 64) * BR + h, d % 64] = T.if_then_else(h < heads, Q[bx, T.min(h, heads - 1), d],
                                                                   T.cast(0, bf16))
-            T.fence_proxy_async()
-            T.sync_threads()
-            if wgs == 1:
-                chain(KV, Indices, bx, lim[0], nblk, KV_r, Valid_s, Q_s, st0, rows_n, 0, tx)
-            else:
-                if tx < 128:
-                    chain(KV, Indices, bx, lim[0], nblk, KV_r, Valid_s, Q_s, st0, rows_n, 0, tx)
-                else:
-                    chain(KV, Indices, bx, lim[0], nblk, KV_r, Valid_s, Q_s, st1, rows_n, 1, tx - 128)
-            ST0, _, Al0, _, acc_o0, _, m_i0, m_prev0, alpha0, l_i0, l_blk0 = st0
-            if wgs == 2:
-                # warpgroup 1's (m, l) and O^T, two chunks a round through both S^T tiles, into warpgroup 0's
-                ST1, _, Al1, _, acc_o1, _, m_i1, _, _, l_i1, _ = st1
-                if tx >= 128:
-                    for n in T.Parallel(BR):
-                        Ml_s[0, n] = m_i1[n]
-                        Ml_s[1, n] = l_i1[n]
+            for c in tuple(range(NC)):
+                T.fill(acc_o[c], 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, tc.NEG_BIG)
+            for b in T.unroll(n_buf - 1):
+                if b < nblk[0]:
+                    gather(KV, Indices, bx, lim[0], b, b, KV_r, rows_l)
+                T.ptx_commit_group()  # one group per block, empty past the last: wait_group's count stays fixed
+            for it in T.serial(nblk[0]):
+                # block it + n_buf - 1 into the slot block it - 1 released, then wait for block it only
+                if it + n_buf - 1 < nblk[0]:
+                    gather(KV, Indices, bx, lim[0], it + n_buf - 1, (it + n_buf - 1) % n_buf, KV_r, rows_l)
+                T.ptx_commit_group()
+                T.ptx_wait_group(n_buf - 1)
                 T.sync_threads()
-                if tx < 128:
-                    for n in T.Parallel(BR):
-                        m_prev0[n] = T.max(m_i0[n], Ml_s[0, n])
-                        alpha0[n] = T.exp2((m_i0[n] - m_prev0[n]) * c_log2)
-                        l_blk0[n] = T.exp2((Ml_s[0, n] - m_prev0[n]) * c_log2)
-                        l_i0[n] = l_i0[n] * alpha0[n] + Ml_s[1, n] * l_blk0[n]
-                        m_i0[n] = m_prev0[n]
-                    T.copy(alpha0, Al0)
-                    T.copy(l_blk0, Al1)
-                for c2 in tuple(range(NC // 2)):
-                    if tx >= 128:
-                        T.copy(acc_o1[2 * c2], ST0)
-                        T.copy(acc_o1[2 * c2 + 1], ST1)
-                    T.sync_threads()
-                    if tx < 128:
-                        for d, n in T.Parallel(64, BR):
-                            acc_o0[2 * c2][d, n] = acc_o0[2 * c2][d, n] * Al0[n] + ST0[d, n] * Al1[n]
-                        for d, n in T.Parallel(64, BR):
-                            acc_o0[2 * c2 + 1][d, n] = acc_o0[2 * c2 + 1][d, n] * Al0[n] + ST1[d, n] * Al1[n]
-                    T.sync_threads()
-            if tx < 128:
-                normaliser(inv, l_i0, m_i0, Sink, 0)
-                T.copy(inv, Al0)
-                wg_sync(0)
-                store_out(acc_o0, inv, Al0, Out, bx)
-                store_lse(l_i0, m_i0, Lse, MaxLogits, bx, 0)
+                attend(Indices, bx, lim[0], it, it % n_buf, KV_r, Q_s, ST_s, P_s, Alpha_s, acc_t, acc_o, s_f, m_i,
+                       m_prev, alpha, l_i, l_blk)
+                T.sync_threads()  # the slot just read is refilled in the next iteration
+
+            normaliser(inv, l_i, m_i, Sink, 0)
+            T.copy(inv, Alpha_s)
+            T.sync_threads()
+            for c in tuple(range(NC)):
+                for d, n in T.Parallel(64, BR):
+                    if n < heads:
+                        Out[bx, n, c * 64 + d] = T.cast(acc_o[c][d, n] * Alpha_s[n], bf16)
+            store_lse(l_i, m_i, Lse, MaxLogits, bx, 0)
 
     return sparse_mla_fwd_narrow_ring
 
@@ -470,25 +409,25 @@ def _pass_configs():
     return tc.plain_pass_configs()
 
 
-def ring_smem_bytes(heads: int, dqk: int, block_rows: int, n_buf: int, warpgroups: int = 1) -> int:
-    """Shared memory of the row-gather build (ring, Q, validity, per warpgroup: staged scores, P, alpha)."""
+def ring_smem_bytes(heads: int, dqk: int, block_rows: int, n_buf: int) -> int:
+    """Shared memory of the row-gather build (ring, Q, staged scores, P, alpha)."""
     BR = rows_tile(heads)
     rows = n_buf * block_rows + BLOCK_I - block_rows
-    return (2 * dqk * (rows + BR) + 4 * n_buf * block_rows + 8 * BR
-            + warpgroups * (4 * BLOCK_I * BR + 2 * BR * block_rows + 4 * BR))
+    return 2 * dqk * (rows + BR) + 4 * BLOCK_I * BR + 2 * BR * block_rows + 4 * BR
 
 
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              row_gather: bool = True, ring: tuple = (BLOCK_I, 2, 1)):
+              row_gather: bool = True, ring: tuple = (BLOCK_I, 2), chains: tuple = (1, False)):
     # n_blocks is not a build parameter (the trip count is dynamic): one kernel per (H, Dqk, sink, topk_length)
-    return _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather, tuple(ring))
+    return _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather, tuple(ring), tuple(chains))
 
 
 @functools.lru_cache(maxsize=64)
-def _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather=False, ring=(BLOCK_I, 2, 1)):
+def _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather=False, ring=(BLOCK_I, 2),
+           chains=(1, False)):
     func = build_sparse_mla_fwd_narrow(heads=heads, dqk=dqk, d_v=d_v, sm_scale=sm_scale, has_sink=has_sink,
                                        has_topk_length=has_topk_length, row_gather=row_gather, block_rows=ring[0],
-                                       n_buf=ring[1], warpgroups=ring[2])
+                                       n_buf=ring[1], chains=chains)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -503,9 +442,6 @@ def lowering_cases():
                                                                     row_gather=True)),  # dispatched
         ("h16_d576_ring48x3", build_sparse_mla_fwd_narrow(heads=16, dqk=576, sm_scale=576 ** -0.5, row_gather=True,
                                                           block_rows=48, n_buf=3)),
-        ("h16_d576_sink_tl_ring32x4_wg2", build_sparse_mla_fwd_narrow(
-            heads=16, dqk=576, sm_scale=576 ** -0.5, has_sink=True, has_topk_length=True, row_gather=True,
-            block_rows=32, n_buf=4, warpgroups=2)),
         ("h3_d512_ring16x8", build_sparse_mla_fwd_narrow(heads=3, dqk=512, sm_scale=512 ** -0.5, has_sink=True,
                                                          row_gather=True, block_rows=16, n_buf=8)),
     ]
@@ -525,9 +461,9 @@ def _bench_variants():
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=heads, topk=2048)
         flops = sparse_fwd_flops(heads, idx.numel(), 576, D_V)  # every index is valid here
         ref = None
-        forms = [("narrow", False, (BLOCK_I, 2, 1))] + [
-            (f"ring_{bi}x{nb}_wg{w}", True, (bi, nb, w)) for bi, nb, w in RING_FORMS
-            if ring_smem_bytes(heads, 576, bi, nb, w) <= SMEM_LIMIT]  # narrow: the T.Parallel gather
+        forms = [("narrow", False, (BLOCK_I, 2))] + [
+            (f"ring_{bi}x{nb}", True, (bi, nb)) for bi, nb in RING_FORMS
+            if ring_smem_bytes(heads, 576, bi, nb) <= SMEM_LIMIT]  # narrow: the T.Parallel gather
         for label, rows, ring in forms:
             def fn(rg=rows, rf=ring):
                 return kernel_fwd.launch(lambda *a: _compiled(*a, rg, rf), q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
