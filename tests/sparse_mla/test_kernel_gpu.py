@@ -194,28 +194,6 @@ def test_sparse_mla_fwd_narrow_row_gather(case):
         assert torch.equal(a, b), f"{name}: the row gather differs from the T.Parallel gather"
 
 
-RING_CASES = [(c, f) for c in CASES if c[1] <= 32 for f in ((48, 3), (32, 4), (16, 8))]
-
-
-@pytest.mark.parametrize("case,form", RING_CASES, ids=[
-    f"d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}{'-tl' if c[6] else ''}-{c[7]}-ring{f[0]}x{f[1]}"
-    for c, f in RING_CASES])
-def test_sparse_mla_fwd_narrow_ring(case, form):
-    """The narrow kernel's ring forms (blocks of 48 / 32 / 16 rows, 3 / 4 / 8 slots; the QK reads 64 rows from a
-    slot's start, the rows past the block masked) against the reference."""
-    from flashdsa.sparse import kernel_fwd_narrow
-
-    dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
-    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
-    sm_scale = dqk**-0.5
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
-    out, lse, max_logits = kernel_fwd.launch(lambda *a: kernel_fwd_narrow._compiled(*a, True, form), q, kv, indices,
-                                             sm_scale=sm_scale, d_v=D_V, topk_length=topk_length,
-                                             attn_sink=attn_sink)
-    torch.cuda.synchronize()
-    check_against_reference(out, lse, max_logits, q, kv, indices, sm_scale, topk_length, attn_sink, valid)
-
-
 def test_sparse_mla_fwd_kernel_cuda_graph():
     """The launch is capturable (no host sync, no value reads) and replays to the same result."""
     dqk, heads, tkv, topk, n_tok = 576, 64, 1840, 256, 62

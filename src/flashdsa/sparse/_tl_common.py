@@ -426,23 +426,6 @@ __device__ __forceinline__ void fdsa_gather_half(void *tile, void *rope, int has
   }
 }
 
-// The narrow forward's block tile (kernel_fwd_narrow ``row_gather``, 128 threads): KV_b [64, 512] bf16 = 8 chunks
-// of 64 columns, Kt_b [64, 64] one chunk (both 128-byte rows, 128B swizzle).  Thread t: rows t / 8 + 16 k (KV rows
-// r0 .. r3, -1 invalid: zero fill, nothing read), piece t % 8 of each chunk and of the rope row.
-__device__ __forceinline__ void fdsa_gather_narrow(void *tile, void *rope, int has_rope, const void *kv, int ld,
-                                                   int r0, int r1, int r2, int r3, int t) {
-  const int g = t >> 3, q = t & 7, rows[4] = {r0, r1, r2, r3};
-  const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
-  const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int r = g + 16 * k, sz = rows[k] >= 0 ? 16 : 0;
-    const char *src = fdsa_row_ptr(kv, rows[k], ld * 2) + q * 16;  // (as it ran on the GPU; fdsa_row_swz128 orders
-    fdsa_cp_chunks<8>(tile_s + fdsa_swz128(r, q), src, sz);        // the rope address differently)
-    if (has_rope) fdsa_cp16(rope_s + fdsa_swz128(r, q), src + 1024, sz);
-  }
-}
-
 // The backward's block tile (kernel_bwd ``row_gather``, 256 compute threads): KV_s [64, 512] bf16 = 8 chunks of 64
 // columns (8 KiB, 128-byte rows, 128B swizzle); Kt_s [64, 64] = 2 halves of 32 columns (4 KiB, 64-byte rows, 64B
 // swizzle).  Thread t: rows t / 8 and t / 8 + 32 (KV rows row0 / row1, -1 invalid: zero fill, nothing read), piece

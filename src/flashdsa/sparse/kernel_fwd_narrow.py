@@ -43,16 +43,13 @@ from ._tl_common import BLOCK_I, D_V, LOG2E
 
 MAX_HEADS = 32
 THREADS = 128
-RING_FORMS = ((64, 2), (48, 3), (32, 4), (16, 8))  # (block_rows, n_buf) builds of the row gather
-SMEM_LIMIT = 232448  # sm_90 dynamic shared memory per block
-
-# The ring's gather: block_rows (16 NR) rows of a top-k block into ring slot ``tile`` (the slot's first row; the
-# ring is TileLang's 128B-swizzled [R, 512] bf16 layout: 8 chunks of 64 columns, ``chunk`` = R * 128 bytes apart)
-# and its rope rows into ``rope`` ([R, 64], one chunk).  Thread t: rows t / 8 + 16 k (k < NR; -1 invalid: zero fill,
-# nothing read), piece t % 8 of each chunk and of the rope row.
-_RING_SRC = r"""
+# The row gather of a block: 16 NR rows into the tile buffer at ``tile`` (the slot's first row of chunk 0; the buffer
+# is TileLang's 128B-swizzled [NCH * R, 64] bf16 layout: 128-byte rows, chunk c of every row R rows = ``chunk``
+# bytes after chunk c - 1) and its rope rows at ``rope`` (chunk 8).  Thread t: rows t / 8 + 16 k (k < NR; -1
+# invalid: zero fill, nothing read), piece t % 8 of each chunk and of the rope row.
+_ROWS_SRC = r"""
 template <int NR>
-__device__ __forceinline__ void fdsa_gather_ring(void *tile, void *rope, int has_rope, const void *kv, int ld,
+__device__ __forceinline__ void fdsa_gather_rows(void *tile, void *rope, int has_rope, const void *kv, int ld,
                                                  int chunk, int r0, int r1, int r2, int r3, int t) {
   const int g = t >> 3, q = t & 7, rows[4] = {r0, r1, r2, r3};
   const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
@@ -126,23 +123,15 @@ def _epilogue_macro(*, BR, D, heads, normaliser, store_lse, bar=None):
 
 
 def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, row_gather: bool = False, block_rows: int = BLOCK_I,
-                                n_buf: int = 2, chains=(1, False)):
+                                has_topk_length: bool = False, row_gather: bool = False):
     """prim_func with ``kernel_fwd.build_sparse_mla_fwd``'s signature (Q[T,H,Dqk], KV[Tkv,Dqk], Indices[T,topk],
     TopkLen[n_tl], Sink[n_sink], Out[T,H,d_v], Lse[T,H], MaxLogits[T,H]); any topk (dynamic trip count).
     ``row_gather`` (dispatched since session 19: S 4096 / SKV 8192 / topk 2048 H 16 3.143 -> 2.327 ms, H 32 3.950 ->
     3.019): each thread looks up 4 rows and copies 8 (+1 rope) 16-byte pieces of each (``_tl_common``'s
     fdsa_gather_narrow) instead of one Indices load and check per copy; same bytes and swizzled layout, so the same
-    outputs bitwise.  With ``row_gather``, (``block_rows``, ``n_buf``) shape the tile ring (``RING_FORMS``):
-    blocks of ``block_rows`` top-k rows, ``n_buf`` slots, ``n_buf - 1`` blocks in flight while one is computed.  The
-    QK reads 64 rows from a slot's start (the wgmma M), the rows past ``block_rows`` belong to the next slot (or
-    the ring's tail) and their scores are masked; the PV contracts over the block's rows only."""
-    if row_gather:
-        assert (block_rows, n_buf) in RING_FORMS, (block_rows, n_buf)
-        if ring_smem_bytes(heads, dqk, block_rows, n_buf) > SMEM_LIMIT:
-            raise ValueError(f"narrow sparse forward: ring {block_rows}x{n_buf} does not fit H={heads}, Dqk={dqk}")
-    else:
-        assert (block_rows, n_buf) == (BLOCK_I, 2), (block_rows, n_buf)
+    outputs bitwise.  Since session 36 the row gather fills ``_build_rows``'s chunked tile buffer (per-chunk
+    products issued together, one wait; S 4096 / SKV 8192 / topk 2048 H 16 2.325 -> 2.247 ms, H 32 3.016 ->
+    2.883, bitwise the same outputs)."""
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
     BR = rows_tile(heads)
     BI, D, DT = BLOCK_I, d_v, dqk - d_v
@@ -157,6 +146,10 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
     qk_t, softmax_pv, _ = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=DT > 0, c_log2=c_log2)
     epilogue = _epilogue_macro(BR=BR, D=D, heads=heads, normaliser=normaliser, store_lse=store_lse)
     start = _prologue_macro(BI=BI, topk_dim=topk_dim, has_topk_length=has_topk_length, load_q=load_q)
+    if row_gather:
+        return _build_rows(heads=heads, dqk=dqk, D=D, DT=DT, BR=BR, c_log2=c_log2, normaliser=normaliser,
+                           store_lse=store_lse, row=_row, ok=_ok, topk_dim=topk_dim,
+                           dims=(n_tok, n_kv, n_tl, n_sink), has_topk_length=has_topk_length)
 
     @T.macro
     def gather_parallel(KV, Indices, tok, lim, blk, KV_b, Kt_b):
@@ -172,24 +165,6 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
                 ok = _ok(row)
                 src = T.if_then_else(ok, row, 0)
                 Kt_b[r, d] = T.if_then_else(ok, KV[src, D + d], T.cast(0, bf16))
-
-    @T.macro
-    def gather_rows(KV, Indices, tok, lim, blk, KV_b, Kt_b, rows_l):
-        tx = T.get_thread_binding()
-        for k in T.unroll(4):
-            row = _row(Indices, tok, lim, blk * BI + tx // 8 + 16 * k)
-            rows_l[k] = T.if_then_else(_ok(row), row, -1)
-        T.call_extern("handle", "fdsa_gather_narrow", T.address_of(KV_b[0, 0]),
-                      T.address_of((Kt_b if DT > 0 else KV_b)[0, 0]), 1 if DT > 0 else 0, T.address_of(KV[0, 0]),
-                      dqk, rows_l[0], rows_l[1], rows_l[2], rows_l[3], tx)
-
-    @T.macro
-    def gather(KV, Indices, tok, lim, blk, KV_b, Kt_b, rows_l):
-        # cp.async (no commit, no wait) of block blk's rows; invalid slots: src-size 0 (zero fill, nothing read)
-        if row_gather:
-            gather_rows(KV, Indices, tok, lim, blk, KV_b, Kt_b, rows_l)
-        else:
-            gather_parallel(KV, Indices, tok, lim, blk, KV_b, Kt_b)
 
     @T.macro
     def attend(Indices, tok, lim, blk, KV_b, Kt_b, Q_s, Qt_s, ST_s, P_s, Alpha_s, acc_t, acc_ot, s_f, m_i, m_prev,
@@ -211,7 +186,7 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=THREADS, prelude=tc.ROW_GATHER_PRELUDE if row_gather else None) as bx:
+        with T.Kernel(n_tok, threads=THREADS) as bx:
             Q_s = T.alloc_shared([BR, D], bf16)
             KV_0 = T.alloc_shared([BI, D], bf16)
             KV_1 = T.alloc_shared([BI, D], bf16)
@@ -236,19 +211,18 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
             inv = T.alloc_fragment([BR], f32)
             lim = T.alloc_local([1], i32)
             nblk = T.alloc_local([1], i32)
-            rows_l = T.alloc_local([4], i32)  # row_gather: this thread's 4 rows of the block
 
             start(TopkLen, Q, Q_s, Qt_s, lim, nblk, acc_ot, l_i, m_i, bx)
             if nblk[0] > 0:
-                gather(KV, Indices, bx, lim[0], 0, KV_0, Kt_0, rows_l)
+                gather_parallel(KV, Indices, bx, lim[0], 0, KV_0, Kt_0)
                 T.ptx_commit_group()
             for it in T.serial(nblk[0]):
                 # gather block it + 1 into the buffer block it - 1 released, then wait for block it only
                 if it + 1 < nblk[0]:
                     if it % 2 == 0:
-                        gather(KV, Indices, bx, lim[0], it + 1, KV_1, Kt_1, rows_l)
+                        gather_parallel(KV, Indices, bx, lim[0], it + 1, KV_1, Kt_1)
                     else:
-                        gather(KV, Indices, bx, lim[0], it + 1, KV_0, Kt_0, rows_l)
+                        gather_parallel(KV, Indices, bx, lim[0], it + 1, KV_0, Kt_0)
                     T.ptx_commit_group()
                     T.ptx_wait_group(1)
                 else:
@@ -264,24 +238,21 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
 
             epilogue(acc_ot, inv, l_i, m_i, Sink, Alpha_s, Q_s, Out, Lse, MaxLogits, bx)
 
-    if not row_gather:
-        return sparse_mla_fwd_narrow
-    return _build_ring(heads=heads, dqk=dqk, D=D, DT=DT, BR=BR, BI=block_rows, n_buf=n_buf, c_log2=c_log2,
-                       normaliser=normaliser, store_lse=store_lse, row=_row, ok=_ok, topk_dim=topk_dim,
-                       dims=(n_tok, n_kv, n_tl, n_sink), has_topk_length=has_topk_length, qk_chains=chains[0],
-                       pv_interleave=chains[1])
+    return sparse_mla_fwd_narrow
 
 
-def _build_ring(*, heads, dqk, D, DT, BR, BI, n_buf, c_log2, normaliser, store_lse, row, ok, topk_dim, dims,
-                has_topk_length, qk_chains=1, pv_interleave=False):
-    """The row-gather build over a ring of ``n_buf`` slots of ``BI`` rows (``build_sparse_mla_fwd_narrow``).
-
-    Layout: one shared buffer ``KV_r [NCH * R, 64]`` (TileLang's 128B swizzle: 128-byte rows, R rows per 64-column
-    chunk of the row, NCH = 8 latent chunks + the rope chunk), Q likewise ``[NCH * BR, 64]``; every product is per
-    chunk (a K-major or MN-major operand of one 64-column atom), so a slot is a row range of each chunk.  The
-    output accumulator is one ``[64, BR]`` fragment per latent chunk (O^T by chunk)."""
-    MW = BLOCK_I  # the wgmma M of the QK
-    R = n_buf * BI + MW - BI  # rows per chunk: the last slot's QK reads MW - BI rows past it
+def _build_rows(*, heads, dqk, D, DT, BR, c_log2, normaliser, store_lse, row, ok, topk_dim, dims, has_topk_length):
+    """The row-gather build (``build_sparse_mla_fwd_narrow``): the same schedule as the T.Parallel build (two tile
+    slots, block it + 1 gathered while block it is computed), with the tiles in one shared buffer
+    ``KV_r [NCH * R, 64]`` (TileLang's 128B swizzle: 128-byte rows; R = 128 rows (two slots of 64) per 64-column
+    chunk of the row; NCH = 8 latent chunks + the rope chunk) and Q likewise ``[NCH * BR, 64]``.  Every product is
+    per chunk (a K-major or MN-major operand of one 64-column atom), issued together and waited once, and the
+    output accumulator is one ``[64, BR]`` fragment per latent chunk (O^T by chunk), stored straight to global.
+    (Measured slower in session 36, docs/PERFORMANCE.md: deeper rings of 48 / 32 / 16-row slots, two warpgroups
+    with their own slots, row numbers loaded a block ahead, QK over three accumulators, PV interleaved by keys.)"""
+    BI, n_buf = BLOCK_I, 2
+    MW = BI  # the wgmma M of the QK
+    R = n_buf * BI
     NC, NCH = D // 64, dqk // 64
     NR = BI // 16
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -298,7 +269,7 @@ def _build_ring(*, heads, dqk, D, DT, BR, BI, n_buf, c_log2, normaliser, store_l
                 rows_l[k] = T.if_then_else(ok(r), r, -1)
             else:
                 rows_l[k] = -1
-        T.call_extern("handle", f"fdsa_gather_ring<{NR}>", T.address_of(KV_r[slot * BI, 0]),
+        T.call_extern("handle", f"fdsa_gather_rows<{NR}>", T.address_of(KV_r[slot * BI, 0]),
                       T.address_of(KV_r[NC * R + slot * BI, 0]), 1 if DT > 0 else 0, T.address_of(KV[0, 0]), dqk,
                       R * 128, rows_l[0], rows_l[1], rows_l[2], rows_l[3], tx)
 
@@ -306,17 +277,12 @@ def _build_ring(*, heads, dqk, D, DT, BR, BI, n_buf, c_log2, normaliser, store_l
     def attend(Indices, tok, lim, blk, slot, KV_r, Q_s, ST_s, P_s, Alpha_s, acc_t, acc_o, s_f, m_i, m_prev, alpha,
                l_i, l_blk):
         r0 = slot * BI
-        for a in tuple(range(qk_chains)):
-            T.clear(acc_t[a])
+        T.clear(acc_t)
         for c in tuple(range(NCH)):  # a Python iterable: unrolled while tracing
-            T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + MW, :], Q_s[c * BR : c * BR + BR, :], acc_t[c % qk_chains],
+            T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + MW, :], Q_s[c * BR : c * BR + BR, :], acc_t,
                          transpose_B=True)
         T.wait_wgmma(0)
-        if qk_chains == 1:
-            T.copy(acc_t[0], ST_s)
-        else:
-            for r, n in T.Parallel(MW, BR):
-                ST_s[r, n] = acc_t[0][r, n] + acc_t[1][r, n] + acc_t[2][r, n]
+        T.copy(acc_t, ST_s)
         for n, r in T.Parallel(BR, BI):
             rw = row(Indices, tok, lim, blk * BI + r)
             s_f[n, r] = T.if_then_else(ok(rw), ST_s[r, n], -T.infinity(f32))
@@ -324,19 +290,12 @@ def _build_ring(*, heads, dqk, D, DT, BR, BI, n_buf, c_log2, normaliser, store_l
         for c in tuple(range(NC)):
             for d, n in T.Parallel(64, BR):
                 acc_o[c][d, n] = acc_o[c][d, n] * Alpha_s[n]
-        if pv_interleave:  # 16 keys at a time over all chunks: neighbouring wgmmas write different accumulators
-            for ks in tuple(range(BI // 16)):
-                for c in tuple(range(NC)):
-                    T.wgmma_gemm(KV_r[c * R + r0 + 16 * ks : c * R + r0 + 16 * ks + 16, :],
-                                 P_s[:, 16 * ks : 16 * ks + 16], acc_o[c], transpose_A=True, transpose_B=True)
-        else:
-            for c in tuple(range(NC)):
-                T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + BI, :], P_s, acc_o[c], transpose_A=True,
-                             transpose_B=True)
+        for c in tuple(range(NC)):
+            T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + BI, :], P_s, acc_o[c], transpose_A=True, transpose_B=True)
         T.wait_wgmma(0)
 
     @T.prim_func
-    def sparse_mla_fwd_narrow_ring(
+    def sparse_mla_fwd_narrow_rows(
         Q: T.Tensor([n_tok, heads, dqk], bf16),
         KV: T.Tensor([n_kv, dqk], bf16),
         Indices: T.Tensor([n_tok, topk_dim], i32),
@@ -346,14 +305,14 @@ def _build_ring(*, heads, dqk, D, DT, BR, BI, n_buf, c_log2, normaliser, store_l
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=THREADS, prelude=tc.ROW_GATHER_PRELUDE + _RING_SRC) as bx:
+        with T.Kernel(n_tok, threads=THREADS, prelude=tc.ROW_GATHER_PRELUDE + _ROWS_SRC) as bx:
             Q_s = T.alloc_shared([NCH * BR, 64], bf16)
             KV_r = T.alloc_shared([NCH * R, 64], bf16)
             ST_s = T.alloc_shared([MW, BR], f32)
             P_s = T.alloc_shared([BR, BI], bf16)
             Alpha_s = T.alloc_shared([BR], f32)
 
-            acc_t = [T.alloc_fragment([MW, BR], f32) for _ in range(qk_chains)]
+            acc_t = T.alloc_fragment([MW, BR], f32)
             acc_o = [T.alloc_fragment([64, BR], f32) for _ in range(NC)]
             s_f = T.alloc_fragment([BR, BI], f32)
             m_i = T.alloc_fragment([BR], f32)
@@ -402,32 +361,23 @@ def _build_ring(*, heads, dqk, D, DT, BR, BI, n_buf, c_log2, normaliser, store_l
                         Out[bx, n, c * 64 + d] = T.cast(acc_o[c][d, n] * Alpha_s[n], bf16)
             store_lse(l_i, m_i, Lse, MaxLogits, bx, 0)
 
-    return sparse_mla_fwd_narrow_ring
+    return sparse_mla_fwd_narrow_rows
 
 
 def _pass_configs():
     return tc.plain_pass_configs()
 
 
-def ring_smem_bytes(heads: int, dqk: int, block_rows: int, n_buf: int) -> int:
-    """Shared memory of the row-gather build (ring, Q, staged scores, P, alpha)."""
-    BR = rows_tile(heads)
-    rows = n_buf * block_rows + BLOCK_I - block_rows
-    return 2 * dqk * (rows + BR) + 4 * BLOCK_I * BR + 2 * BR * block_rows + 4 * BR
-
-
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              row_gather: bool = True, ring: tuple = (BLOCK_I, 2), chains: tuple = (1, False)):
+              row_gather: bool = True):
     # n_blocks is not a build parameter (the trip count is dynamic): one kernel per (H, Dqk, sink, topk_length)
-    return _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather, tuple(ring), tuple(chains))
+    return _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather)
 
 
 @functools.lru_cache(maxsize=64)
-def _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather=False, ring=(BLOCK_I, 2),
-           chains=(1, False)):
+def _build(heads, dqk, d_v, sm_scale, has_sink, has_topk_length, row_gather=False):
     func = build_sparse_mla_fwd_narrow(heads=heads, dqk=dqk, d_v=d_v, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, row_gather=row_gather, block_rows=ring[0],
-                                       n_buf=ring[1], chains=chains)
+                                       has_topk_length=has_topk_length, row_gather=row_gather)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -440,10 +390,8 @@ def lowering_cases():
         ("h16_d576_sink_tl_row_gather", build_sparse_mla_fwd_narrow(heads=16, dqk=576, sm_scale=576 ** -0.5,
                                                                     has_sink=True, has_topk_length=True,
                                                                     row_gather=True)),  # dispatched
-        ("h16_d576_ring48x3", build_sparse_mla_fwd_narrow(heads=16, dqk=576, sm_scale=576 ** -0.5, row_gather=True,
-                                                          block_rows=48, n_buf=3)),
-        ("h3_d512_ring16x8", build_sparse_mla_fwd_narrow(heads=3, dqk=512, sm_scale=512 ** -0.5, has_sink=True,
-                                                         row_gather=True, block_rows=16, n_buf=8)),
+        ("h3_d512_sink_row_gather", build_sparse_mla_fwd_narrow(heads=3, dqk=512, sm_scale=512 ** -0.5,
+                                                                 has_sink=True, row_gather=True)),  # no rope chunk
     ]
 
 
@@ -461,12 +409,9 @@ def _bench_variants():
         q, kv, idx = kernel_fwd._prefill_inputs(gen, H=heads, topk=2048)
         flops = sparse_fwd_flops(heads, idx.numel(), 576, D_V)  # every index is valid here
         ref = None
-        forms = [("narrow", False, (BLOCK_I, 2))] + [
-            (f"ring_{bi}x{nb}", True, (bi, nb)) for bi, nb in RING_FORMS
-            if ring_smem_bytes(heads, 576, bi, nb) <= SMEM_LIMIT]  # narrow: the T.Parallel gather
-        for label, rows, ring in forms:
-            def fn(rg=rows, rf=ring):
-                return kernel_fwd.launch(lambda *a: _compiled(*a, rg, rf), q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
+        for label, rows in (("narrow", False), ("narrow_row_gather", True)):  # narrow: the T.Parallel gather
+            def fn(rg=rows):
+                return kernel_fwd.launch(lambda *a: _compiled(*a, rg), q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
 
             out = fn()
             ref = out if ref is None else ref
