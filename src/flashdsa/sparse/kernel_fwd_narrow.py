@@ -127,8 +127,8 @@ def build_sparse_mla_fwd_narrow(*, heads: int, dqk: int, d_v: int = D_V, sm_scal
     """prim_func with ``kernel_fwd.build_sparse_mla_fwd``'s signature (Q[T,H,Dqk], KV[Tkv,Dqk], Indices[T,topk],
     TopkLen[n_tl], Sink[n_sink], Out[T,H,d_v], Lse[T,H], MaxLogits[T,H]); any topk (dynamic trip count).
     ``row_gather`` (dispatched since session 19: S 4096 / SKV 8192 / topk 2048 H 16 3.143 -> 2.327 ms, H 32 3.950 ->
-    3.019): each thread looks up 4 rows and copies 8 (+1 rope) 16-byte pieces of each (``_tl_common``'s
-    fdsa_gather_narrow) instead of one Indices load and check per copy; same bytes and swizzled layout, so the same
+    3.019): each thread looks up 4 rows and copies 8 (+1 rope) 16-byte pieces of each (``fdsa_gather_rows``,
+    this module) instead of one Indices load and check per copy; same bytes and swizzled layout, so the same
     outputs bitwise.  Since session 36 the row gather fills ``_build_rows``'s chunked tile buffer (per-chunk
     products issued together, one wait; S 4096 / SKV 8192 / topk 2048 H 16 2.325 -> 2.247 ms, H 32 3.016 ->
     2.883, bitwise the same outputs)."""
