@@ -43,19 +43,18 @@ from ._tl_common import BLOCK_I, D_V, LOG2E
 
 MAX_HEADS = 32
 THREADS = 128
-# The row gather of a block: 16 NR rows into the tile buffer at ``tile`` (the slot's first row of chunk 0; the buffer
+# The row gather of a block: 64 rows into the tile buffer at ``tile`` (the slot's first row of chunk 0; the buffer
 # is TileLang's 128B-swizzled [NCH * R, 64] bf16 layout: 128-byte rows, chunk c of every row R rows = ``chunk``
-# bytes after chunk c - 1) and its rope rows at ``rope`` (chunk 8).  Thread t: rows t / 8 + 16 k (k < NR; -1
+# bytes after chunk c - 1) and its rope rows at ``rope`` (chunk 8).  Thread t: rows t / 8 + 16 k (k < 4; -1
 # invalid: zero fill, nothing read), piece t % 8 of each chunk and of the rope row.
 _ROWS_SRC = r"""
-template <int NR>
 __device__ __forceinline__ void fdsa_gather_rows(void *tile, void *rope, int has_rope, const void *kv, int ld,
                                                  int chunk, int r0, int r1, int r2, int r3, int t) {
   const int g = t >> 3, q = t & 7, rows[4] = {r0, r1, r2, r3};
   const unsigned tile_s = static_cast<unsigned>(__cvta_generic_to_shared(tile));
   const unsigned rope_s = static_cast<unsigned>(__cvta_generic_to_shared(rope));
 #pragma unroll
-  for (int k = 0; k < NR; ++k) {
+  for (int k = 0; k < 4; ++k) {
     const int r = g + 16 * k, sz = rows[k] >= 0 ? 16 : 0;
     const char *src = fdsa_row_ptr(kv, rows[k], ld * 2) + q * 16;
     const unsigned dst = tile_s + fdsa_swz128(r, q);
@@ -251,25 +250,21 @@ def _build_rows(*, heads, dqk, D, DT, BR, c_log2, normaliser, store_lse, row, ok
     (Measured slower in session 36, docs/PERFORMANCE.md: deeper rings of 48 / 32 / 16-row slots, two warpgroups
     with their own slots, row numbers loaded a block ahead, QK over three accumulators, PV interleaved by keys.)"""
     BI, n_buf = BLOCK_I, 2
-    MW = BI  # the wgmma M of the QK
-    R = n_buf * BI
+    R = n_buf * BI  # rows per chunk
     NC, NCH = D // 64, dqk // 64
-    NR = BI // 16
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_tl, n_sink = dims
     _, _, softmax_stage = tc.narrow_macros(BR=BR, BI=BI, D=D, has_tail=DT > 0, c_log2=c_log2)
+    set_lim = tc.make_set_lim(has_topk_length, topk_dim)
 
     @T.macro
     def gather(KV, Indices, tok, lim, blk, slot, KV_r, rows_l):
-        # cp.async (no commit, no wait) of block blk's rows into ring slot ``slot``; invalid slots: zero fill
+        # cp.async (no commit, no wait) of block blk's rows into slot ``slot``; invalid slots: zero fill
         tx = T.get_thread_binding()
         for k in T.unroll(4):
-            if k < NR:
-                r = row(Indices, tok, lim, blk * BI + tx // 8 + 16 * k)
-                rows_l[k] = T.if_then_else(ok(r), r, -1)
-            else:
-                rows_l[k] = -1
-        T.call_extern("handle", f"fdsa_gather_rows<{NR}>", T.address_of(KV_r[slot * BI, 0]),
+            r = row(Indices, tok, lim, blk * BI + tx // 8 + 16 * k)
+            rows_l[k] = T.if_then_else(ok(r), r, -1)
+        T.call_extern("handle", "fdsa_gather_rows", T.address_of(KV_r[slot * BI, 0]),
                       T.address_of(KV_r[NC * R + slot * BI, 0]), 1 if DT > 0 else 0, T.address_of(KV[0, 0]), dqk,
                       R * 128, rows_l[0], rows_l[1], rows_l[2], rows_l[3], tx)
 
@@ -279,7 +274,7 @@ def _build_rows(*, heads, dqk, D, DT, BR, c_log2, normaliser, store_lse, row, ok
         r0 = slot * BI
         T.clear(acc_t)
         for c in tuple(range(NCH)):  # a Python iterable: unrolled while tracing
-            T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + MW, :], Q_s[c * BR : c * BR + BR, :], acc_t,
+            T.wgmma_gemm(KV_r[c * R + r0 : c * R + r0 + BI, :], Q_s[c * BR : c * BR + BR, :], acc_t,
                          transpose_B=True)
         T.wait_wgmma(0)
         T.copy(acc_t, ST_s)
@@ -308,11 +303,11 @@ def _build_rows(*, heads, dqk, D, DT, BR, c_log2, normaliser, store_lse, row, ok
         with T.Kernel(n_tok, threads=THREADS, prelude=tc.ROW_GATHER_PRELUDE + _ROWS_SRC) as bx:
             Q_s = T.alloc_shared([NCH * BR, 64], bf16)
             KV_r = T.alloc_shared([NCH * R, 64], bf16)
-            ST_s = T.alloc_shared([MW, BR], f32)
+            ST_s = T.alloc_shared([BI, BR], f32)
             P_s = T.alloc_shared([BR, BI], bf16)
             Alpha_s = T.alloc_shared([BR], f32)
 
-            acc_t = T.alloc_fragment([MW, BR], f32)
+            acc_t = T.alloc_fragment([BI, BR], f32)
             acc_o = [T.alloc_fragment([64, BR], f32) for _ in range(NC)]
             s_f = T.alloc_fragment([BR, BI], f32)
             m_i = T.alloc_fragment([BR], f32)
@@ -325,10 +320,7 @@ def _build_rows(*, heads, dqk, D, DT, BR, c_log2, normaliser, store_lse, row, ok
             nblk = T.alloc_local([1], i32)
             rows_l = T.alloc_local([4], i32)
 
-            if has_topk_length:
-                lim[0] = T.max(T.min(TopkLen[bx], topk_dim), 0)
-            else:
-                lim[0] = topk_dim
+            set_lim(lim, TopkLen, bx)
             nblk[0] = T.ceildiv(lim[0], BI)
             for h, d in T.Parallel(BR, dqk):  # chunk d // 64 of head h (heads past H -> 0)
                 Q_s[(d // 64) * BR + h, d % 64] = T.if_then_else(h < heads, Q[bx, T.min(h, heads - 1), d],
@@ -342,7 +334,7 @@ def _build_rows(*, heads, dqk, D, DT, BR, c_log2, normaliser, store_lse, row, ok
                     gather(KV, Indices, bx, lim[0], b, b, KV_r, rows_l)
                 T.ptx_commit_group()  # one group per block, empty past the last: wait_group's count stays fixed
             for it in T.serial(nblk[0]):
-                # block it + n_buf - 1 into the slot block it - 1 released, then wait for block it only
+                # block it + 1 into the slot block it - 1 released, then wait for block it only
                 if it + n_buf - 1 < nblk[0]:
                     gather(KV, Indices, bx, lim[0], it + n_buf - 1, (it + n_buf - 1) % n_buf, KV_r, rows_l)
                 T.ptx_commit_group()
