@@ -194,6 +194,34 @@ def test_sparse_mla_fwd_narrow_row_gather(case):
         assert torch.equal(a, b), f"{name}: the row gather differs from the T.Parallel gather"
 
 
+FEW_HEAD_CASES = [c for c in CASES if c[1] <= 16] + [
+    (576, 9, 4096, 2048, 62, True, True, "sliced"),
+    (512, 13, 592, 100, 213, False, False, "contig"),
+    (576, 24, 1840, 256, 62, True, False, "contig"),  # narrow only (H > 16)
+]
+
+
+FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES for f in ("narrow", "mma", "mma_g3") if f == "narrow" or c[1] <= 16]
+
+
+@pytest.mark.parametrize("case,form", FEW_HEAD_FORMS, ids=[
+    f"{f}-d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}-{c[7]}" for c, f in FEW_HEAD_FORMS])
+def test_sparse_mla_fwd_few_head_forms(case, form):
+    """Each few-head kernel (``kernel_fwd_narrow``; ``kernel_fwd_mma``'s forms for H <= 16) against the reference,
+    whichever the dispatcher picks."""
+    from flashdsa.sparse import kernel_fwd_mma, kernel_fwd_narrow
+
+    dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
+    assert form == "narrow" or heads <= kernel_fwd_mma.MAX_HEADS
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
+    compiled = kernel_fwd_narrow._compiled if form == "narrow" else lambda *a: kernel_fwd_mma._compiled(*a, form)
+    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
+    out, lse, max_logits = kernel_fwd.launch(compiled, q, kv, indices, **kw)
+    torch.cuda.synchronize()
+    check_against_reference(out, lse, max_logits, q, kv, indices, kw["sm_scale"], topk_length, attn_sink, valid)
+
+
 def test_sparse_mla_fwd_kernel_cuda_graph():
     """The launch is capturable (no host sync, no value reads) and replays to the same result."""
     dqk, heads, tkv, topk, n_tok = 576, 64, 1840, 256, 62

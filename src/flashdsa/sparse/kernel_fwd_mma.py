@@ -1,0 +1,494 @@
+"""Few-head sparse MLA forward (bf16 q / kv, H <= 16) on per-warp ``mma.sync`` chains (sm_90a).
+
+Notes
+-----
+Contract, host interface (``kernel_fwd.launch``: Q [T, H, Dqk], KV [Tkv, Dqk], Indices [T, topk], TopkLen, Sink,
+Out [T, H, 512], Lse, MaxLogits) and numerics as ``kernel_fwd.py``; Dqk 576 (V = the first 512 dims) or 512
+(K = V).  One CTA of ``2 G`` warps per token.  Why a third form next to ``kernel_fwd_narrow`` (rows on the wgmma M
+side, heads on N = 16): there every 64-row block costs 36 + 32 ``m64n16k16`` wgmmas at ~65 cycles each (session 36),
+so the tensor work of 16 heads is paid at a quarter of the wgmma's rate.  ``m16n8k16`` fits 16 heads exactly, and
+``kernel_fwd_mma656`` (the same schedule over the FP8 cache, conversions included) already ran prefill S 4096 in
+1.985 ms against the narrow kernel's 2.22 ms on bf16 rows.  The schedule (``kernel_fwd_mma656``'s, without its
+FP8 conversions and scales):
+
+  * **Key groups.**  Warps 2g and 2g + 1 form group g (``G`` groups); group g takes the 16-key chunks g, g + G, ..
+    of the token's top-k with its own online softmax; the groups are merged at the end (as split-KV).  No CTA-wide
+    barrier inside the loop.
+  * **Rows.**  Each group has ``NST`` stages of 16 rows; a row is one ``cp.async.bulk`` of ``2 Dqk`` bytes counted
+    on the stage's mbarrier (an invalid slot's row is zeroed by its issuing lane instead: never read, score -inf).
+    Stage rows are ``2 Dqk + 16`` bytes apart, so the 8 rows an ``ldmatrix`` reads fall in distinct bank quads.
+    The row numbers come in blocks of 4 steps, one load per lane a block ahead, handed out by shuffles.
+  * **The pair splits the dims.**  Warp h (0 / 1) of a group takes latent dims [256 h, +256) and rope dims
+    [512 + 32 h, +32): its QK partial (A = Q from shared memory, B = the rows, both by ``ldmatrix``) goes through
+    shared memory, both warps add the two partials (``a + b`` is exact-commutative: the same S in both), run the same
+    softmax and each accumulates O for its own 256 output dims (128 fp32 registers per thread) with V by
+    ``ldmatrix.trans``.
+Numerics as the other kernels: fp32 accumulators and softmax state, exp2 with ``sm_scale * log2(e)`` folded, a finite
+running-max start (-1e30) -- the exp reference moves only when a chunk's max exceeds it by more than 2^8 in the exp2
+domain (P <= 2^8; the true max is kept apart for max_logits) --, P rounded to bf16 only for PV, invalid rows never
+read, natural-log lse without the sink, empty rows -> out 0, lse +inf, max_logits -inf;
+``inv = 1 / (l + 2^(sink log2 e - m c))``.
+
+Shared memory (Dqk 576): stages G x NST x 16 x 1168 B (G 4, NST 2: 149,504 B; they hold the merge buffer at the end),
+Q 16 x 1168 B, partial-S exchange G x 4 KB, flags and barriers.  The per-warp fragment work is an extern device
+function (``fdsa_mma_kernel``): TileLang's tile operators express block-wide gemms, not per-warp ``mma.sync`` chains
+with their own softmax state.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from . import _tl_common as tc
+from ._tl_common import D_V, LOG2E
+
+MAX_HEADS = 16
+CHUNK = 16  # keys per step
+# form name -> (key groups G, stages per group NST, k steps of Q held in registers, early refill); the stages of
+# 4 groups x 3 do not fit shared memory
+FORMS = {"mma": (4, 2, 0, 0), "mma_g3": (3, 3, 0, 0), "mma_g5": (5, 2, 0, 0), "mma_q2": (4, 2, 2, 0),
+         "mma_q4": (4, 2, 4, 0), "mma_e": (4, 2, 0, 1), "mma_g5e": (5, 2, 0, 1)}
+DEFAULT_FORM = "mma"
+EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads)
+
+_SRC = tc.FAST_EXP2_PRELUDE + r"""
+#define FDSA_MMA_INF __int_as_float(0x7f800000)
+__device__ __forceinline__ void fdsa_mma_ldm(unsigned addr, unsigned *x) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
+}
+__device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
+}
+__device__ __forceinline__ void fdsa_mma_bf16(float *c, const unsigned *a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned fdsa_mma_pack(float lo, float hi) {  // bf16x2 {lo, hi}, round to nearest
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ void fdsa_mma_wait(unsigned bar, unsigned parity) {
+  asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\t"
+               "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra WAIT;\n\t}\n"
+               :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ float fdsa_mma_quad_max(float x) {  // over the 4 lanes of a quad
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+// One row of ROW bytes into the stage row at shared address dst, counted on the mbarrier at shared address bar; an
+// invalid row (ok 0) is zeroed instead (nothing read).  No proxy fence before a copy: the stage's earlier generic
+// reads are ordered before it by the pair barrier (WAR, as CUTLASS's TMA pipelines); only the zero fill's generic
+// writes need one before a later copy into the same row (always by this thread).
+template <int ROW>
+__device__ __forceinline__ void fdsa_mma_row(unsigned dst, const void *src, unsigned bar, int ok, void *dst_g) {
+  if (ok) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(ROW) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(ROW), "r"(bar) : "memory");
+  } else {
+#pragma unroll
+    for (int k = 0; k < ROW / 16; ++k) reinterpret_cast<uint4 *>(dst_g)[k] = make_uint4(0u, 0u, 0u, 0u);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+  }
+}
+
+// The whole CTA (64 G threads) for token tok: see the module notes of kernel_fwd_mma.py.
+// ABL (timing builds, wrong results): 16 no PV, 32 no QK products.
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int EARLY, int ABL = 0>
+__device__ __forceinline__ void fdsa_mma_kernel(
+    const void *Qv, const void *KVv, int n_rows, const int *Indices, int topk, const int *TopkLen,
+    const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, float *xch, int *valid,
+    float *misc, void *bars_v, void *fbars_v, int tok, float c) {
+  constexpr int ROW = 2 * DQK, RS = ROW + 16, NROPE = (DQK - 512) / 32;  // rope k steps per warp: 2 or 0
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = warp >> 1, hh = warp & 1, r = lane >> 2, q = lane & 3;
+  unsigned char *stage = static_cast<unsigned char *>(stage_v);
+  const unsigned char *kv = static_cast<const unsigned char *>(KVv);
+  const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
+  const unsigned qs_s = static_cast<unsigned>(__cvta_generic_to_shared(qs_v));
+  const unsigned bars = static_cast<unsigned>(__cvta_generic_to_shared(bars_v));
+  const unsigned fbars = static_cast<unsigned>(__cvta_generic_to_shared(fbars_v));  // EARLY: stage freed (2 warps)
+  float *mlx = misc;           // [G][2][16]: each group's m and l per head
+  float *mtx = misc + G * 32;  // [G][16]: each group's true max score per head (max_logits)
+  int lim = topk;
+  if (HAS_TL) {
+    lim = TopkLen[tok];
+    lim = lim < 0 ? 0 : (lim > topk ? topk : lim);
+  }
+  const int nc = (lim + 15) >> 4;
+  const int nsteps = nc > g ? (nc - g + G - 1) / G : 0;
+  const int *idx = Indices + static_cast<long long>(tok) * topk;
+
+  // step s of this group: chunk g + G s into stage s % NST; lanes 0-7 of each warp copy 8 of its 16 rows after
+  // writing the rows' flags.  Row numbers in blocks of 4 steps (lane l: step 4 k + l / 8, row l % 8 of the warp's
+  // half), loaded a block ahead of their use
+  auto slot_row = [&](int step) -> int {
+    const int slot = (g + G * step) * 16 + hh * 8 + (lane & 7);
+    return slot < lim ? idx[slot] : -1;
+  };
+  auto block_rows = [&](int k) -> int { return slot_row(4 * k + (lane >> 3)); };
+  auto issue = [&](int step, int row) {
+    if (lane < 8) {
+      const int k = hh * 8 + lane, bi = g * NST + step % NST;
+      const int ok = row >= 0 && row < n_rows;
+      valid[bi * 16 + k] = ok;
+      fdsa_mma_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+                        bars + bi * 8, ok, stage + (bi * 16 + k) * RS);
+    }
+  };
+  static_assert(NST <= 4, "the prologue issues its steps from row block 0");
+  int rows_cur = block_rows(0), rows_next = block_rows(1);
+  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
+  // Q (heads past H -> 0) into shared memory, rows RS bytes apart
+  for (int i = tid; i < 16 * (DQK / 8); i += 64 * G) {
+    const int h = i / (DQK / 8), p = i - h * (DQK / 8);
+    uint4 w = make_uint4(0u, 0u, 0u, 0u);
+    if (h < H) w = reinterpret_cast<const uint4 *>(static_cast<const unsigned short *>(Qv) +
+                                                   (static_cast<long long>(tok) * H + h) * DQK)[p];
+    *reinterpret_cast<uint4 *>(static_cast<unsigned char *>(qs_v) + h * RS + 16 * p) = w;
+  }
+  __syncthreads();
+
+  float o[32][4];
+#pragma unroll
+  for (int i = 0; i < 32; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
+  float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f;
+  // per-lane ldmatrix addresses.  A (Q, m16 x k16): lane l gives row l % 16, dims + 8 (l / 16).  B of QK (rows as
+  // n, non-transposed): key l % 8 + 8 (l / 16), dims + 8 ((l / 8) % 2) -> {b0, b1} of keys 0-7, {b0, b1} of 8-15.
+  // B of PV (transposed): key l % 8 + 8 ((l / 8) % 2), dims + 8 (l / 16) -> {b0, b1} of 8 dims, then the next 8
+  const unsigned qa = qs_s + (lane & 15) * RS + 16 * (lane >> 4) + 512 * hh;
+  const unsigned qr = qs_s + (lane & 15) * RS + 16 * (lane >> 4) + 1024 + 64 * hh;
+  const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
+  const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
+  const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
+  unsigned qreg[QREG > 0 ? QREG : 1][4];  // the A fragments of k steps 0 .. QREG - 1, loaded once
+#pragma unroll
+  for (int s = 0; s < QREG; ++s) fdsa_mma_ldm(qa + 32 * s, qreg[s]);
+
+  for (int it = 0; it < nsteps; ++it) {
+    const int bi = g * NST + it % NST;
+    if (EARLY && it >= 1 && it + NST - 1 < nsteps) {  // refill the stage of step it - 1 once both warps left it
+      const int st = it + NST - 1;
+      fdsa_mma_wait(fbars + (g * NST + st % NST) * 8, ((it - 1) / NST) & 1);
+      if ((st & 3) == 0) {
+        rows_cur = rows_next;
+        rows_next = block_rows((st >> 2) + 1);
+      }
+      issue(st, __shfl_sync(0xffffffffu, rows_cur, 8 * (st & 3) + (lane & 7)));
+    }
+    fdsa_mma_wait(bars + bi * 8, (it / NST) & 1);
+    const unsigned sb = stage_s + bi * 16 * RS;
+    // ---- QK partial over this warp's dims: two chains per key n-tile (even / odd k steps)
+    float acc[2][2][4];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[e >> 3][(e >> 2) & 1][e & 3] = 0.f;
+    if (!(ABL & 32)) {
+#pragma unroll
+      for (int s = 0; s < 16 + NROPE; ++s) {
+        unsigned a[4], b[4];
+        if (s >= QREG) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), a);
+        fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
+        const unsigned *af = s < QREG ? qreg[s < QREG ? s : 0] : a;
+        fdsa_mma_bf16(acc[s & 1][0], af, b[0], b[1]);
+        fdsa_mma_bf16(acc[s & 1][1], af, b[2], b[3]);
+      }
+    }
+    // the lane's S columns: keys 8 j + 2 q + b
+    int vd[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) vd[j][b] = valid[bi * 16 + 8 * j + 2 * q + b];
+    float part[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[j][e] = acc[0][j][e] + acc[1][j][e];
+    // exchange the partials (a + b == b + a exactly: both warps get the same S)
+    float *xb = xch + (g * 2 + (it & 1)) * 512;  // [hh][j][lane][4]
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
+          make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+    asm volatile("bar.sync %0, 64;" :: "r"(8 + g) : "memory");
+    // the stage of step it - 1 is free (both warps are past its PV): refill it with step it + NST - 1
+    if (!EARLY && it >= 1 && it + NST - 1 < nsteps) {
+      const int st = it + NST - 1;
+      if ((st & 3) == 0) {  // the first step of block st / 4: load block st / 4 + 1
+        rows_cur = rows_next;
+        rows_next = block_rows((st >> 2) + 1);
+      }
+      issue(st, __shfl_sync(0xffffffffu, rows_cur, 8 * (st & 3) + (lane & 7)));
+    }
+    float S[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float4 ot = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
+      S[j][0] = vd[j][0] ? part[j][0] + ot.x : -FDSA_MMA_INF;
+      S[j][1] = vd[j][1] ? part[j][1] + ot.y : -FDSA_MMA_INF;
+      S[j][2] = vd[j][0] ? part[j][2] + ot.z : -FDSA_MMA_INF;
+      S[j][3] = vd[j][1] ? part[j][3] + ot.w : -FDSA_MMA_INF;
+    }
+    // ---- online softmax (rows r, r + 8), identical in both warps; the exp reference m moves only when a chunk's
+    // max exceeds it by more than 2^8 in the exp2 domain (few O rescales); t keeps the true running max
+    const float mx0 = fdsa_mma_quad_max(fmaxf(fmaxf(S[0][0], S[0][1]), fmaxf(S[1][0], S[1][1])));
+    const float mx1 = fdsa_mma_quad_max(fmaxf(fmaxf(S[0][2], S[0][3]), fmaxf(S[1][2], S[1][3])));
+    t0 = fmaxf(t0, mx0);
+    t1 = fmaxf(t1, mx1);
+    const bool up0 = (mx0 - m0) * c > 8.f, up1 = (mx1 - m1) * c > 8.f;
+    if (__any_sync(0xffffffffu, up0 || up1)) {
+      const float n0 = up0 ? mx0 : m0, n1 = up1 ? mx1 : m1;
+      const float al0 = fdsa_ex2((m0 - n0) * c), al1 = fdsa_ex2((m1 - n1) * c);
+      m0 = n0;
+      m1 = n1;
+      l0 *= al0;
+      l1 *= al1;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        o[i][0] *= al0;
+        o[i][1] *= al0;
+        o[i][2] *= al1;
+        o[i][3] *= al1;
+      }
+    }
+    float P[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) P[j][e] = fdsa_ex2(fmaf(S[j][e], c, -(e < 2 ? m0 : m1) * c));
+    l0 += (P[0][0] + P[0][1]) + (P[1][0] + P[1][1]);
+    l1 += (P[0][2] + P[0][3]) + (P[1][2] + P[1][3]);
+    // ---- PV over this warp's 256 output dims: A = P (the S accumulator layout), B = V by ldmatrix.trans
+    if (!(ABL & 16)) {
+      const unsigned a[4] = {fdsa_mma_pack(P[0][0], P[0][1]), fdsa_mma_pack(P[0][2], P[0][3]),
+                             fdsa_mma_pack(P[1][0], P[1][1]), fdsa_mma_pack(P[1][2], P[1][3])};
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        unsigned b[4];
+        fdsa_mma_ldm_t(sb + va + 32 * i, b);
+        fdsa_mma_bf16(o[2 * i], a, b[0], b[1]);
+        fdsa_mma_bf16(o[2 * i + 1], a, b[2], b[3]);
+      }
+    }
+    if (EARLY) {  // this warp's reads of the stage are done
+      __syncwarp();
+      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(fbars + bi * 8) : "memory");
+    }
+  }
+
+  // ---- merge the groups
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  if (hh == 0 && q == 0) {
+    mlx[g * 32 + r] = m0;
+    mlx[g * 32 + r + 8] = m1;
+    mlx[g * 32 + 16 + r] = l0;
+    mlx[g * 32 + 16 + r + 8] = l1;
+    mtx[g * 16 + r] = t0;
+    mtx[g * 16 + r + 8] = t1;
+  }
+  __syncthreads();  // every group is done: no copy in flight, the stages hold the merge buffer now
+  float *mrg = reinterpret_cast<float *>(stage);  // [g][hh][n-tile 0..31][lane][4]
+#pragma unroll
+  for (int i = 0; i < 32; ++i)
+    *reinterpret_cast<float4 *>(mrg + (((g * 2 + hh) * 32 + i) * 32 + lane) * 4) =
+        make_float4(o[i][0], o[i][1], o[i][2], o[i][3]);
+  __syncthreads();
+  float wgt[G][2], inv0, inv1;
+  {
+    float M0 = -1e30f, M1 = -1e30f;
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) {
+      M0 = fmaxf(M0, mlx[gg * 32 + r]);
+      M1 = fmaxf(M1, mlx[gg * 32 + r + 8]);
+    }
+    float L0 = 0.f, L1 = 0.f;
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) {
+      wgt[gg][0] = fdsa_ex2((mlx[gg * 32 + r] - M0) * c);
+      wgt[gg][1] = fdsa_ex2((mlx[gg * 32 + r + 8] - M1) * c);
+      L0 += mlx[gg * 32 + 16 + r] * wgt[gg][0];
+      L1 += mlx[gg * 32 + 16 + r + 8] * wgt[gg][1];
+    }
+    float sk0 = 0.f, sk1 = 0.f;
+    if (HAS_SINK) {
+      sk0 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r, H - 1)], 1.4426950408889634f), __fmul_rn(M0, c)));
+      sk1 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r + 8, H - 1)], 1.4426950408889634f), __fmul_rn(M1, c)));
+    }
+    inv0 = L0 > 0.f ? 1.f / (L0 + sk0) : 0.f;
+    inv1 = L1 > 0.f ? 1.f / (L1 + sk1) : 0.f;
+  }
+  // warp (g, hh) merges n-tiles g, g + G, .. of dim half hh: dims 256 hh + 8 n + 2 q (+1) of heads r and r + 8
+  unsigned *out = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256;  // bf16 pairs
+  for (int n = g; n < 32; n += G) {
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) {
+      const float4 v = *reinterpret_cast<const float4 *>(mrg + (((gg * 2 + hh) * 32 + n) * 32 + lane) * 4);
+      sum.x += v.x * wgt[gg][0];
+      sum.y += v.y * wgt[gg][0];
+      sum.z += v.z * wgt[gg][1];
+      sum.w += v.w * wgt[gg][1];
+    }
+    const int w = 128 * hh + 4 * n + q;  // bf16-pair index of dims 256 hh + 8 n + 2 q, + 1 within a head
+    if (r < H) out[r * 256 + w] = fdsa_mma_pack(sum.x * inv0, sum.y * inv0);
+    if (r + 8 < H) out[(r + 8) * 256 + w] = fdsa_mma_pack(sum.z * inv1, sum.w * inv1);
+  }
+  if (tid < H) {
+    float M = -1e30f, L = 0.f, Mt = -1e30f;
+    for (int gg = 0; gg < G; ++gg) {
+      M = fmaxf(M, mlx[gg * 32 + tid]);
+      Mt = fmaxf(Mt, mtx[gg * 16 + tid]);
+    }
+    for (int gg = 0; gg < G; ++gg) L += mlx[gg * 32 + 16 + tid] * exp2f((mlx[gg * 32 + tid] - M) * c);
+    Lse[static_cast<long long>(tok) * H + tid] = L > 0.f ? (log2f(L) + M * c) * 0.6931471805599453f : FDSA_MMA_INF;
+    MaxLogits[static_cast<long long>(tok) * H + tid] = L > 0.f ? Mt * c * 0.6931471805599453f : -FDSA_MMA_INF;
+  }
+}
+"""
+
+
+def form_shape(name: str) -> tuple:
+    """(groups, stages, Q k steps in registers, ablate bits) of a form name: a ``FORMS`` key, optionally + "_a<N>" (timing builds)."""
+    base, _, abl = name.partition("_a")
+    if base not in FORMS or (abl and not abl.isdigit()):
+        raise ValueError(f"sparse mma forward: unknown form {name!r}; expected one of {sorted(FORMS)} [+ '_a<N>']")
+    return (*FORMS[base], int(abl or 0))
+
+
+def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
+                             has_topk_length: bool = False, form: str = DEFAULT_FORM):
+    """prim_func (Q[T,H,dqk] bf16, KV[Tkv,dqk] bf16, Indices[T,topk] i32, TopkLen, Sink, Out[T,H,512] bf16,
+    Lse[T,H] f32, MaxLogits[T,H] f32) for H <= 16, dqk in {512, 576}, any topk; ``form``: ``form_shape``."""
+    if not 1 <= heads <= MAX_HEADS:
+        raise ValueError(f"sparse mma forward: H={heads} not in 1..{MAX_HEADS}")
+    if dqk not in (512, 576):
+        raise ValueError(f"sparse mma forward: Dqk={dqk} not in (512, 576)")
+    assert sm_scale > 0
+    groups, stages, qreg, early, ablate = form_shape(form)
+    c_log2 = float(sm_scale) * LOG2E
+    bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
+    n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
+    row_stride = 2 * dqk + 16
+    stage_bytes = groups * stages * CHUNK * row_stride
+    assert stage_bytes >= groups * 2 * 32 * 32 * 16  # the merge buffer
+    fn = (f"fdsa_mma_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {groups}, {stages}, {qreg}, "
+          f"{early}, {ablate}>")
+
+    @T.prim_func
+    def sparse_mla_fwd_mma(
+        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        KV: T.Tensor([n_kv, dqk], bf16),
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D_V], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(n_tok, threads=64 * groups, prelude=_SRC) as bx:
+            Stage = T.alloc_shared([stage_bytes], u8)
+            Qs = T.alloc_shared([MAX_HEADS * row_stride], u8)
+            Xch = T.alloc_shared([groups * 2 * 512], f32)
+            Valid = T.alloc_shared([groups * stages * CHUNK], i32)
+            Misc = T.alloc_shared([groups * 48], f32)
+            bars = T.alloc_barrier([CHUNK] * (groups * stages))
+            fbars = T.alloc_barrier([2] * (groups * stages))
+            T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv,
+                          T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
+                          T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
+                          T.address_of(Stage[0]), T.address_of(Qs[0]), T.address_of(Xch[0]),
+                          T.address_of(Valid[0]), T.address_of(Misc[0]), T.address_of(bars[0]),
+                          T.address_of(fbars[0]), bx, c_log2)
+
+    return sparse_mla_fwd_mma
+
+
+def _pass_configs():
+    return tc.plain_pass_configs()
+
+
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
+              form: str = DEFAULT_FORM):
+    """``kernel_fwd.launch``'s compiled-kernel signature; n_blocks is not a build parameter (dynamic trip count)."""
+    assert d_v == D_V, d_v
+    return _build(heads, dqk, sm_scale, has_sink, has_topk_length, form)
+
+
+@functools.lru_cache(maxsize=64)
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length, form):
+    func = build_sparse_mla_fwd_mma(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
+                                    has_topk_length=has_topk_length, form=form)
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    return [
+        ("mma_h16_d576_sink_tl", build_sparse_mla_fwd_mma(heads=16, dqk=576, sm_scale=576 ** -0.5, has_sink=True,
+                                                          has_topk_length=True)),
+        ("mma_g3_h3_d512", build_sparse_mla_fwd_mma(heads=3, dqk=512, sm_scale=0.05, form="mma_g3")),
+    ]
+
+
+def _bench_variants(forms=("mma", "mma_g3"), json_path=None, note=""):
+    """Kernel times at S 4096 / SKV 8192 / topk 2048, H 16, Dqk 576 (``python -m flashdsa.sparse.kernel_fwd_mma
+    --variants [FORM ..] [--json PATH] [--note TEXT]``): the narrow kernel, then each form, outputs compared with
+    the narrow kernel's; rows written to ``json_path`` (benchmarks/results schema)."""
+    import torch
+
+    from ..bench.flops import sparse_fwd_flops
+    from ..bench.harness import time_fn
+    from . import kernel_fwd, kernel_fwd_narrow
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads, S, SKV, topk = 16, 4096, 8192, 2048
+    q, kv, idx = kernel_fwd._prefill_inputs(gen, S=S, SKV=SKV, H=heads, topk=topk)
+    flops = sparse_fwd_flops(heads, idx.numel(), 576, D_V)
+    ref, rows = None, []
+    for label in ("narrow",) + tuple(forms):
+        compiled = kernel_fwd_narrow._compiled if label == "narrow" else functools.partial(_compiled, form=label)
+
+        def fn(c=compiled):
+            return kernel_fwd.launch(c, q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
+
+        out = fn()
+        ref = out if ref is None else ref
+        err = [(a.float() - b.float()).abs().max().item() for a, b in zip(out, ref)]
+        t = time_fn(lambda _: fn(), [None], q.device, reps=10)
+        print(f"variant H {heads} {label}: {t.ms_median:.3f} ms, {flops / t.ms_median / 1e9:.1f} TFLOP/s (max |out / "
+              f"lse / max_logits difference| vs narrow {err[0]:.2e} / {err[1]:.2e} / {err[2]:.2e})", flush=True)
+        rows.append(dict(case=f"S{S}_SKV{SKV}_H{heads}_topk{topk}_d576", variant=label, ms=t.ms_median,
+                         tflops=flops / t.ms_median / 1e9, max_abs_diff_vs_narrow=err))
+    if json_path:
+        import datetime
+        import json
+        import os
+
+        doc = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                   commit=os.environ.get("FLASHDSA_COMMIT", "unknown"), note=note, rows=rows)
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    import sys
+
+    argv = sys.argv[1:]
+    if "--variants" in argv:
+        opts = {k: argv[argv.index(k) + 1] for k in ("--json", "--note") if k in argv}
+        rest = [a for a in argv[argv.index("--variants") + 1:] if not a.startswith("-") and a not in opts.values()]
+        _bench_variants(tuple(rest) or ("mma", "mma_g3"), opts.get("--json"), opts.get("--note", ""))
