@@ -50,7 +50,8 @@ CHUNK = 16  # keys per step
 # form name -> (key groups G, stages per group NST, k steps of Q held in registers, early refill); the stages of
 # 4 groups x 3 do not fit shared memory
 FORMS = {"mma": (4, 2, 0, 0), "mma_g3": (3, 3, 0, 0), "mma_g5": (5, 2, 0, 0), "mma_q2": (4, 2, 2, 0),
-         "mma_q4": (4, 2, 4, 0), "mma_e": (4, 2, 0, 1), "mma_g5e": (5, 2, 0, 1)}
+         "mma_q4": (4, 2, 4, 0), "mma_e": (4, 2, 0, 1), "mma_g5e": (5, 2, 0, 1), "mma_q6": (4, 2, 6, 0),
+         "mma_c2": (2, 2, 0, 0), "mma_c2q4": (2, 2, 4, 0)}  # c2: 102 KB of shared memory, two CTAs per SM
 DEFAULT_FORM = "mma"
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads)
 
