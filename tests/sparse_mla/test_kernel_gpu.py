@@ -201,7 +201,8 @@ FEW_HEAD_CASES = [c for c in CASES if c[1] <= 16] + [
 ]
 
 
-FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES for f in ("narrow", "mma", "mma_g3") if f == "narrow" or c[1] <= 16]
+FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES for f in ("narrow", "mma_q4", "mma_c2q4", "mma_g3")
+                  if f == "narrow" or c[1] <= 16]
 
 
 @pytest.mark.parametrize("case,form", FEW_HEAD_FORMS, ids=[
@@ -222,9 +223,10 @@ def test_sparse_mla_fwd_few_head_forms(case, form):
     check_against_reference(out, lse, max_logits, q, kv, indices, kw["sm_scale"], topk_length, attn_sink, valid)
 
 
-def test_sparse_mla_fwd_kernel_cuda_graph():
+@pytest.mark.parametrize("heads", [64, 16])
+def test_sparse_mla_fwd_kernel_cuda_graph(heads):
     """The launch is capturable (no host sync, no value reads) and replays to the same result."""
-    dqk, heads, tkv, topk, n_tok = 576, 64, 1840, 256, 62
+    dqk, tkv, topk, n_tok = 576, 1840, 256, 62
     q, kv, indices, topk_length, attn_sink, _ = _make_inputs(dqk, heads, tkv, topk, n_tok, True, True, "contig", 1)
     kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     eager = kernel_fwd.run_sparse_mla_fwd(q, kv, indices, **kw)  # compiles outside the capture
@@ -237,6 +239,16 @@ def test_sparse_mla_fwd_kernel_cuda_graph():
     with torch.cuda.graph(g):
         graphed = kernel_fwd.run_sparse_mla_fwd(q, kv, indices, **kw)
     g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b)
+    # new indices (with invalid ones) and lengths written into the captured tensors: the replay follows them
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    kv.nan_to_num_(0.0)  # every row may be selected now
+    indices.copy_(torch.randint(-2, tkv + 2, indices.shape, generator=gen, device="cuda", dtype=torch.int32))
+    topk_length.copy_(torch.randint(0, topk + 1, topk_length.shape, generator=gen, device="cuda", dtype=torch.int32))
+    g.replay()
+    eager = kernel_fwd.run_sparse_mla_fwd(q, kv, indices, **kw)
     torch.cuda.synchronize()
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)

@@ -5,9 +5,10 @@ import torch
 
 pytest.importorskip("tilelang")
 
+from flashdsa import _dispatch  # noqa: E402
 from flashdsa.sparse import (  # noqa: E402
-    kernel_dequant656, kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_mma656, kernel_fwd_narrow, kernel_fwd_narrow656,
-    kernel_fwd_narrow656_dual, kernel_fwd_pair, kernel_fwd_pair_cache,
+    kernel_dequant656, kernel_fwd, kernel_fwd_fp8cache, kernel_fwd_mma, kernel_fwd_mma656, kernel_fwd_narrow,
+    kernel_fwd_narrow656, kernel_fwd_narrow656_dual, kernel_fwd_pair, kernel_fwd_pair_cache,
 )
 
 
@@ -24,6 +25,8 @@ def record(monkeypatch):
     monkeypatch.setattr(kernel_fwd, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd, "_compiled", _fake_kernel(calls, "padded"))
     monkeypatch.setattr(kernel_fwd_narrow, "_compiled", _fake_kernel(calls, "narrow"))
+    monkeypatch.setattr(kernel_fwd_mma, "_compiled", _fake_kernel(calls, "mma"))
+    monkeypatch.setattr(_dispatch, "sm_count", lambda index: 4)
     monkeypatch.setattr(kernel_fwd_pair, "_compiled", _fake_kernel(calls, "pair"))
     monkeypatch.setattr(kernel_fwd_fp8cache, "kernel_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(kernel_fwd_fp8cache, "_compiled", _fake_kernel(calls, "padded656"))
@@ -43,7 +46,8 @@ def record(monkeypatch):
 
 
 @pytest.mark.parametrize("heads,narrow,pair,expect", [
-    (1, None, None, "narrow"), (16, None, None, "narrow"), (32, None, None, "narrow"), (33, None, None, "padded"),
+    (1, None, None, "mma"), (16, None, None, "mma"), (17, None, None, "narrow"), (32, None, None, "narrow"),
+    (33, None, None, "padded"),
     (96, None, None, "padded"), (127, None, None, "padded"), (128, None, None, "pair"), (64, None, None, "pair"),
     (64, False, None, "pair"), (128, None, False, "padded"), (16, False, None, "padded"), (64, True, None, "narrow"),
 ])
@@ -53,6 +57,18 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
     idx = torch.zeros(3, 100, dtype=torch.int32)
     kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512, narrow=narrow, pair=pair)
     assert [name for name, _ in record] == [expect]
+
+
+@pytest.mark.parametrize("n_tok,form", [(1, kernel_fwd_mma.FEW_TOKEN_FORM), (7, kernel_fwd_mma.FEW_TOKEN_FORM),
+                                         (8, kernel_fwd_mma.MANY_TOKEN_FORM), (300, kernel_fwd_mma.MANY_TOKEN_FORM)])
+def test_bf16_few_head_form_by_tokens(record, n_tok, form):
+    """H <= 16: two CTAs per SM from 2 tokens per SM on (the fake device has 4 SMs), else four key groups."""
+    q = torch.zeros(n_tok, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(n_tok, 100, dtype=torch.int32)
+    kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512)
+    assert record == [("mma", (16, 576, 512, 2, 0.1, False, False))]
+    assert kernel_fwd_mma.dispatched(n_tok, 0).keywords == {"form": form}
 
 
 @pytest.mark.parametrize("env,heads,pair,expect", [

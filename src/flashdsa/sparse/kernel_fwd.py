@@ -294,7 +294,7 @@ def _select(q, kv, narrow=None, pair=None):
         pair = heads in kernel_fwd_pair.SUPPORTED_H
     if narrow:
         if FEW_HEAD_MMA and heads <= kernel_fwd_mma.MAX_HEADS:
-            return kernel_fwd_mma._compiled
+            return kernel_fwd_mma.dispatched(q.shape[0], q.device.index or 0)
         return kernel_fwd_narrow._compiled
     if pair:
         return kernel_fwd_pair.dispatched(q, kv.shape[0])

@@ -44,6 +44,7 @@ import tilelang.language as T
 
 from . import _tl_common as tc
 from ._tl_common import D_V, LOG2E
+from ._warp_mma import WARP_MMA_PRELUDE
 
 MAX_HEADS = 16
 CHUNK = 16  # keys per step
@@ -51,12 +52,15 @@ CHUNK = 16  # keys per step
 # 4 groups x 3 do not fit shared memory
 FORMS = {"mma": (4, 2, 0, 0), "mma_g3": (3, 3, 0, 0), "mma_g5": (5, 2, 0, 0), "mma_q2": (4, 2, 2, 0),
          "mma_q4": (4, 2, 4, 0), "mma_e": (4, 2, 0, 1), "mma_g5e": (5, 2, 0, 1), "mma_q6": (4, 2, 6, 0),
-         "mma_c2": (2, 2, 0, 0), "mma_c2q4": (2, 2, 4, 0)}  # c2: 102 KB of shared memory, two CTAs per SM
+         "mma_c2": (2, 2, 0, 0), "mma_c2q4": (2, 2, 4, 0), "mma_c2q6": (2, 2, 6, 0)}  # c2: two CTAs per SM
 DEFAULT_FORM = "mma"
+# what the dispatcher runs: two CTAs per SM (the next token's prologue and the last one's merge under the other CTA's
+# loop) where the grid has at least two tokens per SM, else four key groups per token (fewer tokens than SMs: each
+# token's chain is the time)
+MANY_TOKEN_FORM, FEW_TOKEN_FORM = "mma_c2q4", "mma_q4"
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads)
 
-_SRC = tc.FAST_EXP2_PRELUDE + r"""
-#define FDSA_MMA_INF __int_as_float(0x7f800000)
+_SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + r"""
 __device__ __forceinline__ void fdsa_mma_ldm(unsigned addr, unsigned *x) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
@@ -64,42 +68,6 @@ __device__ __forceinline__ void fdsa_mma_ldm(unsigned addr, unsigned *x) {
 __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
-}
-__device__ __forceinline__ void fdsa_mma_bf16(float *c, const unsigned *a, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned fdsa_mma_pack(float lo, float hi) {  // bf16x2 {lo, hi}, round to nearest
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ void fdsa_mma_wait(unsigned bar, unsigned parity) {
-  asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\t"
-               "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra WAIT;\n\t}\n"
-               :: "r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ float fdsa_mma_quad_max(float x) {  // over the 4 lanes of a quad
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-// One row of ROW bytes into the stage row at shared address dst, counted on the mbarrier at shared address bar; an
-// invalid row (ok 0) is zeroed instead (nothing read).  No proxy fence before a copy: the stage's earlier generic
-// reads are ordered before it by the pair barrier (WAR, as CUTLASS's TMA pipelines); only the zero fill's generic
-// writes need one before a later copy into the same row (always by this thread).
-template <int ROW>
-__device__ __forceinline__ void fdsa_mma_row(unsigned dst, const void *src, unsigned bar, int ok, void *dst_g) {
-  if (ok) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(ROW) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(ROW), "r"(bar) : "memory");
-  } else {
-#pragma unroll
-    for (int k = 0; k < ROW / 16; ++k) reinterpret_cast<uint4 *>(dst_g)[k] = make_uint4(0u, 0u, 0u, 0u);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-  }
 }
 
 // The whole CTA (64 G threads) for token tok: see the module notes of kernel_fwd_mma.py.
@@ -142,7 +110,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       const int k = hh * 8 + lane, bi = g * NST + step % NST;
       const int ok = row >= 0 && row < n_rows;
       valid[bi * 16 + k] = ok;
-      fdsa_mma_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+      fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
                         bars + bi * 8, ok, stage + (bi * 16 + k) * RS);
     }
   };
@@ -181,14 +149,14 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     const int bi = g * NST + it % NST;
     if (EARLY && it >= 1 && it + NST - 1 < nsteps) {  // refill the stage of step it - 1 once both warps left it
       const int st = it + NST - 1;
-      fdsa_mma_wait(fbars + (g * NST + st % NST) * 8, ((it - 1) / NST) & 1);
+      fdsa_wait_parity(fbars + (g * NST + st % NST) * 8, ((it - 1) / NST) & 1);
       if ((st & 3) == 0) {
         rows_cur = rows_next;
         rows_next = block_rows((st >> 2) + 1);
       }
       issue(st, __shfl_sync(0xffffffffu, rows_cur, 8 * (st & 3) + (lane & 7)));
     }
-    fdsa_mma_wait(bars + bi * 8, (it / NST) & 1);
+    fdsa_wait_parity(bars + bi * 8, (it / NST) & 1);
     const unsigned sb = stage_s + bi * 16 * RS;
     // ---- QK partial over this warp's dims: two chains per key n-tile (even / odd k steps)
     float acc[2][2][4];
@@ -201,8 +169,8 @@ __device__ __forceinline__ void fdsa_mma_kernel(
         if (s >= QREG) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), a);
         fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
         const unsigned *af = s < QREG ? qreg[s < QREG ? s : 0] : a;
-        fdsa_mma_bf16(acc[s & 1][0], af, b[0], b[1]);
-        fdsa_mma_bf16(acc[s & 1][1], af, b[2], b[3]);
+        fdsa_mma_bf16_16816(acc[s & 1][0], af, b[0], b[1]);
+        fdsa_mma_bf16_16816(acc[s & 1][1], af, b[2], b[3]);
       }
     }
     // the lane's S columns: keys 8 j + 2 q + b
@@ -236,15 +204,15 @@ __device__ __forceinline__ void fdsa_mma_kernel(
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float4 ot = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
-      S[j][0] = vd[j][0] ? part[j][0] + ot.x : -FDSA_MMA_INF;
-      S[j][1] = vd[j][1] ? part[j][1] + ot.y : -FDSA_MMA_INF;
-      S[j][2] = vd[j][0] ? part[j][2] + ot.z : -FDSA_MMA_INF;
-      S[j][3] = vd[j][1] ? part[j][3] + ot.w : -FDSA_MMA_INF;
+      S[j][0] = vd[j][0] ? part[j][0] + ot.x : -FDSA_INF;
+      S[j][1] = vd[j][1] ? part[j][1] + ot.y : -FDSA_INF;
+      S[j][2] = vd[j][0] ? part[j][2] + ot.z : -FDSA_INF;
+      S[j][3] = vd[j][1] ? part[j][3] + ot.w : -FDSA_INF;
     }
     // ---- online softmax (rows r, r + 8), identical in both warps; the exp reference m moves only when a chunk's
     // max exceeds it by more than 2^8 in the exp2 domain (few O rescales); t keeps the true running max
-    const float mx0 = fdsa_mma_quad_max(fmaxf(fmaxf(S[0][0], S[0][1]), fmaxf(S[1][0], S[1][1])));
-    const float mx1 = fdsa_mma_quad_max(fmaxf(fmaxf(S[0][2], S[0][3]), fmaxf(S[1][2], S[1][3])));
+    const float mx0 = fdsa_quad_max(fmaxf(fmaxf(S[0][0], S[0][1]), fmaxf(S[1][0], S[1][1])));
+    const float mx1 = fdsa_quad_max(fmaxf(fmaxf(S[0][2], S[0][3]), fmaxf(S[1][2], S[1][3])));
     t0 = fmaxf(t0, mx0);
     t1 = fmaxf(t1, mx1);
     const bool up0 = (mx0 - m0) * c > 8.f, up1 = (mx1 - m1) * c > 8.f;
@@ -272,14 +240,14 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     l1 += (P[0][2] + P[0][3]) + (P[1][2] + P[1][3]);
     // ---- PV over this warp's 256 output dims: A = P (the S accumulator layout), B = V by ldmatrix.trans
     if (!(ABL & 16)) {
-      const unsigned a[4] = {fdsa_mma_pack(P[0][0], P[0][1]), fdsa_mma_pack(P[0][2], P[0][3]),
-                             fdsa_mma_pack(P[1][0], P[1][1]), fdsa_mma_pack(P[1][2], P[1][3])};
+      const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),
+                             fdsa_pack_bf16x2(P[1][0], P[1][1]), fdsa_pack_bf16x2(P[1][2], P[1][3])};
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         unsigned b[4];
         fdsa_mma_ldm_t(sb + va + 32 * i, b);
-        fdsa_mma_bf16(o[2 * i], a, b[0], b[1]);
-        fdsa_mma_bf16(o[2 * i + 1], a, b[2], b[3]);
+        fdsa_mma_bf16_16816(o[2 * i], a, b[0], b[1]);
+        fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
       }
     }
     if (EARLY) {  // this warp's reads of the stage are done
@@ -309,29 +277,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
         make_float4(o[i][0], o[i][1], o[i][2], o[i][3]);
   __syncthreads();
   float wgt[G][2], inv0, inv1;
-  {
-    float M0 = -1e30f, M1 = -1e30f;
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      M0 = fmaxf(M0, mlx[gg * 32 + r]);
-      M1 = fmaxf(M1, mlx[gg * 32 + r + 8]);
-    }
-    float L0 = 0.f, L1 = 0.f;
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      wgt[gg][0] = fdsa_ex2((mlx[gg * 32 + r] - M0) * c);
-      wgt[gg][1] = fdsa_ex2((mlx[gg * 32 + r + 8] - M1) * c);
-      L0 += mlx[gg * 32 + 16 + r] * wgt[gg][0];
-      L1 += mlx[gg * 32 + 16 + r + 8] * wgt[gg][1];
-    }
-    float sk0 = 0.f, sk1 = 0.f;
-    if (HAS_SINK) {
-      sk0 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r, H - 1)], 1.4426950408889634f), __fmul_rn(M0, c)));
-      sk1 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r + 8, H - 1)], 1.4426950408889634f), __fmul_rn(M1, c)));
-    }
-    inv0 = L0 > 0.f ? 1.f / (L0 + sk0) : 0.f;
-    inv1 = L1 > 0.f ? 1.f / (L1 + sk1) : 0.f;
-  }
+  fdsa_groups_weights<G, H, HAS_SINK>(mlx, Sink, r, c, wgt, inv0, inv1);
   // warp (g, hh) merges n-tiles g, g + G, .. of dim half hh: dims 256 hh + 8 n + 2 q (+1) of heads r and r + 8
   unsigned *out = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256;  // bf16 pairs
   for (int n = g; n < 32; n += G) {
@@ -345,19 +291,10 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       sum.w += v.w * wgt[gg][1];
     }
     const int w = 128 * hh + 4 * n + q;  // bf16-pair index of dims 256 hh + 8 n + 2 q, + 1 within a head
-    if (r < H) out[r * 256 + w] = fdsa_mma_pack(sum.x * inv0, sum.y * inv0);
-    if (r + 8 < H) out[(r + 8) * 256 + w] = fdsa_mma_pack(sum.z * inv1, sum.w * inv1);
+    if (r < H) out[r * 256 + w] = fdsa_pack_bf16x2(sum.x * inv0, sum.y * inv0);
+    if (r + 8 < H) out[(r + 8) * 256 + w] = fdsa_pack_bf16x2(sum.z * inv1, sum.w * inv1);
   }
-  if (tid < H) {
-    float M = -1e30f, L = 0.f, Mt = -1e30f;
-    for (int gg = 0; gg < G; ++gg) {
-      M = fmaxf(M, mlx[gg * 32 + tid]);
-      Mt = fmaxf(Mt, mtx[gg * 16 + tid]);
-    }
-    for (int gg = 0; gg < G; ++gg) L += mlx[gg * 32 + 16 + tid] * exp2f((mlx[gg * 32 + tid] - M) * c);
-    Lse[static_cast<long long>(tok) * H + tid] = L > 0.f ? (log2f(L) + M * c) * 0.6931471805599453f : FDSA_MMA_INF;
-    MaxLogits[static_cast<long long>(tok) * H + tid] = L > 0.f ? Mt * c * 0.6931471805599453f : -FDSA_MMA_INF;
-  }
+  fdsa_groups_lse<G, H>(mlx, mtx, tid, tok, c, Lse, MaxLogits);
 }
 """
 
@@ -429,6 +366,15 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
     return _build(heads, dqk, sm_scale, has_sink, has_topk_length, form)
 
 
+def dispatched(n_tok: int, device_index: int):
+    """``_compiled`` with the form the dispatcher runs for ``n_tok`` tokens on that CUDA device (a shape, not a tensor
+    value: the choice is fixed per call signature, so CUDA graphs replay it)."""
+    from .. import _dispatch
+
+    form = MANY_TOKEN_FORM if n_tok >= 2 * _dispatch.sm_count(device_index) else FEW_TOKEN_FORM
+    return functools.partial(_compiled, form=form)
+
+
 @functools.lru_cache(maxsize=64)
 def _build(heads, dqk, sm_scale, has_sink, has_topk_length, form):
     func = build_sparse_mla_fwd_mma(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
@@ -445,18 +391,35 @@ def lowering_cases():
     ]
 
 
-def _bench_variants(forms=("mma", "mma_g3"), json_path=None, note=""):
-    """Kernel times at S 4096 / SKV 8192 / topk 2048, H 16, Dqk 576 (``python -m flashdsa.sparse.kernel_fwd_mma
-    --variants [FORM ..] [--json PATH] [--note TEXT]``): the narrow kernel, then each form, outputs compared with
-    the narrow kernel's; rows written to ``json_path`` (benchmarks/results schema)."""
+def _bench_variants(forms=("mma", "mma_g3"), json_path=None, note="", shapes=("prefill",)):
+    """Kernel times at H 16, Dqk 576, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_mma --variants [FORM ..]
+    [--shapes prefill,decode] [--json PATH] [--note TEXT]``; prefill: S 4096 over SKV 8192, decode: 128 tokens over
+    SKV 65536): the narrow kernel, then each form, outputs compared with the narrow kernel's; rows written to
+    ``json_path`` (benchmarks/results schema)."""
     import torch
 
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for shape in shapes:
+        S, SKV = {"prefill": (4096, 8192), "decode": (128, 65536)}[shape]
+        rows += _time_forms(forms, gen, S, SKV)
+    if json_path:
+        import datetime
+        import json
+        import os
+
+        doc = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                   commit=os.environ.get("FLASHDSA_COMMIT", "unknown"), note=note, rows=rows)
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+def _time_forms(forms, gen, S, SKV, heads=16, topk=2048):
+    """``_bench_variants``' rows of one shape (random unique indices)."""
     from ..bench.flops import sparse_fwd_flops
     from ..bench.harness import time_fn
     from . import kernel_fwd, kernel_fwd_narrow
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    heads, S, SKV, topk = 16, 4096, 8192, 2048
     q, kv, idx = kernel_fwd._prefill_inputs(gen, S=S, SKV=SKV, H=heads, topk=topk)
     flops = sparse_fwd_flops(heads, idx.numel(), 576, D_V)
     ref, rows = None, []
@@ -470,19 +433,11 @@ def _bench_variants(forms=("mma", "mma_g3"), json_path=None, note=""):
         ref = out if ref is None else ref
         err = [(a.float() - b.float()).abs().max().item() for a, b in zip(out, ref)]
         t = time_fn(lambda _: fn(), [None], q.device, reps=10)
-        print(f"variant H {heads} {label}: {t.ms_median:.3f} ms, {flops / t.ms_median / 1e9:.1f} TFLOP/s (max |out / "
+        print(f"variant S {S} H {heads} {label}: {t.ms_median:.4f} ms, {flops / t.ms_median / 1e9:.1f} TFLOP/s (max |out / "
               f"lse / max_logits difference| vs narrow {err[0]:.2e} / {err[1]:.2e} / {err[2]:.2e})", flush=True)
         rows.append(dict(case=f"S{S}_SKV{SKV}_H{heads}_topk{topk}_d576", variant=label, ms=t.ms_median,
                          tflops=flops / t.ms_median / 1e9, max_abs_diff_vs_narrow=err))
-    if json_path:
-        import datetime
-        import json
-        import os
-
-        doc = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                   commit=os.environ.get("FLASHDSA_COMMIT", "unknown"), note=note, rows=rows)
-        with open(json_path, "w") as f:
-            json.dump(doc, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":
@@ -490,6 +445,7 @@ if __name__ == "__main__":
 
     argv = sys.argv[1:]
     if "--variants" in argv:
-        opts = {k: argv[argv.index(k) + 1] for k in ("--json", "--note") if k in argv}
+        opts = {k: argv[argv.index(k) + 1] for k in ("--json", "--note", "--shapes") if k in argv}
         rest = [a for a in argv[argv.index("--variants") + 1:] if not a.startswith("-") and a not in opts.values()]
-        _bench_variants(tuple(rest) or ("mma", "mma_g3"), opts.get("--json"), opts.get("--note", ""))
+        _bench_variants(tuple(rest) or ("mma", "mma_g3"), opts.get("--json"), opts.get("--note", ""),
+                        tuple(opts.get("--shapes", "prefill").split(",")))

@@ -74,6 +74,7 @@ import tilelang.language as T
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
 from ._tl_common import LOG2E
+from ._warp_mma import WARP_MMA_PRELUDE
 from .kernel_fwd_narrow656 import _pass_configs
 
 MAX_HEADS = 16
@@ -83,7 +84,7 @@ CHUNK = 16  # keys per step
 THREADS = 256
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads; no wgmma)
 
-_SRC = tc.FAST_EXP2_PRELUDE + f"""
+_SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + f"""
 #define FDSA_M656_G {GROUPS}
 #define FDSA_M656_NST {NST}
 #define FDSA_M656_ROW {fc.ROW_BYTES}
@@ -106,12 +107,6 @@ __device__ __forceinline__ unsigned fdsa_m656_pack(float lo, float hi) {  // f16
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
-__device__ __forceinline__ unsigned fdsa_m656_pack_bf16(float lo, float hi) {  // bf16x2 {lo, hi}, round to nearest
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-#define FDSA_M656_INF __int_as_float(0x7f800000)
 __device__ __forceinline__ unsigned fdsa_m656_prmt(unsigned a, unsigned b, unsigned sel) {
   unsigned r;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
@@ -122,40 +117,9 @@ __device__ __forceinline__ void fdsa_m656_mma_f16(float *c, const unsigned *a, u
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void fdsa_m656_mma_bf16(float *c, const unsigned *a, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void fdsa_m656_wait(unsigned bar, unsigned parity) {
-  asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\t"
-               "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra WAIT;\n\t}\n"
-               :: "r"(bar), "r"(parity) : "memory");
-}
 __device__ __forceinline__ float fdsa_m656_max4(float a, float b, float c, float d) {
   return fmaxf(fmaxf(a, b), fmaxf(c, d));
 }
-__device__ __forceinline__ float fdsa_m656_quad_max(float x) {  // over the 4 lanes of a quad
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-// One 656-byte row into the stage row at shared address dst, counted on the mbarrier at shared address bar; an
-// invalid row (ok 0) is zeroed instead (nothing read; its bytes convert to zeros).  No proxy fence before a copy:
-// the stage's earlier generic reads are ordered before it by the pair barrier (WAR, as CUTLASS's TMA pipelines);
-// only the zero fill's generic writes need one before a later copy into the same row (always by this thread).
-__device__ __forceinline__ void fdsa_m656_row(unsigned dst, const void *src, unsigned bar, int ok, void *dst_g) {
-  if (ok) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(656) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 656, [%2];"
-                 :: "r"(dst), "l"(src), "r"(bar) : "memory");
-  } else {
-#pragma unroll
-    for (int k = 0; k < 41; ++k) reinterpret_cast<uint4 *>(dst_g)[k] = make_uint4(0u, 0u, 0u, 0u);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-  }
-}
-
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
 // 16 no PV at all, 32 no QK products at all, 64 timestamps instead of out (H 16; u32 words per token: 0 / 1 the
@@ -216,7 +180,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       const int k = hh * 8 + lane, bi = g * NST + step % NST;
       const int ok = row >= 0 && row < n_rows;
       valid[bi * 16 + k] = ok;
-      fdsa_m656_row(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
+      fdsa_bulk_row<FDSA_M656_ROW>(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
                     stage + (bi * 16 + k) * ROW);
     }
   };
@@ -290,7 +254,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
-    fdsa_m656_wait(bars + bi * 8, (it / NST) & 1);
+    fdsa_wait_parity(bars + bi * 8, (it / NST) & 1);
     if (it < 32) stamp(64 + 32 * warp + it);
     const unsigned char *sb = stage + bi * 16 * ROW;
     // ---- QK partial over this warp's tiles 2 hh, 2 hh + 1 (+ the rope for hh 0)
@@ -341,7 +305,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
         const uint4 qa = *reinterpret_cast<const uint4 *>(qr + roff + s * 512);
         const unsigned a[4] = {qa.x, qa.y, qa.z, qa.w};
 #pragma unroll
-        for (int j = 0; j < 2; ++j) fdsa_m656_mma_bf16(accr[j], a, kru[j * 8 + 2 * s], kru[j * 8 + 2 * s + 1]);
+        for (int j = 0; j < 2; ++j) fdsa_mma_bf16_16816(accr[j], a, kru[j * 8 + 2 * s], kru[j * 8 + 2 * s + 1]);
       }
     }
     // the lane's S columns: keys 8 j + 2 q + b (j, b in {0, 1}); their tile scales and flags
@@ -389,17 +353,17 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       const float4 own = make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
       const float4 pa = (ABL & 8) ? own : *reinterpret_cast<const float4 *>(xb + (j * 32 + lane) * 4);
       const float4 pb = (ABL & 8) ? own : *reinterpret_cast<const float4 *>(xb + 256 + (j * 32 + lane) * 4);
-      S[j][0] = vd[j][0] ? pa.x + pb.x : -FDSA_M656_INF;
-      S[j][1] = vd[j][1] ? pa.y + pb.y : -FDSA_M656_INF;
-      S[j][2] = vd[j][0] ? pa.z + pb.z : -FDSA_M656_INF;
-      S[j][3] = vd[j][1] ? pa.w + pb.w : -FDSA_M656_INF;
+      S[j][0] = vd[j][0] ? pa.x + pb.x : -FDSA_INF;
+      S[j][1] = vd[j][1] ? pa.y + pb.y : -FDSA_INF;
+      S[j][2] = vd[j][0] ? pa.z + pb.z : -FDSA_INF;
+      S[j][3] = vd[j][1] ? pa.w + pb.w : -FDSA_INF;
     }
     // ---- online softmax (rows r, r + 8), identical in both warps.  The exp reference m moves only when a chunk's
     // max exceeds it by more than 2^8 in the exp2 domain (P <= 2^8: exact enough in f16 and fp32), so O is rescaled
     // on few steps (every max change rescaled on most steps at H 16: 14% of the instructions, session 32's ncu);
     // t keeps the true running max for max_logits
-    const float mx0 = fdsa_m656_quad_max(fdsa_m656_max4(S[0][0], S[0][1], S[1][0], S[1][1]));
-    const float mx1 = fdsa_m656_quad_max(fdsa_m656_max4(S[0][2], S[0][3], S[1][2], S[1][3]));
+    const float mx0 = fdsa_quad_max(fdsa_m656_max4(S[0][0], S[0][1], S[1][0], S[1][1]));
+    const float mx1 = fdsa_quad_max(fdsa_m656_max4(S[0][2], S[0][3], S[1][2], S[1][3]));
     t0 = fmaxf(t0, mx0);
     t1 = fmaxf(t1, mx1);
     const bool up0 = (mx0 - m0) * c > 8.f, up1 = (mx1 - m1) * c > 8.f;
@@ -435,7 +399,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int b = 0; b < 2; ++b) cm = fmaxf(cm, vd[j][b] ? (tt ? sc[j][b].y : sc[j][b].x) : 0.f);
-      cm = fdsa_m656_quad_max(cm);  // the chunk's largest scale of tile t (the same in every lane)
+      cm = fdsa_quad_max(cm);  // the chunk's largest scale of tile t (the same in every lane)
       float &sref = tt ? sref1 : sref0, &inv = tt ? sinv1 : sinv0;  // inv = 1 / sref (0 while sref is 0)
       if (cm > sref) {
         if (sref > 0.f) {
@@ -514,29 +478,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   __syncthreads();
   if (tid == 0) stamp(9);
   float wgt[G][2], inv0, inv1;
-  {
-    float M0 = -1e30f, M1 = -1e30f;
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      M0 = fmaxf(M0, mlx[gg * 32 + r]);
-      M1 = fmaxf(M1, mlx[gg * 32 + r + 8]);
-    }
-    float L0 = 0.f, L1 = 0.f;
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      wgt[gg][0] = fdsa_ex2((mlx[gg * 32 + r] - M0) * c);
-      wgt[gg][1] = fdsa_ex2((mlx[gg * 32 + r + 8] - M1) * c);
-      L0 += mlx[gg * 32 + 16 + r] * wgt[gg][0];
-      L1 += mlx[gg * 32 + 16 + r + 8] * wgt[gg][1];
-    }
-    float sk0 = 0.f, sk1 = 0.f;
-    if (HAS_SINK) {
-      sk0 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r, H - 1)], 1.4426950408889634f), __fmul_rn(M0, c)));
-      sk1 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r + 8, H - 1)], 1.4426950408889634f), __fmul_rn(M1, c)));
-    }
-    inv0 = L0 > 0.f ? 1.f / (L0 + sk0) : 0.f;
-    inv1 = L1 > 0.f ? 1.f / (L1 + sk1) : 0.f;
-  }
+  fdsa_groups_weights<G, H, HAS_SINK>(mlx, Sink, r, c, wgt, inv0, inv1);
   // warp (g, hh) merges fragments [4 g, 4 g + 4) of tiles 2 hh and 2 hh + 1: for tile t, dims 128 t + 32 q + 4 g
   // (+ 0..3, and + 16) of heads r and r + 8, stored straight to global as 8-byte pieces (session 34: a bf16 staging
   // tile in shared memory with 2-byte stores took 2.8 us per CTA, 16-way bank conflicts; the output is 16 KB)
@@ -568,7 +510,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 #pragma unroll
       for (int p2 = 0; p2 < 2; ++p2) {
         const float hi = sum[2 * p2 + 1][e] * sinv, lo = sum[2 * p2][e] * sinv;
-        pk[e][p2] = fdsa_m656_pack_bf16(lo, hi);
+        pk[e][p2] = fdsa_pack_bf16x2(lo, hi);
       }
     }
     const int d0 = 128 * t + 32 * q + 4 * g;
@@ -587,16 +529,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     stamp(4);
     gtime(5);
   }
-  if (tid < H) {
-    float M = -1e30f, L = 0.f, Mt = -1e30f;
-    for (int gg = 0; gg < G; ++gg) {
-      M = fmaxf(M, mlx[gg * 32 + tid]);
-      Mt = fmaxf(Mt, mtx[gg * 16 + tid]);
-    }
-    for (int gg = 0; gg < G; ++gg) L += mlx[gg * 32 + 16 + tid] * exp2f((mlx[gg * 32 + tid] - M) * c);
-    Lse[static_cast<long long>(tok) * H + tid] = L > 0.f ? (log2f(L) + M * c) * 0.6931471805599453f : FDSA_M656_INF;
-    MaxLogits[static_cast<long long>(tok) * H + tid] = L > 0.f ? Mt * c * 0.6931471805599453f : -FDSA_M656_INF;
-  }
+  fdsa_groups_lse<G, H>(mlx, mtx, tid, tok, c, Lse, MaxLogits);
 }
 """
 
