@@ -52,7 +52,9 @@ CHUNK = 16  # keys per step
 # 4 groups x 3 do not fit shared memory
 FORMS = {"mma": (4, 2, 0, 0), "mma_g3": (3, 3, 0, 0), "mma_g5": (5, 2, 0, 0), "mma_q2": (4, 2, 2, 0),
          "mma_q4": (4, 2, 4, 0), "mma_e": (4, 2, 0, 1), "mma_g5e": (5, 2, 0, 1), "mma_q6": (4, 2, 6, 0),
-         "mma_c2": (2, 2, 0, 0), "mma_c2q4": (2, 2, 4, 0), "mma_c2q6": (2, 2, 6, 0)}  # c2: two CTAs per SM
+         "mma_c2": (2, 2, 0, 0), "mma_c2q4": (2, 2, 4, 0), "mma_c2q6": (2, 2, 6, 0),
+         "mma_c2q8": (2, 2, 8, 0), "mma_c2q10": (2, 2, 10, 0), "mma_c2q12": (2, 2, 12, 0),
+         "mma_c2q18": (2, 2, 18, 0), "mma_q18": (4, 2, 18, 0)}  # c2: two CTAs per SM
 DEFAULT_FORM = "mma"
 # what the dispatcher runs: two CTAs per SM (the next token's prologue and the last one's merge under the other CTA's
 # loop) where the grid has at least two tokens per SM, else four key groups per token (fewer tokens than SMs: each
