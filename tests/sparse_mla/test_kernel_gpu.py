@@ -201,7 +201,7 @@ FEW_HEAD_CASES = [c for c in CASES if c[1] <= 16] + [
 ]
 
 
-FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES for f in ("narrow", "mma_q4", "mma_c2q4", "mma_g3")
+FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES for f in ("narrow", "mma_q18", "mma_c2q18", "mma_c2q6", "mma_g3")
                   if f == "narrow" or c[1] <= 16]
 
 

@@ -59,7 +59,7 @@ DEFAULT_FORM = "mma"
 # what the dispatcher runs: two CTAs per SM (the next token's prologue and the last one's merge under the other CTA's
 # loop) where the grid has at least two tokens per SM, else four key groups per token (fewer tokens than SMs: each
 # token's chain is the time)
-MANY_TOKEN_FORM, FEW_TOKEN_FORM = "mma_c2q4", "mma_q4"
+MANY_TOKEN_FORM, FEW_TOKEN_FORM = "mma_c2q18", "mma_q18"
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads)
 
 _SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + r"""
@@ -143,9 +143,10 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
   const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
   const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
-  unsigned qreg[QREG > 0 ? QREG : 1][4];  // the A fragments of k steps 0 .. QREG - 1, loaded once
+  constexpr int NQ = QREG < 16 + NROPE ? QREG : 16 + NROPE;  // k steps whose Q fragments stay in registers
+  unsigned qreg[NQ > 0 ? NQ : 1][4];  // the A fragments of k steps 0 .. NQ - 1, loaded once
 #pragma unroll
-  for (int s = 0; s < QREG; ++s) fdsa_mma_ldm(qa + 32 * s, qreg[s]);
+  for (int s = 0; s < NQ; ++s) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), qreg[s]);
 
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
@@ -168,9 +169,9 @@ __device__ __forceinline__ void fdsa_mma_kernel(
 #pragma unroll
       for (int s = 0; s < 16 + NROPE; ++s) {
         unsigned a[4], b[4];
-        if (s >= QREG) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), a);
+        if (s >= NQ) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), a);
         fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
-        const unsigned *af = s < QREG ? qreg[s < QREG ? s : 0] : a;
+        const unsigned *af = s < NQ ? qreg[s < NQ ? s : 0] : a;
         fdsa_mma_bf16_16816(acc[s & 1][0], af, b[0], b[1]);
         fdsa_mma_bf16_16816(acc[s & 1][1], af, b[2], b[3]);
       }
