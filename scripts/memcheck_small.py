@@ -79,12 +79,12 @@ def _sparse_inputs(T_, H, Tkv, topk, dqk=576, seed=2):
 
 
 def sparse(form):
-    """The dispatched sparse MLA forward on bf16 (H 16 / 128), the 656-byte FP8 cache, and FP8 compute."""
+    """The dispatched sparse MLA forward on bf16 (H 16 / 32 / 128), the 656-byte FP8 cache, and FP8 compute."""
     import flashdsa
     from flashdsa.quant import quantize_fp8, quantize_kv_fp8
 
     ok = True
-    for H, topk in ((16, 100), (128, 256), (128, 700)):  # topk 700: the one-CTA-per-item pair grid (row gather)
+    for H, topk in ((16, 100), (32, 100), (128, 256), (128, 700)):  # topk 700: the one-CTA-per-item pair grid
         q, kv, idx = _sparse_inputs(37, H, 600, topk)
         if form == "bf16":
             args, kw, tol = (q, kv, idx), {}, (8e-4, 3 / 128)

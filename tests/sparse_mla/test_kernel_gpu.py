@@ -197,19 +197,22 @@ def test_sparse_mla_fwd_narrow_row_gather(case):
 FEW_HEAD_CASES = [c for c in CASES if c[1] <= 16] + [
     (576, 9, 4096, 2048, 62, True, True, "sliced"),
     (512, 13, 592, 100, 213, False, False, "contig"),
-    (576, 24, 1840, 256, 62, True, False, "contig"),  # narrow only (H > 16)
+    (576, 24, 1840, 256, 62, True, False, "contig"),  # H > 16: two head tiles
+    (512, 32, 4096, 2048, 62, True, True, "sliced"),
+    (576, 17, 592, 100, 213, False, True, "transposed"),
 ]
 
 
-FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES for f in ("narrow", "mma_q18", "mma_c2q18", "mma_c2q6", "mma_g3")
-                  if f == "narrow" or c[1] <= 16]
+FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES
+                  for f in ("narrow", "mma_q18", "mma_c2q18", "mma_c2q6", "mma_g3", "mma_t2")
+                  if f == "narrow" or (c[1] > 16) == (f == "mma_t2")]
 
 
 @pytest.mark.parametrize("case,form", FEW_HEAD_FORMS, ids=[
     f"{f}-d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}-{c[7]}" for c, f in FEW_HEAD_FORMS])
 def test_sparse_mla_fwd_few_head_forms(case, form):
-    """Each few-head kernel (``kernel_fwd_narrow``; ``kernel_fwd_mma``'s forms for H <= 16) against the reference,
-    whichever the dispatcher picks."""
+    """Each few-head kernel (``kernel_fwd_narrow``; ``kernel_fwd_mma``'s forms: one head tile for H <= 16, two
+    above) against the reference, whichever the dispatcher picks."""
     from flashdsa.sparse import kernel_fwd_mma, kernel_fwd_narrow
 
     dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case

@@ -46,7 +46,7 @@ def record(monkeypatch):
 
 
 @pytest.mark.parametrize("heads,narrow,pair,expect", [
-    (1, None, None, "mma"), (16, None, None, "mma"), (17, None, None, "narrow"), (32, None, None, "narrow"),
+    (1, None, None, "mma"), (16, None, None, "mma"), (17, None, None, "mma"), (32, None, None, "mma"),
     (33, None, None, "padded"),
     (96, None, None, "padded"), (127, None, None, "padded"), (128, None, None, "pair"), (64, None, None, "pair"),
     (64, False, None, "pair"), (128, None, False, "padded"), (16, False, None, "padded"), (64, True, None, "narrow"),
@@ -69,6 +69,7 @@ def test_bf16_few_head_form_by_tokens(record, n_tok, form):
     kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=0.1, d_v=512)
     assert record == [("mma", (16, 576, 512, 2, 0.1, False, False))]
     assert kernel_fwd_mma.dispatched(n_tok, 0).keywords == {"form": form}
+    assert kernel_fwd_mma.dispatched(n_tok, 0, 17).keywords == {"form": kernel_fwd_mma.TWO_TILE_FORM}
 
 
 @pytest.mark.parametrize("env,heads,pair,expect", [

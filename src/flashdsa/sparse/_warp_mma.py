@@ -72,17 +72,23 @@ __device__ __forceinline__ void fdsa_groups_weights(const float *mlx, const floa
   inv0 = L0 > 0.f ? 1.f / (L0 + sk0) : 0.f;
   inv1 = L1 > 0.f ? 1.f / (L1 + sk1) : 0.f;
 }
-// Thread tid < H writes head tid's natural-log lse (without the sink; +inf if empty) and max_logits (-inf if empty)
-template <int G, int H>
+// Thread tid < H writes head tid's natural-log lse (without the sink; +inf if empty) and max_logits (-inf if empty);
+// T head tiles of 16: tile t's state at mlx + 32 G t, mtx + 16 G t
+template <int G, int H, int T = 1>
 __device__ __forceinline__ void fdsa_groups_lse(const float *mlx, const float *mtx, int tid, int tok, float c,
                                                 float *Lse, float *MaxLogits) {
   if (tid < H) {
+    const int hl = T == 1 ? tid : tid & 15;
+    if (T > 1) {
+      mlx += (tid >> 4) * G * 32;
+      mtx += (tid >> 4) * G * 16;
+    }
     float M = -1e30f, L = 0.f, Mt = -1e30f;
     for (int gg = 0; gg < G; ++gg) {
-      M = fmaxf(M, mlx[gg * 32 + tid]);
-      Mt = fmaxf(Mt, mtx[gg * 16 + tid]);
+      M = fmaxf(M, mlx[gg * 32 + hl]);
+      Mt = fmaxf(Mt, mtx[gg * 16 + hl]);
     }
-    for (int gg = 0; gg < G; ++gg) L += mlx[gg * 32 + 16 + tid] * exp2f((mlx[gg * 32 + tid] - M) * c);
+    for (int gg = 0; gg < G; ++gg) L += mlx[gg * 32 + 16 + hl] * exp2f((mlx[gg * 32 + hl] - M) * c);
     Lse[static_cast<long long>(tok) * H + tid] = L > 0.f ? (log2f(L) + M * c) * 0.6931471805599453f : FDSA_INF;
     MaxLogits[static_cast<long long>(tok) * H + tid] = L > 0.f ? Mt * c * 0.6931471805599453f : -FDSA_INF;
   }

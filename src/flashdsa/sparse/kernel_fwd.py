@@ -2,8 +2,8 @@
 
 Notes
 -----
-Dispatch (``run_sparse_mla_fwd``): H <= 16 -> ``kernel_fwd_mma`` (per-warp ``mma.sync`` chains, while
-``FEW_HEAD_MMA``), H <= 32 -> ``kernel_fwd_narrow``; H in {64, 128} -> ``kernel_fwd_pair`` (the
+Dispatch (``run_sparse_mla_fwd``): H <= ``FEW_HEAD_MMA`` -> ``kernel_fwd_mma`` (per-warp ``mma.sync`` chains),
+other H <= 32 -> ``kernel_fwd_narrow``; H in {64, 128} -> ``kernel_fwd_pair`` (the
 warp-specialised pair schedule, 1.3-1.55x faster, session 8); every other H -> this module's kernel.
 
 Design (this file, "pipelined" variant):
@@ -75,7 +75,7 @@ from . import _tl_common as tc
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401  (re-exported: LN2, LOG2E)
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
-FEW_HEAD_MMA = True  # H <= 16 runs kernel_fwd_mma (else kernel_fwd_narrow, as for H 17..32)
+FEW_HEAD_MMA = 32  # H <= this runs kernel_fwd_mma, the rest of H <= 32 kernel_fwd_narrow
 
 
 def default_softmax_batch(dqk: int) -> int:
@@ -293,8 +293,8 @@ def _select(q, kv, narrow=None, pair=None):
     if pair is None:
         pair = heads in kernel_fwd_pair.SUPPORTED_H
     if narrow:
-        if FEW_HEAD_MMA and heads <= kernel_fwd_mma.MAX_HEADS:
-            return kernel_fwd_mma.dispatched(q.shape[0], q.device.index or 0)
+        if heads <= FEW_HEAD_MMA:
+            return kernel_fwd_mma.dispatched(q.shape[0], q.device.index or 0, heads)
         return kernel_fwd_narrow._compiled
     if pair:
         return kernel_fwd_pair.dispatched(q, kv.shape[0])
@@ -329,7 +329,8 @@ def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=N
         return out, lse, max_logits
     n_tok, heads, dqk = q.shape
     # the kernels copy 16-byte pieces: a contiguous view at an odd offset is copied to a fresh (aligned) tensor
-    q, kv, indices = (x.clone() if x.is_contiguous() and x.data_ptr() % 16 else x.contiguous() for x in (q, kv, indices))
+    q, kv, indices = (x.clone() if x.is_contiguous() and x.data_ptr() % 16 else x.contiguous()
+                      for x in (q, kv, indices))
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     kernel = compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl)
     direct_launcher(kernel)(q, kv, indices, tl_arg, sink_arg, *extra, out, lse, max_logits)

@@ -46,20 +46,18 @@ from . import _tl_common as tc
 from ._tl_common import D_V, LOG2E
 from ._warp_mma import WARP_MMA_PRELUDE
 
-MAX_HEADS = 16
+MAX_HEADS = 32  # two head tiles of 16 (forms with T 2) above 16 heads
 CHUNK = 16  # keys per step
-# form name -> (key groups G, stages per group NST, k steps of Q held in registers, early refill); the stages of
-# 4 groups x 3 do not fit shared memory
-FORMS = {"mma": (4, 2, 0, 0), "mma_g3": (3, 3, 0, 0), "mma_g5": (5, 2, 0, 0), "mma_q2": (4, 2, 2, 0),
-         "mma_q4": (4, 2, 4, 0), "mma_e": (4, 2, 0, 1), "mma_g5e": (5, 2, 0, 1), "mma_q6": (4, 2, 6, 0),
-         "mma_c2": (2, 2, 0, 0), "mma_c2q4": (2, 2, 4, 0), "mma_c2q6": (2, 2, 6, 0),
-         "mma_c2q8": (2, 2, 8, 0), "mma_c2q10": (2, 2, 10, 0), "mma_c2q12": (2, 2, 12, 0),
-         "mma_c2q18": (2, 2, 18, 0), "mma_q18": (4, 2, 18, 0)}  # c2: two CTAs per SM
+# form name -> (key groups G per CTA, stages per group NST, k steps of Q held in registers, head tiles T: 2 T warps
+# per group).  c2: two CTAs of 2 groups per SM (102 KB of shared memory each).  The stages of 4 groups x 3 do not
+# fit shared memory; T 2 needs NST 4 (the stages hold the merge buffer).
+FORMS = {"mma": (4, 2, 0, 1), "mma_q18": (4, 2, 18, 1), "mma_g3": (3, 3, 0, 1), "mma_c2": (2, 2, 0, 1),
+         "mma_c2q6": (2, 2, 6, 1), "mma_c2q18": (2, 2, 18, 1), "mma_t2": (2, 4, 18, 2)}
 DEFAULT_FORM = "mma"
 # what the dispatcher runs: two CTAs per SM (the next token's prologue and the last one's merge under the other CTA's
 # loop) where the grid has at least two tokens per SM, else four key groups per token (fewer tokens than SMs: each
 # token's chain is the time)
-MANY_TOKEN_FORM, FEW_TOKEN_FORM = "mma_c2q18", "mma_q18"
+MANY_TOKEN_FORM, FEW_TOKEN_FORM, TWO_TILE_FORM = "mma_c2q18", "mma_q18", "mma_t2"
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads)
 
 _SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + r"""
@@ -72,24 +70,25 @@ __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
 }
 
-// The whole CTA (64 G threads) for token tok: see the module notes of kernel_fwd_mma.py.
+// The whole CTA (64 G T threads) for token tok: see the module notes of kernel_fwd_mma.py.
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products.
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int EARLY, int ABL = 0>
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int ABL = 0>
 __device__ __forceinline__ void fdsa_mma_kernel(
     const void *Qv, const void *KVv, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, float *xch, int *valid,
-    float *misc, void *bars_v, void *fbars_v, int tok, float c) {
+    float *misc, void *bars_v, int tok, float c) {
   constexpr int ROW = 2 * DQK, RS = ROW + 16, NROPE = (DQK - 512) / 32;  // rope k steps per warp: 2 or 0
+  constexpr int W = 2 * T, RPW = 16 / W, BS = 32 / RPW;  // warps per group, rows each copies per step, steps per
+                                                         // block of row numbers
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = warp >> 1, hh = warp & 1, r = lane >> 2, q = lane & 3;
+  const int g = warp / W, wg = warp % W, t = wg >> 1, hh = wg & 1, r = lane >> 2, q = lane & 3;
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned char *kv = static_cast<const unsigned char *>(KVv);
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
   const unsigned qs_s = static_cast<unsigned>(__cvta_generic_to_shared(qs_v));
   const unsigned bars = static_cast<unsigned>(__cvta_generic_to_shared(bars_v));
-  const unsigned fbars = static_cast<unsigned>(__cvta_generic_to_shared(fbars_v));  // EARLY: stage freed (2 warps)
-  float *mlx = misc;           // [G][2][16]: each group's m and l per head
-  float *mtx = misc + G * 32;  // [G][16]: each group's true max score per head (max_logits)
+  float *mlx = misc;               // [T][G][2][16]: each group's m and l per head of head tile t
+  float *mtx = misc + T * G * 32;  // [T][G][16]: each group's true max score per head (max_logits)
   int lim = topk;
   if (HAS_TL) {
     lim = TopkLen[tok];
@@ -99,28 +98,28 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   const int nsteps = nc > g ? (nc - g + G - 1) / G : 0;
   const int *idx = Indices + static_cast<long long>(tok) * topk;
 
-  // step s of this group: chunk g + G s into stage s % NST; lanes 0-7 of each warp copy 8 of its 16 rows after
-  // writing the rows' flags.  Row numbers in blocks of 4 steps (lane l: step 4 k + l / 8, row l % 8 of the warp's
-  // half), loaded a block ahead of their use
+  // step s of this group: chunk g + G s into stage s % NST; lanes 0 .. RPW - 1 of each warp copy RPW of its 16
+  // rows after writing the rows' flags.  Row numbers in blocks of BS steps (lane l: step BS k + l / RPW, row
+  // l % RPW of the warp's share), loaded a block ahead of their use
   auto slot_row = [&](int step) -> int {
-    const int slot = (g + G * step) * 16 + hh * 8 + (lane & 7);
+    const int slot = (g + G * step) * 16 + wg * RPW + lane % RPW;
     return slot < lim ? idx[slot] : -1;
   };
-  auto block_rows = [&](int k) -> int { return slot_row(4 * k + (lane >> 3)); };
+  auto block_rows = [&](int k) -> int { return slot_row(BS * k + lane / RPW); };
   auto issue = [&](int step, int row) {
-    if (lane < 8) {
-      const int k = hh * 8 + lane, bi = g * NST + step % NST;
+    if (lane < RPW) {
+      const int k = wg * RPW + lane, bi = g * NST + step % NST;
       const int ok = row >= 0 && row < n_rows;
       valid[bi * 16 + k] = ok;
       fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
                         bars + bi * 8, ok, stage + (bi * 16 + k) * RS);
     }
   };
-  static_assert(NST <= 4, "the prologue issues its steps from row block 0");
+  static_assert(NST <= BS, "the prologue issues its steps from row block 0");
   int rows_cur = block_rows(0), rows_next = block_rows(1);
-  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
+  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, RPW * s + lane % RPW));
   // Q (heads past H -> 0) into shared memory, rows RS bytes apart
-  for (int i = tid; i < 16 * (DQK / 8); i += 64 * G) {
+  for (int i = tid; i < 16 * T * (DQK / 8); i += 64 * G * T) {
     const int h = i / (DQK / 8), p = i - h * (DQK / 8);
     uint4 w = make_uint4(0u, 0u, 0u, 0u);
     if (h < H) w = reinterpret_cast<const uint4 *>(static_cast<const unsigned short *>(Qv) +
@@ -138,8 +137,8 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   // per-lane ldmatrix addresses.  A (Q, m16 x k16): lane l gives row l % 16, dims + 8 (l / 16).  B of QK (rows as
   // n, non-transposed): key l % 8 + 8 (l / 16), dims + 8 ((l / 8) % 2) -> {b0, b1} of keys 0-7, {b0, b1} of 8-15.
   // B of PV (transposed): key l % 8 + 8 ((l / 8) % 2), dims + 8 (l / 16) -> {b0, b1} of 8 dims, then the next 8
-  const unsigned qa = qs_s + (lane & 15) * RS + 16 * (lane >> 4) + 512 * hh;
-  const unsigned qr = qs_s + (lane & 15) * RS + 16 * (lane >> 4) + 1024 + 64 * hh;
+  const unsigned qa = qs_s + (16 * t + (lane & 15)) * RS + 16 * (lane >> 4) + 512 * hh;
+  const unsigned qr = qs_s + (16 * t + (lane & 15)) * RS + 16 * (lane >> 4) + 1024 + 64 * hh;
   const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
   const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
   const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
@@ -150,15 +149,6 @@ __device__ __forceinline__ void fdsa_mma_kernel(
 
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
-    if (EARLY && it >= 1 && it + NST - 1 < nsteps) {  // refill the stage of step it - 1 once both warps left it
-      const int st = it + NST - 1;
-      fdsa_wait_parity(fbars + (g * NST + st % NST) * 8, ((it - 1) / NST) & 1);
-      if ((st & 3) == 0) {
-        rows_cur = rows_next;
-        rows_next = block_rows((st >> 2) + 1);
-      }
-      issue(st, __shfl_sync(0xffffffffu, rows_cur, 8 * (st & 3) + (lane & 7)));
-    }
     fdsa_wait_parity(bars + bi * 8, (it / NST) & 1);
     const unsigned sb = stage_s + bi * 16 * RS;
     // ---- QK partial over this warp's dims: two chains per key n-tile (even / odd k steps)
@@ -188,20 +178,20 @@ __device__ __forceinline__ void fdsa_mma_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) part[j][e] = acc[0][j][e] + acc[1][j][e];
     // exchange the partials (a + b == b + a exactly: both warps get the same S)
-    float *xb = xch + (g * 2 + (it & 1)) * 512;  // [hh][j][lane][4]
+    float *xb = xch + ((g * T + t) * 2 + (it & 1)) * 512;  // [hh][j][lane][4]
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
           make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
-    asm volatile("bar.sync %0, 64;" :: "r"(8 + g) : "memory");
-    // the stage of step it - 1 is free (both warps are past its PV): refill it with step it + NST - 1
-    if (!EARLY && it >= 1 && it + NST - 1 < nsteps) {
+    asm volatile("bar.sync %0, %1;" :: "r"(8 + g), "r"(32 * W) : "memory");
+    // the stage of step it - 1 is free (the group's warps are past its PV): refill it with step it + NST - 1
+    if (it >= 1 && it + NST - 1 < nsteps) {
       const int st = it + NST - 1;
-      if ((st & 3) == 0) {  // the first step of block st / 4: load block st / 4 + 1
+      if (st % BS == 0) {  // the first step of block st / BS: load block st / BS + 1
         rows_cur = rows_next;
-        rows_next = block_rows((st >> 2) + 1);
+        rows_next = block_rows(st / BS + 1);
       }
-      issue(st, __shfl_sync(0xffffffffu, rows_cur, 8 * (st & 3) + (lane & 7)));
+      issue(st, __shfl_sync(0xffffffffu, rows_cur, RPW * (st % BS) + lane % RPW));
     }
     float S[2][4];
 #pragma unroll
@@ -253,10 +243,6 @@ __device__ __forceinline__ void fdsa_mma_kernel(
         fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
       }
     }
-    if (EARLY) {  // this warp's reads of the stage are done
-      __syncwarp();
-      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(fbars + bi * 8) : "memory");
-    }
   }
 
   // ---- merge the groups
@@ -265,45 +251,52 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   if (hh == 0 && q == 0) {
-    mlx[g * 32 + r] = m0;
-    mlx[g * 32 + r + 8] = m1;
-    mlx[g * 32 + 16 + r] = l0;
-    mlx[g * 32 + 16 + r + 8] = l1;
-    mtx[g * 16 + r] = t0;
-    mtx[g * 16 + r + 8] = t1;
+    float *ml = mlx + (t * G + g) * 32, *mt = mtx + (t * G + g) * 16;
+    ml[r] = m0;
+    ml[r + 8] = m1;
+    ml[16 + r] = l0;
+    ml[16 + r + 8] = l1;
+    mt[r] = t0;
+    mt[r + 8] = t1;
   }
   __syncthreads();  // every group is done: no copy in flight, the stages hold the merge buffer now
-  float *mrg = reinterpret_cast<float *>(stage);  // [g][hh][n-tile 0..31][lane][4]
+  float *mrg = reinterpret_cast<float *>(stage);  // [g][t][hh][n-tile 0..31][lane][4]
 #pragma unroll
   for (int i = 0; i < 32; ++i)
-    *reinterpret_cast<float4 *>(mrg + (((g * 2 + hh) * 32 + i) * 32 + lane) * 4) =
+    *reinterpret_cast<float4 *>(mrg + ((((g * T + t) * 2 + hh) * 32 + i) * 32 + lane) * 4) =
         make_float4(o[i][0], o[i][1], o[i][2], o[i][3]);
   __syncthreads();
   float wgt[G][2], inv0, inv1;
-  fdsa_groups_weights<G, H, HAS_SINK>(mlx, Sink, r, c, wgt, inv0, inv1);
-  // warp (g, hh) merges n-tiles g, g + G, .. of dim half hh: dims 256 hh + 8 n + 2 q (+1) of heads r and r + 8
+  constexpr int H1 = H > 16 ? H - 16 : 1;  // heads of tile 1 (T 2)
+  if (t == 0)
+    fdsa_groups_weights<G, (H < 16 ? H : 16), HAS_SINK>(mlx, Sink, r, c, wgt, inv0, inv1);
+  else
+    fdsa_groups_weights<G, H1, HAS_SINK>(mlx + G * 32, Sink + 16, r, c, wgt, inv0, inv1);
+  // warp (g, t, hh) merges n-tiles g, g + G, .. of dim half hh: dims 256 hh + 8 n + 2 q (+1) of heads r and
+  // r + 8 of tile t
   unsigned *out = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256;  // bf16 pairs
   for (int n = g; n < 32; n += G) {
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int gg = 0; gg < G; ++gg) {
-      const float4 v = *reinterpret_cast<const float4 *>(mrg + (((gg * 2 + hh) * 32 + n) * 32 + lane) * 4);
+      const float4 v = *reinterpret_cast<const float4 *>(mrg + ((((gg * T + t) * 2 + hh) * 32 + n) * 32 + lane) * 4);
       sum.x += v.x * wgt[gg][0];
       sum.y += v.y * wgt[gg][0];
       sum.z += v.z * wgt[gg][1];
       sum.w += v.w * wgt[gg][1];
     }
     const int w = 128 * hh + 4 * n + q;  // bf16-pair index of dims 256 hh + 8 n + 2 q, + 1 within a head
-    if (r < H) out[r * 256 + w] = fdsa_pack_bf16x2(sum.x * inv0, sum.y * inv0);
-    if (r + 8 < H) out[(r + 8) * 256 + w] = fdsa_pack_bf16x2(sum.z * inv1, sum.w * inv1);
+    if (16 * t + r < H) out[(16 * t + r) * 256 + w] = fdsa_pack_bf16x2(sum.x * inv0, sum.y * inv0);
+    if (16 * t + r + 8 < H) out[(16 * t + r + 8) * 256 + w] = fdsa_pack_bf16x2(sum.z * inv1, sum.w * inv1);
   }
-  fdsa_groups_lse<G, H>(mlx, mtx, tid, tok, c, Lse, MaxLogits);
+  fdsa_groups_lse<G, H, T>(mlx, mtx, tid, tok, c, Lse, MaxLogits);
 }
 """
 
 
 def form_shape(name: str) -> tuple:
-    """(groups, stages, Q k steps in registers, ablate bits) of a form name: a ``FORMS`` key, optionally + "_a<N>" (timing builds)."""
+    """(groups, stages, Q k steps in registers, head tiles, ablate bits) of a form name: a ``FORMS`` key,
+    optionally + "_a<N>" (timing builds)."""
     base, _, abl = name.partition("_a")
     if base not in FORMS or (abl and not abl.isdigit()):
         raise ValueError(f"sparse mma forward: unknown form {name!r}; expected one of {sorted(FORMS)} [+ '_a<N>']")
@@ -313,21 +306,24 @@ def form_shape(name: str) -> tuple:
 def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
                              has_topk_length: bool = False, form: str = DEFAULT_FORM):
     """prim_func (Q[T,H,dqk] bf16, KV[Tkv,dqk] bf16, Indices[T,topk] i32, TopkLen, Sink, Out[T,H,512] bf16,
-    Lse[T,H] f32, MaxLogits[T,H] f32) for H <= 16, dqk in {512, 576}, any topk; ``form``: ``form_shape``."""
-    if not 1 <= heads <= MAX_HEADS:
-        raise ValueError(f"sparse mma forward: H={heads} not in 1..{MAX_HEADS}")
+    Lse[T,H] f32, MaxLogits[T,H] f32) for H <= 16 (16 T with a form of T head tiles), dqk in {512, 576}, any topk;
+    ``form``: ``form_shape``."""
+    groups, stages, qreg, tiles, ablate = form_shape(form)
+    lo = 1 if tiles == 1 else 17  # a second head tile only above 16 heads
+    if not lo <= heads <= 16 * tiles:
+        raise ValueError(f"sparse mma forward: H={heads} not in {lo}..{16 * tiles} (form {form!r} has {tiles} head "
+                         f"tile(s) of 16)")
     if dqk not in (512, 576):
         raise ValueError(f"sparse mma forward: Dqk={dqk} not in (512, 576)")
     assert sm_scale > 0
-    groups, stages, qreg, early, ablate = form_shape(form)
     c_log2 = float(sm_scale) * LOG2E
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     row_stride = 2 * dqk + 16
     stage_bytes = groups * stages * CHUNK * row_stride
-    assert stage_bytes >= groups * 2 * 32 * 32 * 16  # the merge buffer
+    assert stage_bytes >= groups * tiles * 2 * 32 * 32 * 16, form  # the merge buffer
     fn = (f"fdsa_mma_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {groups}, {stages}, {qreg}, "
-          f"{early}, {ablate}>")
+          f"{tiles}, {ablate}>")
 
     @T.prim_func
     def sparse_mla_fwd_mma(
@@ -340,20 +336,19 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=64 * groups, prelude=_SRC) as bx:
+        with T.Kernel(n_tok, threads=64 * groups * tiles, prelude=_SRC) as bx:
             Stage = T.alloc_shared([stage_bytes], u8)
-            Qs = T.alloc_shared([MAX_HEADS * row_stride], u8)
-            Xch = T.alloc_shared([groups * 2 * 512], f32)
+            Qs = T.alloc_shared([16 * tiles * row_stride], u8)
+            Xch = T.alloc_shared([groups * tiles * 2 * 512], f32)
             Valid = T.alloc_shared([groups * stages * CHUNK], i32)
-            Misc = T.alloc_shared([groups * 48], f32)
+            Misc = T.alloc_shared([tiles * groups * 48], f32)
             bars = T.alloc_barrier([CHUNK] * (groups * stages))
-            fbars = T.alloc_barrier([2] * (groups * stages))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
                           T.address_of(Stage[0]), T.address_of(Qs[0]), T.address_of(Xch[0]),
-                          T.address_of(Valid[0]), T.address_of(Misc[0]), T.address_of(bars[0]),
-                          T.address_of(fbars[0]), bx, c_log2)
+                          T.address_of(Valid[0]), T.address_of(Misc[0]), T.address_of(bars[0]), bx,
+                          c_log2)
 
     return sparse_mla_fwd_mma
 
@@ -369,12 +364,15 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
     return _build(heads, dqk, sm_scale, has_sink, has_topk_length, form)
 
 
-def dispatched(n_tok: int, device_index: int):
-    """``_compiled`` with the form the dispatcher runs for ``n_tok`` tokens on that CUDA device (a shape, not a tensor
-    value: the choice is fixed per call signature, so CUDA graphs replay it)."""
+def dispatched(n_tok: int, device_index: int, heads: int = 16):
+    """``_compiled`` with the form the dispatcher runs for ``n_tok`` tokens of ``heads`` heads on that CUDA device
+    (shapes, not tensor values: the choice is fixed per call signature, so CUDA graphs replay it)."""
     from .. import _dispatch
 
-    form = MANY_TOKEN_FORM if n_tok >= 2 * _dispatch.sm_count(device_index) else FEW_TOKEN_FORM
+    if heads > 16:
+        form = TWO_TILE_FORM
+    else:
+        form = MANY_TOKEN_FORM if n_tok >= 2 * _dispatch.sm_count(device_index) else FEW_TOKEN_FORM
     return functools.partial(_compiled, form=form)
 
 
@@ -391,21 +389,23 @@ def lowering_cases():
         ("mma_h16_d576_sink_tl", build_sparse_mla_fwd_mma(heads=16, dqk=576, sm_scale=576 ** -0.5, has_sink=True,
                                                           has_topk_length=True)),
         ("mma_g3_h3_d512", build_sparse_mla_fwd_mma(heads=3, dqk=512, sm_scale=0.05, form="mma_g3")),
+        ("mma_t2_h24_d576_sink", build_sparse_mla_fwd_mma(heads=24, dqk=576, sm_scale=0.05, has_sink=True,
+                                                          form="mma_t2")),
     ]
 
 
-def _bench_variants(forms=("mma", "mma_g3"), json_path=None, note="", shapes=("prefill",)):
-    """Kernel times at H 16, Dqk 576, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_mma --variants [FORM ..]
-    [--shapes prefill,decode] [--json PATH] [--note TEXT]``; prefill: S 4096 over SKV 8192, decode: 128 tokens over
-    SKV 65536): the narrow kernel, then each form, outputs compared with the narrow kernel's; rows written to
-    ``json_path`` (benchmarks/results schema)."""
+def _bench_variants(forms=("mma", "mma_g3"), json_path=None, note="", shapes=("prefill",), heads=16):
+    """Kernel times at Dqk 576, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_mma --variants [FORM ..]
+    [--shapes prefill,decode] [--heads H] [--json PATH] [--note TEXT]``, H 16 by default; prefill: S 4096 over
+    SKV 8192, decode: 128 tokens over SKV 65536): the narrow kernel, then each form, outputs compared with the
+    narrow kernel's; rows written to ``json_path`` (benchmarks/results schema)."""
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for shape in shapes:
         S, SKV = {"prefill": (4096, 8192), "decode": (128, 65536)}[shape]
-        rows += _time_forms(forms, gen, S, SKV)
+        rows += _time_forms(forms, gen, S, SKV, heads)
     if json_path:
         import datetime
         import json
@@ -436,8 +436,9 @@ def _time_forms(forms, gen, S, SKV, heads=16, topk=2048):
         ref = out if ref is None else ref
         err = [(a.float() - b.float()).abs().max().item() for a, b in zip(out, ref)]
         t = time_fn(lambda _: fn(), [None], q.device, reps=10)
-        print(f"variant S {S} H {heads} {label}: {t.ms_median:.4f} ms, {flops / t.ms_median / 1e9:.1f} TFLOP/s (max |out / "
-              f"lse / max_logits difference| vs narrow {err[0]:.2e} / {err[1]:.2e} / {err[2]:.2e})", flush=True)
+        print(f"variant S {S} H {heads} {label}: {t.ms_median:.4f} ms, {flops / t.ms_median / 1e9:.1f} TFLOP/s "
+              f"(max |out / lse / max_logits difference| vs narrow {err[0]:.2e} / {err[1]:.2e} / {err[2]:.2e})",
+              flush=True)
         rows.append(dict(case=f"S{S}_SKV{SKV}_H{heads}_topk{topk}_d576", variant=label, ms=t.ms_median,
                          tflops=flops / t.ms_median / 1e9, max_abs_diff_vs_narrow=err))
     return rows
@@ -448,7 +449,7 @@ if __name__ == "__main__":
 
     argv = sys.argv[1:]
     if "--variants" in argv:
-        opts = {k: argv[argv.index(k) + 1] for k in ("--json", "--note", "--shapes") if k in argv}
+        opts = {k: argv[argv.index(k) + 1] for k in ("--json", "--note", "--shapes", "--heads") if k in argv}
         rest = [a for a in argv[argv.index("--variants") + 1:] if not a.startswith("-") and a not in opts.values()]
         _bench_variants(tuple(rest) or ("mma", "mma_g3"), opts.get("--json"), opts.get("--note", ""),
-                        tuple(opts.get("--shapes", "prefill").split(",")))
+                        tuple(opts.get("--shapes", "prefill").split(",")), int(opts.get("--heads", 16)))
