@@ -1,38 +1,50 @@
-"""Few-head sparse MLA forward (bf16 q / kv, H <= 16) on per-warp ``mma.sync`` chains (sm_90a).
+"""Few-head sparse MLA forward (bf16 q / kv, H <= 32) on per-warp ``mma.sync`` chains (sm_90a).
 
 Notes
 -----
 Contract, host interface (``kernel_fwd.launch``: Q [T, H, Dqk], KV [Tkv, Dqk], Indices [T, topk], TopkLen, Sink,
 Out [T, H, 512], Lse, MaxLogits) and numerics as ``kernel_fwd.py``; Dqk 576 (V = the first 512 dims) or 512
-(K = V).  One CTA of ``2 G`` warps per token.  Why a third form next to ``kernel_fwd_narrow`` (rows on the wgmma M
+(K = V).  One CTA of ``2 G T`` warps per token.  Why a third form next to ``kernel_fwd_narrow`` (rows on the wgmma M
 side, heads on N = 16): there every 64-row block costs 36 + 32 ``m64n16k16`` wgmmas at ~65 cycles each (session 36),
 so the tensor work of 16 heads is paid at a quarter of the wgmma's rate.  ``m16n8k16`` fits 16 heads exactly, and
 ``kernel_fwd_mma656`` (the same schedule over the FP8 cache, conversions included) already ran prefill S 4096 in
 1.985 ms against the narrow kernel's 2.22 ms on bf16 rows.  The schedule (``kernel_fwd_mma656``'s, without its
 FP8 conversions and scales):
 
-  * **Key groups.**  Warps 2g and 2g + 1 form group g (``G`` groups); group g takes the 16-key chunks g, g + G, ..
+  * **Key groups.**  2 T consecutive warps form group g (``G`` groups); group g takes the 16-key chunks g, g + G, ..
     of the token's top-k with its own online softmax; the groups are merged at the end (as split-KV).  No CTA-wide
     barrier inside the loop.
   * **Rows.**  Each group has ``NST`` stages of 16 rows; a row is one ``cp.async.bulk`` of ``2 Dqk`` bytes counted
     on the stage's mbarrier (an invalid slot's row is zeroed by its issuing lane instead: never read, score -inf).
     Stage rows are ``2 Dqk + 16`` bytes apart, so the 8 rows an ``ldmatrix`` reads fall in distinct bank quads.
-    The row numbers come in blocks of 4 steps, one load per lane a block ahead, handed out by shuffles.
-  * **The pair splits the dims.**  Warp h (0 / 1) of a group takes latent dims [256 h, +256) and rope dims
-    [512 + 32 h, +32): its QK partial (A = Q from shared memory, B = the rows, both by ``ldmatrix``) goes through
-    shared memory, both warps add the two partials (``a + b`` is exact-commutative: the same S in both), run the same
-    softmax and each accumulates O for its own 256 output dims (128 fp32 registers per thread) with V by
-    ``ldmatrix.trans``.
+    The row numbers come in blocks of 4 (8 at T 2) steps, one load per lane a block ahead, handed out by shuffles.
+  * **A pair splits the dims.**  Per head tile t (heads 16 t .. 16 t + 15), warp h (0 / 1) of the pair takes latent
+    dims [256 h, +256) and rope dims [512 + 32 h, +32): its QK partial (A = Q, from registers or by ``ldmatrix``
+    from shared memory; B = the rows by ``ldmatrix``) goes through shared memory, both warps add the two partials
+    (``a + b`` is exact-commutative: the same S in both), run the same softmax and each accumulates O for its own
+    256 output dims (128 fp32 registers per thread) with V by ``ldmatrix.trans``.
 Numerics as the other kernels: fp32 accumulators and softmax state, exp2 with ``sm_scale * log2(e)`` folded, a finite
 running-max start (-1e30) -- the exp reference moves only when a chunk's max exceeds it by more than 2^8 in the exp2
 domain (P <= 2^8; the true max is kept apart for max_logits) --, P rounded to bf16 only for PV, invalid rows never
 read, natural-log lse without the sink, empty rows -> out 0, lse +inf, max_logits -inf;
 ``inv = 1 / (l + 2^(sink log2 e - m c))``.
 
+Forms (``FORMS``): G key groups per CTA, NST stages, Q k steps in registers, T head tiles of 16 (2 T warps per
+group, each warp 16 heads x 256 output dims).  Dispatched (``dispatched``): H <= 16 with at least 2 tokens per SM
+``mma_c2q18`` (2 groups per CTA, two CTAs per SM: one token's prologue and merge run under the other's loop; all of
+Q's A fragments in registers, 254 registers), fewer tokens ``mma_q18`` (4 groups per token), H 17..32 ``mma_t2``.
+
+Measured (H200, topk 2048, Dqk 576, ``--variants``; docs/PERFORMANCE.md "Session 37"): S 4096 over SKV 8192, H 16:
+narrow 2.23 ms -> 4 groups 1.575 -> + Q in registers, two CTAs per SM 1.43 ms (suite 1.429 / 1.432 = 204 TFLOP/s);
+the same without products (timing build ``_a48``) 1.316 ms = 7.3 TB/s of gathered rows, 91% of the 8.06 TB/s the
+L2 gather probe reached (session 17): the row gather binds.  128 tokens over SKV 65536: 0.0738 vs narrow 0.0816 ms.
+H 32 (``mma_t2``): 2.62 vs narrow 2.85 ms; 128 tokens 0.097 vs 0.100 ms.  Measured slower: 3 groups x 3 stages,
+5 groups (spills), the refill issued at the top of a step on a per-stage free mbarrier (1.639 vs 1.575 ms).
+
 Shared memory (Dqk 576): stages G x NST x 16 x 1168 B (G 4, NST 2: 149,504 B; they hold the merge buffer at the end),
-Q 16 x 1168 B, partial-S exchange G x 4 KB, flags and barriers.  The per-warp fragment work is an extern device
-function (``fdsa_mma_kernel``): TileLang's tile operators express block-wide gemms, not per-warp ``mma.sync`` chains
-with their own softmax state.
+Q 16 T x 1168 B (read once where all of Q stays in registers), partial-S exchange G x T x 4 KB, flags and
+barriers.  The per-warp fragment work is an extern device function (``fdsa_mma_kernel``): TileLang's tile operators
+express block-wide gemms, not per-warp ``mma.sync`` chains with their own softmax state.
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
@@ -81,7 +93,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   constexpr int W = 2 * T, RPW = 16 / W, BS = 32 / RPW;  // warps per group, rows each copies per step, steps per
                                                          // block of row numbers
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = warp / W, wg = warp % W, t = wg >> 1, hh = wg & 1, r = lane >> 2, q = lane & 3;
+  const int g = warp / W, wg = warp % W, t = T == 1 ? 0 : wg >> 1, hh = wg & 1, r = lane >> 2, q = lane & 3;
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned char *kv = static_cast<const unsigned char *>(KVv);
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
