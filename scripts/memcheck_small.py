@@ -4,10 +4,10 @@
 
 Each target runs its kernel on a small input with edge cases (ranges, short rows, NaN/-inf, invalid block ids)
 and compares with the reference, so a wrong result also fails (exit 1).  Targets: topk_regs, topk_single,
-paged_pipelined, sparse_bf16 / sparse_cache656 / sparse_fp8 (the dispatched sparse MLA forwards, with invalid
-indices of every kind, an all-invalid row and NaN in unselected KV rows), sparse_bwd / sparse_bwd_det (the dispatched
-backward, fast and deterministic), decode / decode_bs16 (narrow dense decode, TMA / cp.async loads), decode_ws
-(the warp-specialised dense decode).
+paged_pipelined, sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_cache656 / sparse_fp8 (the dispatched sparse
+MLA forwards, with invalid indices of every kind, an all-invalid row and NaN in unselected KV rows), sparse_bwd /
+sparse_bwd_det (the dispatched backward, fast and deterministic), decode / decode_bs16 (narrow dense decode, TMA /
+cp.async loads), decode_ws (the warp-specialised dense decode).
 """
 
 import os
@@ -78,14 +78,15 @@ def _sparse_inputs(T_, H, Tkv, topk, dqk=576, seed=2):
     return q, kv, idx
 
 
-def sparse(form):
-    """The dispatched sparse MLA forward on bf16 (H 16 / 32 / 128), the 656-byte FP8 cache, and FP8 compute."""
+def sparse(form, n_tok=37, cases=((16, 100), (32, 100), (128, 256), (128, 700))):
+    """The dispatched sparse MLA forward on bf16 (H 16 / 32 / 128), the 656-byte FP8 cache, and FP8 compute
+    (``cases``: (H, topk); topk 700: the one-CTA-per-item pair grid)."""
     import flashdsa
     from flashdsa.quant import quantize_fp8, quantize_kv_fp8
 
     ok = True
-    for H, topk in ((16, 100), (32, 100), (128, 256), (128, 700)):  # topk 700: the one-CTA-per-item pair grid
-        q, kv, idx = _sparse_inputs(37, H, 600, topk)
+    for H, topk in cases:
+        q, kv, idx = _sparse_inputs(n_tok, H, 600, topk)
         if form == "bf16":
             args, kw, tol = (q, kv, idx), {}, (8e-4, 3 / 128)
         elif form == "cache656":
@@ -179,6 +180,7 @@ def sparse_cache_converter(staging="converter"):
 
 TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("single"),
            "paged_pipelined": lambda: paged("pipelined"), "sparse_bf16": lambda: sparse("bf16"),
+           "sparse_bf16_many": lambda: sparse("bf16", 300, ((16, 100),)),  # >= 2 tokens per SM: kernel_fwd_mma's c2
            "sparse_cache656": lambda: sparse("cache656"), "sparse_fp8": lambda: sparse("fp8"), "decode": decode,
            "decode_bs16": lambda: decode(16, 1, 16), "decode_ws": lambda: decode(64, 1, 64),
            "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True),

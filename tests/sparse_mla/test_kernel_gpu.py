@@ -204,7 +204,7 @@ FEW_HEAD_CASES = [c for c in CASES if c[1] <= 16] + [
 
 
 FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES
-                  for f in ("narrow", "mma_q18", "mma_c2q18", "mma_c2q6", "mma_g3", "mma_t2")
+                  for f in ("narrow", "mma_q18", "mma_c2q18", "mma_c2q6", "mma_g3", "mma_t2", "mma_c4", "mma_c3n3")
                   if f == "narrow" or (c[1] > 16) == (f == "mma_t2")]
 
 

@@ -72,6 +72,13 @@ def test_bf16_few_head_form_by_tokens(record, n_tok, form):
     assert kernel_fwd_mma.dispatched(n_tok, 0, 17).keywords == {"form": kernel_fwd_mma.TWO_TILE_FORM}
 
 
+def test_bf16_few_head_form_env(record, monkeypatch):
+    """$FLASHDSA_MMA_MANY_TOKEN_FORM replaces the many-token form (timing runs); fewer tokens keep theirs."""
+    monkeypatch.setenv("FLASHDSA_MMA_MANY_TOKEN_FORM", "mma_c4")
+    assert kernel_fwd_mma.dispatched(8, 0).keywords == {"form": "mma_c4"}
+    assert kernel_fwd_mma.dispatched(7, 0).keywords == {"form": kernel_fwd_mma.FEW_TOKEN_FORM}
+
+
 @pytest.mark.parametrize("env,heads,pair,expect", [
     ("", 16, None, "mma656"), ("0", 16, None, "padded656"),  # 3 x 100 slots over 1000 rows: read once
     ("", 1, None, "mma656"), ("mma", 9, None, "mma656"), ("mma", 17, None, "narrow656"),

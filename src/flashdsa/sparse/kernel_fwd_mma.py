@@ -50,6 +50,7 @@ express block-wide gemms, not per-warp ``mma.sync`` chains with their own softma
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
 
 import functools
+import os
 
 import tilelang
 import tilelang.language as T
@@ -61,10 +62,12 @@ from ._warp_mma import WARP_MMA_PRELUDE
 MAX_HEADS = 32  # two head tiles of 16 (forms with T 2) above 16 heads
 CHUNK = 16  # keys per step
 # form name -> (key groups G per CTA, stages per group NST, k steps of Q held in registers, head tiles T: 2 T warps
-# per group).  c2: two CTAs of 2 groups per SM (102 KB of shared memory each).  The stages of 4 groups x 3 do not
-# fit shared memory; T 2 needs NST 4 (the stages hold the merge buffer).
-FORMS = {"mma": (4, 2, 0, 1), "mma_q18": (4, 2, 18, 1), "mma_g3": (3, 3, 0, 1), "mma_c2": (2, 2, 0, 1),
-         "mma_c2q6": (2, 2, 6, 1), "mma_c2q18": (2, 2, 18, 1), "mma_t2": (2, 4, 18, 2)}
+# per group, Q's fragments loaded from global memory: no Q in shared memory).  c2: two CTAs of 2 groups per SM
+# (102 KB of shared memory each); c4 / c3n3: one group per CTA (no merge), four / three CTAs per SM.  The stages of
+# 4 groups x 3 do not fit shared memory; T 2 needs NST 4 (the stages hold the merge buffer).
+FORMS = {"mma": (4, 2, 0, 1, 0), "mma_q18": (4, 2, 18, 1, 0), "mma_g3": (3, 3, 0, 1, 0), "mma_c2": (2, 2, 0, 1, 0),
+         "mma_c2q6": (2, 2, 6, 1, 0), "mma_c2q18": (2, 2, 18, 1, 0), "mma_t2": (2, 4, 18, 2, 0),
+         "mma_c4": (1, 2, 18, 1, 1), "mma_c3n3": (1, 3, 18, 1, 1)}
 DEFAULT_FORM = "mma"
 # what the dispatcher runs: two CTAs per SM (the next token's prologue and the last one's merge under the other CTA's
 # loop) where the grid has at least two tokens per SM, else four key groups per token (fewer tokens than SMs: each
@@ -84,7 +87,7 @@ __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
 
 // The whole CTA (64 G T threads) for token tok: see the module notes of kernel_fwd_mma.py.
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products.
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int ABL = 0>
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int QG, int ABL = 0>
 __device__ __forceinline__ void fdsa_mma_kernel(
     const void *Qv, const void *KVv, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, float *xch, int *valid,
@@ -130,8 +133,8 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   static_assert(NST <= BS, "the prologue issues its steps from row block 0");
   int rows_cur = block_rows(0), rows_next = block_rows(1);
   for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, RPW * s + lane % RPW));
-  // Q (heads past H -> 0) into shared memory, rows RS bytes apart
-  for (int i = tid; i < 16 * T * (DQK / 8); i += 64 * G * T) {
+  // Q (heads past H -> 0) into shared memory, rows RS bytes apart (QG: straight into the fragments below)
+  for (int i = tid; i < (QG ? 0 : 16 * T * (DQK / 8)); i += 64 * G * T) {
     const int h = i / (DQK / 8), p = i - h * (DQK / 8);
     uint4 w = make_uint4(0u, 0u, 0u, 0u);
     if (h < H) w = reinterpret_cast<const uint4 *>(static_cast<const unsigned short *>(Qv) +
@@ -155,9 +158,24 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
   const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
   constexpr int NQ = QREG < 16 + NROPE ? QREG : 16 + NROPE;  // k steps whose Q fragments stay in registers
+  static_assert(!QG || NQ == 16 + NROPE, "Q from global memory: all of it in registers");
   unsigned qreg[NQ > 0 ? NQ : 1][4];  // the A fragments of k steps 0 .. NQ - 1, loaded once
+  if (QG) {  // {a0, a1, a2, a3} = heads r / r + 8 of the tile, dims d + 2 q (+1) / d + 8 + 2 q (+1)
+    const int h0 = 16 * t + r, h1 = h0 + 8;
+    const unsigned *q0 = static_cast<const unsigned *>(Qv) + (static_cast<long long>(tok) * H + h0) * (DQK / 2);
+    const unsigned *q1 = q0 + 4 * DQK;  // 8 heads on
 #pragma unroll
-  for (int s = 0; s < NQ; ++s) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), qreg[s]);
+    for (int s = 0; s < NQ; ++s) {
+      const int d = (s < 16 ? 256 * hh + 16 * s : 512 + 32 * hh + 16 * (s - 16)) / 2 + q;
+      qreg[s][0] = h0 < H ? q0[d] : 0u;
+      qreg[s][1] = h1 < H ? q1[d] : 0u;
+      qreg[s][2] = h0 < H ? q0[d + 4] : 0u;
+      qreg[s][3] = h1 < H ? q1[d + 4] : 0u;
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < NQ; ++s) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), qreg[s]);
+  }
 
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
@@ -262,6 +280,33 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  if (G == 1 && T == 1) {  // one group: both warps hold the final m, l; each stores its own dims
+    float sk0 = 0.f, sk1 = 0.f;
+    if (HAS_SINK) {
+      sk0 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r, H - 1)], 1.4426950408889634f), __fmul_rn(m0, c)));
+      sk1 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r + 8, H - 1)], 1.4426950408889634f), __fmul_rn(m1, c)));
+    }
+    const float inv0 = l0 > 0.f ? 1.f / (l0 + sk0) : 0.f, inv1 = l1 > 0.f ? 1.f / (l1 + sk1) : 0.f;
+    unsigned *out = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256;  // bf16 pairs
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      const int w = 128 * hh + 4 * n + q;
+      if (r < H) out[r * 256 + w] = fdsa_pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0);
+      if (r + 8 < H) out[(r + 8) * 256 + w] = fdsa_pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1);
+    }
+    if (hh == 0 && q == 0) {
+      const long long b = static_cast<long long>(tok) * H;
+      if (r < H) {
+        Lse[b + r] = l0 > 0.f ? (log2f(l0) + m0 * c) * 0.6931471805599453f : FDSA_INF;
+        MaxLogits[b + r] = l0 > 0.f ? t0 * c * 0.6931471805599453f : -FDSA_INF;
+      }
+      if (r + 8 < H) {
+        Lse[b + r + 8] = l1 > 0.f ? (log2f(l1) + m1 * c) * 0.6931471805599453f : FDSA_INF;
+        MaxLogits[b + r + 8] = l1 > 0.f ? t1 * c * 0.6931471805599453f : -FDSA_INF;
+      }
+    }
+    return;
+  }
   if (hh == 0 && q == 0) {
     float *ml = mlx + (t * G + g) * 32, *mt = mtx + (t * G + g) * 16;
     ml[r] = m0;
@@ -307,8 +352,8 @@ __device__ __forceinline__ void fdsa_mma_kernel(
 
 
 def form_shape(name: str) -> tuple:
-    """(groups, stages, Q k steps in registers, head tiles, ablate bits) of a form name: a ``FORMS`` key,
-    optionally + "_a<N>" (timing builds)."""
+    """(groups, stages, Q k steps in registers, head tiles, Q from global memory, ablate bits) of a form name: a
+    ``FORMS`` key, optionally + "_a<N>" (timing builds)."""
     base, _, abl = name.partition("_a")
     if base not in FORMS or (abl and not abl.isdigit()):
         raise ValueError(f"sparse mma forward: unknown form {name!r}; expected one of {sorted(FORMS)} [+ '_a<N>']")
@@ -320,7 +365,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     """prim_func (Q[T,H,dqk] bf16, KV[Tkv,dqk] bf16, Indices[T,topk] i32, TopkLen, Sink, Out[T,H,512] bf16,
     Lse[T,H] f32, MaxLogits[T,H] f32) for H <= 16 (16 T with a form of T head tiles), dqk in {512, 576}, any topk;
     ``form``: ``form_shape``."""
-    groups, stages, qreg, tiles, ablate = form_shape(form)
+    groups, stages, qreg, tiles, qglobal, ablate = form_shape(form)
     lo = 1 if tiles == 1 else 17  # a second head tile only above 16 heads
     if not lo <= heads <= 16 * tiles:
         raise ValueError(f"sparse mma forward: H={heads} not in {lo}..{16 * tiles} (form {form!r} has {tiles} head "
@@ -335,7 +380,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     stage_bytes = groups * stages * CHUNK * row_stride
     assert stage_bytes >= groups * tiles * 2 * 32 * 32 * 16, form  # the merge buffer
     fn = (f"fdsa_mma_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {groups}, {stages}, {qreg}, "
-          f"{tiles}, {ablate}>")
+          f"{tiles}, {qglobal}, {ablate}>")
 
     @T.prim_func
     def sparse_mla_fwd_mma(
@@ -350,7 +395,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     ):
         with T.Kernel(n_tok, threads=64 * groups * tiles, prelude=_SRC) as bx:
             Stage = T.alloc_shared([stage_bytes], u8)
-            Qs = T.alloc_shared([16 * tiles * row_stride], u8)
+            Qs = T.alloc_shared([16 if qglobal else 16 * tiles * row_stride], u8)
             Xch = T.alloc_shared([groups * tiles * 2 * 512], f32)
             Valid = T.alloc_shared([groups * stages * CHUNK], i32)
             Misc = T.alloc_shared([tiles * groups * 48], f32)
@@ -383,8 +428,10 @@ def dispatched(n_tok: int, device_index: int, heads: int = 16):
 
     if heads > 16:
         form = TWO_TILE_FORM
+    elif n_tok >= 2 * _dispatch.sm_count(device_index):  # $FLASHDSA_MMA_MANY_TOKEN_FORM: another form (timing runs)
+        form = os.environ.get("FLASHDSA_MMA_MANY_TOKEN_FORM") or MANY_TOKEN_FORM
     else:
-        form = MANY_TOKEN_FORM if n_tok >= 2 * _dispatch.sm_count(device_index) else FEW_TOKEN_FORM
+        form = FEW_TOKEN_FORM
     return functools.partial(_compiled, form=form)
 
 
