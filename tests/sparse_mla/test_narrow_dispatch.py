@@ -60,9 +60,11 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
 
 
 @pytest.mark.parametrize("n_tok,form", [(1, kernel_fwd_mma.FEW_TOKEN_FORM), (7, kernel_fwd_mma.FEW_TOKEN_FORM),
-                                         (8, kernel_fwd_mma.MANY_TOKEN_FORM), (300, kernel_fwd_mma.MANY_TOKEN_FORM)])
+                                         (8, kernel_fwd_mma.TWO_PER_SM_FORM), (15, kernel_fwd_mma.TWO_PER_SM_FORM),
+                                         (16, kernel_fwd_mma.MANY_TOKEN_FORM), (300, kernel_fwd_mma.MANY_TOKEN_FORM)])
 def test_bf16_few_head_form_by_tokens(record, n_tok, form):
-    """H <= 16: two CTAs per SM from 2 tokens per SM on (the fake device has 4 SMs), else four key groups."""
+    """H <= 16 (the fake device has 4 SMs): four CTAs per SM from 4 tokens per SM on, two from 2, else four key
+    groups per token."""
     q = torch.zeros(n_tok, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(10, 576, dtype=torch.bfloat16)
     idx = torch.zeros(n_tok, 100, dtype=torch.int32)
@@ -74,9 +76,9 @@ def test_bf16_few_head_form_by_tokens(record, n_tok, form):
 
 def test_bf16_few_head_form_env(record, monkeypatch):
     """$FLASHDSA_MMA_MANY_TOKEN_FORM replaces the many-token form (timing runs); fewer tokens keep theirs."""
-    monkeypatch.setenv("FLASHDSA_MMA_MANY_TOKEN_FORM", "mma_c4")
-    assert kernel_fwd_mma.dispatched(8, 0).keywords == {"form": "mma_c4"}
-    assert kernel_fwd_mma.dispatched(7, 0).keywords == {"form": kernel_fwd_mma.FEW_TOKEN_FORM}
+    monkeypatch.setenv("FLASHDSA_MMA_MANY_TOKEN_FORM", "mma_c2q6")
+    assert kernel_fwd_mma.dispatched(16, 0).keywords == {"form": "mma_c2q6"}
+    assert kernel_fwd_mma.dispatched(15, 0).keywords == {"form": kernel_fwd_mma.TWO_PER_SM_FORM}
 
 
 @pytest.mark.parametrize("env,heads,pair,expect", [

@@ -32,14 +32,17 @@ read, natural-log lse without the sink, empty rows -> out 0, lse +inf, max_logit
 Forms (``FORMS``): G key groups per CTA, NST stages, Q k steps in registers, T head tiles of 16 (2 T warps per
 group, each warp 16 heads x 256 output dims).  Dispatched (``dispatched``): H <= 16 with at least 2 tokens per SM
 ``mma_c2q18`` (2 groups per CTA, two CTAs per SM: one token's prologue and merge run under the other's loop; all of
-Q's A fragments in registers, 254 registers), fewer tokens ``mma_q18`` (4 groups per token), H 17..32 ``mma_t2``.
+Q's A fragments in registers, 254 registers), from 4 tokens per SM ``mma_c4`` (one group per CTA, four CTAs per SM, no
+merge, Q's fragments loaded from global memory), fewer tokens ``mma_q18`` (4 groups per token), H 17..32 ``mma_t2``.
 
 Measured (H200, topk 2048, Dqk 576, ``--variants``; docs/PERFORMANCE.md "Session 37"): S 4096 over SKV 8192, H 16:
-narrow 2.23 ms -> 4 groups 1.575 -> + Q in registers, two CTAs per SM 1.43 ms (suite 1.429 / 1.432 = 204 TFLOP/s);
+narrow 2.23 ms -> 4 groups 1.575 -> + Q in registers, two CTAs per SM 1.43 ms (suite 1.429 / 1.432 = 204 TFLOP/s)
+-> four CTAs per SM (c4) 1.421 (suite 1.427 against c2q18's 1.436 in the same call);
 the same without products (timing build ``_a48``) 1.316 ms = 7.3 TB/s of gathered rows, 91% of the 8.06 TB/s the
 L2 gather probe reached (session 17): the row gather binds.  128 tokens over SKV 65536: 0.0738 vs narrow 0.0816 ms.
 H 32 (``mma_t2``): 2.62 vs narrow 2.85 ms; 128 tokens 0.097 vs 0.100 ms.  Measured slower: 3 groups x 3 stages,
-5 groups (spills), the refill issued at the top of a step on a per-stage free mbarrier (1.639 vs 1.575 ms).
+5 groups (spills), the refill issued at the top of a step on a per-stage free mbarrier (1.639 vs 1.575 ms), one
+group of 3 stages per CTA and three CTAs per SM (c3n3: 1.878 vs 1.421 ms).
 
 Shared memory (Dqk 576): stages G x NST x 16 x 1168 B (G 4, NST 2: 149,504 B; they hold the merge buffer at the end),
 Q 16 T x 1168 B (read once where all of Q stays in registers), partial-S exchange G x T x 4 KB, flags and
@@ -69,10 +72,10 @@ FORMS = {"mma": (4, 2, 0, 1, 0), "mma_q18": (4, 2, 18, 1, 0), "mma_g3": (3, 3, 0
          "mma_c2q6": (2, 2, 6, 1, 0), "mma_c2q18": (2, 2, 18, 1, 0), "mma_t2": (2, 4, 18, 2, 0),
          "mma_c4": (1, 2, 18, 1, 1), "mma_c3n3": (1, 3, 18, 1, 1)}
 DEFAULT_FORM = "mma"
-# what the dispatcher runs: two CTAs per SM (the next token's prologue and the last one's merge under the other CTA's
-# loop) where the grid has at least two tokens per SM, else four key groups per token (fewer tokens than SMs: each
-# token's chain is the time)
-MANY_TOKEN_FORM, FEW_TOKEN_FORM, TWO_TILE_FORM = "mma_c2q18", "mma_q18", "mma_t2"
+# what the dispatcher runs at H <= 16: from 4 tokens per SM one group per CTA and four CTAs per SM (no merge; one
+# token's prologue under the others' loops), from 2 tokens per SM two CTAs of two groups, else four key groups per
+# token (fewer tokens than SMs: each token's chain is the time); H 17..32: two head tiles
+MANY_TOKEN_FORM, TWO_PER_SM_FORM, FEW_TOKEN_FORM, TWO_TILE_FORM = "mma_c4", "mma_c2q18", "mma_q18", "mma_t2"
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads)
 
 _SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + r"""
@@ -426,12 +429,13 @@ def dispatched(n_tok: int, device_index: int, heads: int = 16):
     (shapes, not tensor values: the choice is fixed per call signature, so CUDA graphs replay it)."""
     from .. import _dispatch
 
+    per_sm = n_tok / _dispatch.sm_count(device_index)
     if heads > 16:
         form = TWO_TILE_FORM
-    elif n_tok >= 2 * _dispatch.sm_count(device_index):  # $FLASHDSA_MMA_MANY_TOKEN_FORM: another form (timing runs)
+    elif per_sm >= 4:  # $FLASHDSA_MMA_MANY_TOKEN_FORM: another form (timing runs)
         form = os.environ.get("FLASHDSA_MMA_MANY_TOKEN_FORM") or MANY_TOKEN_FORM
     else:
-        form = FEW_TOKEN_FORM
+        form = TWO_PER_SM_FORM if per_sm >= 2 else FEW_TOKEN_FORM
     return functools.partial(_compiled, form=form)
 
 
