@@ -1,4 +1,5 @@
-"""How fast can random 656-byte cache rows move from DRAM into shared memory, with nothing else in the way?
+"""How fast can random cache rows (656-byte FP8 rows, or 1152-byte bf16 rows with ``--row 1152``) move into shared
+memory, with nothing else in the way?
 (Issue #6's sparse FP8 decode at H 16: 3.0 TB/s of cache bytes asked; kernel_fwd_mma656's copy-and-softmax skeleton
 reaches 2.6 TB/s at B 128, 3.25 at B 512 -- session 33.)
 
@@ -14,8 +15,11 @@ word of each row into a checksum (so the copies have a consumer), then refills t
 Checked: the checksums equal torch's sum of the same words (int64 wrap-around sums compared mod 2^32).
 
 Usage (GPU host): ``source .gpu/env.sh && python scripts/row_gather_probe.py [--modes bulk,lsu] [--warps 4,8]
-[--stages 2,4] [--json out.json]``; shapes: B 128 tokens x 32768 rows each and B 512 x 8192 (2.75 GB of rows),
-topk 2048 sorted unique per token (the decode suite's and ``kernel_fwd_narrow656 --variants``' pattern).
+[--stages 2,4] [--row 656|1152] [--shapes decode|prefill] [--json out.json]``; decode shapes: B 128 tokens x 32768
+rows each and B 512 x 8192 (2.75 GB of rows at 656 B), topk 2048 sorted unique per token (the decode suite's and
+``kernel_fwd_narrow656 --variants``' pattern); prefill: S 4096 tokens x topk 2048 sorted unique rows of one shared
+SKV 8192 (L2-resident; #8's suite shape: 9.66 GB of 1152-byte rows).  A config whose stages leave room runs several
+CTAs per SM.
 """
 
 import argparse
@@ -27,10 +31,8 @@ import torch
 import tilelang
 import tilelang.language as T
 
-ROW = 656
-
 _SRC = r"""
-template <int W, int NS, int LSU>
+template <int W, int NS, int LSU, int ROW>
 __device__ __forceinline__ void fdsa_probe_rows(const void *kv_v, int rs16, const int *idx, int topk,
                                                 void *stage_v, void *bars_v, int *out, int tok) {
   const unsigned char *kv = static_cast<const unsigned char *>(kv_v);
@@ -50,25 +52,25 @@ __device__ __forceinline__ void fdsa_probe_rows(const void *kv_v, int rs16, cons
     const unsigned bar = bars + st * 8;
     if (!LSU) {
       if (lane < 16) {
-        const unsigned dst = stage_s + (st * 16 + lane) * 656;
+        const unsigned dst = stage_s + (st * 16 + lane) * ROW;
         if (row >= 0) {
-          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(656) : "memory");
-          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 656, [%2];"
-                       :: "r"(dst), "l"(kv + row * rs), "r"(bar) : "memory");
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(ROW) : "memory");
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                       :: "r"(dst), "l"(kv + row * rs), "r"(ROW), "r"(bar) : "memory");
         } else {
           asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
         }
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < 21; ++i) {  // pieces lane + 32 i of the chunk's 16 x 41
-        const int k = lane + 32 * i, kk = k < 656 ? k : 655;  // every lane takes part in the shuffle
-        const int rr = kk / 41, pc = kk - rr * 41;
+      for (int i = 0; i < (ROW + 31) / 32; ++i) {  // pieces lane + 32 i of the chunk's 16 x ROW / 16
+        const int k = lane + 32 * i, kk = k < ROW ? k : ROW - 1;  // every lane takes part in the shuffle
+        const int rr = kk / (ROW / 16), pc = kk - rr * (ROW / 16);
         const int rw = __shfl_sync(0xffffffffu, row, rr);
         const int n = rw >= 0 ? 16 : 0;
-        if (k < 656)
+        if (k < ROW)
           asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                       :: "r"(stage_s + (st * 16 + rr) * 656 + 16 * pc), "l"(kv + (n ? rw : 0) * rs + 16 * pc), "r"(n)
+                       :: "r"(stage_s + (st * 16 + rr) * ROW + 16 * pc), "l"(kv + (n ? rw : 0) * rs + 16 * pc), "r"(n)
                        : "memory");
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
@@ -84,7 +86,7 @@ __device__ __forceinline__ void fdsa_probe_rows(const void *kv_v, int rs16, cons
                  "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra WAIT;\n\t}\n"
                  :: "r"(bar), "r"((it / NS) & 1) : "memory");
     if (lane < 16 && (warp + W * it) * 16 + lane < topk)
-      sum += *reinterpret_cast<const unsigned *>(stage + (st * 16 + lane) * 656 + 4 * (it & 127));
+      sum += *reinterpret_cast<const unsigned *>(stage + (st * 16 + lane) * ROW + 4 * (it & 127));
     __syncwarp();
     if (it + NS < nsteps) {
       const int row = next;
@@ -99,19 +101,19 @@ __device__ __forceinline__ void fdsa_probe_rows(const void *kv_v, int rs16, cons
 """
 
 
-def build(n_warps: int, stages: int, lsu: bool):
+def build(n_warps: int, stages: int, lsu: bool, row: int = 656):
     from flashdsa.sparse import _tl_common as tc
 
     n_tok, n_ch, topk, n_out = tc.dynamic_dims("n_tok", "n_ch", "topk", "n_out")
     arrivals = 32 if lsu else 16
     u8, i32 = "uint8", "int32"
-    fn = f"fdsa_probe_rows<{n_warps}, {stages}, {int(lsu)}>"
+    fn = f"fdsa_probe_rows<{n_warps}, {stages}, {int(lsu)}, {row}>"
 
     @T.prim_func
     def row_gather_probe(KV: T.Tensor([n_ch, 16], u8), rs16: T.int32, Idx: T.Tensor([n_tok, topk], i32),
                          Out: T.Tensor([n_out], i32)):
         with T.Kernel(n_tok, threads=32 * n_warps, prelude=_SRC) as bx:
-            Stage = T.alloc_shared([n_warps * stages * 16 * ROW], "uint8")
+            Stage = T.alloc_shared([n_warps * stages * 16 * row], "uint8")
             bars = T.alloc_barrier([arrivals] * (n_warps * stages))
             T.call_extern("handle", fn, T.address_of(KV[0, 0]), rs16, T.address_of(Idx[0, 0]), topk,
                           T.address_of(Stage[0]), T.address_of(bars[0]), T.address_of(Out[0]), bx)
@@ -120,10 +122,10 @@ def build(n_warps: int, stages: int, lsu: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(n_warps: int, stages: int, lsu: bool):
+def compiled(n_warps: int, stages: int, lsu: bool, row: int = 656):
     from flashdsa.sparse import _tl_common as tc
 
-    return tilelang.compile(build(n_warps, stages, lsu), target="cuda", pass_configs=tc.plain_pass_configs())
+    return tilelang.compile(build(n_warps, stages, lsu, row), target="cuda", pass_configs=tc.plain_pass_configs())
 
 
 def main():
@@ -131,25 +133,33 @@ def main():
     ap.add_argument("--modes", default="bulk,lsu")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,4")
+    ap.add_argument("--row", type=int, default=656, choices=(656, 1152))
+    ap.add_argument("--shapes", default="decode", choices=("decode", "prefill"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    ROW = a.row
     from flashdsa.bench.harness import time_fn
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows_out = []
-    for label, n_tok, per_tok in (("B128", 128, 32768), ("B512", 512, 8192)):
+    shapes = (("B128", 128, 32768), ("B512", 512, 8192)) if a.shapes == "decode" else (("S4096", 4096, 8192),)
+    for label, n_tok, per_tok in shapes:
         topk = 2048
-        kv = torch.randint(0, 256, (n_tok * per_tok, ROW), dtype=torch.uint8, device=dev, generator=gen)
+        shared = a.shapes == "prefill"  # every token selects from the same SKV rows
+        kv = torch.randint(0, 256, ((1 if shared else n_tok) * per_tok, ROW), dtype=torch.uint8, device=dev,
+                           generator=gen)
         idx = torch.argsort(torch.rand(n_tok, per_tok, generator=gen, device=dev), dim=1)[:, :topk]
-        idx = (idx + torch.arange(n_tok, device=dev).unsqueeze(1) * per_tok).sort(dim=1).values.to(torch.int32)
+        if not shared:
+            idx = idx + torch.arange(n_tok, device=dev).unsqueeze(1) * per_tok
+        idx = idx.sort(dim=1).values.to(torch.int32)
         chunks = kv.view(-1, 16)
         for mode in a.modes.split(","):
             for w in (int(x) for x in a.warps.split(",")):
                 for ns in (int(x) for x in a.stages.split(",")):
                     if w * ns * 16 * ROW > 227 * 1024:
                         continue
-                    k = compiled(w, ns, mode == "lsu")
+                    k = compiled(w, ns, mode == "lsu", ROW)
                     out = torch.zeros(n_tok * w, dtype=torch.int32, device=dev)
                     k(chunks, ROW // 16, idx, out)
                     torch.cuda.synchronize()
@@ -164,8 +174,8 @@ def main():
                     ok = torch.equal(ref % (1 << 32), out.view(n_tok, w).to(torch.int64) & 0xFFFFFFFF)
                     t = time_fn(lambda _: k(chunks, ROW // 16, idx, out), [None], dev, reps=30)
                     tb = n_tok * topk * ROW / t.ms_median / 1e9
-                    rows_out.append(dict(shape=label, mode=mode, warps=w, stages=ns, ms=t.ms_median, ms_p10=t.ms_p10,
-                                         tbps=tb, checksum_ok=ok))
+                    rows_out.append(dict(shape=label, row_bytes=ROW, mode=mode, warps=w, stages=ns, ms=t.ms_median,
+                                         ms_p10=t.ms_p10, tbps=tb, checksum_ok=ok))
                     print(f"{label} {mode} warps {w} stages {ns}: {t.ms_median * 1e3:.1f} us (p10 "
                           f"{t.ms_p10 * 1e3:.1f}), {tb:.3f} TB/s of rows, checksum {'ok' if ok else 'MISMATCH'}",
                           flush=True)
