@@ -38,8 +38,10 @@ merge, Q's fragments loaded from global memory), fewer tokens ``mma_q18`` (4 gro
 Measured (H200, topk 2048, Dqk 576, ``--variants``; docs/PERFORMANCE.md "Session 37"): S 4096 over SKV 8192, H 16:
 narrow 2.23 ms -> 4 groups 1.575 -> + Q in registers, two CTAs per SM 1.43 ms (suite 1.429 / 1.432 = 204 TFLOP/s)
 -> four CTAs per SM (c4) 1.421 (suite 1.427 against c2q18's 1.436 in the same call);
-the same without products (timing build ``_a48``) 1.316 ms = 7.3 TB/s of gathered rows, 91% of the 8.06 TB/s the
-L2 gather probe reached (session 17): the row gather binds.  128 tokens over SKV 65536: 0.0738 vs narrow 0.0816 ms.
+the same without products (timing build ``_a48``) 1.316 ms = 7.3 TB/s of gathered rows, while a pure bulk-copy gather
+of these rows reaches 13.8 TB/s (``scripts/row_gather_probe.py --row 1152 --shapes prefill``): what binds is one copy
+round trip per 16-key step and group (two stages: one read, one in flight).  128 tokens over SKV 65536: 0.0738 vs
+narrow 0.0816 ms.
 H 32 (``mma_t2``): 2.62 vs narrow 2.85 ms; 128 tokens 0.097 vs 0.100 ms.  Measured slower: 3 groups x 3 stages,
 5 groups (spills), the refill issued at the top of a step on a per-stage free mbarrier (1.639 vs 1.575 ms), one
 group of 3 stages per CTA and three CTAs per SM (c3n3: 1.878 vs 1.421 ms).
