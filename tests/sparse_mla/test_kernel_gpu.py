@@ -257,6 +257,26 @@ def test_sparse_mla_fwd_kernel_cuda_graph(heads):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_sparse_mla_fwd_misaligned_views(heads):
+    """Contiguous q / kv views that start 2 bytes past a 16-byte boundary (the kernels copy 16-byte pieces): the
+    public op gives the reference's result, eagerly and on the repeated (planned) call."""
+    import flashdsa
+
+    dqk, tkv, topk, n_tok = 576, 592, 128, 62
+    q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, True, True, "contig", 4)
+    q_buf = torch.empty(q.numel() + 8, dtype=torch.bfloat16, device="cuda")
+    kv_buf = torch.empty(kv.numel() + 8, dtype=torch.bfloat16, device="cuda")
+    q_off = q_buf[1:1 + q.numel()].view(q.shape).copy_(q)
+    kv_off = kv_buf[1:1 + kv.numel()].view(kv.shape).copy_(kv)
+    assert q_off.is_contiguous() and q_off.data_ptr() % 16 and kv_off.data_ptr() % 16
+    for _ in range(2):
+        out, lse, max_logits = flashdsa.sparse_mla_fwd(q_off, kv_off, indices, attn_sink=attn_sink,
+                                                       topk_length=topk_length, return_max_logits=True)
+        torch.cuda.synchronize()
+        check_against_reference(out, lse, max_logits, q, kv, indices, dqk**-0.5, topk_length, attn_sink, valid)
+
+
 def _bf16_p_emulation(q, kv, indices, sm_scale, topk_length):
     """fp32 reference that rounds the probabilities to bf16 before PV, as every bf16 tensor-core kernel does."""
     from flashdsa.sparse.reference import _gather, valid_mask

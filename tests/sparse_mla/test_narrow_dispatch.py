@@ -50,6 +50,7 @@ def record(monkeypatch):
     (33, None, None, "padded"),
     (96, None, None, "padded"), (127, None, None, "padded"), (128, None, None, "pair"), (64, None, None, "pair"),
     (64, False, None, "pair"), (128, None, False, "padded"), (16, False, None, "padded"), (64, True, None, "narrow"),
+    (16, True, None, "narrow"),
 ])
 def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
     q = torch.zeros(3, heads, 576, dtype=torch.bfloat16)

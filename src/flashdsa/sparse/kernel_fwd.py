@@ -269,8 +269,9 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
                        narrow: bool | None = None, pair: bool | None = None, checked: bool = False):
     """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
 
-    Kernel choice: ``narrow`` runs ``kernel_fwd_narrow`` (rows on the wgmma M side, H <= its MAX_HEADS); None
-    picks it for every H it takes.  Otherwise ``pair`` runs ``kernel_fwd_pair`` (warp-specialised, H in
+    Kernel choice: ``narrow`` None runs ``kernel_fwd_mma`` (per-warp ``mma.sync`` chains) for H <= ``FEW_HEAD_MMA``
+    and ``kernel_fwd_narrow`` for the other H it takes; True runs ``kernel_fwd_narrow`` (rows on the wgmma M side,
+    H <= its MAX_HEADS).  Otherwise ``pair`` runs ``kernel_fwd_pair`` (warp-specialised, H in
     {64, 128}); None picks it for every H it takes.  Else this module's padded 64-head-tile kernel.
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it), so it is
     not run twice."""
@@ -289,12 +290,12 @@ def _select(q, kv, narrow=None, pair=None):
 
     heads = q.shape[1]
     if narrow is None:
+        if heads <= FEW_HEAD_MMA:
+            return kernel_fwd_mma.dispatched(q.shape[0], q.device.index or 0, heads)
         narrow = heads <= kernel_fwd_narrow.MAX_HEADS
     if pair is None:
         pair = heads in kernel_fwd_pair.SUPPORTED_H
     if narrow:
-        if heads <= FEW_HEAD_MMA:
-            return kernel_fwd_mma.dispatched(q.shape[0], q.device.index or 0, heads)
         return kernel_fwd_narrow._compiled
     if pair:
         return kernel_fwd_pair.dispatched(q, kv.shape[0])
