@@ -28,6 +28,35 @@ __device__ __forceinline__ void fdsa_mma_bf16_16816(float *c, const unsigned *a,
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// One 16-key step of the lazy online softmax of rows r / r + 8.  S: the scores in the m16n8k16 accumulator layout of
+// two key n-tiles (-inf where invalid), identical in the pair's two warps.  The exp reference m moves only when the
+// chunk's max exceeds it by more than 2^8 in the exp2 domain (so P <= 2^8), and then rescale(al0, al1) rescales the
+// caller's O; t keeps the true running max (max_logits), l the row sums; P = 2^(S c - m c).
+template <typename Rescale>
+__device__ __forceinline__ void fdsa_lazy_softmax_step(const float (&S)[2][4], float c, float &m0, float &m1,
+                                                       float &t0, float &t1, float &l0, float &l1, float (&P)[2][4],
+                                                       Rescale rescale) {
+  const float mx0 = fdsa_quad_max(fmaxf(fmaxf(S[0][0], S[0][1]), fmaxf(S[1][0], S[1][1])));
+  const float mx1 = fdsa_quad_max(fmaxf(fmaxf(S[0][2], S[0][3]), fmaxf(S[1][2], S[1][3])));
+  t0 = fmaxf(t0, mx0);
+  t1 = fmaxf(t1, mx1);
+  const bool up0 = (mx0 - m0) * c > 8.f, up1 = (mx1 - m1) * c > 8.f;
+  if (__any_sync(0xffffffffu, up0 || up1)) {
+    const float n0 = up0 ? mx0 : m0, n1 = up1 ? mx1 : m1;
+    const float al0 = fdsa_ex2((m0 - n0) * c), al1 = fdsa_ex2((m1 - n1) * c);
+    m0 = n0;
+    m1 = n1;
+    l0 *= al0;
+    l1 *= al1;
+    rescale(al0, al1);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) P[j][e] = fdsa_ex2(fmaf(S[j][e], c, -(e < 2 ? m0 : m1) * c));
+  l0 += (P[0][0] + P[0][1]) + (P[1][0] + P[1][1]);
+  l1 += (P[0][2] + P[0][3]) + (P[1][2] + P[1][3]);
+}
 // One row of ROW bytes into a stage row at shared address dst, counted on the mbarrier at shared address bar; an
 // invalid row (ok 0) is zeroed instead (nothing read).  No proxy fence before a copy: the stage's earlier generic
 // reads are ordered before it by the group's barrier (WAR, as CUTLASS's TMA pipelines); only the zero fill's generic

@@ -237,20 +237,9 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       S[j][2] = vd[j][0] ? part[j][2] + ot.z : -FDSA_INF;
       S[j][3] = vd[j][1] ? part[j][3] + ot.w : -FDSA_INF;
     }
-    // ---- online softmax (rows r, r + 8), identical in both warps; the exp reference m moves only when a chunk's
-    // max exceeds it by more than 2^8 in the exp2 domain (few O rescales); t keeps the true running max
-    const float mx0 = fdsa_quad_max(fmaxf(fmaxf(S[0][0], S[0][1]), fmaxf(S[1][0], S[1][1])));
-    const float mx1 = fdsa_quad_max(fmaxf(fmaxf(S[0][2], S[0][3]), fmaxf(S[1][2], S[1][3])));
-    t0 = fmaxf(t0, mx0);
-    t1 = fmaxf(t1, mx1);
-    const bool up0 = (mx0 - m0) * c > 8.f, up1 = (mx1 - m1) * c > 8.f;
-    if (__any_sync(0xffffffffu, up0 || up1)) {
-      const float n0 = up0 ? mx0 : m0, n1 = up1 ? mx1 : m1;
-      const float al0 = fdsa_ex2((m0 - n0) * c), al1 = fdsa_ex2((m1 - n1) * c);
-      m0 = n0;
-      m1 = n1;
-      l0 *= al0;
-      l1 *= al1;
+    // ---- online softmax (rows r, r + 8), identical in both warps (few O rescales: _warp_mma's notes)
+    float P[2][4];
+    fdsa_lazy_softmax_step(S, c, m0, m1, t0, t1, l0, l1, P, [&](float al0, float al1) {
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
         o[i][0] *= al0;
@@ -258,14 +247,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
         o[i][2] *= al1;
         o[i][3] *= al1;
       }
-    }
-    float P[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) P[j][e] = fdsa_ex2(fmaf(S[j][e], c, -(e < 2 ? m0 : m1) * c));
-    l0 += (P[0][0] + P[0][1]) + (P[1][0] + P[1][1]);
-    l1 += (P[0][2] + P[0][3]) + (P[1][2] + P[1][3]);
+    });
     // ---- PV over this warp's 256 output dims: A = P (the S accumulator layout), B = V by ldmatrix.trans
     if (!(ABL & 16)) {
       const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),

@@ -117,9 +117,6 @@ __device__ __forceinline__ void fdsa_m656_mma_f16(float *c, const unsigned *a, u
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ float fdsa_m656_max4(float a, float b, float c, float d) {
-  return fmaxf(fmaxf(a, b), fmaxf(c, d));
-}
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
 // 16 no PV at all, 32 no QK products at all, 64 timestamps instead of out (H 16; u32 words per token: 0 / 1 the
@@ -360,20 +357,9 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     }
     // ---- online softmax (rows r, r + 8), identical in both warps.  The exp reference m moves only when a chunk's
     // max exceeds it by more than 2^8 in the exp2 domain (P <= 2^8: exact enough in f16 and fp32), so O is rescaled
-    // on few steps (every max change rescaled on most steps at H 16: 14% of the instructions, session 32's ncu);
-    // t keeps the true running max for max_logits
-    const float mx0 = fdsa_quad_max(fdsa_m656_max4(S[0][0], S[0][1], S[1][0], S[1][1]));
-    const float mx1 = fdsa_quad_max(fdsa_m656_max4(S[0][2], S[0][3], S[1][2], S[1][3]));
-    t0 = fmaxf(t0, mx0);
-    t1 = fmaxf(t1, mx1);
-    const bool up0 = (mx0 - m0) * c > 8.f, up1 = (mx1 - m1) * c > 8.f;
-    if (__any_sync(0xffffffffu, up0 || up1)) {
-      const float n0 = up0 ? mx0 : m0, n1 = up1 ? mx1 : m1;
-      const float al0 = fdsa_ex2((m0 - n0) * c), al1 = fdsa_ex2((m1 - n1) * c);
-      m0 = n0;
-      m1 = n1;
-      l0 *= al0;
-      l1 *= al1;
+    // on few steps (every max change rescaled on most steps at H 16: 14% of the instructions, session 32's ncu)
+    float P[2][4];
+    fdsa_lazy_softmax_step(S, c, m0, m1, t0, t1, l0, l1, P, [&](float al0, float al1) {
 #pragma unroll
       for (int tt = 0; tt < 2; ++tt)
 #pragma unroll
@@ -383,14 +369,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
           o[tt][i][2] *= al1;
           o[tt][i][3] *= al1;
         }
-    }
-    float P[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) P[j][e] = fdsa_ex2(fmaf(S[j][e], c, -(e < 2 ? m0 : m1) * c));
-    l0 += (P[0][0] + P[0][1]) + (P[1][0] + P[1][1]);
-    l1 += (P[0][2] + P[0][3]) + (P[1][2] + P[1][3]);
+    });
     // ---- PV for each of the warp's tiles
 #pragma unroll
     for (int tt = 0; tt < ((ABL & 16) ? 0 : 2); ++tt) {  // tile t = 2 hh + tt
