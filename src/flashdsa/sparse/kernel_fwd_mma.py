@@ -91,7 +91,9 @@ __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
 }
 
 // The whole CTA (64 G T threads) for token tok: see the module notes of kernel_fwd_mma.py.
-// ABL (timing builds, wrong results): 16 no PV, 32 no QK products.
+// ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters instead of out (u32
+// words 8 w + 0..5 of each token: cycles in the steps' mbarrier waits, in the exchange barriers, in the refill issue,
+// the loop's total, the step count, from a wait's end to the barrier: QK + exchange store).
 template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int QG, int ABL = 0>
 __device__ __forceinline__ void fdsa_mma_kernel(
     const void *Qv, const void *KVv, int n_rows, const int *Indices, int topk, const int *TopkLen,
@@ -115,6 +117,19 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     lim = lim < 0 ? 0 : (lim > topk ? topk : lim);
   }
   const int nc = (lim + 15) >> 4;
+  unsigned cyc_wait = 0, cyc_qk = 0, cyc_bar = 0, cyc_issue = 0, cyc_loop = 0;
+  auto dbg_out = [&](int nst) {  // ABL 64: every thread is past its output writes
+    __syncthreads();
+    if (lane == 0) {
+      unsigned *dbg = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256 + 8 * warp;
+      dbg[0] = cyc_wait;
+      dbg[1] = cyc_bar;
+      dbg[2] = cyc_issue;
+      dbg[3] = cyc_loop;
+      dbg[4] = nst;
+      dbg[5] = cyc_qk;
+    }
+  };
   const int nsteps = nc > g ? (nc - g + G - 1) / G : 0;
   const int *idx = Indices + static_cast<long long>(tok) * topk;
 
@@ -182,9 +197,16 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     for (int s = 0; s < NQ; ++s) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), qreg[s]);
   }
 
+  const unsigned c_loop = (ABL & 64) ? clock() : 0u;
   for (int it = 0; it < nsteps; ++it) {
     const int bi = g * NST + it % NST;
+    unsigned c0 = (ABL & 64) ? clock() : 0u;
     fdsa_wait_parity(bars + bi * 8, (it / NST) & 1);
+    if (ABL & 64) {
+      const unsigned c1 = clock();
+      cyc_wait += c1 - c0;
+      c0 = c1;
+    }
     const unsigned sb = stage_s + bi * 16 * RS;
     // ---- QK partial over this warp's dims: two chains per key n-tile (even / odd k steps)
     float acc[2][2][4];
@@ -218,7 +240,17 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     for (int j = 0; j < 2; ++j)
       *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
           make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+    if (ABL & 64) {
+      const unsigned c1 = clock();
+      cyc_qk += c1 - c0;
+      c0 = c1;
+    }
     asm volatile("bar.sync %0, %1;" :: "r"(8 + g), "r"(32 * W) : "memory");
+    if (ABL & 64) {
+      const unsigned c1 = clock();
+      cyc_bar += c1 - c0;
+      c0 = c1;
+    }
     // the stage of step it - 1 is free (the group's warps are past its PV): refill it with step it + NST - 1
     if (it >= 1 && it + NST - 1 < nsteps) {
       const int st = it + NST - 1;
@@ -228,6 +260,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       }
       issue(st, __shfl_sync(0xffffffffu, rows_cur, RPW * (st % BS) + lane % RPW));
     }
+    if (ABL & 64) cyc_issue += clock() - c0;
     float S[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -261,6 +294,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       }
     }
   }
+  if (ABL & 64) cyc_loop = clock() - c_loop;
 
   // ---- merge the groups
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -292,6 +326,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
         MaxLogits[b + r + 8] = l1 > 0.f ? t1 * c * 0.6931471805599453f : -FDSA_INF;
       }
     }
+    if (ABL & 64) dbg_out(nsteps);
     return;
   }
   if (hh == 0 && q == 0) {
@@ -334,6 +369,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     if (16 * t + r + 8 < H) out[(16 * t + r + 8) * 256 + w] = fdsa_pack_bf16x2(sum.z * inv1, sum.w * inv1);
   }
   fdsa_groups_lse<G, H, T>(mlx, mtx, tid, tok, c, Lse, MaxLogits);
+  if (ABL & 64) dbg_out(nsteps);
 }
 """
 
