@@ -67,12 +67,16 @@ from ._warp_mma import WARP_MMA_PRELUDE
 MAX_HEADS = 32  # two head tiles of 16 (forms with T 2) above 16 heads
 CHUNK = 16  # keys per step
 # form name -> (key groups G per CTA, stages per group NST, k steps of Q held in registers, head tiles T: 2 T warps
-# per group, Q's fragments loaded from global memory: no Q in shared memory).  c2: two CTAs of 2 groups per SM
+# per group, Q's fragments loaded from global memory: no Q in shared memory, how a warp issues its rows' copies: 0 each
+# row's lane arrives and copies, 1 lane 0 arrives once and copies every row, 2 lane 0 arrives once, each lane copies).  c2: two CTAs of 2 groups per SM
 # (102 KB of shared memory each); c4 / c3n3: one group per CTA (no merge), four / three CTAs per SM.  The stages of
 # 4 groups x 3 do not fit shared memory; T 2 needs NST 4 (the stages hold the merge buffer).
-FORMS = {"mma": (4, 2, 0, 1, 0), "mma_q18": (4, 2, 18, 1, 0), "mma_g3": (3, 3, 0, 1, 0), "mma_c2": (2, 2, 0, 1, 0),
-         "mma_c2q6": (2, 2, 6, 1, 0), "mma_c2q18": (2, 2, 18, 1, 0), "mma_t2": (2, 4, 18, 2, 0),
-         "mma_c4": (1, 2, 18, 1, 1), "mma_c3n3": (1, 3, 18, 1, 1)}
+FORMS = {"mma": (4, 2, 0, 1, 0, 0), "mma_q18": (4, 2, 18, 1, 0, 0), "mma_g3": (3, 3, 0, 1, 0, 0),
+         "mma_c2": (2, 2, 0, 1, 0, 0), "mma_c2q6": (2, 2, 6, 1, 0, 0), "mma_c2q18": (2, 2, 18, 1, 0, 0),
+         "mma_t2": (2, 4, 18, 2, 0, 0), "mma_c4": (1, 2, 18, 1, 1, 0), "mma_c3n3": (1, 3, 18, 1, 1, 0),
+         "mma_c4i1": (1, 2, 18, 1, 1, 1), "mma_c4i2": (1, 2, 18, 1, 1, 2), "mma_c3n3i1": (1, 3, 18, 1, 1, 1),
+         "mma_c3n3i2": (1, 3, 18, 1, 1, 2), "mma_c2q18i1": (2, 2, 18, 1, 0, 1), "mma_q18i1": (4, 2, 18, 1, 0, 1),
+         "mma_t2i1": (2, 4, 18, 2, 0, 1)}
 DEFAULT_FORM = "mma"
 # what the dispatcher runs at H <= 16: from 4 tokens per SM one group per CTA and four CTAs per SM (no merge; one
 # token's prologue under the others' loops), from 2 tokens per SM two CTAs of two groups, else four key groups per
@@ -94,7 +98,7 @@ __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters instead of out (u32
 // words 8 w + 0..5 of each token: cycles in the steps' mbarrier waits, in the exchange barriers, in the refill issue,
 // the loop's total, the step count, from a wait's end to the barrier: QK + exchange store).
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int QG, int ABL = 0>
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int QG, int ISS, int ABL = 0>
 __device__ __forceinline__ void fdsa_mma_kernel(
     const void *Qv, const void *KVv, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, float *xch, int *valid,
@@ -141,13 +145,41 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     return slot < lim ? idx[slot] : -1;
   };
   auto block_rows = [&](int k) -> int { return slot_row(BS * k + lane / RPW); };
-  auto issue = [&](int step, int row) {
+  auto issue = [&](int step, int row) {  // called by the whole warp (ISS > 0: __syncwarp / ballot inside)
+    const int k = wg * RPW + lane, bi = g * NST + step % NST;
+    const int ok = lane < RPW && row >= 0 && row < n_rows;
+    if (ISS == 0) {
+      if (lane < RPW) {
+        valid[bi * 16 + k] = ok;
+        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+                          bars + bi * 8, ok, stage + (bi * 16 + k) * RS);
+      }
+      return;
+    }
+    // ISS 1 / 2: one arrive.expect_tx per warp (lane 0, for the warp's valid rows); the copies by lane 0 in sequence
+    // (1) or by each row's lane (2); invalid rows zeroed by their lane before the arrive
+    const unsigned vm = __ballot_sync(0xffffffffu, ok);
     if (lane < RPW) {
-      const int k = wg * RPW + lane, bi = g * NST + step % NST;
-      const int ok = row >= 0 && row < n_rows;
       valid[bi * 16 + k] = ok;
-      fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
-                        bars + bi * 8, ok, stage + (bi * 16 + k) * RS);
+      if (!ok) fdsa_zero_row<ROW>(stage + (bi * 16 + k) * RS);
+      else if (ISS == 2) fdsa_bulk_copy<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(row) * ROW,
+                                             bars + bi * 8);
+    }
+    int rk[ISS == 1 ? RPW : 1];
+    if (ISS == 1) {
+#pragma unroll
+      for (int kk = 0; kk < RPW; ++kk) rk[kk] = __shfl_sync(0xffffffffu, row, kk);
+    }
+    __syncwarp();
+    if (lane == 0) {
+      fdsa_arrive_expect(bars + bi * 8, ROW * __popc(vm));
+      if (ISS == 1) {
+#pragma unroll
+        for (int kk = 0; kk < RPW; ++kk)
+          if ((vm >> kk) & 1)
+            fdsa_bulk_copy<ROW>(stage_s + (bi * 16 + wg * RPW + kk) * RS, kv + static_cast<long long>(rk[kk]) * ROW,
+                                bars + bi * 8);
+      }
     }
   };
   static_assert(NST <= BS, "the prologue issues its steps from row block 0");
@@ -375,7 +407,8 @@ __device__ __forceinline__ void fdsa_mma_kernel(
 
 
 def form_shape(name: str) -> tuple:
-    """(groups, stages, Q k steps in registers, head tiles, Q from global memory, ablate bits) of a form name: a
+    """(groups, stages, Q k steps in registers, head tiles, Q from global memory, issue mode, ablate bits) of a
+    form name: a
     ``FORMS`` key, optionally + "_a<N>" (timing builds)."""
     base, _, abl = name.partition("_a")
     if base not in FORMS or (abl and not abl.isdigit()):
@@ -388,7 +421,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     """prim_func (Q[T,H,dqk] bf16, KV[Tkv,dqk] bf16, Indices[T,topk] i32, TopkLen, Sink, Out[T,H,512] bf16,
     Lse[T,H] f32, MaxLogits[T,H] f32) for H <= 16 (16 T with a form of T head tiles), dqk in {512, 576}, any topk;
     ``form``: ``form_shape``."""
-    groups, stages, qreg, tiles, qglobal, ablate = form_shape(form)
+    groups, stages, qreg, tiles, qglobal, iss, ablate = form_shape(form)
     lo = 1 if tiles == 1 else 17  # a second head tile only above 16 heads
     if not lo <= heads <= 16 * tiles:
         raise ValueError(f"sparse mma forward: H={heads} not in {lo}..{16 * tiles} (form {form!r} has {tiles} head "
@@ -403,7 +436,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     stage_bytes = groups * stages * CHUNK * row_stride
     assert stage_bytes >= groups * tiles * 2 * 32 * 32 * 16, form  # the merge buffer
     fn = (f"fdsa_mma_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {groups}, {stages}, {qreg}, "
-          f"{tiles}, {qglobal}, {ablate}>")
+          f"{tiles}, {qglobal}, {iss}, {ablate}>")
 
     @T.prim_func
     def sparse_mla_fwd_mma(
@@ -422,7 +455,8 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
             Xch = T.alloc_shared([groups * tiles * 2 * 512], f32)
             Valid = T.alloc_shared([groups * stages * CHUNK], i32)
             Misc = T.alloc_shared([tiles * groups * 48], f32)
-            bars = T.alloc_barrier([CHUNK] * (groups * stages))
+            # arrivals per stage phase: one per row (iss 0) or one per warp of the group
+            bars = T.alloc_barrier([CHUNK if iss == 0 else 2 * tiles] * (groups * stages))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
