@@ -1,0 +1,166 @@
+"""How fast can one warp (or a few) issue ``cp.async.bulk`` row copies, with nothing else on the SM?
+
+Why: in ``sparse/kernel_fwd_mma.py`` the consumer warps issue their own rows' copies and spend ~750-1000 cycles per
+16-key step doing it (``scripts/mma_counters.py``): a producer warp would take that off their path only if one warp
+can issue the SM's ~64 rows per step fast enough.  Here ``W`` warps per CTA (one CTA per SM, 132 CTAs) each copy
+random 1152-byte rows of an L2-resident 8192-row table into their own ring of ``R`` 16-row stages (one mbarrier per
+stage), waiting on a stage's previous copies only when the ring wraps; ``MODE`` 0: lanes 0-15 each copy one row
+(one ``arrive.expect_tx`` per row, as the kernel), 1: lane 0 arrives once and copies the 16 rows in sequence.
+Prints rows per microsecond and SM, and the cycles a warp spends issuing one 16-row stage.
+
+Usage (GPU host, nvcc on PATH): ``python scripts/bulk_issue_probe.py``; JSON to ``$OUT/bulk_issue_probe.json``.
+"""
+
+import json
+import os
+import subprocess
+import tempfile
+
+SRC = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cuda_runtime.h>
+constexpr int ROWMAX = 1152, NROWS = 8192;
+__device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {
+  asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+               "@!p bra WAIT;\n\t}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+template <int ROW>
+__device__ __forceinline__ void copy_row(unsigned dst, const void *src, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(ROW), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void arrive_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+template <int W, int R, int MODE, int ROW>
+__global__ void probe(const unsigned char *kv, const int *idx, int steps, long long *cyc, int *sink) {
+  constexpr int RS = ROW + 16;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  __shared__ __align__(8) unsigned long long bars[W * R];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x < W * R) {
+    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bars[threadIdx.x]));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(b), "r"(MODE == 0 ? 16 : 1));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+  const unsigned st0 = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned b0 = static_cast<unsigned>(__cvta_generic_to_shared(bars));
+  long long issue = 0;
+  const long long t0 = clock64();
+  int acc = 0;
+  for (int s = 0; s < steps; ++s) {
+    const int slot = warp * R + s % R;
+    const unsigned bar = b0 + slot * 8;
+    if (s >= R) {
+      wait_parity(bar, ((s / R) - 1) & 1);
+      acc += *reinterpret_cast<const int *>(smem + (slot * 16 + (lane & 15)) * RS);
+    }
+    const int row = idx[((blockIdx.x * W + warp) * steps + s) * 16 % (1 << 20) + (lane & 15)];
+    __syncwarp();
+    const long long c0 = clock64();
+    if (MODE == 0) {
+      if (lane < 16) {
+        arrive_expect(bar, ROW);
+        copy_row<ROW>(st0 + (slot * 16 + lane) * RS, kv + static_cast<long long>(row) * ROW, bar);
+      }
+    } else {
+      int rk[16];
+#pragma unroll
+      for (int k = 0; k < 16; ++k) rk[k] = __shfl_sync(0xffffffffu, row, k);
+      if (lane == 0) {
+        arrive_expect(bar, 16 * ROW);
+#pragma unroll
+        for (int k = 0; k < 16; ++k)
+          copy_row<ROW>(st0 + (slot * 16 + k) * RS, kv + static_cast<long long>(rk[k]) * ROW, bar);
+      }
+    }
+    __syncwarp();
+    issue += clock64() - c0;
+  }
+  for (int s = steps; s < steps + R; ++s) {
+    if (s >= R) wait_parity(b0 + (warp * R + s % R) * 8, ((s / R) - 1) & 1);
+  }
+  const long long t1 = clock64();
+  if (lane == 0) {
+    cyc[(blockIdx.x * W + warp) * 2] = t1 - t0;
+    cyc[(blockIdx.x * W + warp) * 2 + 1] = issue;
+  }
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+template <int W, int R, int MODE, int ROW = 1152>
+void run(const unsigned char *kv, const int *idx, long long *cyc, int *sink) {
+  const int steps = 512;
+  const size_t smem = static_cast<size_t>(W) * R * 16 * (ROW + 16);
+  cudaFuncSetAttribute(probe<W, R, MODE, ROW>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  probe<W, R, MODE, ROW><<<132, 32 * W, smem>>>(kv, idx, steps, cyc, sink);
+  cudaEventRecord(e0);
+  probe<W, R, MODE, ROW><<<132, 32 * W, smem>>>(kv, idx, steps, cyc, sink);
+  cudaEventRecord(e1);
+  cudaEventSynchronize(e1);
+  float ms;
+  cudaEventElapsedTime(&ms, e0, e1);
+  long long h[2 * 132 * 8];
+  cudaMemcpy(h, cyc, sizeof(long long) * 2 * 132 * W, cudaMemcpyDeviceToHost);
+  double tot = 0, iss = 0;
+  for (int i = 0; i < 132 * W; ++i) { tot += h[2 * i]; iss += h[2 * i + 1]; }
+  tot /= 132 * W;
+  iss /= 132 * W;
+  const double rows = 16.0 * steps * W;  // per SM
+  printf("{\"row\": %d, \"warps\": %d, \"ring\": %d, \"mode\": %d, \"ms\": %.4f, \"rows_per_us_per_sm\": %.1f, \"tb_s\": %.2f, "
+         "\"issue_cycles_per_stage\": %.0f, \"cycles_per_stage\": %.0f, \"ghz\": %.3f, \"err\": \"%s\"}\n", ROW, W, R, MODE,
+         ms, rows / (ms * 1e3), rows * 132 * ROW / (ms * 1e9), iss / steps, tot / steps, tot / (ms * 1e6),
+         cudaGetErrorString(cudaGetLastError()));
+}
+int main() {
+  unsigned char *kv;
+  int *idx, *sink;
+  long long *cyc;
+  cudaMalloc(&kv, static_cast<size_t>(NROWS) * ROWMAX);
+  cudaMemset(kv, 1, static_cast<size_t>(NROWS) * ROWMAX);
+  const int n = 1 << 20;
+  int *h = static_cast<int *>(malloc(n * sizeof(int)));
+  srand(1);
+  for (int i = 0; i < n; ++i) h[i] = rand() % NROWS;
+  cudaMalloc(&idx, n * sizeof(int));
+  cudaMemcpy(idx, h, n * sizeof(int), cudaMemcpyHostToDevice);
+  cudaMalloc(&cyc, 2 * 132 * 8 * sizeof(long long));
+  cudaMalloc(&sink, 132 * 256 * sizeof(int));
+  run<1, 8, 0>(kv, idx, cyc, sink);
+  run<1, 8, 1>(kv, idx, cyc, sink);
+  run<1, 12, 0>(kv, idx, cyc, sink);
+  run<1, 12, 1>(kv, idx, cyc, sink);
+  run<2, 6, 0>(kv, idx, cyc, sink);
+  run<2, 6, 1>(kv, idx, cyc, sink);
+  run<4, 3, 0>(kv, idx, cyc, sink);
+  run<4, 3, 1>(kv, idx, cyc, sink);
+  run<4, 2, 0>(kv, idx, cyc, sink);
+  run<8, 1, 0>(kv, idx, cyc, sink);
+  run<1, 12, 0, 576>(kv, idx, cyc, sink);
+  run<4, 3, 0, 576>(kv, idx, cyc, sink);
+  run<4, 6, 0, 576>(kv, idx, cyc, sink);
+  return 0;
+}
+"""
+
+
+def main():
+    with tempfile.TemporaryDirectory() as d:
+        cu, exe = os.path.join(d, "p.cu"), os.path.join(d, "p")
+        with open(cu, "w") as f:
+            f.write(SRC)
+        subprocess.run(["nvcc", "-arch=sm_90a", "-O3", "-std=c++17", "-o", exe, cu], check=True)
+        res = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in res.splitlines() if line.startswith("{")]
+    for r in rows:
+        print(r, flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "bulk_issue_probe.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
