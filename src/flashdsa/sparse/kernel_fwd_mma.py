@@ -73,14 +73,16 @@ CHUNK = 16  # keys per step
 # (102 KB of shared memory each); c4 / c3n3: one group per CTA (no merge), four / three CTAs per SM; d4: the dims
 # (and the output) split four ways, 4 warps per group at <= 128 / 170 registers (2 / 3 CTAs per SM).  The stages of
 # 4 groups x 3 do not fit shared memory; T 2 needs NST 4 (the stages hold the merge buffer).
-Form = collections.namedtuple("Form", "groups stages qreg tiles qglobal dsplit min_blocks")
+Form = collections.namedtuple("Form", "groups stages qreg tiles qglobal dsplit min_blocks lsu", defaults=(0,))
 FORMS = {"mma": Form(4, 2, 0, 1, 0, 2, 1), "mma_q18": Form(4, 2, 18, 1, 0, 2, 1), "mma_g3": Form(3, 3, 0, 1, 0, 2, 1),
          "mma_c2": Form(2, 2, 0, 1, 0, 2, 1), "mma_c2q6": Form(2, 2, 6, 1, 0, 2, 1),
          "mma_c2q18": Form(2, 2, 18, 1, 0, 2, 1), "mma_t2": Form(2, 4, 18, 2, 0, 2, 1),
          "mma_c4": Form(1, 2, 18, 1, 1, 2, 1), "mma_c3n3": Form(1, 3, 18, 1, 1, 2, 1),
          "mma_d4c2": Form(2, 2, 0, 1, 0, 4, 2), "mma_d4c2q4": Form(2, 2, 4, 1, 0, 4, 2),
          "mma_d4c3": Form(1, 2, 9, 1, 1, 4, 3), "mma_d4c3n3": Form(1, 3, 9, 1, 1, 4, 3),
-         "mma_d4c4": Form(1, 2, 9, 1, 1, 4, 4)}
+         "mma_d4c4": Form(1, 2, 9, 1, 1, 4, 4), "mma_c4l2": Form(1, 2, 18, 1, 1, 2, 1, 2),
+         "mma_c4l3": Form(1, 2, 18, 1, 1, 2, 1, 3), "mma_c4l4": Form(1, 2, 18, 1, 1, 2, 1, 4),
+         "mma_c2q18l3": Form(2, 2, 18, 1, 0, 2, 1, 3)}
 DEFAULT_FORM = "mma"
 # what the dispatcher runs at H <= 16: from 4 tokens per SM one group per CTA and four CTAs per SM (no merge; one
 # token's prologue under the others' loops), from 2 tokens per SM two CTAs of two groups, else four key groups per
@@ -93,6 +95,10 @@ __device__ __forceinline__ void fdsa_mma_ldm(unsigned addr, unsigned *x) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
 }
+// 16 bytes global -> shared by the LSU path (cp.async.cg: L2 only); src_size 0 writes zeros and reads nothing
+__device__ __forceinline__ void fdsa_cp_async16(unsigned dst, const void *src, int src_size) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_size) : "memory");
+}
 __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
@@ -102,7 +108,8 @@ __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters instead of out (u32
 // words 8 w + 0..5 of each token: cycles in the steps' mbarrier waits, in the exchange barriers, in the refill issue,
 // the loop's total, the step count, from a wait's end to the barrier: QK + exchange store).
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int QG, int DS, int ABL = 0>
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int QG, int DS, int LSU,
+          int ABL = 0>
 __device__ __forceinline__ void fdsa_mma_kernel(
     const void *Qv, const void *KVv, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, float *xch, int *valid,
@@ -152,18 +159,39 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     return slot < lim ? idx[slot] : -1;
   };
   auto block_rows = [&](int k) -> int { return slot_row(BS * k + lane / RPW); };
-  auto issue = [&](int step, int row) {
-    if (lane < RPW) {
-      const int k = wg * RPW + lane, bi = g * NST + step % NST;
-      const int ok = row >= 0 && row < n_rows;
-      valid[bi * 16 + k] = ok;
+  int rows_cur = block_rows(0), rows_next = block_rows(1);
+  // step `step`'s rows are lanes base .. base + RPW - 1 of rows_cur: the first RPW - LSU by one bulk copy each (the
+  // row's lane arrives), the last LSU as 16-byte cp.async pieces spread over the warp (each lane's noinc arrival);
+  // every lane < RPW writes its row's flag first, ordered before the consumers' wait by a bulk lane's arrival
+  auto issue = [&](int step, int base) {
+    const int bi = g * NST + step % NST, row = __shfl_sync(0xffffffffu, rows_cur, base + lane % RPW);
+    const int k = wg * RPW + lane, ok = row >= 0 && row < n_rows;
+    if (LSU == 0) {
+      if (lane < RPW) {
+        valid[bi * 16 + k] = ok;
+        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+                          bars + bi * 8, ok, stage + (bi * 16 + k) * RS);
+      }
+      return;
+    }
+    if (lane < RPW) valid[bi * 16 + k] = ok;
+#pragma unroll
+    for (int j = 0; j < (LSU * ROW / 16 + 31) / 32; ++j) {
+      const int p = lane + 32 * j, kr = p / (ROW / 16), piece = p - kr * (ROW / 16);
+      const int rr = __shfl_sync(0xffffffffu, rows_cur, base + RPW - LSU + (kr < LSU ? kr : 0));
+      const int rok = rr >= 0 && rr < n_rows;
+      if (kr < LSU)
+        fdsa_cp_async16(stage_s + (bi * 16 + wg * RPW + RPW - LSU + kr) * RS + 16 * piece,
+                        kv + static_cast<long long>(rok ? rr : 0) * ROW + 16 * piece, rok ? 16 : 0);
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bars + bi * 8) : "memory");
+    __syncwarp();
+    if (lane < RPW - LSU)
       fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
                         bars + bi * 8, ok, stage + (bi * 16 + k) * RS);
-    }
   };
   static_assert(NST <= BS, "the prologue issues its steps from row block 0");
-  int rows_cur = block_rows(0), rows_next = block_rows(1);
-  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, RPW * s + lane % RPW));
+  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, RPW * s);
   // Q (heads past H -> 0) into shared memory, rows RS bytes apart (QG: straight into the fragments below)
   for (int i = tid; i < (QG ? 0 : 16 * T * (DQK / 8)); i += 32 * W * G) {
     const int h = i / (DQK / 8), p = i - h * (DQK / 8);
@@ -271,7 +299,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
         rows_cur = rows_next;
         rows_next = block_rows(st / BS + 1);
       }
-      issue(st, __shfl_sync(0xffffffffu, rows_cur, RPW * (st % BS) + lane % RPW));
+      issue(st, RPW * (st % BS));
     }
     if (ABL & 64) cyc_issue += clock() - c0;
     float S[2][4];
@@ -411,7 +439,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     """prim_func (Q[T,H,dqk] bf16, KV[Tkv,dqk] bf16, Indices[T,topk] i32, TopkLen, Sink, Out[T,H,512] bf16,
     Lse[T,H] f32, MaxLogits[T,H] f32) for H <= 16 (16 T with a form of T head tiles), dqk in {512, 576}, any topk;
     ``form``: ``form_shape``."""
-    (groups, stages, qreg, tiles, qglobal, dsplit, min_blocks), ablate = form_shape(form)
+    (groups, stages, qreg, tiles, qglobal, dsplit, min_blocks, lsu), ablate = form_shape(form)
     lo = 1 if tiles == 1 else 17  # a second head tile only above 16 heads
     if not lo <= heads <= 16 * tiles:
         raise ValueError(f"sparse mma forward: H={heads} not in {lo}..{16 * tiles} (form {form!r} has {tiles} head "
@@ -426,7 +454,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     stage_bytes = groups * stages * CHUNK * row_stride
     assert stage_bytes >= groups * tiles * 2 * 32 * 32 * 16, form  # the merge buffer
     fn = (f"fdsa_mma_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {groups}, {stages}, {qreg}, "
-          f"{tiles}, {qglobal}, {dsplit}, {ablate}>")
+          f"{tiles}, {qglobal}, {dsplit}, {lsu}, {ablate}>")
 
     @T.prim_func
     def sparse_mla_fwd_mma(
@@ -447,7 +475,9 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
             Xch = T.alloc_shared([groups * tiles * 2 * 256 * dsplit], f32)
             Valid = T.alloc_shared([groups * stages * CHUNK], i32)
             Misc = T.alloc_shared([tiles * groups * 48], f32)
-            bars = T.alloc_barrier([CHUNK] * (groups * stages))  # one arrival per row
+            # one arrival per bulk-copied row, one per thread of the group with cp.async rows
+            rows_lsu = lsu * dsplit * tiles
+            bars = T.alloc_barrier([CHUNK - rows_lsu + (32 * dsplit * tiles if lsu else 0)] * (groups * stages))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
