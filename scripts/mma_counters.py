@@ -29,7 +29,7 @@ def main():
     q, kv, idx = kernel_fwd._prefill_inputs(gen, S=S, SKV=SKV, H=16, topk=2048)
     res = {}
     for name in names:
-        form = kernel_fwd_mma.form_shape(name)[0]
+        groups, _, _, tiles, *_ = kernel_fwd_mma.form_shape(name)
         compiled = functools.partial(kernel_fwd_mma._compiled, form=name)
 
         def fn(_=None, c=compiled):
@@ -39,7 +39,7 @@ def main():
         o = fn()[0]
         torch.cuda.synchronize()
         w = o.view(torch.int32).reshape(S, 4096).cpu().numpy().astype(np.int64) & 0xffffffff
-        warps = form.dsplit * form.groups * form.tiles
+        warps = 2 * groups * tiles
         cnt = w[:, :8 * warps].reshape(S, warps, 8)
         steps = np.maximum(cnt[:, :, 4], 1)
         per = {k: float(np.median(cnt[:, :, i] / steps)) for k, i in

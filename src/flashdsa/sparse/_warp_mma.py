@@ -57,34 +57,20 @@ __device__ __forceinline__ void fdsa_lazy_softmax_step(const float (&S)[2][4], f
   l0 += (P[0][0] + P[0][1]) + (P[1][0] + P[1][1]);
   l1 += (P[0][2] + P[0][3]) + (P[1][2] + P[1][3]);
 }
-// The pieces of a row copy: an arrival announcing `bytes` of copies on the mbarrier at shared address bar; one row
-// of ROW bytes from global src to shared dst counted on it; a row zeroed by generic stores (then a proxy fence, so a
-// later bulk copy into the same row is ordered after them).
-__device__ __forceinline__ void fdsa_arrive_expect(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-template <int ROW>
-__device__ __forceinline__ void fdsa_bulk_copy(unsigned dst, const void *src, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(dst), "l"(src), "r"(ROW), "r"(bar) : "memory");
-}
-template <int ROW>
-__device__ __forceinline__ void fdsa_zero_row(void *dst_g) {
-#pragma unroll
-  for (int k = 0; k < ROW / 16; ++k) reinterpret_cast<uint4 *>(dst_g)[k] = make_uint4(0u, 0u, 0u, 0u);
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-// One row of ROW bytes into a stage row at shared address dst, counted on the mbarrier at shared address bar (one
-// arrival per row); an invalid row (ok 0) is zeroed instead (nothing read).  No proxy fence before a copy: the
-// stage's earlier generic reads are ordered before it by the group's barrier (WAR, as CUTLASS's TMA pipelines); only
-// the zero fill's generic writes need one before a later copy into the same row (always by the same thread).
+// One row of ROW bytes into a stage row at shared address dst, counted on the mbarrier at shared address bar; an
+// invalid row (ok 0) is zeroed instead (nothing read).  No proxy fence before a copy: the stage's earlier generic
+// reads are ordered before it by the group's barrier (WAR, as CUTLASS's TMA pipelines); only the zero fill's generic
+// writes need one before a later copy into the same row (always by the same thread).
 template <int ROW>
 __device__ __forceinline__ void fdsa_bulk_row(unsigned dst, const void *src, unsigned bar, int ok, void *dst_g) {
   if (ok) {
-    fdsa_arrive_expect(bar, ROW);
-    fdsa_bulk_copy<ROW>(dst, src, bar);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(ROW) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(ROW), "r"(bar) : "memory");
   } else {
-    fdsa_zero_row<ROW>(dst_g);
+#pragma unroll
+    for (int k = 0; k < ROW / 16; ++k) reinterpret_cast<uint4 *>(dst_g)[k] = make_uint4(0u, 0u, 0u, 0u);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
   }
 }

@@ -54,7 +54,6 @@ express block-wide gemms, not per-warp ``mma.sync`` chains with their own softma
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
 
-import collections
 import functools
 import os
 
@@ -67,22 +66,14 @@ from ._warp_mma import WARP_MMA_PRELUDE
 
 MAX_HEADS = 32  # two head tiles of 16 (forms with T 2) above 16 heads
 CHUNK = 16  # keys per step
-# A form: key groups per CTA, stages per group, k steps of Q held in registers, head tiles of 16, Q's fragments loaded
-# from global memory (no Q in shared memory), warps splitting a group's dims (2 or 4; a group has dsplit x tiles
-# warps), CTAs per SM the registers are capped for (__launch_bounds__; 1: no cap).  c2: two CTAs of 2 groups per SM
-# (102 KB of shared memory each); c4 / c3n3: one group per CTA (no merge), four / three CTAs per SM; d4: the dims
-# (and the output) split four ways, 4 warps per group at <= 128 / 170 registers (2 / 3 CTAs per SM).  The stages of
+# form name -> (key groups G per CTA, stages per group NST, k steps of Q held in registers, head tiles T: 2 T warps
+# per group, Q's fragments loaded from global memory: no Q in shared memory).  c2: two CTAs of 2 groups per SM
+# (102 KB of shared memory each); c4 / c3n3: one group per CTA (no merge), four / three CTAs per SM.  The stages of
 # 4 groups x 3 do not fit shared memory; T 2 needs NST 4 (the stages hold the merge buffer).
-Form = collections.namedtuple("Form", "groups stages qreg tiles qglobal dsplit min_blocks lsu", defaults=(0,))
-FORMS = {"mma": Form(4, 2, 0, 1, 0, 2, 1), "mma_q18": Form(4, 2, 18, 1, 0, 2, 1), "mma_g3": Form(3, 3, 0, 1, 0, 2, 1),
-         "mma_c2": Form(2, 2, 0, 1, 0, 2, 1), "mma_c2q6": Form(2, 2, 6, 1, 0, 2, 1),
-         "mma_c2q18": Form(2, 2, 18, 1, 0, 2, 1), "mma_t2": Form(2, 4, 18, 2, 0, 2, 1),
-         "mma_c4": Form(1, 2, 18, 1, 1, 2, 1), "mma_c3n3": Form(1, 3, 18, 1, 1, 2, 1),
-         "mma_d4c2": Form(2, 2, 0, 1, 0, 4, 2), "mma_d4c2q4": Form(2, 2, 4, 1, 0, 4, 2),
-         "mma_d4c3": Form(1, 2, 9, 1, 1, 4, 3), "mma_d4c3n3": Form(1, 3, 9, 1, 1, 4, 3),
-         "mma_d4c4": Form(1, 2, 9, 1, 1, 4, 4), "mma_c4l2": Form(1, 2, 18, 1, 1, 2, 1, 2),
-         "mma_c4l3": Form(1, 2, 18, 1, 1, 2, 1, 3), "mma_c4l4": Form(1, 2, 18, 1, 1, 2, 1, 4),
-         "mma_c2q18l3": Form(2, 2, 18, 1, 0, 2, 1, 3)}
+FORMS = {"mma": (4, 2, 0, 1, 0), "mma_q18": (4, 2, 18, 1, 0), "mma_g3": (3, 3, 0, 1, 0), "mma_c2": (2, 2, 0, 1, 0),
+         "mma_c2q6": (2, 2, 6, 1, 0), "mma_c2q18": (2, 2, 18, 1, 0), "mma_t2": (2, 4, 18, 2, 0),
+         "mma_c4": (1, 2, 18, 1, 1), "mma_c3n3": (1, 3, 18, 1, 1), "mma_c4v1": (1, 2, 18, 1, 1, 1),
+         "mma_c4v2": (1, 2, 18, 1, 1, 2), "mma_c2q18v1": (2, 2, 18, 1, 0, 1), "mma_c2q18v2": (2, 2, 18, 1, 0, 2)}
 DEFAULT_FORM = "mma"
 # what the dispatcher runs at H <= 16: from 4 tokens per SM one group per CTA and four CTAs per SM (no merge; one
 # token's prologue under the others' loops), from 2 tokens per SM two CTAs of two groups, else four key groups per
@@ -95,10 +86,6 @@ __device__ __forceinline__ void fdsa_mma_ldm(unsigned addr, unsigned *x) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
 }
-// 16 bytes global -> shared by the LSU path (cp.async.cg: L2 only); src_size 0 writes zeros and reads nothing
-__device__ __forceinline__ void fdsa_cp_async16(unsigned dst, const void *src, int src_size) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_size) : "memory");
-}
 __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
@@ -108,20 +95,16 @@ __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters instead of out (u32
 // words 8 w + 0..5 of each token: cycles in the steps' mbarrier waits, in the exchange barriers, in the refill issue,
 // the loop's total, the step count, from a wait's end to the barrier: QK + exchange store).
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int QG, int DS, int LSU,
-          int ABL = 0>
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int QG, int ILV, int ABL = 0>
 __device__ __forceinline__ void fdsa_mma_kernel(
     const void *Qv, const void *KVv, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, float *xch, int *valid,
     float *misc, void *bars_v, int tok, float c) {
-  // a warp's k steps: NL latent (512 / DS dims) + NR rope (64 / DS dims, none at Dqk 512); NO output n-tiles of 8
-  constexpr int ROW = 2 * DQK, RS = ROW + 16, NL = 32 / DS, NR = (DQK - 512) / (16 * DS), NK = NL + NR, NO = 64 / DS;
-  constexpr int W = DS * T, RPW = 16 / W, BS = 32 / RPW;  // warps per group, rows each copies per step, steps per
-                                                          // block of row numbers
+  constexpr int ROW = 2 * DQK, RS = ROW + 16, NROPE = (DQK - 512) / 32;  // rope k steps per warp: 2 or 0
+  constexpr int W = 2 * T, RPW = 16 / W, BS = 32 / RPW;  // warps per group, rows each copies per step, steps per
+                                                         // block of row numbers
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  static_assert(DS == 2 || DS == 4, "dims split 2 or 4 ways");
-  const int g = warp / W, wg = warp % W, t = T == 1 ? 0 : wg >> (DS / 2), hh = wg & (DS - 1);
-  const int r = lane >> 2, q = lane & 3;
+  const int g = warp / W, wg = warp % W, t = T == 1 ? 0 : wg >> 1, hh = wg & 1, r = lane >> 2, q = lane & 3;
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned char *kv = static_cast<const unsigned char *>(KVv);
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
@@ -159,41 +142,21 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     return slot < lim ? idx[slot] : -1;
   };
   auto block_rows = [&](int k) -> int { return slot_row(BS * k + lane / RPW); };
-  int rows_cur = block_rows(0), rows_next = block_rows(1);
-  // step `step`'s rows are lanes base .. base + RPW - 1 of rows_cur: the first RPW - LSU by one bulk copy each (the
-  // row's lane arrives), the last LSU as 16-byte cp.async pieces spread over the warp (each lane's noinc arrival);
-  // every lane < RPW writes its row's flag first, ordered before the consumers' wait by a bulk lane's arrival
-  auto issue = [&](int step, int base) {
-    const int bi = g * NST + step % NST, row = __shfl_sync(0xffffffffu, rows_cur, base + lane % RPW);
-    const int k = wg * RPW + lane, ok = row >= 0 && row < n_rows;
-    if (LSU == 0) {
-      if (lane < RPW) {
-        valid[bi * 16 + k] = ok;
-        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
-                          bars + bi * 8, ok, stage + (bi * 16 + k) * RS);
-      }
-      return;
-    }
-    if (lane < RPW) valid[bi * 16 + k] = ok;
-#pragma unroll
-    for (int j = 0; j < (LSU * ROW / 16 + 31) / 32; ++j) {
-      const int p = lane + 32 * j, kr = p / (ROW / 16), piece = p - kr * (ROW / 16);
-      const int rr = __shfl_sync(0xffffffffu, rows_cur, base + RPW - LSU + (kr < LSU ? kr : 0));
-      const int rok = rr >= 0 && rr < n_rows;
-      if (kr < LSU)
-        fdsa_cp_async16(stage_s + (bi * 16 + wg * RPW + RPW - LSU + kr) * RS + 16 * piece,
-                        kv + static_cast<long long>(rok ? rr : 0) * ROW + 16 * piece, rok ? 16 : 0);
-    }
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bars + bi * 8) : "memory");
-    __syncwarp();
-    if (lane < RPW - LSU)
-      fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
-                        bars + bi * 8, ok, stage + (bi * 16 + k) * RS);
+  auto issue_row = [&](int step, int row) {  // this lane's row of step `step` (lanes < RPW)
+    const int k = wg * RPW + lane, bi = g * NST + step % NST;
+    const int ok = row >= 0 && row < n_rows;
+    valid[bi * 16 + k] = ok;
+    fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW, bars + bi * 8,
+                      ok, stage + (bi * 16 + k) * RS);
+  };
+  auto issue = [&](int step, int row) {
+    if (lane < RPW) issue_row(step, row);
   };
   static_assert(NST <= BS, "the prologue issues its steps from row block 0");
-  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, RPW * s);
+  int rows_cur = block_rows(0), rows_next = block_rows(1);
+  for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, RPW * s + lane % RPW));
   // Q (heads past H -> 0) into shared memory, rows RS bytes apart (QG: straight into the fragments below)
-  for (int i = tid; i < (QG ? 0 : 16 * T * (DQK / 8)); i += 32 * W * G) {
+  for (int i = tid; i < (QG ? 0 : 16 * T * (DQK / 8)); i += 64 * G * T) {
     const int h = i / (DQK / 8), p = i - h * (DQK / 8);
     uint4 w = make_uint4(0u, 0u, 0u, 0u);
     if (h < H) w = reinterpret_cast<const uint4 *>(static_cast<const unsigned short *>(Qv) +
@@ -202,23 +165,22 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   }
   __syncthreads();
 
-  float o[NO][4];
+  float o[32][4];
 #pragma unroll
-  for (int i = 0; i < NO; ++i)
+  for (int i = 0; i < 32; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
   float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f;
   // per-lane ldmatrix addresses.  A (Q, m16 x k16): lane l gives row l % 16, dims + 8 (l / 16).  B of QK (rows as
   // n, non-transposed): key l % 8 + 8 (l / 16), dims + 8 ((l / 8) % 2) -> {b0, b1} of keys 0-7, {b0, b1} of 8-15.
   // B of PV (transposed): key l % 8 + 8 ((l / 8) % 2), dims + 8 (l / 16) -> {b0, b1} of 8 dims, then the next 8
-  // (warp hh of the group's DS: latent bytes [1024 / DS hh, +1024 / DS), rope bytes 1024 + [128 / DS hh, +128 / DS))
-  const unsigned qa = qs_s + (16 * t + (lane & 15)) * RS + 16 * (lane >> 4) + 1024 / DS * hh;
-  const unsigned qr = qs_s + (16 * t + (lane & 15)) * RS + 16 * (lane >> 4) + 1024 + 128 / DS * hh;
-  const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 / DS * hh;
-  const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 128 / DS * hh;
-  const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 1024 / DS * hh;
-  constexpr int NQ = QREG < NK ? QREG : NK;  // k steps whose Q fragments stay in registers
-  static_assert(!QG || NQ == NK, "Q from global memory: all of it in registers");
+  const unsigned qa = qs_s + (16 * t + (lane & 15)) * RS + 16 * (lane >> 4) + 512 * hh;
+  const unsigned qr = qs_s + (16 * t + (lane & 15)) * RS + 16 * (lane >> 4) + 1024 + 64 * hh;
+  const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
+  const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
+  const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
+  constexpr int NQ = QREG < 16 + NROPE ? QREG : 16 + NROPE;  // k steps whose Q fragments stay in registers
+  static_assert(!QG || NQ == 16 + NROPE, "Q from global memory: all of it in registers");
   unsigned qreg[NQ > 0 ? NQ : 1][4];  // the A fragments of k steps 0 .. NQ - 1, loaded once
   if (QG) {  // {a0, a1, a2, a3} = heads r / r + 8 of the tile, dims d + 2 q (+1) / d + 8 + 2 q (+1)
     const int h0 = 16 * t + r, h1 = h0 + 8;
@@ -226,7 +188,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     const unsigned *q1 = q0 + 4 * DQK;  // 8 heads on
 #pragma unroll
     for (int s = 0; s < NQ; ++s) {
-      const int d = (s < NL ? 512 / DS * hh + 16 * s : 512 + 64 / DS * hh + 16 * (s - NL)) / 2 + q;
+      const int d = (s < 16 ? 256 * hh + 16 * s : 512 + 32 * hh + 16 * (s - 16)) / 2 + q;
       qreg[s][0] = h0 < H ? q0[d] : 0u;
       qreg[s][1] = h1 < H ? q1[d] : 0u;
       qreg[s][2] = h0 < H ? q0[d + 4] : 0u;
@@ -234,7 +196,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     }
   } else {
 #pragma unroll
-    for (int s = 0; s < NQ; ++s) fdsa_mma_ldm(s < NL ? qa + 32 * s : qr + 32 * (s - NL), qreg[s]);
+    for (int s = 0; s < NQ; ++s) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), qreg[s]);
   }
 
   const unsigned c_loop = (ABL & 64) ? clock() : 0u;
@@ -248,20 +210,34 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       c0 = c1;
     }
     const unsigned sb = stage_s + bi * 16 * RS;
+    // the refill of the stage of step it - 1 with step st: after the exchange barrier (ILV 0), or one row per lane
+    // spread over this step's QK after a barrier at its top (ILV 1) or over its PV (ILV 2)
+    const bool refill = it >= 1 && it + NST - 1 < nsteps;
+    const int st = it + NST - 1;
+    int rrow = -1;
+    if (ILV && refill) {
+      if (ILV == 1) asm volatile("bar.sync %0, %1;" :: "r"(8 + g), "r"(32 * W) : "memory");
+      if (st % BS == 0) {
+        rows_cur = rows_next;
+        rows_next = block_rows(st / BS + 1);
+      }
+      rrow = __shfl_sync(0xffffffffu, rows_cur, RPW * (st % BS) + lane % RPW);
+    }
     // ---- QK partial over this warp's dims: two chains per key n-tile (even / odd k steps)
     float acc[2][2][4];
 #pragma unroll
     for (int e = 0; e < 16; ++e) acc[e >> 3][(e >> 2) & 1][e & 3] = 0.f;
-    if (!(ABL & 32)) {
 #pragma unroll
-      for (int s = 0; s < NK; ++s) {
+    for (int s = 0; s < 16 + NROPE; ++s) {
+      if (!(ABL & 32)) {
         unsigned a[4], b[4];
-        if (s >= NQ) fdsa_mma_ldm(s < NL ? qa + 32 * s : qr + 32 * (s - NL), a);
-        fdsa_mma_ldm(sb + (s < NL ? ka + 32 * s : kr + 32 * (s - NL)), b);
+        if (s >= NQ) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), a);
+        fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
         const unsigned *af = s < NQ ? qreg[s < NQ ? s : 0] : a;
         fdsa_mma_bf16_16816(acc[s & 1][0], af, b[0], b[1]);
         fdsa_mma_bf16_16816(acc[s & 1][1], af, b[2], b[3]);
       }
+      if (ILV == 1 && (s & 1) && (s >> 1) < RPW && refill && lane == (s >> 1)) issue_row(st, rrow);
     }
     // the lane's S columns: keys 8 j + 2 q + b
     int vd[2][2];
@@ -274,9 +250,8 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) part[j][e] = acc[0][j][e] + acc[1][j][e];
-    // exchange the partials; every warp of the group sums them in the order of hh (its own from registers: the same
-    // bits), so all get the same S
-    float *xb = xch + ((g * T + t) * 2 + (it & 1)) * 256 * DS;  // [hh][j][lane][4]
+    // exchange the partials (a + b == b + a exactly: both warps get the same S)
+    float *xb = xch + ((g * T + t) * 2 + (it & 1)) * 512;  // [hh][j][lane][4]
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
@@ -293,40 +268,28 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       c0 = c1;
     }
     // the stage of step it - 1 is free (the group's warps are past its PV): refill it with step it + NST - 1
-    if (it >= 1 && it + NST - 1 < nsteps) {
-      const int st = it + NST - 1;
+    if (!ILV && refill) {
       if (st % BS == 0) {  // the first step of block st / BS: load block st / BS + 1
         rows_cur = rows_next;
         rows_next = block_rows(st / BS + 1);
       }
-      issue(st, RPW * (st % BS));
+      issue(st, __shfl_sync(0xffffffffu, rows_cur, RPW * (st % BS) + lane % RPW));
     }
     if (ABL & 64) cyc_issue += clock() - c0;
     float S[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      float4 sum = make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
-      if (DS == 2) {  // a + b == b + a exactly
-        const float4 v = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
-        sum = make_float4(sum.x + v.x, sum.y + v.y, sum.z + v.z, sum.w + v.w);
-      } else {
-        float4 own = sum;
-#pragma unroll
-        for (int k = 0; k < DS; ++k) {
-          const float4 v = k == hh ? own : *reinterpret_cast<const float4 *>(xb + k * 256 + (j * 32 + lane) * 4);
-          sum = k == 0 ? v : make_float4(sum.x + v.x, sum.y + v.y, sum.z + v.z, sum.w + v.w);
-        }
-      }
-      S[j][0] = vd[j][0] ? sum.x : -FDSA_INF;
-      S[j][1] = vd[j][1] ? sum.y : -FDSA_INF;
-      S[j][2] = vd[j][0] ? sum.z : -FDSA_INF;
-      S[j][3] = vd[j][1] ? sum.w : -FDSA_INF;
+      const float4 ot = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
+      S[j][0] = vd[j][0] ? part[j][0] + ot.x : -FDSA_INF;
+      S[j][1] = vd[j][1] ? part[j][1] + ot.y : -FDSA_INF;
+      S[j][2] = vd[j][0] ? part[j][2] + ot.z : -FDSA_INF;
+      S[j][3] = vd[j][1] ? part[j][3] + ot.w : -FDSA_INF;
     }
     // ---- online softmax (rows r, r + 8), identical in both warps (few O rescales: _warp_mma's notes)
     float P[2][4];
     fdsa_lazy_softmax_step(S, c, m0, m1, t0, t1, l0, l1, P, [&](float al0, float al1) {
 #pragma unroll
-      for (int i = 0; i < NO; ++i) {
+      for (int i = 0; i < 32; ++i) {
         o[i][0] *= al0;
         o[i][1] *= al0;
         o[i][2] *= al1;
@@ -334,16 +297,17 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       }
     });
     // ---- PV over this warp's 256 output dims: A = P (the S accumulator layout), B = V by ldmatrix.trans
-    if (!(ABL & 16)) {
-      const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),
-                             fdsa_pack_bf16x2(P[1][0], P[1][1]), fdsa_pack_bf16x2(P[1][2], P[1][3])};
+    const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),
+                           fdsa_pack_bf16x2(P[1][0], P[1][1]), fdsa_pack_bf16x2(P[1][2], P[1][3])};
 #pragma unroll
-      for (int i = 0; i < NO / 2; ++i) {
+    for (int i = 0; i < 16; ++i) {
+      if (!(ABL & 16)) {
         unsigned b[4];
         fdsa_mma_ldm_t(sb + va + 32 * i, b);
         fdsa_mma_bf16_16816(o[2 * i], a, b[0], b[1]);
         fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
       }
+      if (ILV == 2 && (i & 1) && (i >> 1) < RPW && refill && lane == (i >> 1)) issue_row(st, rrow);
     }
   }
   if (ABL & 64) cyc_loop = clock() - c_loop;
@@ -362,8 +326,8 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     const float inv0 = l0 > 0.f ? 1.f / (l0 + sk0) : 0.f, inv1 = l1 > 0.f ? 1.f / (l1 + sk1) : 0.f;
     unsigned *out = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256;  // bf16 pairs
 #pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      const int w = 256 / DS * hh + 4 * n + q;
+    for (int n = 0; n < 32; ++n) {
+      const int w = 128 * hh + 4 * n + q;
       if (r < H) out[r * 256 + w] = fdsa_pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0);
       if (r + 8 < H) out[(r + 8) * 256 + w] = fdsa_pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1);
     }
@@ -393,8 +357,8 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   __syncthreads();  // every group is done: no copy in flight, the stages hold the merge buffer now
   float *mrg = reinterpret_cast<float *>(stage);  // [g][t][hh][n-tile 0..31][lane][4]
 #pragma unroll
-  for (int i = 0; i < NO; ++i)
-    *reinterpret_cast<float4 *>(mrg + ((((g * T + t) * DS + hh) * NO + i) * 32 + lane) * 4) =
+  for (int i = 0; i < 32; ++i)
+    *reinterpret_cast<float4 *>(mrg + ((((g * T + t) * 2 + hh) * 32 + i) * 32 + lane) * 4) =
         make_float4(o[i][0], o[i][1], o[i][2], o[i][3]);
   __syncthreads();
   float wgt[G][2], inv0, inv1;
@@ -406,17 +370,17 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   // warp (g, t, hh) merges n-tiles g, g + G, .. of dim half hh: dims 256 hh + 8 n + 2 q (+1) of heads r and
   // r + 8 of tile t
   unsigned *out = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256;  // bf16 pairs
-  for (int n = g; n < NO; n += G) {
+  for (int n = g; n < 32; n += G) {
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int gg = 0; gg < G; ++gg) {
-      const float4 v = *reinterpret_cast<const float4 *>(mrg + ((((gg * T + t) * DS + hh) * NO + n) * 32 + lane) * 4);
+      const float4 v = *reinterpret_cast<const float4 *>(mrg + ((((gg * T + t) * 2 + hh) * 32 + n) * 32 + lane) * 4);
       sum.x += v.x * wgt[gg][0];
       sum.y += v.y * wgt[gg][0];
       sum.z += v.z * wgt[gg][1];
       sum.w += v.w * wgt[gg][1];
     }
-    const int w = 256 / DS * hh + 4 * n + q;  // bf16-pair index of dims 512 / DS hh + 8 n + 2 q, + 1 within a head
+    const int w = 128 * hh + 4 * n + q;  // bf16-pair index of dims 256 hh + 8 n + 2 q, + 1 within a head
     if (16 * t + r < H) out[(16 * t + r) * 256 + w] = fdsa_pack_bf16x2(sum.x * inv0, sum.y * inv0);
     if (16 * t + r + 8 < H) out[(16 * t + r + 8) * 256 + w] = fdsa_pack_bf16x2(sum.z * inv1, sum.w * inv1);
   }
@@ -427,11 +391,13 @@ __device__ __forceinline__ void fdsa_mma_kernel(
 
 
 def form_shape(name: str) -> tuple:
-    """(``Form``, ablate bits) of a form name: a ``FORMS`` key, optionally + "_a<N>" (timing builds)."""
+    """(groups, stages, Q k steps in registers, head tiles, Q from global memory, ablate bits) of a form name: a
+    ``FORMS`` key, optionally + "_a<N>" (timing builds)."""
     base, _, abl = name.partition("_a")
     if base not in FORMS or (abl and not abl.isdigit()):
         raise ValueError(f"sparse mma forward: unknown form {name!r}; expected one of {sorted(FORMS)} [+ '_a<N>']")
-    return FORMS[base], int(abl or 0)
+    form = FORMS[base]
+    return (*form, *(0,) * (6 - len(form)), int(abl or 0))  # ILV 0 where not given
 
 
 def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
@@ -439,7 +405,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     """prim_func (Q[T,H,dqk] bf16, KV[Tkv,dqk] bf16, Indices[T,topk] i32, TopkLen, Sink, Out[T,H,512] bf16,
     Lse[T,H] f32, MaxLogits[T,H] f32) for H <= 16 (16 T with a form of T head tiles), dqk in {512, 576}, any topk;
     ``form``: ``form_shape``."""
-    (groups, stages, qreg, tiles, qglobal, dsplit, min_blocks, lsu), ablate = form_shape(form)
+    groups, stages, qreg, tiles, qglobal, ilv, ablate = form_shape(form)
     lo = 1 if tiles == 1 else 17  # a second head tile only above 16 heads
     if not lo <= heads <= 16 * tiles:
         raise ValueError(f"sparse mma forward: H={heads} not in {lo}..{16 * tiles} (form {form!r} has {tiles} head "
@@ -454,7 +420,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     stage_bytes = groups * stages * CHUNK * row_stride
     assert stage_bytes >= groups * tiles * 2 * 32 * 32 * 16, form  # the merge buffer
     fn = (f"fdsa_mma_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {groups}, {stages}, {qreg}, "
-          f"{tiles}, {qglobal}, {dsplit}, {lsu}, {ablate}>")
+          f"{tiles}, {qglobal}, {ilv}, {ablate}>")
 
     @T.prim_func
     def sparse_mla_fwd_mma(
@@ -467,17 +433,13 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=32 * dsplit * groups * tiles, prelude=_SRC) as bx:
-            if min_blocks > 1:
-                T.annotate_min_blocks_per_sm(min_blocks)
+        with T.Kernel(n_tok, threads=64 * groups * tiles, prelude=_SRC) as bx:
             Stage = T.alloc_shared([stage_bytes], u8)
             Qs = T.alloc_shared([16 if qglobal else 16 * tiles * row_stride], u8)
-            Xch = T.alloc_shared([groups * tiles * 2 * 256 * dsplit], f32)
+            Xch = T.alloc_shared([groups * tiles * 2 * 512], f32)
             Valid = T.alloc_shared([groups * stages * CHUNK], i32)
             Misc = T.alloc_shared([tiles * groups * 48], f32)
-            # one arrival per bulk-copied row, one per thread of the group with cp.async rows
-            rows_lsu = lsu * dsplit * tiles
-            bars = T.alloc_barrier([CHUNK - rows_lsu + (32 * dsplit * tiles if lsu else 0)] * (groups * stages))
+            bars = T.alloc_barrier([CHUNK] * (groups * stages))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
@@ -535,7 +497,7 @@ def lowering_cases():
 def _bench_variants(forms=("mma", "mma_g3"), json_path=None, note="", shapes=("prefill",), heads=16):
     """Kernel times at Dqk 576, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_mma --variants [FORM ..]
     [--shapes prefill,sorted,decode] [--heads H] [--json PATH] [--note TEXT]``, H 16 by default; prefill: S 4096
-    over SKV 8192, sorted: the same with each row's indices ascending (the suite's), decode: 128 tokens over SKV
+    over SKV 8192 (sorted: each row's indices ascending, the suite's pattern), decode: 128 tokens over SKV
     65536): the narrow kernel, then each form, outputs compared with the narrow kernel's; rows written to
     ``json_path`` (benchmarks/results schema)."""
     import torch
