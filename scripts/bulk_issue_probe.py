@@ -5,8 +5,8 @@ Why: in ``sparse/kernel_fwd_mma.py`` the consumer warps issue their own rows' co
 can issue the SM's ~64 rows per step fast enough.  Here ``W`` warps per CTA (one CTA per SM, 132 CTAs) each copy
 random 1152-byte rows of an L2-resident 8192-row table into their own ring of ``R`` 16-row stages (one mbarrier per
 stage), waiting on a stage's previous copies only when the ring wraps; ``MODE`` 0: lanes 0-15 each copy one row
-(one ``arrive.expect_tx`` per row, as the kernel), 1: lane 0 arrives once and copies the 16 rows in sequence (mode 2, the
-``.shared::cta`` destination form of PTX ISA 8.6, failed to launch on the H200 host: "unspecified launch failure").
+(one ``arrive.expect_tx`` per row, as the kernel), 1: lane 0 arrives once and copies the 16 rows in sequence.  (The
+``.shared::cta`` destination form of PTX ISA 8.6 compiled but failed at launch on the H200 host, session 38.)
 Prints rows per microsecond and SM, and the cycles a warp spends issuing one 16-row stage.
 
 Usage (GPU host, nvcc on PATH): ``python scripts/bulk_issue_probe.py``; JSON to ``$OUT/bulk_issue_probe.json``.
@@ -26,14 +26,10 @@ __device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {
   asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
                "@!p bra WAIT;\n\t}\n" :: "r"(bar), "r"(parity) : "memory");
 }
-template <int ROW, int CTA = 0>
+template <int ROW>
 __device__ __forceinline__ void copy_row(unsigned dst, const void *src, unsigned bar) {
-  if (CTA)  // the .shared::cta destination form (PTX ISA 8.6)
-    asm volatile("cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(ROW), "r"(bar) : "memory");
-  else
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(ROW), "r"(bar) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(ROW), "r"(bar) : "memory");
 }
 __device__ __forceinline__ void arrive_expect(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
@@ -65,10 +61,10 @@ __global__ void probe(const unsigned char *kv, const int *idx, int steps, long l
     const int row = idx[((blockIdx.x * W + warp) * steps + s) * 16 % (1 << 20) + (lane & 15)];
     __syncwarp();
     const long long c0 = clock64();
-    if (MODE == 0 || MODE == 2) {
+    if (MODE == 0) {
       if (lane < 16) {
         arrive_expect(bar, ROW);
-        copy_row<ROW, MODE == 2>(st0 + (slot * 16 + lane) * RS, kv + static_cast<long long>(row) * ROW, bar);
+        copy_row<ROW>(st0 + (slot * 16 + lane) * RS, kv + static_cast<long long>(row) * ROW, bar);
       }
     } else {
       int rk[16];
@@ -116,8 +112,9 @@ void run(const unsigned char *kv, const int *idx, long long *cyc, int *sink) {
   tot /= 132 * W;
   iss /= 132 * W;
   const double rows = 16.0 * steps * W;  // per SM
-  printf("{\"row\": %d, \"warps\": %d, \"ring\": %d, \"mode\": %d, \"ms\": %.4f, \"rows_per_us_per_sm\": %.1f, \"tb_s\": %.2f, "
-         "\"issue_cycles_per_stage\": %.0f, \"cycles_per_stage\": %.0f, \"ghz\": %.3f, \"err\": \"%s\"}\n", ROW, W, R, MODE,
+  printf("{\"row\": %d, \"warps\": %d, \"ring\": %d, \"mode\": %d, \"ms\": %.4f, "
+         "\"rows_per_us_per_sm\": %.1f, \"tb_s\": %.2f, \"issue_cycles_per_stage\": %.0f, "
+         "\"cycles_per_stage\": %.0f, \"ghz\": %.3f, \"err\": \"%s\"}\n", ROW, W, R, MODE,
          ms, rows / (ms * 1e3), rows * 132 * ROW / (ms * 1e9), iss / steps, tot / steps, tot / (ms * 1e6),
          cudaGetErrorString(cudaGetLastError()));
 }

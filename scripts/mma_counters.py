@@ -29,7 +29,7 @@ def main():
     q, kv, idx = kernel_fwd._prefill_inputs(gen, S=S, SKV=SKV, H=16, topk=2048)
     res = {}
     for name in names:
-        groups, _, _, tiles, *_ = kernel_fwd_mma.form_shape(name)
+        groups, _, _, tiles, _, _ = kernel_fwd_mma.form_shape(name)
         compiled = functools.partial(kernel_fwd_mma._compiled, form=name)
 
         def fn(_=None, c=compiled):

@@ -72,8 +72,7 @@ CHUNK = 16  # keys per step
 # 4 groups x 3 do not fit shared memory; T 2 needs NST 4 (the stages hold the merge buffer).
 FORMS = {"mma": (4, 2, 0, 1, 0), "mma_q18": (4, 2, 18, 1, 0), "mma_g3": (3, 3, 0, 1, 0), "mma_c2": (2, 2, 0, 1, 0),
          "mma_c2q6": (2, 2, 6, 1, 0), "mma_c2q18": (2, 2, 18, 1, 0), "mma_t2": (2, 4, 18, 2, 0),
-         "mma_c4": (1, 2, 18, 1, 1), "mma_c3n3": (1, 3, 18, 1, 1), "mma_c4v1": (1, 2, 18, 1, 1, 1),
-         "mma_c4v2": (1, 2, 18, 1, 1, 2), "mma_c2q18v1": (2, 2, 18, 1, 0, 1), "mma_c2q18v2": (2, 2, 18, 1, 0, 2)}
+         "mma_c4": (1, 2, 18, 1, 1), "mma_c3n3": (1, 3, 18, 1, 1)}
 DEFAULT_FORM = "mma"
 # what the dispatcher runs at H <= 16: from 4 tokens per SM one group per CTA and four CTAs per SM (no merge; one
 # token's prologue under the others' loops), from 2 tokens per SM two CTAs of two groups, else four key groups per
@@ -95,7 +94,7 @@ __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters instead of out (u32
 // words 8 w + 0..5 of each token: cycles in the steps' mbarrier waits, in the exchange barriers, in the refill issue,
 // the loop's total, the step count, from a wait's end to the barrier: QK + exchange store).
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int QG, int ILV, int ABL = 0>
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int G, int NST, int QREG, int T, int QG, int ABL = 0>
 __device__ __forceinline__ void fdsa_mma_kernel(
     const void *Qv, const void *KVv, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, float *xch, int *valid,
@@ -142,15 +141,14 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     return slot < lim ? idx[slot] : -1;
   };
   auto block_rows = [&](int k) -> int { return slot_row(BS * k + lane / RPW); };
-  auto issue_row = [&](int step, int row) {  // this lane's row of step `step` (lanes < RPW)
-    const int k = wg * RPW + lane, bi = g * NST + step % NST;
-    const int ok = row >= 0 && row < n_rows;
-    valid[bi * 16 + k] = ok;
-    fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW, bars + bi * 8,
-                      ok, stage + (bi * 16 + k) * RS);
-  };
   auto issue = [&](int step, int row) {
-    if (lane < RPW) issue_row(step, row);
+    if (lane < RPW) {
+      const int k = wg * RPW + lane, bi = g * NST + step % NST;
+      const int ok = row >= 0 && row < n_rows;
+      valid[bi * 16 + k] = ok;
+      fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+                        bars + bi * 8, ok, stage + (bi * 16 + k) * RS);
+    }
   };
   static_assert(NST <= BS, "the prologue issues its steps from row block 0");
   int rows_cur = block_rows(0), rows_next = block_rows(1);
@@ -210,26 +208,13 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       c0 = c1;
     }
     const unsigned sb = stage_s + bi * 16 * RS;
-    // the refill of the stage of step it - 1 with step st: after the exchange barrier (ILV 0), or one row per lane
-    // spread over this step's QK after a barrier at its top (ILV 1) or over its PV (ILV 2)
-    const bool refill = it >= 1 && it + NST - 1 < nsteps;
-    const int st = it + NST - 1;
-    int rrow = -1;
-    if (ILV && refill) {
-      if (ILV == 1) asm volatile("bar.sync %0, %1;" :: "r"(8 + g), "r"(32 * W) : "memory");
-      if (st % BS == 0) {
-        rows_cur = rows_next;
-        rows_next = block_rows(st / BS + 1);
-      }
-      rrow = __shfl_sync(0xffffffffu, rows_cur, RPW * (st % BS) + lane % RPW);
-    }
     // ---- QK partial over this warp's dims: two chains per key n-tile (even / odd k steps)
     float acc[2][2][4];
 #pragma unroll
     for (int e = 0; e < 16; ++e) acc[e >> 3][(e >> 2) & 1][e & 3] = 0.f;
+    if (!(ABL & 32)) {
 #pragma unroll
-    for (int s = 0; s < 16 + NROPE; ++s) {
-      if (!(ABL & 32)) {
+      for (int s = 0; s < 16 + NROPE; ++s) {
         unsigned a[4], b[4];
         if (s >= NQ) fdsa_mma_ldm(s < 16 ? qa + 32 * s : qr + 32 * (s - 16), a);
         fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
@@ -237,7 +222,6 @@ __device__ __forceinline__ void fdsa_mma_kernel(
         fdsa_mma_bf16_16816(acc[s & 1][0], af, b[0], b[1]);
         fdsa_mma_bf16_16816(acc[s & 1][1], af, b[2], b[3]);
       }
-      if (ILV == 1 && (s & 1) && (s >> 1) < RPW && refill && lane == (s >> 1)) issue_row(st, rrow);
     }
     // the lane's S columns: keys 8 j + 2 q + b
     int vd[2][2];
@@ -268,7 +252,8 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       c0 = c1;
     }
     // the stage of step it - 1 is free (the group's warps are past its PV): refill it with step it + NST - 1
-    if (!ILV && refill) {
+    if (it >= 1 && it + NST - 1 < nsteps) {
+      const int st = it + NST - 1;
       if (st % BS == 0) {  // the first step of block st / BS: load block st / BS + 1
         rows_cur = rows_next;
         rows_next = block_rows(st / BS + 1);
@@ -297,17 +282,16 @@ __device__ __forceinline__ void fdsa_mma_kernel(
       }
     });
     // ---- PV over this warp's 256 output dims: A = P (the S accumulator layout), B = V by ldmatrix.trans
-    const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),
-                           fdsa_pack_bf16x2(P[1][0], P[1][1]), fdsa_pack_bf16x2(P[1][2], P[1][3])};
+    if (!(ABL & 16)) {
+      const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),
+                             fdsa_pack_bf16x2(P[1][0], P[1][1]), fdsa_pack_bf16x2(P[1][2], P[1][3])};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if (!(ABL & 16)) {
+      for (int i = 0; i < 16; ++i) {
         unsigned b[4];
         fdsa_mma_ldm_t(sb + va + 32 * i, b);
         fdsa_mma_bf16_16816(o[2 * i], a, b[0], b[1]);
         fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
       }
-      if (ILV == 2 && (i & 1) && (i >> 1) < RPW && refill && lane == (i >> 1)) issue_row(st, rrow);
     }
   }
   if (ABL & 64) cyc_loop = clock() - c_loop;
@@ -396,8 +380,7 @@ def form_shape(name: str) -> tuple:
     base, _, abl = name.partition("_a")
     if base not in FORMS or (abl and not abl.isdigit()):
         raise ValueError(f"sparse mma forward: unknown form {name!r}; expected one of {sorted(FORMS)} [+ '_a<N>']")
-    form = FORMS[base]
-    return (*form, *(0,) * (6 - len(form)), int(abl or 0))  # ILV 0 where not given
+    return (*FORMS[base], int(abl or 0))
 
 
 def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
@@ -405,7 +388,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     """prim_func (Q[T,H,dqk] bf16, KV[Tkv,dqk] bf16, Indices[T,topk] i32, TopkLen, Sink, Out[T,H,512] bf16,
     Lse[T,H] f32, MaxLogits[T,H] f32) for H <= 16 (16 T with a form of T head tiles), dqk in {512, 576}, any topk;
     ``form``: ``form_shape``."""
-    groups, stages, qreg, tiles, qglobal, ilv, ablate = form_shape(form)
+    groups, stages, qreg, tiles, qglobal, ablate = form_shape(form)
     lo = 1 if tiles == 1 else 17  # a second head tile only above 16 heads
     if not lo <= heads <= 16 * tiles:
         raise ValueError(f"sparse mma forward: H={heads} not in {lo}..{16 * tiles} (form {form!r} has {tiles} head "
@@ -420,7 +403,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
     stage_bytes = groups * stages * CHUNK * row_stride
     assert stage_bytes >= groups * tiles * 2 * 32 * 32 * 16, form  # the merge buffer
     fn = (f"fdsa_mma_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {groups}, {stages}, {qreg}, "
-          f"{tiles}, {qglobal}, {ilv}, {ablate}>")
+          f"{tiles}, {qglobal}, {ablate}>")
 
     @T.prim_func
     def sparse_mla_fwd_mma(
