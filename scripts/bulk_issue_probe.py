@@ -12,11 +12,6 @@ Prints rows per microsecond and SM, and the cycles a warp spends issuing one 16-
 Usage (GPU host, nvcc on PATH): ``python scripts/bulk_issue_probe.py``; JSON to ``$OUT/bulk_issue_probe.json``.
 """
 
-import json
-import os
-import subprocess
-import tempfile
-
 SRC = r"""
 #include <cstdio>
 #include <cstdlib>
@@ -151,17 +146,9 @@ int main() {
 
 
 def main():
-    with tempfile.TemporaryDirectory() as d:
-        cu, exe = os.path.join(d, "p.cu"), os.path.join(d, "p")
-        with open(cu, "w") as f:
-            f.write(SRC)
-        subprocess.run(["nvcc", "-arch=sm_90a", "-O3", "-std=c++17", "-o", exe, cu], check=True)
-        res = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
-    rows = [json.loads(line) for line in res.splitlines() if line.startswith("{")]
-    for r in rows:
-        print(r, flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "bulk_issue_probe.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    from cuda_probe import run_json_probe  # this script's folder is on sys.path
+
+    run_json_probe(SRC, "bulk_issue_probe")
 
 
 if __name__ == "__main__":

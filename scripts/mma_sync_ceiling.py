@@ -8,11 +8,6 @@ cycles per product per SM sub-partition (at the clock measured with clock64 over
 Usage (GPU host, nvcc on PATH): ``python scripts/mma_sync_ceiling.py``; JSON to ``$OUT/mma_sync_ceiling.json``.
 """
 
-import json
-import os
-import subprocess
-import tempfile
-
 SRC = r"""
 #include <cstdio>
 #include <cuda_runtime.h>
@@ -80,17 +75,9 @@ int main() {
 
 
 def main():
-    with tempfile.TemporaryDirectory() as d:
-        cu, exe = os.path.join(d, "m.cu"), os.path.join(d, "m")
-        with open(cu, "w") as f:
-            f.write(SRC)
-        subprocess.run(["nvcc", "-arch=sm_90a", "-O3", "-o", exe, cu], check=True)
-        res = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
-    rows = [json.loads(line) for line in res.splitlines() if line.startswith("{")]
-    for r in rows:
-        print(r, flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "mma_sync_ceiling.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    from cuda_probe import run_json_probe  # this script's folder is on sys.path
+
+    run_json_probe(SRC, "mma_sync_ceiling")
 
 
 if __name__ == "__main__":
