@@ -57,10 +57,6 @@ THREADS = 384
 N_STAGES = 3
 SMEM_BYTES = 1024 + 2 * 36864 + 2 * 4096 + N_STAGES * 64 * 656 + 2048 + 768 + 1024
 EXPECTS_WGMMA = True
-# register buffers of 8 A registers in the ring of each product (NB - 1 groups of two wgmmas in flight while the
-# next converts); RINGS: the builds ``--variants`` compares
-DEFAULT_RING = 4
-RINGS = (2, 4, 6)
 
 _SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + r"""
 #define RS_ROW 656
@@ -147,19 +143,10 @@ __device__ __forceinline__ void rs_qk_frag(unsigned r0, unsigned r1, int kk, int
   a[2] = rs_cvt<ONE>(x0, 0xB3A2u, m10, m20);
   a[3] = rs_cvt<ONE>(x1, 0xB3A2u, m11, m21);
 }
-// The ring of NB register buffers (8 A registers each: one group = two wgmmas): group g converts into buffer g % NB
-// after the wait that retires group g - NB (at most NB - 1 groups stay in flight while it converts).
-template <int NB>
-__device__ __forceinline__ void rs_ring_wait(int g) {
-  if (g >= NB) {
-    rs_wait<NB - 1>();
-  }
-}
 // S^T (16 f32) = K Q^T over the stage's rows: qt = this warpgroup's Q^T (9 chunks of 4 KiB); r0 / r1 = the rows of
-// keys 16 w + c, + 8.  18 groups of two k steps; on return every wgmma has retired.
-template <int NB>
+// keys 16 w + c, + 8.  Groups of two k steps, two register buffers, one wait per group.
 __device__ __forceinline__ void rs_qk(float *S, unsigned qt, unsigned r0, unsigned r1, int q) {
-  unsigned a[NB][8];
+  unsigned a[2][8];
 #pragma unroll
   for (int t = 0; t < 4; ++t) {  // scale tile t: k steps 8 t .. 8 t + 7
     const float s0 = rs_ldsf(r0 + 512 + 4 * t), s1 = rs_ldsf(r1 + 512 + 4 * t);
@@ -173,10 +160,15 @@ __device__ __forceinline__ void rs_qk(float *S, unsigned qt, unsigned r0, unsign
       rs_mults<0>(s1, s1, m11, m21);
     }
 #pragma unroll
-    for (int gg = 0; gg < 4; ++gg) {
-      const int g = 4 * t + gg, kk = 2 * g, b = g % NB;
-      rs_ring_wait<NB>(g);
-      rs_keep<8>(a[b]);
+    for (int g = 0; g < 4; ++g) {
+      const int kk = 8 * t + 2 * g, b = g & 1;
+      if (g >= 2) {
+        rs_wait<1>();
+        rs_keep<8>(a[b]);
+      } else if (t > 0) {
+        rs_wait<1>();
+        rs_keep<8>(a[b]);
+      }
       if (one) {
         rs_qk_frag<1>(r0, r1, kk, q, m10, m20, m11, m21, a[b]);
         rs_qk_frag<1>(r0, r1, kk + 1, q, m10, m20, m11, m21, a[b] + 4);
@@ -191,41 +183,42 @@ __device__ __forceinline__ void rs_qk(float *S, unsigned qt, unsigned r0, unsign
     }
   }
 #pragma unroll
-  for (int gg = 0; gg < 2; ++gg) {  // the rope: k steps 32 .. 35, bf16 words as they are
-    const int g = 16 + gg, b = g % NB;
-    rs_ring_wait<NB>(g);
+  for (int g = 0; g < 2; ++g) {  // the rope: k steps 32 .. 35, bf16 words as they are
+    const int b = g & 1;
+    rs_wait<1>();
     rs_keep<8>(a[b]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int kr = 2 * gg + h;
+      const int kr = 2 * g + h;
       rs_lds64(r0 + 528 + 32 * kr + 8 * q, a[b][4 * h + 0], a[b][4 * h + 2]);
       rs_lds64(r1 + 528 + 32 * kr + 8 * q, a[b][4 * h + 1], a[b][4 * h + 3]);
     }
     rs_fence();
-    rs_mma(S, a[b], rs_desc128(qt + 8 * 4096 + 32 * (2 * gg)), 1);
-    rs_mma(S, a[b] + 4, rs_desc128(qt + 8 * 4096 + 32 * (2 * gg + 1)), 1);
+    rs_mma(S, a[b], rs_desc128(qt + 8 * 4096 + 32 * (2 * g)), 1);
+    rs_mma(S, a[b] + 4, rs_desc128(qt + 8 * 4096 + 32 * (2 * g + 1)), 1);
     rs_commit();
   }
   rs_wait<0>();
-  rs_keep<8 * NB>(&a[0][0]);
+  rs_keep<16>(&a[0][0]);
   rs_keepf<16>(S);
 }
-// O^T (8 m-tiles x 16 f32) += V^T P^T over the stage: st = the stage's first row, pt = this warpgroup's P^T; 16
-// groups (k step kk, scale tile t: m-tiles 2 t, 2 t + 1); on return the last NB - 1 groups may still run
-template <int ONE, int NB>
+// O^T (8 m-tiles x 16 f32) += V^T P^T over the stage: st = the stage's first row, pt = this warpgroup's P^T
+template <int ONE>
 __device__ __forceinline__ void rs_pv(float *acc, unsigned st, unsigned pt, int w, int lane) {
   const int q = lane & 3;
   // ldmatrix row address of this lane: matrix lane >> 3 (0 / 1: keys 0-7 / 8-15 of the k step at m-tile 2 t;
   // 2 / 3: the same at m-tile 2 t + 1), row lane & 7
   const unsigned lrow = st + (8 * ((lane >> 3) & 1) + (lane & 7)) * RS_ROW + 64 * (lane >> 4) + 16 * w;
-  unsigned a[NB][8];
+  unsigned a[2][8];
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      const int g = 4 * kk + t, b = g % NB;
-      rs_ring_wait<NB>(g);
-      rs_keep<8>(a[b]);
+      const int b = t & 1;
+      if (kk > 0 || t >= 2) {
+        rs_wait<1>();
+        rs_keep<8>(a[b]);
+      }
       const unsigned k0 = st + (16 * kk + 2 * q) * RS_ROW + 512 + 4 * t;
       unsigned ml1, ml2, mh1, mh2;
       rs_mults<ONE>(rs_ldsf(k0), rs_ldsf(k0 + RS_ROW), ml1, ml2);
@@ -249,7 +242,7 @@ __device__ __forceinline__ void rs_pv(float *acc, unsigned st, unsigned pt, int 
 
 // The whole CTA: token tok, heads [64 hg, +64) of H.  smem: the kernel's byte buffer; bars: 3 full (64 arrivals)
 // then 3 empty (8 arrivals) mbarriers.
-template <int H, int HAS_SINK, int HAS_TL, int NB>
+template <int H, int HAS_SINK, int HAS_TL>
 __device__ __forceinline__ void fdsa_rs_kernel(const void *Qv, const void *KVv, long long row_stride, int n_rows,
                                                const int *Indices, int topk, const int *TopkLen, const float *Sink,
                                                void *Outv, float *Lse, float *MaxLogits, void *smem_v, void *bars_v,
@@ -332,7 +325,7 @@ __device__ __forceinline__ void fdsa_rs_kernel(const void *Qv, const void *KVv, 
     const int k0 = 16 * w + cq;
     const unsigned r0 = st + k0 * RS_ROW, r1 = r0 + 8 * RS_ROW;
     float S[16];
-    rs_qk<NB>(S, qt, r0, r1, q);
+    rs_qk(S, qt, r0, r1, q);
     // this thread's scales all <= 2^7 (for the stage-wide PV vote)
     bool one = true;
 #pragma unroll
@@ -408,9 +401,9 @@ __device__ __forceinline__ void fdsa_rs_kernel(const void *Qv, const void *KVv, 
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
     if (all_one)
-      rs_pv<1, NB>(acc, st, pt, w, lane);
+      rs_pv<1>(acc, st, pt, w, lane);
     else
-      rs_pv<0, NB>(acc, st, pt, w, lane);
+      rs_pv<0>(acc, st, pt, w, lane);
     __syncwarp();
     if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bars + 8 * (RS_NS + s)) : "memory");
     // retired here, not at the next QK's wait: ptxas serialises every wgmma (C7514) when the softmax's O rescale
@@ -479,10 +472,10 @@ __device__ __forceinline__ void fdsa_rs_kernel(const void *Qv, const void *KVv, 
 
 
 def build_sparse_mla_fwd_rs656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                               has_topk_length: bool = False, ring: int = DEFAULT_RING):
+                               has_topk_length: bool = False):
     """prim_func (Q[T,H,576] bf16, KV8[n_ch,16] u8 (the cache as 16-byte chunks), rs16 i32 (row stride in chunks),
     n_rows i32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32,
-    MaxLogits[T,H] f32) for H in ``SUPPORTED_H``, any topk; ``ring``: register buffers per product ring."""
+    MaxLogits[T,H] f32) for H in ``SUPPORTED_H``, any topk."""
     if heads not in SUPPORTED_H:
         raise ValueError(f"sparse rs656 forward: H={heads} not in {SUPPORTED_H}")
     assert sm_scale > 0
@@ -490,9 +483,7 @@ def build_sparse_mla_fwd_rs656(*, heads: int, sm_scale: float, has_sink: bool = 
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     groups = heads // 64
-    if not 2 <= ring <= 8:
-        raise ValueError(f"sparse rs656 forward: ring={ring} not in 2..8")
-    fn = f"fdsa_rs_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {ring}>"
+    fn = f"fdsa_rs_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}>"
 
     @T.prim_func
     def sparse_mla_fwd_rs656(
@@ -520,16 +511,16 @@ def build_sparse_mla_fwd_rs656(*, heads: int, sm_scale: float, has_sink: bool = 
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, sm_scale, has_sink, has_topk_length, ring=DEFAULT_RING):
+def _build(heads, sm_scale, has_sink, has_topk_length):
     func = build_sparse_mla_fwd_rs656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                      has_topk_length=has_topk_length, ring=ring)
+                                      has_topk_length=has_topk_length)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
-def launcher(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ring: int = DEFAULT_RING):
+def launcher(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
     """This kernel's launch as ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)``
     (q and indices contiguous; ``kernel_fwd_fp8cache.launcher``'s form)."""
-    run = direct_launcher(_build(heads, float(sm_scale), has_sink, has_topk_length, ring))
+    run = direct_launcher(_build(heads, float(sm_scale), has_sink, has_topk_length))
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
         if q.data_ptr() % 16 != 0:  # its Q loads are 16-byte vectors
@@ -540,7 +531,7 @@ def launcher(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False, ring: int = DEFAULT_RING):
+                       checked: bool = False):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32)."""
     from . import kernel_fwd_pair_cache
 
@@ -555,7 +546,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     q = q.contiguous()
     indices = indices.contiguous()
     has_sink, has_tl, tl_arg, sink_arg, _ = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    launcher(q.shape[1], sm_scale, has_sink, has_tl, ring)(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
+    launcher(q.shape[1], sm_scale, has_sink, has_tl)(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 
 
@@ -592,7 +583,7 @@ def _bench_variants(json_path=None, note="", shapes=("prefill", "prefill128k", "
         kw = dict(sm_scale=DQK ** -0.5, d_v=D_V)
         fns = {"bf16_pair": lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, idx, **kw),
                "pair_cache": lambda: kernel_fwd_pair_cache.run_sparse_mla_fwd(q, kv8, idx, **kw),
-               **{f"rs656_r{r}": functools.partial(run_sparse_mla_fwd, q, kv8, idx, ring=r, **kw) for r in RINGS}}
+               "rs656": lambda: run_sparse_mla_fwd(q, kv8, idx, **kw)}
         ref = None
         for label, fn in fns.items():
             out = fn()
