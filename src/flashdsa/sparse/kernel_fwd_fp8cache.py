@@ -327,9 +327,6 @@ NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
 # two-warpgroup form on every shape measured (session 33, H 16, topk 2048, 6e8a3c4: decode B 128 75.1 vs 98.9 us,
 # B 512 268.6 vs 358.4 us, prefill S 4096 over SKV 8192 2.026 vs 2.550 ms, S 256 134.4 vs 165.8 us)
 FEW_HEAD_FORM = "mma"
-# "rs656": H 64 / 128 calls that gather rows (no whole-cache copy) run kernel_fwd_rs656 instead of
-# kernel_fwd_pair_cache (timing runs)
-PAIR_KERNEL_ENV = "FLASHDSA_CACHE656_PAIR_KERNEL"
 
 
 def _use_pair(q, pair, narrow) -> bool:
@@ -356,10 +353,6 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     if _use_pair(q, pair, narrow):
         if kernel_dequant656.use_dequant_once(q.shape[0], indices.shape[-1], heads, kv.shape[0], dequant_once):
             return None
-        if os.environ.get(PAIR_KERNEL_ENV) == "rs656":
-            from . import kernel_fwd_rs656
-
-            return kernel_fwd_rs656.launcher(heads, float(sm_scale), has_sink, has_tl)
         return kernel_fwd_pair_cache.launcher(heads, n_blocks, float(sm_scale), has_sink, has_tl)
     if narrow is None:
         env = os.environ.get(NARROW_ENV, "")
