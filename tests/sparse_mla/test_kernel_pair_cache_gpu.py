@@ -99,7 +99,7 @@ def test_sparse_mla_fwd_pair_cache_unsupported():
                                 d_v=D_V)
 
 
-@pytest.mark.parametrize("staging", ["consumer", "converter", "converter_ldg", "converter_ldg1", "converter_ldg1n"])
+@pytest.mark.parametrize("staging", ["consumer", "converter"])
 @_over_cases
 def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride, staging):
     """The other stagings against the reference on the dequantized cache (bitwise against the default build:
@@ -117,8 +117,8 @@ def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl
 
 
 @pytest.mark.parametrize("variant", [dict(overlap_qk=False), dict(staging="consumer"),
-                                     dict(staging="converter"), dict(staging="converter_ldg1")],
-                         ids=["no_overlap_qk", "consumer", "converter", "converter_ldg1"])
+                                     dict(staging="converter")],
+                         ids=["no_overlap_qk", "consumer", "converter"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
                          ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
 def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
@@ -134,8 +134,7 @@ def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
                            variant, f"H={heads} Tkv={tkv} topk={topk} T={n_tok} rs={row_stride}", HANG_S)
 
 
-@pytest.mark.parametrize("staging", ["converter", "converter_contig", "consumer", "converter_ldg", "converter_ldg1",
-                                     "converter_ldg1n"])
+@pytest.mark.parametrize("staging", ["converter", "converter_contig", "consumer"])
 @pytest.mark.parametrize("max_exp", [12, 7])
 def test_sparse_mla_fwd_pair_cache_every_e4m3_code(staging, max_exp):
     """Every finite e4m3 byte (subnormals and both zeros included) in every latent position, under power-of-two

@@ -48,7 +48,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     ``converter`` (the 656-byte cache's converter staging): a fourth warpgroup (threads 384-511, 512 in all) runs
     ``converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
-    pb, (kv_src, Indices, tok, lim))`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the ready
+    pb)`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the ready
     barriers above), the converter turns each landed half into what the consumers read and arrives on its ready
     barrier (count 128); ``regs`` then has four entries (at most 512 in all), and each PV is two m64n128 wgmmas
     into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128)."""
@@ -436,7 +436,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         if persistent:
                             tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
                         converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br,
-                                  rdy_ar, rdy_bl, pb, (kv_src, Indices, tok, lim))
+                                  rdy_ar, rdy_bl, pb)
                         if persistent:
                             pb[0] = pb[0] + npair[0]
 

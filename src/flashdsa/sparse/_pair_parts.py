@@ -171,7 +171,7 @@ def hop_converter():
 
     @T.macro
     def converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
-                  pb, ctx):
+                  pb):
         for j in T.serial(npair[0]):
             hop(ld_al, rdy_al, pair_phase(pb, j))
             hop(ld_br, rdy_br, pair_phase(pb, j))

@@ -71,7 +71,6 @@ import tilelang
 import tilelang.language as T
 
 from .._tilelang import direct_launcher
-from . import _cache_ldg
 from . import _pair_parts as pp
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
@@ -300,15 +299,13 @@ def _raw_gather_macro():
 
 
 ABLATIONS = ("", "no_convert", "contig_no_convert")  # timing builds: conversion skipped (contig: converter only)
-STAGINGS = ("consumer", "converter", "converter_contig", "converter_ldg", "converter_ldg1", "converter_ldg1n")
+STAGINGS = ("consumer", "converter", "converter_contig")
 # the default since session 22: S 4096 / H 128 5.94 / 6.26 ms at SKV 8192 / 131072 against "converter" 6.63 / 6.96
 # (session 21's default), the sparse FP8 decode rows 10-20% faster
 DEFAULT_STAGING = "converter_contig"
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # session 27: best of four splits (ptxas: 12 bytes spilled in the converter)
-# "converter_ldg" (two halves of raw bytes in the converter's registers) / "converter_ldg1" (one): _cache_ldg
-LDG_REGS = {"converter_ldg": (208, 208, 24, 72), "converter_ldg1": (208, 208, 24, 72), "converter_ldg1n": CONVERTER_REGS}
 
 
 def _converter_parts(*, topk_dim, ablate="", contig=False):
@@ -354,7 +351,7 @@ def _converter_parts(*, topk_dim, ablate="", contig=False):
 
     @T.macro
     def converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
-                  pb, ctx):
+                  pb):
         for j in T.serial(npair[0]):
             convert_one(KVa_l, 0, ld_al, rdy_al, pp.pair_phase(pb, j), tx)
             convert_one(KVb_r, 2, ld_br, rdy_br, pp.pair_phase(pb, j), tx)
@@ -427,12 +424,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
-    if staging in LDG_REGS:
-        assert not ablate, ablate
-        producer, converter = _cache_ldg.ldg_parts(topk_dim=topk_dim, depth=2 if staging == "converter_ldg" else 1)
-        body = kp.pair_body(**common, producer=producer, converter=converter, regs=LDG_REGS[staging],
-                            prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC + _cache_ldg.LDG_SRC)
-    elif staging.startswith("converter"):
+    if staging.startswith("converter"):
         producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
                             prelude=_DEQUANT_SRC + tc.ROW_GATHER_PRELUDE + _CONVERTER_SRC)
@@ -581,8 +573,6 @@ def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_lat
                 "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                      staging="converter_contig"),
                 "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
-                **{f"cache_{st}": functools.partial(run_sparse_mla_fwd, q, kv8, idx, sm_scale=sm, d_v=D_V, staging=st)
-                   for st in LDG_REGS},
                 "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
                                                                         staging="consumer", ablate="no_convert"),
                 "cache_pipelined": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)}
