@@ -204,22 +204,28 @@ FEW_HEAD_CASES = [c for c in CASES if c[1] <= 16] + [
 
 
 FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES
-                  for f in ("narrow", "mma_q18", "mma_c2q18", "mma_c2q6", "mma_g3", "mma_t2", "mma_c4", "mma_c3n3")
-                  if f == "narrow" or (c[1] > 16) == (f == "mma_t2")]
+                  for f in ("narrow", "mma_q18", "mma_c2q18", "mma_c2q6", "mma_g3", "mma_t2", "mma_c4", "mma_c3n3",
+                            "mma_ws")
+                  if f == "narrow" or (c[1] > 16) == (f == "mma_t2")] + [
+    # kernel_fwd_mma_ws is persistent (132 CTAs of four token groups): several tokens per group, with topk_length
+    ((576, 16, 4096, 256, 1200, True, True, "contig"), "mma_ws"),
+    ((512, 7, 1840, 100, 700, False, True, "sliced"), "mma_ws"),
+]
 
 
 @pytest.mark.parametrize("case,form", FEW_HEAD_FORMS, ids=[
     f"{f}-d{c[0]}-h{c[1]}-kv{c[2]}-k{c[3]}-t{c[4]}{'-sink' if c[5] else ''}-{c[7]}" for c, f in FEW_HEAD_FORMS])
 def test_sparse_mla_fwd_few_head_forms(case, form):
     """Each few-head kernel (``kernel_fwd_narrow``; ``kernel_fwd_mma``'s forms: one head tile for H <= 16, two
-    above) against the reference, whichever the dispatcher picks."""
-    from flashdsa.sparse import kernel_fwd_mma, kernel_fwd_narrow
+    above; ``kernel_fwd_mma_ws``) against the reference, whichever the dispatcher picks."""
+    from flashdsa.sparse import kernel_fwd_mma, kernel_fwd_mma_ws, kernel_fwd_narrow
 
     dqk, heads, tkv, topk, n_tok, sink, use_tl, layout = case
     assert form == "narrow" or heads <= kernel_fwd_mma.MAX_HEADS
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
-    compiled = kernel_fwd_narrow._compiled if form == "narrow" else lambda *a: kernel_fwd_mma._compiled(*a, form)
+    compiled = (kernel_fwd_narrow._compiled if form == "narrow" else kernel_fwd_mma_ws._compiled if form == "mma_ws"
+                else lambda *a: kernel_fwd_mma._compiled(*a, form))
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     out, lse, max_logits = kernel_fwd.launch(compiled, q, kv, indices, **kw)
     torch.cuda.synchronize()

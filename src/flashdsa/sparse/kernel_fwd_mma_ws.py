@@ -1,0 +1,301 @@
+"""Few-head sparse MLA forward (bf16, H <= 16) on ``kernel_fwd_mma``'s per-warp ``mma.sync`` chains, with the row
+copies issued by a producer warpgroup (sm_90a).
+
+Notes
+-----
+Contract, host interface (``kernel_fwd.launch``) and numerics as ``kernel_fwd_mma`` (whose module notes describe
+the consumers' schedule: a group of two warps per token splitting the dims, 16-key steps, the partial-S exchange,
+the lazy softmax, PV on ``ldmatrix.trans``).  Why: in ``mma_c4`` each consumer warp spends ~29% of its step
+issuing its share of the next stage's bulk copies (~72 cycles per copy, session 38), on the critical path.
+
+  * **Roles.**  384 threads: warps 0-7 are four groups of two consumer warps (``setmaxnreg`` 240), each group its
+    own token; warps 8-11 are producers (``setmaxnreg`` 24): warp 8 + g copies group g's rows (lane l < 16: row l
+    of each 16-key step, one ``cp.async.bulk`` counted on the stage's full mbarrier; an invalid slot is zeroed and
+    flagged, never read).  A group's two warps arrive on the stage's empty mbarrier after its PV; the producer
+    waits on it before refilling.  2 stages of 16 rows per group (1168-byte row stride).
+  * **Persistent.**  Grid min(ceil(T / 4), ``N_CTAS``); group g of CTA b takes tokens 4 b + g, 4 b + g + 4 grid, ..;
+    its producer warp follows the same sequence.  Stage and parity follow a running step count across tokens.
+Q's A fragments come from global memory per token (all 18 k steps in registers, as ``mma_c4``).
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from . import _tl_common as tc
+from . import kernel_fwd_mma as km
+from ._tl_common import D_V
+
+MAX_HEADS = 16
+THREADS = 384
+N_CTAS = 132  # persistent CTAs (one per H200 SM)
+ROW_STRIDE = 1168  # 2 * 576 + 16: the 8 rows an ldmatrix reads fall in distinct bank quads
+EXPECTS_WGMMA = False
+
+_SRC = km._SRC + r"""
+// The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
+// valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
+template <int H, int DQK, int HAS_SINK, int HAS_TL>
+__device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
+                                                   const int *Indices, int topk, const int *TopkLen,
+                                                   const float *Sink, void *Outv, float *Lse, float *MaxLogits,
+                                                   void *stage_v, int *valid, float *xch, void *bars_v, int bx,
+                                                   int grid, float c) {
+  constexpr int ROW = 2 * DQK, RS = ROW + 16, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
+  unsigned char *stage = static_cast<unsigned char *>(stage_v);
+  const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
+  const unsigned bars = static_cast<unsigned>(__cvta_generic_to_shared(bars_v));
+  const int g = warp < 8 ? warp >> 1 : warp - 8;
+  auto token_lim = [&](int tok) -> int {
+    int lim = topk;
+    if (HAS_TL) {
+      lim = TopkLen[tok];
+      lim = lim < 0 ? 0 : (lim > topk ? topk : lim);
+    }
+    return lim;
+  };
+  if (warp >= 8) {  // ---- producer of group g
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (lane >= 16) return;
+    const unsigned char *kv = static_cast<const unsigned char *>(KVv);
+    int n = 0;
+    for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
+      const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
+      const int *idx = Indices + static_cast<long long>(tok) * topk;
+      int row = lane < lim ? idx[lane] : -1;
+      for (int it = 0; it < nsteps; ++it, ++n) {
+        const int s = n & 1, slot = 16 * (it + 1) + lane;
+        const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
+        if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
+        const int ok = row >= 0 && row < n_rows, bi = 2 * g + s;
+        valid[bi * 16 + lane] = ok;
+        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+                          bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
+        row = nrow;
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int hh = warp & 1;
+  // per-lane ldmatrix addresses (kernel_fwd_mma's): B of QK (rows as n), B of PV (transposed)
+  const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
+  const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
+  const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
+  int n = 0;
+  for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
+    const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
+    unsigned qreg[NQ][4];  // {a0, a1, a2, a3} = heads r / r + 8, dims d + 2 q (+1) / d + 8 + 2 q (+1)
+    {
+      const unsigned *q0 = static_cast<const unsigned *>(Qv) + (static_cast<long long>(tok) * H + r) * (DQK / 2);
+      const unsigned *q1 = q0 + 4 * DQK;  // 8 heads on
+#pragma unroll
+      for (int s = 0; s < NQ; ++s) {
+        const int d = (s < 16 ? 256 * hh + 16 * s : 512 + 32 * hh + 16 * (s - 16)) / 2 + q;
+        qreg[s][0] = r < H ? q0[d] : 0u;
+        qreg[s][1] = r + 8 < H ? q1[d] : 0u;
+        qreg[s][2] = r < H ? q0[d + 4] : 0u;
+        qreg[s][3] = r + 8 < H ? q1[d + 4] : 0u;
+      }
+    }
+    float o[32][4];
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
+    float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f;
+    for (int it = 0; it < nsteps; ++it, ++n) {
+      const int bi = 2 * g + (n & 1);
+      fdsa_wait_parity(bars + 8 * bi, (n >> 1) & 1);
+      const unsigned sb = stage_s + bi * 16 * RS;
+      float acc[2][2][4];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) acc[e >> 3][(e >> 2) & 1][e & 3] = 0.f;
+#pragma unroll
+      for (int s = 0; s < NQ; ++s) {
+        unsigned b[4];
+        fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
+        fdsa_mma_bf16_16816(acc[s & 1][0], qreg[s], b[0], b[1]);
+        fdsa_mma_bf16_16816(acc[s & 1][1], qreg[s], b[2], b[3]);
+      }
+      int vd[2][2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) vd[j][b] = valid[bi * 16 + 8 * j + 2 * q + b];
+      float part[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) part[j][e] = acc[0][j][e] + acc[1][j][e];
+      float *xb = xch + (2 * g + (n & 1)) * 512;  // [hh][j][lane][4]
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
+            make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+      asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
+      float S[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float4 ot = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
+        S[j][0] = vd[j][0] ? part[j][0] + ot.x : -FDSA_INF;
+        S[j][1] = vd[j][1] ? part[j][1] + ot.y : -FDSA_INF;
+        S[j][2] = vd[j][0] ? part[j][2] + ot.z : -FDSA_INF;
+        S[j][3] = vd[j][1] ? part[j][3] + ot.w : -FDSA_INF;
+      }
+      float P[2][4];
+      fdsa_lazy_softmax_step(S, c, m0, m1, t0, t1, l0, l1, P, [&](float al0, float al1) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          o[i][0] *= al0;
+          o[i][1] *= al0;
+          o[i][2] *= al1;
+          o[i][3] *= al1;
+        }
+      });
+      const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),
+                             fdsa_pack_bf16x2(P[1][0], P[1][1]), fdsa_pack_bf16x2(P[1][2], P[1][3])};
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        unsigned b[4];
+        fdsa_mma_ldm_t(sb + va + 32 * i, b);
+        fdsa_mma_bf16_16816(o[2 * i], a, b[0], b[1]);
+        fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
+      }
+      __syncwarp();  // every lane's ldmatrix of the stage is done before the release
+      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    float sk0 = 0.f, sk1 = 0.f;
+    if (HAS_SINK) {
+      sk0 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r, H - 1)], 1.4426950408889634f), __fmul_rn(m0, c)));
+      sk1 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r + 8, H - 1)], 1.4426950408889634f), __fmul_rn(m1, c)));
+    }
+    const float inv0 = l0 > 0.f ? 1.f / (l0 + sk0) : 0.f, inv1 = l1 > 0.f ? 1.f / (l1 + sk1) : 0.f;
+    unsigned *out = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256;  // bf16 pairs
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int w = 128 * hh + 4 * i + q;
+      if (r < H) out[r * 256 + w] = fdsa_pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
+      if (r + 8 < H) out[(r + 8) * 256 + w] = fdsa_pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
+    }
+    if (hh == 0 && q == 0) {
+      const long long b = static_cast<long long>(tok) * H;
+      if (r < H) {
+        Lse[b + r] = l0 > 0.f ? (log2f(l0) + m0 * c) * 0.6931471805599453f : FDSA_INF;
+        MaxLogits[b + r] = l0 > 0.f ? t0 * c * 0.6931471805599453f : -FDSA_INF;
+      }
+      if (r + 8 < H) {
+        Lse[b + r + 8] = l1 > 0.f ? (log2f(l1) + m1 * c) * 0.6931471805599453f : FDSA_INF;
+        MaxLogits[b + r + 8] = l1 > 0.f ? t1 * c * 0.6931471805599453f : -FDSA_INF;
+      }
+    }
+  }
+}
+"""
+
+
+def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
+                                has_topk_length: bool = False, n_ctas: int = N_CTAS):
+    """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk)."""
+    if not 1 <= heads <= MAX_HEADS:
+        raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
+    if dqk not in (512, 576):
+        raise ValueError(f"sparse mma_ws forward: Dqk={dqk} not in (512, 576)")
+    assert sm_scale > 0
+    c_log2 = float(sm_scale) * tc.LOG2E
+    bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
+    n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
+    rs = 2 * dqk + 16
+    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}>"
+
+    @T.prim_func
+    def sparse_mla_fwd_mma_ws(
+        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        KV: T.Tensor([n_kv, dqk], bf16),
+        Indices: T.Tensor([n_tok, topk_dim], i32),
+        TopkLen: T.Tensor([n_tl], i32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([n_tok, heads, D_V], bf16),
+        Lse: T.Tensor([n_tok, heads], f32),
+        MaxLogits: T.Tensor([n_tok, heads], f32),
+    ):
+        with T.Kernel(T.min((n_tok + 3) // 4, n_ctas), threads=THREADS, prelude=_SRC) as bx:
+            Stage = T.alloc_shared([4 * 2 * 16 * rs], u8)
+            Valid = T.alloc_shared([4 * 2 * 16], i32)
+            Xch = T.alloc_shared([4 * 2 * 512], f32)
+            bars = T.alloc_barrier([16] * 8 + [2] * 8)
+            T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
+                          T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
+                          T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
+                          T.address_of(Stage[0]), T.address_of(Valid[0]), T.address_of(Xch[0]),
+                          T.address_of(bars[0]), bx, T.min((n_tok + 3) // 4, n_ctas), c_log2)
+
+    return sparse_mla_fwd_mma_ws
+
+
+@functools.lru_cache(maxsize=32)
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length):
+    func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
+                                       has_topk_length=has_topk_length)
+    return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
+
+
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
+    """``kernel_fwd.launch``'s compiled-kernel signature (n_blocks unused: dynamic trip count)."""
+    assert d_v == D_V, d_v
+    return _build(heads, dqk, sm_scale, has_sink, has_topk_length)
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    return [("mma_ws_h16_d576_sink_tl", build_sparse_mla_fwd_mma_ws(heads=16, dqk=576, sm_scale=576 ** -0.5,
+                                                                     has_sink=True, has_topk_length=True)),
+            ("mma_ws_h5_d512", build_sparse_mla_fwd_mma_ws(heads=5, dqk=512, sm_scale=0.05))]
+
+
+def _bench_variants(shapes=("prefill", "sorted", "decode")):
+    """Kernel times against ``kernel_fwd_mma``'s dispatched forms (``python -m flashdsa.sparse.kernel_fwd_mma_ws
+    --variants [--shapes a,b]``; the same shapes as ``kernel_fwd_mma --variants``), outputs compared."""
+    import torch
+
+    from ..bench.flops import sparse_fwd_flops
+    from ..bench.harness import time_fn
+    from . import kernel_fwd
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape in shapes:
+        S, SKV = {"prefill": (4096, 8192), "sorted": (4096, 8192), "decode": (128, 65536)}[shape]
+        q, kv, idx = kernel_fwd._prefill_inputs(gen, S=S, SKV=SKV, H=16, topk=2048)
+        if shape == "sorted":
+            idx = idx.sort(dim=-1).values.contiguous()
+        flops = sparse_fwd_flops(16, idx.numel(), 576, D_V)
+        ref = None
+        for label, compiled in (("mma_c4", functools.partial(km._compiled, form="mma_c4")),
+                                ("mma_c2q18", functools.partial(km._compiled, form="mma_c2q18")),
+                                ("mma_ws", _compiled)):
+            def fn(c=compiled):
+                return kernel_fwd.launch(c, q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
+
+            out = fn()
+            ref = out if ref is None else ref
+            err = [(a.float() - b.float()).abs().max().item() for a, b in zip(out, ref)]
+            t = time_fn(lambda _: fn(), [None], q.device, reps=10)
+            print(f"variant {shape} S {S} {label}: {t.ms_median:.4f} ms, {flops / t.ms_median / 1e9:.1f} TFLOP/s "
+                  f"(max |diff| vs mma_c4 {err[0]:.2e} / {err[1]:.2e} / {err[2]:.2e})", flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    argv = sys.argv[1:]
+    if "--variants" in argv:
+        _bench_variants(tuple(argv[argv.index("--shapes") + 1].split(",")) if "--shapes" in argv
+                        else ("prefill", "sorted", "decode"))
