@@ -8,11 +8,10 @@ the consumers' schedule: a group of two warps per token splitting the dims, 16-k
 the lazy softmax, PV on ``ldmatrix.trans``).  Why: in ``mma_c4`` each consumer warp spends ~29% of its step
 issuing its share of the next stage's bulk copies (~72 cycles per copy, session 38), on the critical path.
 
-  * **Roles.**  Warps 0-7 are four groups of two consumer warps (``setmaxnreg`` 240, or 232 with two producer
-    warpgroups), each group its own token; warps 8 .. are producers (``setmaxnreg`` 24), PW per group (form
-    ``producers``): producer warp 8 + PW g + i copies rows 16 i / PW .. of each of group g's 16-key steps (one
-    ``cp.async.bulk`` per lane and row, counted on the stage's full mbarrier; an invalid slot is zeroed and flagged,
-    never read).  A group's two warps arrive on the stage's empty mbarrier after its PV; the producer
+  * **Roles.**  384 threads: warps 0-7 are four groups of two consumer warps (``setmaxnreg`` 240), each group its
+    own token; warps 8-11 are producers (``setmaxnreg`` 24): warp 8 + g copies group g's rows (lane l < 16: row l
+    of each 16-key step, one ``cp.async.bulk`` counted on the stage's full mbarrier; an invalid slot is zeroed and
+    flagged, never read).  A group's two warps arrive on the stage's empty mbarrier after its PV; the producer
     waits on it before refilling.  2 stages of 16 rows per group (1168-byte row stride).
   * **Persistent.**  Grid min(ceil(T / 4), ``N_CTAS``); group g of CTA b takes tokens 4 b + g, 4 b + g + 4 grid, ..;
     its producer warp follows the same sequence.  Stage and parity follow a running step count across tokens.
@@ -31,6 +30,7 @@ from . import kernel_fwd_mma as km
 from ._tl_common import D_V
 
 MAX_HEADS = 16
+THREADS = 384
 N_CTAS = 132  # persistent CTAs (one per H200 SM)
 ROW_STRIDE = 1168  # 2 * 576 + 16: the 8 rows an ldmatrix reads fall in distinct bank quads
 EXPECTS_WGMMA = False
@@ -38,7 +38,7 @@ EXPECTS_WGMMA = False
 _SRC = km._SRC + r"""
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
 // valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int PW>
+template <int H, int DQK, int HAS_SINK, int HAS_TL>
 __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
                                                    const float *Sink, void *Outv, float *Lse, float *MaxLogits,
@@ -49,7 +49,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
   const unsigned bars = static_cast<unsigned>(__cvta_generic_to_shared(bars_v));
-  const int g = warp < 8 ? warp >> 1 : (warp - 8) / PW, pr = warp < 8 ? 0 : (warp - 8) % PW;  // pr: producer rank
+  const int g = warp < 8 ? warp >> 1 : warp - 8;
   auto token_lim = [&](int tok) -> int {
     int lim = topk;
     if (HAS_TL) {
@@ -60,31 +60,27 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   };
   if (warp >= 8) {  // ---- producer of group g
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-    if (lane >= 16 / PW) return;
-    const int k = pr * (16 / PW) + lane;  // this lane's row of each step
+    if (lane >= 16) return;
     const unsigned char *kv = static_cast<const unsigned char *>(KVv);
     int n = 0;
     for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
       const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
       const int *idx = Indices + static_cast<long long>(tok) * topk;
-      int row = k < lim ? idx[k] : -1;
+      int row = lane < lim ? idx[lane] : -1;
       for (int it = 0; it < nsteps; ++it, ++n) {
-        const int s = n & 1, slot = 16 * (it + 1) + k;
+        const int s = n & 1, slot = 16 * (it + 1) + lane;
         const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
         if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
         const int ok = row >= 0 && row < n_rows, bi = 2 * g + s;
-        valid[bi * 16 + k] = ok;
-        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
-                          bars + 8 * bi, ok, stage + (bi * 16 + k) * RS);
+        valid[bi * 16 + lane] = ok;
+        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+                          bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
         row = nrow;
       }
     }
     return;
   }
-  if (PW == 1)
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
-  else
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int hh = warp & 1;
   // per-lane ldmatrix addresses (kernel_fwd_mma's): B of QK (rows as n), B of PV (transposed)
   const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
@@ -207,10 +203,8 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
 
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, n_ctas: int = N_CTAS, producers: int = 1):
-    """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``producers``
-    warps per group (1: 384 threads, consumers at 240 registers; 2: 512 threads, consumers at 232)."""
-    assert producers in (1, 2), producers
+                                has_topk_length: bool = False, n_ctas: int = N_CTAS):
+    """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk)."""
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -220,7 +214,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     rs = 2 * dqk + 16
-    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {producers}>"
+    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma_ws(
@@ -233,7 +227,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(T.min((n_tok + 3) // 4, n_ctas), threads=256 + 128 * producers, prelude=_SRC) as bx:
+        with T.Kernel(T.min((n_tok + 3) // 4, n_ctas), threads=THREADS, prelude=_SRC) as bx:
             Stage = T.alloc_shared([4 * 2 * 16 * rs], u8)
             Valid = T.alloc_shared([4 * 2 * 16], i32)
             Xch = T.alloc_shared([4 * 2 * 512], f32)
@@ -248,24 +242,23 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length, producers=1):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, producers=producers)
+                                       has_topk_length=has_topk_length)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
-def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              producers: int = 1):
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
     """``kernel_fwd.launch``'s compiled-kernel signature (n_blocks unused: dynamic trip count)."""
     assert d_v == D_V, d_v
-    return _build(heads, dqk, sm_scale, has_sink, has_topk_length, producers)
+    return _build(heads, dqk, sm_scale, has_sink, has_topk_length)
 
 
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [("mma_ws_h16_d576_sink_tl", build_sparse_mla_fwd_mma_ws(heads=16, dqk=576, sm_scale=576 ** -0.5,
                                                                      has_sink=True, has_topk_length=True)),
-            ("mma_ws2_h5_d512", build_sparse_mla_fwd_mma_ws(heads=5, dqk=512, sm_scale=0.05, producers=2))]
+            ("mma_ws_h5_d512", build_sparse_mla_fwd_mma_ws(heads=5, dqk=512, sm_scale=0.05))]
 
 
 def _bench_variants(shapes=("prefill", "sorted", "decode")):
@@ -287,7 +280,7 @@ def _bench_variants(shapes=("prefill", "sorted", "decode")):
         ref = None
         for label, compiled in (("mma_c4", functools.partial(km._compiled, form="mma_c4")),
                                 ("mma_c2q18", functools.partial(km._compiled, form="mma_c2q18")),
-                                ("mma_ws", _compiled), ("mma_ws2", functools.partial(_compiled, producers=2))):
+                                ("mma_ws", _compiled)):
             def fn(c=compiled):
                 return kernel_fwd.launch(c, q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
 
