@@ -4,7 +4,7 @@
 
 Each target runs its kernel on a small input with edge cases (ranges, short rows, NaN/-inf, invalid block ids)
 and compares with the reference, so a wrong result also fails (exit 1).  Targets: topk_regs, topk_single,
-paged_pipelined, sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_cache656 / sparse_fp8 (the dispatched sparse
+paged_pipelined, sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_bf16_ws (600) / sparse_cache656 / sparse_fp8 (the dispatched sparse
 MLA forwards, with invalid indices of every kind, an all-invalid row and NaN in unselected KV rows), sparse_bwd /
 sparse_bwd_det (the dispatched backward, fast and deterministic), decode / decode_bs16 (narrow dense decode, TMA /
 cp.async loads), decode_ws (the warp-specialised dense decode).
@@ -181,6 +181,7 @@ def sparse_cache_converter(staging="converter"):
 TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("single"),
            "paged_pipelined": lambda: paged("pipelined"), "sparse_bf16": lambda: sparse("bf16"),
            "sparse_bf16_many": lambda: sparse("bf16", 300, ((16, 100),)),  # >= 2 tokens per SM: kernel_fwd_mma's c2
+           "sparse_bf16_ws": lambda: sparse("bf16", 600, ((16, 100),)),  # >= 4 per SM: kernel_fwd_mma_ws
            "sparse_cache656": lambda: sparse("cache656"), "sparse_fp8": lambda: sparse("fp8"), "decode": decode,
            "decode_bs16": lambda: decode(16, 1, 16), "decode_ws": lambda: decode(64, 1, 64),
            "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True),

@@ -32,8 +32,10 @@ read, natural-log lse without the sink, empty rows -> out 0, lse +inf, max_logit
 Forms (``FORMS``): G key groups per CTA, NST stages, Q k steps in registers, T head tiles of 16 (2 T warps per
 group, each warp 16 heads x 256 output dims).  Dispatched (``dispatched``): H <= 16 with at least 2 tokens per SM
 ``mma_c2q18`` (2 groups per CTA, two CTAs per SM: one token's prologue and merge run under the other's loop; all of
-Q's A fragments in registers, 254 registers), from 4 tokens per SM ``mma_c4`` (one group per CTA, four CTAs per SM, no
-merge, Q's fragments loaded from global memory), fewer tokens ``mma_q18`` (4 groups per token), H 17..32 ``mma_t2``.
+Q's A fragments in registers, 254 registers), from 4 tokens per SM "mma_ws" (``kernel_fwd_mma_ws``: c4's consumers,
+four token groups per CTA, the copies issued by a producer warpgroup; before session 39 ``mma_c4``: one group per
+CTA, four CTAs per SM, no merge, Q's fragments loaded from global memory), fewer tokens ``mma_q18`` (4 groups per
+token), H 17..32 ``mma_t2``.
 
 Measured (H200, topk 2048, Dqk 576, ``--variants``; docs/PERFORMANCE.md "Session 37"): S 4096 over SKV 8192, H 16:
 narrow 2.23 ms -> 4 groups 1.575 -> + Q in registers, two CTAs per SM 1.43 ms (suite 1.429 / 1.432 = 204 TFLOP/s)
@@ -77,7 +79,9 @@ DEFAULT_FORM = "mma"
 # what the dispatcher runs at H <= 16: from 4 tokens per SM one group per CTA and four CTAs per SM (no merge; one
 # token's prologue under the others' loops), from 2 tokens per SM two CTAs of two groups, else four key groups per
 # token (fewer tokens than SMs: each token's chain is the time); H 17..32: two head tiles
-MANY_TOKEN_FORM, TWO_PER_SM_FORM, FEW_TOKEN_FORM, TWO_TILE_FORM = "mma_c4", "mma_c2q18", "mma_q18", "mma_t2"
+# (session 39: "mma_ws", ``kernel_fwd_mma_ws``: c4's consumers with the copies issued by a producer warpgroup, S 4096
+# over SKV 8192 1.386 vs c4's 1.422 ms; its form name is taken by ``_compiled``)
+MANY_TOKEN_FORM, TWO_PER_SM_FORM, FEW_TOKEN_FORM, TWO_TILE_FORM = "mma_ws", "mma_c2q18", "mma_q18", "mma_t2"
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads)
 
 _SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + r"""
@@ -439,8 +443,13 @@ def _pass_configs():
 
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
               form: str = DEFAULT_FORM):
-    """``kernel_fwd.launch``'s compiled-kernel signature; n_blocks is not a build parameter (dynamic trip count)."""
+    """``kernel_fwd.launch``'s compiled-kernel signature; n_blocks is not a build parameter (dynamic trip count).
+    ``form`` "mma_ws": ``kernel_fwd_mma_ws`` (H <= 16)."""
     assert d_v == D_V, d_v
+    if form == "mma_ws":
+        from . import kernel_fwd_mma_ws
+
+        return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length)
     return _build(heads, dqk, sm_scale, has_sink, has_topk_length, form)
 
 
