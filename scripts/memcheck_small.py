@@ -4,10 +4,10 @@
 
 Each target runs its kernel on a small input with edge cases (ranges, short rows, NaN/-inf, invalid block ids)
 and compares with the reference, so a wrong result also fails (exit 1).  Targets: topk_regs, topk_single,
-paged_pipelined, sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_bf16_ws (600) / sparse_cache656 / sparse_fp8 (the dispatched sparse
-MLA forwards, with invalid indices of every kind, an all-invalid row and NaN in unselected KV rows), sparse_bwd /
-sparse_bwd_det (the dispatched backward, fast and deterministic), decode / decode_bs16 (narrow dense decode, TMA /
-cp.async loads), decode_ws (the warp-specialised dense decode).
+paged_pipelined, sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_bf16_ws (600) / sparse_cache656 / sparse_fp8
+(the dispatched sparse MLA forwards, with invalid indices of every kind, an all-invalid row and NaN in unselected
+KV rows), sparse_bwd / sparse_bwd_det (the dispatched backward, fast and deterministic), decode / decode_bs16
+(narrow dense decode, TMA / cp.async loads), decode_ws (the warp-specialised dense decode).
 """
 
 import os
