@@ -47,7 +47,7 @@ EXPECTS_WGMMA = False
 _SRC = km._SRC + r"""
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
 // valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int SPREAD>
+template <int H, int DQK, int HAS_SINK, int HAS_TL>
 __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
                                                    const float *Sink, void *Outv, float *Lse, float *MaxLogits,
@@ -58,10 +58,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
   const unsigned bars = static_cast<unsigned>(__cvta_generic_to_shared(bars_v));
-  // producer lane l < 16 of warp 8 + w copies row k of each step of group g: SPREAD 0 g = w, k = l; SPREAD 1 (a
-  // group's rows spread over the four producer warps) g = l / 4, k = 4 w + l % 4
-  const int g = warp < 8 ? warp >> 1 : (SPREAD ? (lane & 15) >> 2 : warp - 8);
-  const int k = SPREAD ? 4 * (warp - 8) + (lane & 3) : lane;
+  const int g = warp < 8 ? warp >> 1 : warp - 8;
   auto token_lim = [&](int tok) -> int {
     int lim = topk;
     if (HAS_TL) {
@@ -78,15 +75,15 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
     for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
       const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
       const int *idx = Indices + static_cast<long long>(tok) * topk;
-      int row = k < lim ? idx[k] : -1;
+      int row = lane < lim ? idx[lane] : -1;
       for (int it = 0; it < nsteps; ++it, ++n) {
-        const int s = n & 1, slot = 16 * (it + 1) + k;
+        const int s = n & 1, slot = 16 * (it + 1) + lane;
         const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
         if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
         const int ok = row >= 0 && row < n_rows, bi = 2 * g + s;
-        valid[bi * 16 + k] = ok;
-        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + k) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
-                          bars + 8 * bi, ok, stage + (bi * 16 + k) * RS);
+        valid[bi * 16 + lane] = ok;
+        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+                          bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
         row = nrow;
       }
     }
@@ -215,9 +212,8 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
 
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, n_ctas: int = N_CTAS, spread: bool = False):
-    """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``spread``:
-    each group's rows spread over the four producer warps (else producer warp g copies group g's)."""
+                                has_topk_length: bool = False, n_ctas: int = N_CTAS):
+    """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk)."""
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -227,7 +223,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     rs = 2 * dqk + 16
-    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(spread)}>"
+    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma_ws(
@@ -255,24 +251,23 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length, spread=False):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, spread=spread)
+                                       has_topk_length=has_topk_length)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
-def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              spread: bool = False):
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
     """``kernel_fwd.launch``'s compiled-kernel signature (n_blocks unused: dynamic trip count)."""
     assert d_v == D_V, d_v
-    return _build(heads, dqk, sm_scale, has_sink, has_topk_length, spread)
+    return _build(heads, dqk, sm_scale, has_sink, has_topk_length)
 
 
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [("mma_ws_h16_d576_sink_tl", build_sparse_mla_fwd_mma_ws(heads=16, dqk=576, sm_scale=576 ** -0.5,
                                                                      has_sink=True, has_topk_length=True)),
-            ("mma_ws_spread_h5_d512", build_sparse_mla_fwd_mma_ws(heads=5, dqk=512, sm_scale=0.05, spread=True))]
+            ("mma_ws_h5_d512", build_sparse_mla_fwd_mma_ws(heads=5, dqk=512, sm_scale=0.05))]
 
 
 def _bench_variants(shapes=("prefill", "sorted", "decode")):
@@ -294,7 +289,7 @@ def _bench_variants(shapes=("prefill", "sorted", "decode")):
         ref = None
         for label, compiled in (("mma_c4", functools.partial(km._compiled, form="mma_c4")),
                                 ("mma_c2q18", functools.partial(km._compiled, form="mma_c2q18")),
-                                ("mma_ws", _compiled), ("mma_ws_spread", functools.partial(_compiled, spread=True))):
+                                ("mma_ws", _compiled)):
             def fn(c=compiled):
                 return kernel_fwd.launch(c, q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
 
