@@ -22,7 +22,8 @@ sorted indices 1.387-1.390) against ``mma_c4``'s 1.422-1.423 and ``mma_c2q18``'s
 dispatched from 4 tokens per SM (``kernel_fwd_mma.MANY_TOKEN_FORM``).  128 tokens over SKV 65536: 0.170 ms (32 CTAs
 on 132 SMs) against ``mma_c2q18``'s 0.094, so fewer tokens keep the other forms.  Two producer warps per group (512
 threads, consumers at 232 registers with 84 B of spills): 1.457 ms; each group's rows spread over the four producer
-warps (divergent per-lane token loops): 1.483 ms; both removed.  Why only 2.5%: the copies of a
+warps (divergent per-lane token loops): 1.483 ms; three stages per group (flags in the rows' padding, one exchange
+buffer with two barriers per step): 1.500 ms; all removed.  Why only 2.5%: the copies of a
 group's next stage can start only after both of its warps finished the PV of the stage before (two stages), and one
 producer warp takes ~1,150 cycles to issue 16 rows (~72 each), so the consumers now wait for most of what they no
 longer issue.
