@@ -16,7 +16,8 @@ def run_json_probe(src: str, name: str) -> list[dict]:
         cu, exe = os.path.join(d, "probe.cu"), os.path.join(d, "probe")
         with open(cu, "w") as f:
             f.write(src)
-        subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-o", exe, cu], check=True)
+        subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-o", exe, cu],
+                       check=True)
         res = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
     rows = [json.loads(line) for line in res.splitlines() if line.startswith("{")]
     for r in rows:

@@ -23,10 +23,9 @@ dispatched from 4 tokens per SM (``kernel_fwd_mma.MANY_TOKEN_FORM``).  128 token
 on 132 SMs) against ``mma_c2q18``'s 0.094, so fewer tokens keep the other forms.  Two producer warps per group (512
 threads, consumers at 232 registers with 84 B of spills): 1.457 ms; each group's rows spread over the four producer
 warps (divergent per-lane token loops): 1.483 ms; three stages per group (flags in the rows' padding, one exchange
-buffer with two barriers per step): 1.500 ms; all removed.  Why only 2.5%: the copies of a
-group's next stage can start only after both of its warps finished the PV of the stage before (two stages), and one
-producer warp takes ~1,150 cycles to issue 16 rows (~72 each), so the consumers now wait for most of what they no
-longer issue.
+buffer with two barriers per step): 1.500 ms; all removed.  Why only 2.5% (a consumer step without the issue
+would be ~1,825 of today's ~2,470 cycles): not measured yet -- the producer's ~1,150 cycles to issue a stage's 16
+rows (~72 each) or the shared-memory port (docs/PERFORMANCE.md "Session 39").
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
@@ -43,7 +42,6 @@ from ._tl_common import D_V
 MAX_HEADS = 16
 THREADS = 384
 N_CTAS = 132  # persistent CTAs (one per H200 SM)
-ROW_STRIDE = 1168  # 2 * 576 + 16: the 8 rows an ldmatrix reads fall in distinct bank quads
 EXPECTS_WGMMA = False
 
 _SRC = km._SRC + r"""
