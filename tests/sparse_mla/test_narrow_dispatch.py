@@ -64,8 +64,8 @@ def test_bf16_forward_picks_kernel(record, heads, narrow, pair, expect):
                                          (8, kernel_fwd_mma.TWO_PER_SM_FORM), (15, kernel_fwd_mma.TWO_PER_SM_FORM),
                                          (16, kernel_fwd_mma.MANY_TOKEN_FORM), (300, kernel_fwd_mma.MANY_TOKEN_FORM)])
 def test_bf16_few_head_form_by_tokens(record, n_tok, form):
-    """H <= 16 (the fake device has 4 SMs): four CTAs per SM from 4 tokens per SM on, two from 2, else four key
-    groups per token."""
+    """H <= 16 (the fake device has 4 SMs): ``kernel_fwd_mma_ws`` (four token groups per CTA) from 4 tokens per SM
+    on, two CTAs per SM from 2, else four key groups per token."""
     q = torch.zeros(n_tok, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(10, 576, dtype=torch.bfloat16)
     idx = torch.zeros(n_tok, 100, dtype=torch.int32)
