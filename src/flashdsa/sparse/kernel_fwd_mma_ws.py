@@ -47,8 +47,9 @@ DEFAULT_STAGES = 2  # per group
 
 _SRC = km._SRC + r"""
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][NST][16 rows][RS],
-// each row's validity flag in its padding word (byte ROW); xch (Dqk 512 only): [4][2 alternating][512]; bars: 4 NST
-// full (16 arrivals) then 4 NST empty (2 arrivals), group-major.
+// each row's validity flag in its padding word (byte ROW); xch: NST 2: [4][2 parity][512], NST 3: [4][256] (one
+// buffer: warp 0's partial S, then the sum back from warp 1); bars: 4 NST full (16 arrivals) then 4 NST empty (2
+// arrivals), group-major.
 template <int H, int DQK, int HAS_SINK, int HAS_TL, int NST>
 __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
@@ -102,7 +103,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
   const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
   const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
-  int st = 0, ph = 0, xp = 0;  // stage, phase parity and exchange buffer (Dqk 512) of the running step
+  int st = 0, ph = 0;  // stage and phase parity of the running step (continued across tokens)
   for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
     const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
     unsigned qreg[NQ][4];  // {a0, a1, a2, a3} = heads r / r + 8, dims d + 2 q (+1) / d + 8 + 2 q (+1)
@@ -149,28 +150,52 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) part[j][e] = acc[0][j][e] + acc[1][j][e];
-      // the partial-S exchange: at Dqk 576 each warp leaves its partial in its own rope half of the stage's rows
-      // (bytes 1024 + 64 hh .. + 63 of each row, which only its own QK reads and that QK is done: 16 x 64 B = its
-      // 1 KB); at Dqk 512 a buffer that alternates every step.  a + b == b + a: both warps get the same S
-      auto xslot = [&](int h, int j) -> float4 * {
-        const int e = 32 * j + lane;
-        if (DQK == 576)
-          return reinterpret_cast<float4 *>(stage + (bi * 16 + (e >> 2)) * RS + 1024 + 64 * h + 16 * (e & 3));
-        return reinterpret_cast<float4 *>(xch + (2 * g + xp) * 512 + h * 256) + e;
-      };
-#pragma unroll
-      for (int j = 0; j < 2; ++j) *xslot(hh, j) = make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
-      asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
       float sum[2][4];
+      if (NST == 2) {  // both partials through a parity buffer, each warp adds (a + b == b + a: the same S)
+        float *xb = xch + (2 * g + st) * 512;  // [hh][j][lane][4]; st alternates every step at NST 2
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float4 ot = *xslot(1 - hh, j);
-        sum[j][0] = part[j][0] + ot.x;
-        sum[j][1] = part[j][1] + ot.y;
-        sum[j][2] = part[j][2] + ot.z;
-        sum[j][3] = part[j][3] + ot.w;
+        for (int j = 0; j < 2; ++j)
+          *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
+              make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+        asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float4 ot = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
+          sum[j][0] = part[j][0] + ot.x;
+          sum[j][1] = part[j][1] + ot.y;
+          sum[j][2] = part[j][2] + ot.z;
+          sum[j][3] = part[j][3] + ot.w;
+        }
+      } else {  // one buffer: warp 0's partial, warp 1 adds and writes the sum back (two barriers)
+        float4 *xb = reinterpret_cast<float4 *>(xch + g * 256) + lane;  // [j][lane][4]
+        if (hh == 0) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) xb[32 * j] = make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+        }
+        asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
+        if (hh == 1) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float4 ot = xb[32 * j];
+            sum[j][0] = part[j][0] + ot.x;
+            sum[j][1] = part[j][1] + ot.y;
+            sum[j][2] = part[j][2] + ot.z;
+            sum[j][3] = part[j][3] + ot.w;
+            xb[32 * j] = make_float4(sum[j][0], sum[j][1], sum[j][2], sum[j][3]);
+          }
+        }
+        asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
+        if (hh == 0) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float4 ot = xb[32 * j];
+            sum[j][0] = ot.x;
+            sum[j][1] = ot.y;
+            sum[j][2] = ot.z;
+            sum[j][3] = ot.w;
+          }
+        }
       }
-      xp ^= 1;
       float S[2][4];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -268,7 +293,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     ):
         with T.Kernel(T.min((n_tok + 3) // 4, n_ctas), threads=THREADS, prelude=_SRC) as bx:
             Stage = T.alloc_shared([4 * stages * 16 * rs], u8)
-            Xch = T.alloc_shared([4 * 1024 if dqk == 512 else 4], f32)  # Dqk 576: in the stages' rope
+            Xch = T.alloc_shared([4 * 1024 if stages == 2 else 4 * 256], f32)
             bars = T.alloc_barrier([16] * (4 * stages) + [2] * (4 * stages))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
