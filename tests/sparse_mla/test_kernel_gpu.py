@@ -210,9 +210,6 @@ FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES
     # kernel_fwd_mma_ws is persistent (132 CTAs of four token groups): several tokens per group, with topk_length
     ((576, 16, 4096, 256, 1200, True, True, "contig"), "mma_ws"),
     ((512, 7, 1840, 100, 700, False, True, "sliced"), "mma_ws"),
-    ((576, 16, 4096, 256, 1200, True, True, "contig"), "mma_ws3"),
-    ((512, 7, 1840, 100, 700, False, True, "sliced"), "mma_ws3"),
-    ((576, 9, 592, 100, 213, False, True, "sliced"), "mma_ws3"),
 ]
 
 
@@ -228,7 +225,6 @@ def test_sparse_mla_fwd_few_head_forms(case, form):
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     compiled = (kernel_fwd_narrow._compiled if form == "narrow" else kernel_fwd_mma_ws._compiled if form == "mma_ws"
-                else (lambda *a: kernel_fwd_mma_ws._compiled(*a, 3)) if form == "mma_ws3"
                 else lambda *a: kernel_fwd_mma._compiled(*a, form))
     _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     out, lse, max_logits = kernel_fwd.launch(compiled, q, kv, indices, **kw)

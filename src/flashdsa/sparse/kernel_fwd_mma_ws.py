@@ -43,18 +43,15 @@ MAX_HEADS = 16
 THREADS = 384
 N_CTAS = 132  # persistent CTAs (one per H200 SM)
 EXPECTS_WGMMA = False
-DEFAULT_STAGES = 2  # per group
 
 _SRC = km._SRC + r"""
-// The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][NST][16 rows][RS],
-// each row's validity flag in its padding word (byte ROW); xch: NST 2: [4][2 parity][512], NST 3: [4][256] (one
-// buffer: warp 0's partial S, then the sum back from warp 1); bars: 4 NST full (16 arrivals) then 4 NST empty (2
-// arrivals), group-major.
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int NST>
+// The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
+// valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
+template <int H, int DQK, int HAS_SINK, int HAS_TL>
 __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
                                                    const float *Sink, void *Outv, float *Lse, float *MaxLogits,
-                                                   void *stage_v, float *xch, void *bars_v, int bx,
+                                                   void *stage_v, int *valid, float *xch, void *bars_v, int bx,
                                                    int grid, float c) {
   constexpr int ROW = 2 * DQK, RS = ROW + 16, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
@@ -74,25 +71,20 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (lane >= 16) return;
     const unsigned char *kv = static_cast<const unsigned char *>(KVv);
-    int s = 0, ph = 0, warm = 0;  // stage and phase parity of the running step n (continued across tokens); n >= NST
+    int n = 0;
     for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
       const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
       const int *idx = Indices + static_cast<long long>(tok) * topk;
       int row = lane < lim ? idx[lane] : -1;
-      for (int it = 0; it < nsteps; ++it) {
-        const int slot = 16 * (it + 1) + lane;
+      for (int it = 0; it < nsteps; ++it, ++n) {
+        const int s = n & 1, slot = 16 * (it + 1) + lane;
         const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
-        if (warm) fdsa_wait_parity(bars + 8 * (4 * NST + NST * g + s), ph ^ 1);
-        const int ok = row >= 0 && row < n_rows, bi = NST * g + s;
-        *reinterpret_cast<int *>(stage + (bi * 16 + lane) * RS + ROW) = ok;
+        if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
+        const int ok = row >= 0 && row < n_rows, bi = 2 * g + s;
+        valid[bi * 16 + lane] = ok;
         fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
                           bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
         row = nrow;
-        if (++s == NST) {
-          s = 0;
-          ph ^= 1;
-          warm = 1;
-        }
       }
     }
     return;
@@ -103,7 +95,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
   const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
   const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
-  int st = 0, ph = 0;  // stage and phase parity of the running step (continued across tokens)
+  int n = 0;
   for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
     const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
     unsigned qreg[NQ][4];  // {a0, a1, a2, a3} = heads r / r + 8, dims d + 2 q (+1) / d + 8 + 2 q (+1)
@@ -125,9 +117,9 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
     float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f;
-    for (int it = 0; it < nsteps; ++it) {
-      const int bi = NST * g + st;
-      fdsa_wait_parity(bars + 8 * bi, ph);
+    for (int it = 0; it < nsteps; ++it, ++n) {
+      const int bi = 2 * g + (n & 1);
+      fdsa_wait_parity(bars + 8 * bi, (n >> 1) & 1);
       const unsigned sb = stage_s + bi * 16 * RS;
       float acc[2][2][4];
 #pragma unroll
@@ -143,66 +135,26 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int b = 0; b < 2; ++b)
-          vd[j][b] = *reinterpret_cast<const int *>(stage + (bi * 16 + 8 * j + 2 * q + b) * RS + ROW);
+        for (int b = 0; b < 2; ++b) vd[j][b] = valid[bi * 16 + 8 * j + 2 * q + b];
       float part[2][4];
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) part[j][e] = acc[0][j][e] + acc[1][j][e];
-      float sum[2][4];
-      if (NST == 2) {  // both partials through a parity buffer, each warp adds (a + b == b + a: the same S)
-        float *xb = xch + (2 * g + st) * 512;  // [hh][j][lane][4]; st alternates every step at NST 2
+      float *xb = xch + (2 * g + (n & 1)) * 512;  // [hh][j][lane][4]
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-          *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
-              make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
-        asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float4 ot = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
-          sum[j][0] = part[j][0] + ot.x;
-          sum[j][1] = part[j][1] + ot.y;
-          sum[j][2] = part[j][2] + ot.z;
-          sum[j][3] = part[j][3] + ot.w;
-        }
-      } else {  // one buffer: warp 0's partial, warp 1 adds and writes the sum back (two barriers)
-        float4 *xb = reinterpret_cast<float4 *>(xch + g * 256) + lane;  // [j][lane][4]
-        if (hh == 0) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) xb[32 * j] = make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
-        }
-        asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
-        if (hh == 1) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const float4 ot = xb[32 * j];
-            sum[j][0] = part[j][0] + ot.x;
-            sum[j][1] = part[j][1] + ot.y;
-            sum[j][2] = part[j][2] + ot.z;
-            sum[j][3] = part[j][3] + ot.w;
-            xb[32 * j] = make_float4(sum[j][0], sum[j][1], sum[j][2], sum[j][3]);
-          }
-        }
-        asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
-        if (hh == 0) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const float4 ot = xb[32 * j];
-            sum[j][0] = ot.x;
-            sum[j][1] = ot.y;
-            sum[j][2] = ot.z;
-            sum[j][3] = ot.w;
-          }
-        }
-      }
+      for (int j = 0; j < 2; ++j)
+        *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
+            make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+      asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
       float S[2][4];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        S[j][0] = vd[j][0] ? sum[j][0] : -FDSA_INF;
-        S[j][1] = vd[j][1] ? sum[j][1] : -FDSA_INF;
-        S[j][2] = vd[j][0] ? sum[j][2] : -FDSA_INF;
-        S[j][3] = vd[j][1] ? sum[j][3] : -FDSA_INF;
+        const float4 ot = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
+        S[j][0] = vd[j][0] ? part[j][0] + ot.x : -FDSA_INF;
+        S[j][1] = vd[j][1] ? part[j][1] + ot.y : -FDSA_INF;
+        S[j][2] = vd[j][0] ? part[j][2] + ot.z : -FDSA_INF;
+        S[j][3] = vd[j][1] ? part[j][3] + ot.w : -FDSA_INF;
       }
       float P[2][4];
       fdsa_lazy_softmax_step(S, c, m0, m1, t0, t1, l0, l1, P, [&](float al0, float al1) {
@@ -224,12 +176,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
         fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
       }
       __syncwarp();  // every lane's ldmatrix of the stage is done before the release
-      if (lane == 0)
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (4 * NST + bi)) : "memory");
-      if (++st == NST) {
-        st = 0;
-        ph ^= 1;
-      }
+      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -265,10 +212,8 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
 
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, n_ctas: int = N_CTAS, stages: int = DEFAULT_STAGES):
-    """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``stages`` per
-    group (2 or 3)."""
-    assert stages in (2, 3), stages
+                                has_topk_length: bool = False, n_ctas: int = N_CTAS):
+    """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk)."""
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -278,7 +223,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     rs = 2 * dqk + 16
-    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {stages}>"
+    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma_ws(
@@ -292,37 +237,37 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
         with T.Kernel(T.min((n_tok + 3) // 4, n_ctas), threads=THREADS, prelude=_SRC) as bx:
-            Stage = T.alloc_shared([4 * stages * 16 * rs], u8)
-            Xch = T.alloc_shared([4 * 1024 if stages == 2 else 4 * 256], f32)
-            bars = T.alloc_barrier([16] * (4 * stages) + [2] * (4 * stages))
+            Stage = T.alloc_shared([4 * 2 * 16 * rs], u8)
+            Valid = T.alloc_shared([4 * 2 * 16], i32)
+            Xch = T.alloc_shared([4 * 2 * 512], f32)
+            bars = T.alloc_barrier([16] * 8 + [2] * 8)
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
-                          T.address_of(Stage[0]), T.address_of(Xch[0]),
+                          T.address_of(Stage[0]), T.address_of(Valid[0]), T.address_of(Xch[0]),
                           T.address_of(bars[0]), bx, T.min((n_tok + 3) // 4, n_ctas), c_log2)
 
     return sparse_mla_fwd_mma_ws
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length, stages=DEFAULT_STAGES):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, stages=stages)
+                                       has_topk_length=has_topk_length)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
-def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
-              stages: int = DEFAULT_STAGES):
+def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):
     """``kernel_fwd.launch``'s compiled-kernel signature (n_blocks unused: dynamic trip count)."""
     assert d_v == D_V, d_v
-    return _build(heads, dqk, sm_scale, has_sink, has_topk_length, stages)
+    return _build(heads, dqk, sm_scale, has_sink, has_topk_length)
 
 
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [("mma_ws_h16_d576_sink_tl", build_sparse_mla_fwd_mma_ws(heads=16, dqk=576, sm_scale=576 ** -0.5,
                                                                      has_sink=True, has_topk_length=True)),
-            ("mma_ws3_h5_d512", build_sparse_mla_fwd_mma_ws(heads=5, dqk=512, sm_scale=0.05, stages=3))]
+            ("mma_ws_h5_d512", build_sparse_mla_fwd_mma_ws(heads=5, dqk=512, sm_scale=0.05))]
 
 
 def _bench_variants(shapes=("prefill", "sorted", "decode")):
@@ -344,8 +289,7 @@ def _bench_variants(shapes=("prefill", "sorted", "decode")):
         ref = None
         for label, compiled in (("mma_c4", functools.partial(km._compiled, form="mma_c4")),
                                 ("mma_c2q18", functools.partial(km._compiled, form="mma_c2q18")),
-                                ("mma_ws", functools.partial(_compiled, stages=2)),
-                                ("mma_ws3", functools.partial(_compiled, stages=3))):
+                                ("mma_ws", _compiled)):
             def fn(c=compiled):
                 return kernel_fwd.launch(c, q, kv, idx, sm_scale=576**-0.5, d_v=D_V)
 
