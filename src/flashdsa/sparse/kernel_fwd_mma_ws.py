@@ -23,7 +23,8 @@ dispatched from 4 tokens per SM (``kernel_fwd_mma.MANY_TOKEN_FORM``).  128 token
 on 132 SMs) against ``mma_c2q18``'s 0.094, so fewer tokens keep the other forms.  Two producer warps per group (512
 threads, consumers at 232 registers with 84 B of spills): 1.457 ms; each group's rows spread over the four producer
 warps (divergent per-lane token loops): 1.483 ms; three stages per group (flags in the rows' padding, one exchange
-buffer with two barriers per step): 1.500 ms; all removed.  Why only 2.5% (a consumer step without the issue
+buffer with two barriers per step): 1.500 ms; the exchange in each warp's own rope half of the stage rows (so three
+stages fit): 1.442 ms (two stages that way 1.435); all removed.  Why only 2.5% (a consumer step without the issue
 would be ~1,825 of today's ~2,470 cycles): not measured yet -- the producer's ~1,150 cycles to issue a stage's 16
 rows (~72 each) or the shared-memory port (docs/PERFORMANCE.md "Session 39").
 """
