@@ -232,10 +232,10 @@ def test_sparse_mla_fwd_few_head_forms(case, form):
     check_against_reference(out, lse, max_logits, q, kv, indices, kw["sm_scale"], topk_length, attn_sink, valid)
 
 
-@pytest.mark.parametrize("heads", [64, 16])
-def test_sparse_mla_fwd_kernel_cuda_graph(heads):
+@pytest.mark.parametrize("heads,n_tok", [(64, 62), (16, 62), (16, 600)])  # H 16 / 600 tokens: kernel_fwd_mma_ws
+def test_sparse_mla_fwd_kernel_cuda_graph(heads, n_tok):
     """The launch is capturable (no host sync, no value reads) and replays to the same result."""
-    dqk, tkv, topk, n_tok = 576, 1840, 256, 62
+    dqk, tkv, topk = 576, 1840, 256
     q, kv, indices, topk_length, attn_sink, _ = _make_inputs(dqk, heads, tkv, topk, n_tok, True, True, "contig", 1)
     kw = dict(sm_scale=dqk**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     eager = kernel_fwd.run_sparse_mla_fwd(q, kv, indices, **kw)  # compiles outside the capture
