@@ -1,12 +1,12 @@
 """The per-SM issue cost of one ``wgmma.mma_async`` m64nNk16 bf16 (fp32 accumulators) against N, for A from shared
 memory (SS) and from registers (RS), with 1 or 2 warpgroups per SM and 1 or 2 independent accumulators each.
 
-Why: the transposed designs put the heads on N (session 39's ``kernel_fwd_rs656``: N = 32 per warpgroup, ~74
-cycles per m64n32k16 per SM in its timings; session 36's narrow kernel: N = 16, ~65 cycles); at full rate an
-m64nNk16 takes N / 2 cycles per SM, so is a small N itself the bound?  (Session 39: no -- two interleaved chains
-reach the full rate from N 32 with A in registers; docs/PERFORMANCE.md "Session 39".)  Each warpgroup issues ``iters`` rounds of NACC wgmmas (one commit group per round, at
-most 2 rounds in flight), operands from a 1024-aligned shared buffer (contents irrelevant to the rate); one CTA per
-SM, 132 CTAs.  Prints cycles per wgmma per SM and TFLOP/s.
+Why: the transposed designs put the heads on N (session 39's ``kernel_fwd_rs656``: N = 32 per warpgroup, ~74 cycles
+per m64n32k16 per SM in its timings; session 36's narrow kernel: N = 16, ~65 cycles); at full rate an m64nNk16 takes
+N / 2 cycles per SM, so is a small N itself the bound? (Session 39: no -- two interleaved chains reach the full rate
+from N 32 with A in registers; docs/PERFORMANCE.md "Session 39".) Each warpgroup issues ``iters`` rounds of NACC
+wgmmas (one commit group per round, at most 2 rounds in flight), operands from a 1024-aligned shared buffer (contents
+irrelevant to the rate); one CTA per SM, 132 CTAs. Prints cycles per wgmma per SM and TFLOP/s.
 
 Usage (GPU host): ``python scripts/wgmma_rate_probe.py``; JSON to ``$OUT/wgmma_rate_probe.json``.
 """
