@@ -94,6 +94,92 @@ __device__ __forceinline__ void fdsa_mma_ldm_t(unsigned addr, unsigned *x) {
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
 }
 
+// The steps the per-warp kernels share (kernel_fwd_mma, kernel_fwd_mma_ws).  A pair of warps splits the dims: each
+// leaves its QK partial (the two k-step chains summed) at xb[hh] ([hh][j][lane][4]) ...
+__device__ __forceinline__ void fdsa_mma_xch_put(const float (&acc)[2][2][4], float *xb, int hh, int lane,
+                                                 float (&part)[2][4]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) part[j][e] = acc[0][j][e] + acc[1][j][e];
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+    *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
+        make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+}
+// ... and after the pair's barrier adds the other's (a + b == b + a: both warps get the same S); -inf where invalid
+__device__ __forceinline__ void fdsa_mma_xch_sum(const float (&part)[2][4], const int (&vd)[2][2], const float *xb,
+                                                 int hh, int lane, float (&S)[2][4]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float4 ot = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
+    S[j][0] = vd[j][0] ? part[j][0] + ot.x : -FDSA_INF;
+    S[j][1] = vd[j][1] ? part[j][1] + ot.y : -FDSA_INF;
+    S[j][2] = vd[j][0] ? part[j][2] + ot.z : -FDSA_INF;
+    S[j][3] = vd[j][1] ? part[j][3] + ot.w : -FDSA_INF;
+  }
+}
+// the online softmax of rows r, r + 8 (identical in both warps; few O rescales: _warp_mma's notes), then (PV) the PV
+// over this warp's 256 output dims: A = P (the S accumulator layout), B = V by ldmatrix.trans from the lane's address
+template <int PV>
+__device__ __forceinline__ void fdsa_mma_softmax_pv(const float (&S)[2][4], float c, float &m0, float &m1, float &t0,
+                                                    float &t1, float &l0, float &l1, float (&o)[32][4],
+                                                    unsigned v_addr) {
+  float P[2][4];
+  fdsa_lazy_softmax_step(S, c, m0, m1, t0, t1, l0, l1, P, [&](float al0, float al1) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      o[i][0] *= al0;
+      o[i][1] *= al0;
+      o[i][2] *= al1;
+      o[i][3] *= al1;
+    }
+  });
+  if (PV) {
+    const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),
+                           fdsa_pack_bf16x2(P[1][0], P[1][1]), fdsa_pack_bf16x2(P[1][2], P[1][3])};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      unsigned b[4];
+      fdsa_mma_ldm_t(v_addr + 32 * i, b);
+      fdsa_mma_bf16_16816(o[2 * i], a, b[0], b[1]);
+      fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
+    }
+  }
+}
+// A single group's outputs for heads r / r + 8 of token tok (l summed over the quad): each warp its 256 dims of out,
+// warp 0's quad leader lse (natural log, without the sink; +inf if empty) and max_logits (-inf if empty);
+// inv = 1 / (l + 2^(sink log2 e - m c))
+template <int H, int HAS_SINK>
+__device__ __forceinline__ void fdsa_mma_store_group(const float (&o)[32][4], float m0, float m1, float t0, float t1,
+                                                     float l0, float l1, float c, const float *Sink, void *Outv,
+                                                     float *Lse, float *MaxLogits, int tok, int r, int q, int hh) {
+  float sk0 = 0.f, sk1 = 0.f;
+  if (HAS_SINK) {
+    sk0 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r, H - 1)], 1.4426950408889634f), __fmul_rn(m0, c)));
+    sk1 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r + 8, H - 1)], 1.4426950408889634f), __fmul_rn(m1, c)));
+  }
+  const float inv0 = l0 > 0.f ? 1.f / (l0 + sk0) : 0.f, inv1 = l1 > 0.f ? 1.f / (l1 + sk1) : 0.f;
+  unsigned *out = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256;  // bf16 pairs
+#pragma unroll
+  for (int n = 0; n < 32; ++n) {
+    const int w = 128 * hh + 4 * n + q;
+    if (r < H) out[r * 256 + w] = fdsa_pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0);
+    if (r + 8 < H) out[(r + 8) * 256 + w] = fdsa_pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1);
+  }
+  if (hh == 0 && q == 0) {
+    const long long b = static_cast<long long>(tok) * H;
+    if (r < H) {
+      Lse[b + r] = l0 > 0.f ? (log2f(l0) + m0 * c) * 0.6931471805599453f : FDSA_INF;
+      MaxLogits[b + r] = l0 > 0.f ? t0 * c * 0.6931471805599453f : -FDSA_INF;
+    }
+    if (r + 8 < H) {
+      Lse[b + r + 8] = l1 > 0.f ? (log2f(l1) + m1 * c) * 0.6931471805599453f : FDSA_INF;
+      MaxLogits[b + r + 8] = l1 > 0.f ? t1 * c * 0.6931471805599453f : -FDSA_INF;
+    }
+  }
+}
+
 // The whole CTA (64 G T threads) for token tok: see the module notes of kernel_fwd_mma.py.
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters instead of out (u32
 // words 8 w + 0..5 of each token: cycles in the steps' mbarrier waits, in the exchange barriers, in the refill issue,
@@ -234,16 +320,9 @@ __device__ __forceinline__ void fdsa_mma_kernel(
 #pragma unroll
       for (int b = 0; b < 2; ++b) vd[j][b] = valid[bi * 16 + 8 * j + 2 * q + b];
     float part[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) part[j][e] = acc[0][j][e] + acc[1][j][e];
-    // exchange the partials (a + b == b + a exactly: both warps get the same S)
+    // exchange the partials (a + b == b + a: both warps get the same S)
     float *xb = xch + ((g * T + t) * 2 + (it & 1)) * 512;  // [hh][j][lane][4]
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
-          make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+    fdsa_mma_xch_put(acc, xb, hh, lane, part);
     if (ABL & 64) {
       const unsigned c1 = clock();
       cyc_qk += c1 - c0;
@@ -266,37 +345,8 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     }
     if (ABL & 64) cyc_issue += clock() - c0;
     float S[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float4 ot = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
-      S[j][0] = vd[j][0] ? part[j][0] + ot.x : -FDSA_INF;
-      S[j][1] = vd[j][1] ? part[j][1] + ot.y : -FDSA_INF;
-      S[j][2] = vd[j][0] ? part[j][2] + ot.z : -FDSA_INF;
-      S[j][3] = vd[j][1] ? part[j][3] + ot.w : -FDSA_INF;
-    }
-    // ---- online softmax (rows r, r + 8), identical in both warps (few O rescales: _warp_mma's notes)
-    float P[2][4];
-    fdsa_lazy_softmax_step(S, c, m0, m1, t0, t1, l0, l1, P, [&](float al0, float al1) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        o[i][0] *= al0;
-        o[i][1] *= al0;
-        o[i][2] *= al1;
-        o[i][3] *= al1;
-      }
-    });
-    // ---- PV over this warp's 256 output dims: A = P (the S accumulator layout), B = V by ldmatrix.trans
-    if (!(ABL & 16)) {
-      const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),
-                             fdsa_pack_bf16x2(P[1][0], P[1][1]), fdsa_pack_bf16x2(P[1][2], P[1][3])};
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        unsigned b[4];
-        fdsa_mma_ldm_t(sb + va + 32 * i, b);
-        fdsa_mma_bf16_16816(o[2 * i], a, b[0], b[1]);
-        fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
-      }
-    }
+    fdsa_mma_xch_sum(part, vd, xb, hh, lane, S);
+    fdsa_mma_softmax_pv<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
   }
   if (ABL & 64) cyc_loop = clock() - c_loop;
 
@@ -306,30 +356,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   if (G == 1 && T == 1) {  // one group: both warps hold the final m, l; each stores its own dims
-    float sk0 = 0.f, sk1 = 0.f;
-    if (HAS_SINK) {
-      sk0 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r, H - 1)], 1.4426950408889634f), __fmul_rn(m0, c)));
-      sk1 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r + 8, H - 1)], 1.4426950408889634f), __fmul_rn(m1, c)));
-    }
-    const float inv0 = l0 > 0.f ? 1.f / (l0 + sk0) : 0.f, inv1 = l1 > 0.f ? 1.f / (l1 + sk1) : 0.f;
-    unsigned *out = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256;  // bf16 pairs
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      const int w = 128 * hh + 4 * n + q;
-      if (r < H) out[r * 256 + w] = fdsa_pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0);
-      if (r + 8 < H) out[(r + 8) * 256 + w] = fdsa_pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1);
-    }
-    if (hh == 0 && q == 0) {
-      const long long b = static_cast<long long>(tok) * H;
-      if (r < H) {
-        Lse[b + r] = l0 > 0.f ? (log2f(l0) + m0 * c) * 0.6931471805599453f : FDSA_INF;
-        MaxLogits[b + r] = l0 > 0.f ? t0 * c * 0.6931471805599453f : -FDSA_INF;
-      }
-      if (r + 8 < H) {
-        Lse[b + r + 8] = l1 > 0.f ? (log2f(l1) + m1 * c) * 0.6931471805599453f : FDSA_INF;
-        MaxLogits[b + r + 8] = l1 > 0.f ? t1 * c * 0.6931471805599453f : -FDSA_INF;
-      }
-    }
+    fdsa_mma_store_group<H, HAS_SINK>(o, m0, m1, t0, t1, l0, l1, c, Sink, Outv, Lse, MaxLogits, tok, r, q, hh);
     if (ABL & 64) dbg_out(nsteps);
     return;
   }

@@ -137,45 +137,12 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int b = 0; b < 2; ++b) vd[j][b] = valid[bi * 16 + 8 * j + 2 * q + b];
-      float part[2][4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) part[j][e] = acc[0][j][e] + acc[1][j][e];
+      float part[2][4], S[2][4];
       float *xb = xch + (2 * g + (n & 1)) * 512;  // [hh][j][lane][4]
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        *reinterpret_cast<float4 *>(xb + hh * 256 + (j * 32 + lane) * 4) =
-            make_float4(part[j][0], part[j][1], part[j][2], part[j][3]);
+      fdsa_mma_xch_put(acc, xb, hh, lane, part);
       asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
-      float S[2][4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float4 ot = *reinterpret_cast<const float4 *>(xb + (1 - hh) * 256 + (j * 32 + lane) * 4);
-        S[j][0] = vd[j][0] ? part[j][0] + ot.x : -FDSA_INF;
-        S[j][1] = vd[j][1] ? part[j][1] + ot.y : -FDSA_INF;
-        S[j][2] = vd[j][0] ? part[j][2] + ot.z : -FDSA_INF;
-        S[j][3] = vd[j][1] ? part[j][3] + ot.w : -FDSA_INF;
-      }
-      float P[2][4];
-      fdsa_lazy_softmax_step(S, c, m0, m1, t0, t1, l0, l1, P, [&](float al0, float al1) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          o[i][0] *= al0;
-          o[i][1] *= al0;
-          o[i][2] *= al1;
-          o[i][3] *= al1;
-        }
-      });
-      const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),
-                             fdsa_pack_bf16x2(P[1][0], P[1][1]), fdsa_pack_bf16x2(P[1][2], P[1][3])};
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        unsigned b[4];
-        fdsa_mma_ldm_t(sb + va + 32 * i, b);
-        fdsa_mma_bf16_16816(o[2 * i], a, b[0], b[1]);
-        fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
-      }
+      fdsa_mma_xch_sum(part, vd, xb, hh, lane, S);
+      fdsa_mma_softmax_pv<1>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
       __syncwarp();  // every lane's ldmatrix of the stage is done before the release
       if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
     }
@@ -183,30 +150,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    float sk0 = 0.f, sk1 = 0.f;
-    if (HAS_SINK) {
-      sk0 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r, H - 1)], 1.4426950408889634f), __fmul_rn(m0, c)));
-      sk1 = exp2f(__fsub_rn(__fmul_rn(Sink[min(r + 8, H - 1)], 1.4426950408889634f), __fmul_rn(m1, c)));
-    }
-    const float inv0 = l0 > 0.f ? 1.f / (l0 + sk0) : 0.f, inv1 = l1 > 0.f ? 1.f / (l1 + sk1) : 0.f;
-    unsigned *out = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256;  // bf16 pairs
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int w = 128 * hh + 4 * i + q;
-      if (r < H) out[r * 256 + w] = fdsa_pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
-      if (r + 8 < H) out[(r + 8) * 256 + w] = fdsa_pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
-    }
-    if (hh == 0 && q == 0) {
-      const long long b = static_cast<long long>(tok) * H;
-      if (r < H) {
-        Lse[b + r] = l0 > 0.f ? (log2f(l0) + m0 * c) * 0.6931471805599453f : FDSA_INF;
-        MaxLogits[b + r] = l0 > 0.f ? t0 * c * 0.6931471805599453f : -FDSA_INF;
-      }
-      if (r + 8 < H) {
-        Lse[b + r + 8] = l1 > 0.f ? (log2f(l1) + m1 * c) * 0.6931471805599453f : FDSA_INF;
-        MaxLogits[b + r + 8] = l1 > 0.f ? t1 * c * 0.6931471805599453f : -FDSA_INF;
-      }
-    }
+    fdsa_mma_store_group<H, HAS_SINK>(o, m0, m1, t0, t1, l0, l1, c, Sink, Outv, Lse, MaxLogits, tok, r, q, hh);
   }
 }
 """
