@@ -90,16 +90,7 @@ void run(const unsigned char *kv, const int *idx, long long *cyc, int *sink) {
   const int steps = 512;
   const size_t smem = static_cast<size_t>(W) * R * 16 * (ROW + 16);
   cudaFuncSetAttribute(probe<W, R, MODE, ROW>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  probe<W, R, MODE, ROW><<<132, 32 * W, smem>>>(kv, idx, steps, cyc, sink);
-  cudaEventRecord(e0);
-  probe<W, R, MODE, ROW><<<132, 32 * W, smem>>>(kv, idx, steps, cyc, sink);
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
-  float ms;
-  cudaEventElapsedTime(&ms, e0, e1);
+  const float ms = probe_ms([&] { probe<W, R, MODE, ROW><<<132, 32 * W, smem>>>(kv, idx, steps, cyc, sink); });
   long long h[2 * 132 * 8];
   cudaMemcpy(h, cyc, sizeof(long long) * 2 * 132 * W, cudaMemcpyDeviceToHost);
   double tot = 0, iss = 0;

@@ -40,16 +40,7 @@ __global__ void mma_loop(float *out, int iters, long long *cyc) {
 template <int K, int NACC>
 void run(int warps, int bps, float *out, long long *cyc) {
   const int iters = 4096, blocks = 132 * bps;
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  mma_loop<K, NACC><<<blocks, 32 * warps>>>(out, iters, cyc);
-  cudaEventRecord(e0);
-  mma_loop<K, NACC><<<blocks, 32 * warps>>>(out, iters, cyc);
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
-  float ms;
-  cudaEventElapsedTime(&ms, e0, e1);
+  const float ms = probe_ms([&] { mma_loop<K, NACC><<<blocks, 32 * warps>>>(out, iters, cyc); });
   long long c0;
   cudaMemcpy(&c0, cyc, sizeof(c0), cudaMemcpyDeviceToHost);
   const double flops = 2.0 * 16 * 8 * K * NACC * (double)iters * warps * blocks;

@@ -75,16 +75,7 @@ template <typename K>
 void run(K kern, int n, int rs, int nacc, int wgs, float *out, long long *cyc) {
   const int iters = 4096, smem = 1024 + 8192 + 32768;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  kern<<<132, 128 * wgs, smem>>>(out, iters, cyc);
-  cudaEventRecord(e0);
-  kern<<<132, 128 * wgs, smem>>>(out, iters, cyc);
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
-  float ms;
-  cudaEventElapsedTime(&ms, e0, e1);
+  const float ms = probe_ms([&] { kern<<<132, 128 * wgs, smem>>>(out, iters, cyc); });
   long long c0;
   cudaMemcpy(&c0, cyc, sizeof(c0), cudaMemcpyDeviceToHost);
   const double n_mma = (double)iters * nacc * wgs;  // per SM
