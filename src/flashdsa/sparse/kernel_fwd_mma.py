@@ -471,12 +471,15 @@ def _pass_configs():
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
               form: str = DEFAULT_FORM):
     """``kernel_fwd.launch``'s compiled-kernel signature; n_blocks is not a build parameter (dynamic trip count).
-    ``form`` "mma_ws": ``kernel_fwd_mma_ws`` (H <= 16)."""
+    ``form`` "mma_ws" / "mma_wsh" (two full mbarriers per stage; + "_a<N>": a timing build):
+    ``kernel_fwd_mma_ws`` (H <= 16)."""
     assert d_v == D_V, d_v
-    if form == "mma_ws":
+    if form.partition("_a")[0] in ("mma_ws", "mma_wsh"):
         from . import kernel_fwd_mma_ws
 
-        return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length)
+        base, _, abl = form.partition("_a")
+        return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length, int(abl or 0),
+                                        2 if base == "mma_wsh" else 1)
     return _build(heads, dqk, sm_scale, has_sink, has_topk_length, form)
 
 

@@ -46,9 +46,26 @@ N_CTAS = 132  # persistent CTAs (one per H200 SM)
 EXPECTS_WGMMA = False
 
 _SRC = km._SRC + r"""
+// ABL 64: a warp's counters (see fdsa_mma_ws_kernel)
+__device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int warp, unsigned a, unsigned b, unsigned c,
+                                                     unsigned d, unsigned loop, int steps) {
+  unsigned *w = static_cast<unsigned *>(Outv) + 8 * (12 * bx + warp);
+  w[0] = a;
+  w[1] = b;
+  w[2] = c;
+  w[3] = d;
+  w[4] = loop;
+  w[5] = steps;
+}
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
-// valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
-template <int H, int DQK, int HAS_SINK, int HAS_TL>
+// valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 SPLIT full (16 / SPLIT arrivals) then 8 empty (2 arrivals),
+// group-major.
+// ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters instead of out (u32
+// words 8 (12 bx + warp) + 0..5, summed over the warp's tokens; consumers: cycles in the full-barrier waits, QK +
+// exchange store, the exchange barrier, the rest of the step (exchange sum, softmax, PV, release), the loop, steps;
+// producers: cycles in the empty-barrier waits, in the copies' issue, the loop, steps).
+// SPLIT 2: each stage has two full mbarriers (rows 0-7, 8-15); the QK of keys 0-7 starts once its half landed.
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int SPLIT = 1>
 __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
                                                    const float *Sink, void *Outv, float *Lse, float *MaxLogits,
@@ -72,6 +89,8 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (lane >= 16) return;
     const unsigned char *kv = static_cast<const unsigned char *>(KVv);
+    unsigned cw = 0, ci = 0, cl = 0;
+    const unsigned cl0 = (ABL & 64) ? clock() : 0u;
     int n = 0;
     for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
       const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
@@ -80,13 +99,24 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
       for (int it = 0; it < nsteps; ++it, ++n) {
         const int s = n & 1, slot = 16 * (it + 1) + lane;
         const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
-        if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
+        unsigned c0 = (ABL & 64) ? clock() : 0u;
+        if (n >= 2) fdsa_wait_parity(bars + 8 * (8 * SPLIT + 2 * g + s), ((n >> 1) - 1) & 1);
+        if (ABL & 64) {
+          const unsigned c1 = clock();
+          cw += c1 - c0;
+          c0 = c1;
+        }
         const int ok = row >= 0 && row < n_rows, bi = 2 * g + s;
         valid[bi * 16 + lane] = ok;
         fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
-                          bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
+                          bars + 8 * (SPLIT * bi + (SPLIT == 2 ? lane >> 3 : 0)), ok, stage + (bi * 16 + lane) * RS);
+        if (ABL & 64) ci += clock() - c0;
         row = nrow;
       }
+    }
+    if (ABL & 64) {
+      cl = clock() - cl0;
+      if (lane == 0) fdsa_mma_ws_counters(Outv, bx, warp, cw, ci, 0u, 0u, cl, n);
     }
     return;
   }
@@ -96,6 +126,9 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
   const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
   const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
+  const unsigned kh = (lane & 7) * RS + 16 * (lane >> 3);  // SPLIT 2's QK
+  unsigned cw = 0, cq = 0, cb = 0, cr = 0, cl = 0;
+  const unsigned cl0 = (ABL & 64) ? clock() : 0u;
   int n = 0;
   for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
     const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
@@ -120,17 +153,41 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
     float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f;
     for (int it = 0; it < nsteps; ++it, ++n) {
       const int bi = 2 * g + (n & 1);
-      fdsa_wait_parity(bars + 8 * bi, (n >> 1) & 1);
+      unsigned c0 = (ABL & 64) ? clock() : 0u;
+      fdsa_wait_parity(bars + 8 * SPLIT * bi, (n >> 1) & 1);
+      if (ABL & 64) {
+        const unsigned c1 = clock();
+        cw += c1 - c0;
+        c0 = c1;
+      }
       const unsigned sb = stage_s + bi * 16 * RS;
       float acc[2][2][4];
 #pragma unroll
       for (int e = 0; e < 16; ++e) acc[e >> 3][(e >> 2) & 1][e & 3] = 0.f;
+      if (SPLIT == 2) {  // per key half j: pairs of k steps (ldmatrix: keys 8 j + l % 8, 8 dims at 16 (l / 8) bytes)
 #pragma unroll
-      for (int s = 0; s < NQ; ++s) {
-        unsigned b[4];
-        fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
-        fdsa_mma_bf16_16816(acc[s & 1][0], qreg[s], b[0], b[1]);
-        fdsa_mma_bf16_16816(acc[s & 1][1], qreg[s], b[2], b[3]);
+        for (int j = 0; j < 2; ++j) {
+          if (j == 1) {
+            const unsigned c1 = (ABL & 64) ? clock() : 0u;
+            fdsa_wait_parity(bars + 8 * (2 * bi + 1), (n >> 1) & 1);
+            if (ABL & 64) cw += clock() - c1;
+          }
+#pragma unroll
+          for (int p = 0; p < NQ / 2 && !(ABL & 32); ++p) {
+            unsigned b[4];
+            fdsa_mma_ldm(sb + kh + 8 * j * RS + (p < 8 ? 512 * hh + 64 * p : 1024 + 64 * hh), b);
+            fdsa_mma_bf16_16816(acc[0][j], qreg[2 * p], b[0], b[1]);
+            fdsa_mma_bf16_16816(acc[1][j], qreg[2 * p + 1], b[2], b[3]);
+          }
+        }
+      } else if (!(ABL & 32)) {
+#pragma unroll
+        for (int s = 0; s < NQ; ++s) {
+          unsigned b[4];
+          fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
+          fdsa_mma_bf16_16816(acc[s & 1][0], qreg[s], b[0], b[1]);
+          fdsa_mma_bf16_16816(acc[s & 1][1], qreg[s], b[2], b[3]);
+        }
       }
       int vd[2][2];
 #pragma unroll
@@ -140,25 +197,45 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
       float part[2][4], S[2][4];
       float *xb = xch + (2 * g + (n & 1)) * 512;  // [hh][j][lane][4]
       fdsa_mma_xch_put(acc, xb, hh, lane, part);
+      if (ABL & 64) {
+        const unsigned c1 = clock();
+        cq += c1 - c0;
+        c0 = c1;
+      }
       asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
+      if (ABL & 64) {
+        const unsigned c1 = clock();
+        cb += c1 - c0;
+        c0 = c1;
+      }
       fdsa_mma_xch_sum(part, vd, xb, hh, lane, S);
-      fdsa_mma_softmax_pv<1>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
+      fdsa_mma_softmax_pv<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
       __syncwarp();  // every lane's ldmatrix of the stage is done before the release
-      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
+      if (lane == 0)
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 * SPLIT + bi)) : "memory");
+      if (ABL & 64) cr += clock() - c0;
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    fdsa_mma_store_group<H, HAS_SINK>(o, m0, m1, t0, t1, l0, l1, c, Sink, Outv, Lse, MaxLogits, tok, r, q, hh);
+    if (!(ABL & 64))
+      fdsa_mma_store_group<H, HAS_SINK>(o, m0, m1, t0, t1, l0, l1, c, Sink, Outv, Lse, MaxLogits, tok, r, q, hh);
+  }
+  if (ABL & 64) {
+    cl = clock() - cl0;
+    if (lane == 0) fdsa_mma_ws_counters(Outv, bx, warp, cw, cq, cb, cr, cl, n);
   }
 }
 """
 
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, n_ctas: int = N_CTAS):
-    """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk)."""
+                                has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0,
+                                split: int = 1):
+    """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``ablate``:
+    the ABL bits of a timing build, ``split``: full mbarriers per stage (``fdsa_mma_ws_kernel``)."""
+    assert split in (1, 2), split
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -168,7 +245,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     rs = 2 * dqk + 16
-    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}>"
+    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, {split}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma_ws(
@@ -185,7 +262,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
             Stage = T.alloc_shared([4 * 2 * 16 * rs], u8)
             Valid = T.alloc_shared([4 * 2 * 16], i32)
             Xch = T.alloc_shared([4 * 2 * 512], f32)
-            bars = T.alloc_barrier([16] * 8 + [2] * 8)
+            bars = T.alloc_barrier([16 // split] * (8 * split) + [2] * 8)
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
@@ -196,9 +273,9 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, split=1):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length)
+                                       has_topk_length=has_topk_length, ablate=ablate, split=split)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
