@@ -3,7 +3,8 @@
 Why: in ``sparse/kernel_fwd_mma.py`` the consumer warps issue their own rows' copies and spend ~750-1000 cycles per
 16-key step doing it (``scripts/mma_counters.py``): a producer warp would take that off their path only if one warp
 can issue the SM's ~64 rows per step fast enough.  Here ``W`` warps per CTA (one CTA per SM, 132 CTAs) each copy
-random 1152-byte rows of an L2-resident 8192-row table into their own ring of ``R`` 16-row stages (one mbarrier per
+random 1152-byte rows of an L2-resident 8192-row table into their own ring of ``R`` 16-row stages (rows ``ROW +
+PAD`` bytes apart, PAD 16 unless given; one mbarrier per
 stage), waiting on a stage's previous copies only when the ring wraps; ``MODE`` 0: lanes 0-15 each copy one row
 (one ``arrive.expect_tx`` per row, as the kernel), 1: lane 0 arrives once and copies the 16 rows in sequence.  (The
 ``.shared::cta`` destination form of PTX ISA 8.6 compiled but failed at launch on the H200 host, session 38.)
@@ -29,9 +30,9 @@ __device__ __forceinline__ void copy_row(unsigned dst, const void *src, unsigned
 __device__ __forceinline__ void arrive_expect(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
 }
-template <int W, int R, int MODE, int ROW>
+template <int W, int R, int MODE, int ROW, int PAD>
 __global__ void probe(const unsigned char *kv, const int *idx, int steps, long long *cyc, int *sink) {
-  constexpr int RS = ROW + 16;
+  constexpr int RS = ROW + PAD;
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ __align__(8) unsigned long long bars[W * R];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -85,12 +86,12 @@ __global__ void probe(const unsigned char *kv, const int *idx, int steps, long l
   }
   sink[blockIdx.x * blockDim.x + threadIdx.x] = acc;
 }
-template <int W, int R, int MODE, int ROW = 1152>
+template <int W, int R, int MODE, int ROW = 1152, int PAD = 16>
 void run(const unsigned char *kv, const int *idx, long long *cyc, int *sink) {
   const int steps = 512;
-  const size_t smem = static_cast<size_t>(W) * R * 16 * (ROW + 16);
-  cudaFuncSetAttribute(probe<W, R, MODE, ROW>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  const float ms = probe_ms([&] { probe<W, R, MODE, ROW><<<132, 32 * W, smem>>>(kv, idx, steps, cyc, sink); });
+  const size_t smem = static_cast<size_t>(W) * R * 16 * (ROW + PAD);
+  cudaFuncSetAttribute(probe<W, R, MODE, ROW, PAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  const float ms = probe_ms([&] { probe<W, R, MODE, ROW, PAD><<<132, 32 * W, smem>>>(kv, idx, steps, cyc, sink); });
   long long h[2 * 132 * 8];
   cudaMemcpy(h, cyc, sizeof(long long) * 2 * 132 * W, cudaMemcpyDeviceToHost);
   double tot = 0, iss = 0;
@@ -98,9 +99,9 @@ void run(const unsigned char *kv, const int *idx, long long *cyc, int *sink) {
   tot /= 132 * W;
   iss /= 132 * W;
   const double rows = 16.0 * steps * W;  // per SM
-  printf("{\"row\": %d, \"warps\": %d, \"ring\": %d, \"mode\": %d, \"ms\": %.4f, "
+  printf("{\"row\": %d, \"pad\": %d, \"warps\": %d, \"ring\": %d, \"mode\": %d, \"ms\": %.4f, "
          "\"rows_per_us_per_sm\": %.1f, \"tb_s\": %.2f, \"issue_cycles_per_stage\": %.0f, "
-         "\"cycles_per_stage\": %.0f, \"ghz\": %.3f, \"err\": \"%s\"}\n", ROW, W, R, MODE,
+         "\"cycles_per_stage\": %.0f, \"ghz\": %.3f, \"err\": \"%s\"}\n", ROW, PAD, W, R, MODE,
          ms, rows / (ms * 1e3), rows * 132 * ROW / (ms * 1e9), iss / steps, tot / steps, tot / (ms * 1e6),
          cudaGetErrorString(cudaGetLastError()));
 }
@@ -131,6 +132,13 @@ int main() {
   run<1, 12, 0, 576>(kv, idx, cyc, sink);
   run<4, 3, 0, 576>(kv, idx, cyc, sink);
   run<4, 6, 0, 576>(kv, idx, cyc, sink);
+  // the destination's alignment (session 40): rows RS = ROW + PAD bytes apart
+  run<4, 3, 0, 1152, 0>(kv, idx, cyc, sink);
+  run<4, 3, 0, 1152, 32>(kv, idx, cyc, sink);
+  run<4, 3, 0, 1152, 64>(kv, idx, cyc, sink);
+  run<4, 3, 0, 1152, 128>(kv, idx, cyc, sink);
+  run<8, 1, 0, 1152, 0>(kv, idx, cyc, sink);
+  run<4, 3, 0, 576, 0>(kv, idx, cyc, sink);
   return 0;
 }
 """

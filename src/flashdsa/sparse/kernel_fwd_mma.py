@@ -471,15 +471,17 @@ def _pass_configs():
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
               form: str = DEFAULT_FORM):
     """``kernel_fwd.launch``'s compiled-kernel signature; n_blocks is not a build parameter (dynamic trip count).
-    ``form`` "mma_ws" / "mma_wsh" (two full mbarriers per stage; + "_a<N>": a timing build):
+    ``form`` "mma_ws" / "mma_wsh" (two full mbarriers per stage; + "_p<N>": N bytes of row padding; + "_a<N>": a
+    timing build):
     ``kernel_fwd_mma_ws`` (H <= 16)."""
     assert d_v == D_V, d_v
-    if form.partition("_a")[0] in ("mma_ws", "mma_wsh"):
+    base, _, abl = form.partition("_a")
+    if base.partition("_p")[0] in ("mma_ws", "mma_wsh"):
         from . import kernel_fwd_mma_ws
 
-        base, _, abl = form.partition("_a")
+        base, _, pad = base.partition("_p")
         return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length, int(abl or 0),
-                                        2 if base == "mma_wsh" else 1)
+                                        2 if base == "mma_wsh" else 1, int(pad or 16))
     return _build(heads, dqk, sm_scale, has_sink, has_topk_length, form)
 
 

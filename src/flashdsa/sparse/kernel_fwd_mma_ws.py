@@ -65,13 +65,14 @@ __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int war
 // exchange store, the exchange barrier, the rest of the step (exchange sum, softmax, PV, release), the loop, steps;
 // producers: cycles in the empty-barrier waits, in the copies' issue, the loop, steps).
 // SPLIT 2: each stage has two full mbarriers (rows 0-7, 8-15); the QK of keys 0-7 starts once its half landed.
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int SPLIT = 1>
+// PAD: bytes between stage rows beyond the row (16: the 8 rows an ldmatrix reads sit in distinct bank quads).
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int SPLIT = 1, int PAD = 16>
 __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
                                                    const float *Sink, void *Outv, float *Lse, float *MaxLogits,
                                                    void *stage_v, int *valid, float *xch, void *bars_v, int bx,
                                                    int grid, float c) {
-  constexpr int ROW = 2 * DQK, RS = ROW + 16, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
+  constexpr int ROW = 2 * DQK, RS = ROW + PAD, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
@@ -232,10 +233,10 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
                                 has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0,
-                                split: int = 1):
+                                split: int = 1, pad: int = 16):
     """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``ablate``:
     the ABL bits of a timing build, ``split``: full mbarriers per stage (``fdsa_mma_ws_kernel``)."""
-    assert split in (1, 2), split
+    assert split in (1, 2) and pad % 16 == 0, (split, pad)
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -244,8 +245,8 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     c_log2 = float(sm_scale) * tc.LOG2E
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
-    rs = 2 * dqk + 16
-    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, {split}>"
+    rs = 2 * dqk + pad
+    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, {split}, {pad}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma_ws(
@@ -273,9 +274,10 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, split=1):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, split=1, pad=16):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, ablate=ablate, split=split)
+                                       has_topk_length=has_topk_length, ablate=ablate, split=split,
+                                       pad=pad)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
