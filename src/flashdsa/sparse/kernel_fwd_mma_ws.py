@@ -46,6 +46,29 @@ N_CTAS = 132  # persistent CTAs (one per H200 SM)
 EXPECTS_WGMMA = False
 
 _SRC = km._SRC + r"""
+// TMA rows: a row copied by cp.async.bulk.tensor with SWIZZLE_128B into a 128-byte aligned stage row keeps its
+// 128-byte lines in place and moves 16-byte chunk c of a line at shared address a to chunk c ^ ((a >> 7) & 7).
+// Stage rows are 1152 = 9 x 128 bytes apart from a 1024-aligned base, so the 8 rows an ldmatrix reads (same
+// logical chunk) fall in 8 distinct bank quads.  fdsa_swz_row: the physical offset of logical offset off (chunk
+// bits 32 (s % 4) of k step s are flipped afterwards by fdsa_swz_at, within the same line); offsets relative to a
+// 1024-aligned base (the stage's)
+__device__ __forceinline__ unsigned fdsa_swz_row(unsigned off) { return off ^ (((off >> 7) & 7u) << 4); }
+__device__ __forceinline__ unsigned fdsa_swz_at(unsigned addr, int k) { return addr ^ (32u * k); }
+template <int ROW>
+__device__ __forceinline__ void fdsa_tma_row(unsigned dst, const void *desc, int row, unsigned bar, int ok,
+                                             void *dst_g) {
+  if (ok) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(ROW) : "memory");
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+                 "%3, %4}], [%5];" :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(0), "r"(0),
+                 "r"(row), "r"(bar) : "memory");
+  } else {
+#pragma unroll
+    for (int k = 0; k < ROW / 16; ++k) reinterpret_cast<uint4 *>(dst_g)[k] = make_uint4(0u, 0u, 0u, 0u);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+  }
+}
 // ABL 64: a warp's counters (see fdsa_mma_ws_kernel)
 __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int warp, unsigned a, unsigned b, unsigned c,
                                                      unsigned d, unsigned loop, int steps) {
@@ -58,21 +81,22 @@ __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int war
   w[5] = steps;
 }
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
-// valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 SPLIT full (16 / SPLIT arrivals) then 8 empty (2 arrivals),
-// group-major.
+// valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters instead of out (u32
 // words 8 (12 bx + warp) + 0..5, summed over the warp's tokens; consumers: cycles in the full-barrier waits, QK +
 // exchange store, the exchange barrier, the rest of the step (exchange sum, softmax, PV, release), the loop, steps;
 // producers: cycles in the empty-barrier waits, in the copies' issue, the loop, steps).
-// SPLIT 2: each stage has two full mbarriers (rows 0-7, 8-15); the QK of keys 0-7 starts once its half landed.
 // PAD: bytes between stage rows beyond the row (16: the 8 rows an ldmatrix reads sit in distinct bank quads).
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int SPLIT = 1, int PAD = 16>
-__device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
+// TMA: each row one cp.async.bulk.tensor (desc: KV as [rows][Dqk / 64][64] bf16, SWIZZLE_128B) into 1152-byte
+// stage rows (128-byte aligned: fdsa_swz_row); PAD unused.
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int PAD = 16, int TMA = 0>
+__device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void *Qv, const void *KVv,
+                                                   int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
                                                    const float *Sink, void *Outv, float *Lse, float *MaxLogits,
                                                    void *stage_v, int *valid, float *xch, void *bars_v, int bx,
                                                    int grid, float c) {
-  constexpr int ROW = 2 * DQK, RS = ROW + PAD, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
+  constexpr int ROW = 2 * DQK, RS = TMA ? 1152 : ROW + PAD, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
@@ -101,7 +125,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
         const int s = n & 1, slot = 16 * (it + 1) + lane;
         const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
         unsigned c0 = (ABL & 64) ? clock() : 0u;
-        if (n >= 2) fdsa_wait_parity(bars + 8 * (8 * SPLIT + 2 * g + s), ((n >> 1) - 1) & 1);
+        if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
         if (ABL & 64) {
           const unsigned c1 = clock();
           cw += c1 - c0;
@@ -109,8 +133,11 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
         }
         const int ok = row >= 0 && row < n_rows, bi = 2 * g + s;
         valid[bi * 16 + lane] = ok;
-        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
-                          bars + 8 * (SPLIT * bi + (SPLIT == 2 ? lane >> 3 : 0)), ok, stage + (bi * 16 + lane) * RS);
+        if (TMA)
+          fdsa_tma_row<ROW>(stage_s + (bi * 16 + lane) * RS, desc, row, bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
+        else
+          fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+                            bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
         if (ABL & 64) ci += clock() - c0;
         row = nrow;
       }
@@ -127,7 +154,15 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
   const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
   const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
-  const unsigned kh = (lane & 7) * RS + 16 * (lane >> 3);  // SPLIT 2's QK
+  // TMA: the same addresses through the swizzle, per line phase j (lines 4 hh + j; k step s: phase s / 4, chunk
+  // bits 32 (s % 4) flipped by fdsa_swz_at); the rope in line 8
+  unsigned kq[4], vq[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    kq[j] = fdsa_swz_row(ka - 512 * hh + 128 * (4 * hh + j));
+    vq[j] = fdsa_swz_row(va - 512 * hh + 128 * (4 * hh + j));
+  }
+  const unsigned krs = fdsa_swz_row(kr);
   unsigned cw = 0, cq = 0, cb = 0, cr = 0, cl = 0;
   const unsigned cl0 = (ABL & 64) ? clock() : 0u;
   int n = 0;
@@ -155,7 +190,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
     for (int it = 0; it < nsteps; ++it, ++n) {
       const int bi = 2 * g + (n & 1);
       unsigned c0 = (ABL & 64) ? clock() : 0u;
-      fdsa_wait_parity(bars + 8 * SPLIT * bi, (n >> 1) & 1);
+      fdsa_wait_parity(bars + 8 * bi, (n >> 1) & 1);
       if (ABL & 64) {
         const unsigned c1 = clock();
         cw += c1 - c0;
@@ -165,27 +200,14 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
       float acc[2][2][4];
 #pragma unroll
       for (int e = 0; e < 16; ++e) acc[e >> 3][(e >> 2) & 1][e & 3] = 0.f;
-      if (SPLIT == 2) {  // per key half j: pairs of k steps (ldmatrix: keys 8 j + l % 8, 8 dims at 16 (l / 8) bytes)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          if (j == 1) {
-            const unsigned c1 = (ABL & 64) ? clock() : 0u;
-            fdsa_wait_parity(bars + 8 * (2 * bi + 1), (n >> 1) & 1);
-            if (ABL & 64) cw += clock() - c1;
-          }
-#pragma unroll
-          for (int p = 0; p < NQ / 2 && !(ABL & 32); ++p) {
-            unsigned b[4];
-            fdsa_mma_ldm(sb + kh + 8 * j * RS + (p < 8 ? 512 * hh + 64 * p : 1024 + 64 * hh), b);
-            fdsa_mma_bf16_16816(acc[0][j], qreg[2 * p], b[0], b[1]);
-            fdsa_mma_bf16_16816(acc[1][j], qreg[2 * p + 1], b[2], b[3]);
-          }
-        }
-      } else if (!(ABL & 32)) {
+      if (!(ABL & 32)) {
 #pragma unroll
         for (int s = 0; s < NQ; ++s) {
           unsigned b[4];
-          fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
+          if (TMA)
+            fdsa_mma_ldm(s < 16 ? fdsa_swz_at(sb + kq[s >> 2], s & 3) : fdsa_swz_at(sb + krs, s - 16), b);
+          else
+            fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
           fdsa_mma_bf16_16816(acc[s & 1][0], qreg[s], b[0], b[1]);
           fdsa_mma_bf16_16816(acc[s & 1][1], qreg[s], b[2], b[3]);
         }
@@ -210,10 +232,14 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
         c0 = c1;
       }
       fdsa_mma_xch_sum(part, vd, xb, hh, lane, S);
-      fdsa_mma_softmax_pv<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
+      if (TMA)
+        fdsa_mma_softmax_pv_at<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o,
+                                            [&](int i) { return fdsa_swz_at(sb + vq[i >> 2], i & 3); });
+      else
+        fdsa_mma_softmax_pv<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
       __syncwarp();  // every lane's ldmatrix of the stage is done before the release
       if (lane == 0)
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 * SPLIT + bi)) : "memory");
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
       if (ABL & 64) cr += clock() - c0;
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -228,15 +254,35 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
     if (lane == 0) fdsa_mma_ws_counters(Outv, bx, warp, cw, cq, cb, cr, cl, n);
   }
 }
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL, int PAD, class TensorMap>  // a CUtensorMap
+__device__ __forceinline__ void fdsa_mma_ws_tma(const TensorMap &desc, const void *Qv, const void *KVv, int n_rows,
+                                                int n_tok, const int *Indices, int topk, const int *TopkLen,
+                                                const float *Sink, void *Outv, float *Lse, float *MaxLogits,
+                                                void *stage_v, int *valid, float *xch, void *bars_v, int bx, int grid,
+                                                float c) {
+  if ((static_cast<unsigned>(__cvta_generic_to_shared(stage_v)) & 1023u) != 0u) __trap();  // the swizzle's base
+  fdsa_mma_ws_kernel<H, DQK, HAS_SINK, HAS_TL, ABL, PAD, 1>(&desc, Qv, KVv, n_rows, n_tok, Indices, topk, TopkLen,
+                                                           Sink, Outv, Lse, MaxLogits, stage_v, valid, xch, bars_v,
+                                                           bx, grid, c);
+}
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL, int PAD>
+__device__ __forceinline__ void fdsa_mma_ws_plain(const void *Qv, const void *KVv, int n_rows, int n_tok,
+                                                  const int *Indices, int topk, const int *TopkLen, const float *Sink,
+                                                  void *Outv, float *Lse, float *MaxLogits, void *stage_v, int *valid,
+                                                  float *xch, void *bars_v, int bx, int grid, float c) {
+  fdsa_mma_ws_kernel<H, DQK, HAS_SINK, HAS_TL, ABL, PAD, 0>(nullptr, Qv, KVv, n_rows, n_tok, Indices, topk, TopkLen,
+                                                           Sink, Outv, Lse, MaxLogits, stage_v, valid, xch, bars_v,
+                                                           bx, grid, c);
+}
 """
 
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
                                 has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0,
-                                split: int = 1, pad: int = 16):
+                                pad: int = 16, tma: bool = False):
     """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``ablate``:
-    the ABL bits of a timing build, ``split``: full mbarriers per stage (``fdsa_mma_ws_kernel``)."""
-    assert split in (1, 2) and pad % 16 == 0, (split, pad)
+    the ABL bits of a timing build, ``pad`` / ``tma``: the stage rows (``fdsa_mma_ws_kernel``)."""
+    assert pad % 16 == 0, pad
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -245,8 +291,11 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     c_log2 = float(sm_scale) * tc.LOG2E
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
-    rs = 2 * dqk + pad
-    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, {split}, {pad}>"
+    rs = 1152 if tma else 2 * dqk + pad
+    fn = (f"fdsa_mma_ws_{'tma' if tma else 'plain'}<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, "
+          f"{int(ablate)}, {pad}>")
+    # TMA: KV as [n_kv][Dqk / 64][64] bf16 (dims innermost first, byte strides), one row per box, SWIZZLE_128B
+    desc_args = (9, 3, None, 64, dqk // 64, n_kv, 2, 128, 2 * dqk, 64, dqk // 64, 1, 1, 1, 1, 0, 3, 2, 0)
 
     @T.prim_func
     def sparse_mla_fwd_mma_ws(
@@ -263,8 +312,9 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
             Stage = T.alloc_shared([4 * 2 * 16 * rs], u8)
             Valid = T.alloc_shared([4 * 2 * 16], i32)
             Xch = T.alloc_shared([4 * 2 * 512], f32)
-            bars = T.alloc_barrier([16 // split] * (8 * split) + [2] * 8)
-            T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
+            bars = T.alloc_barrier([16] * 8 + [2] * 8)
+            T.call_extern("handle", fn, *([T.create_tma_descriptor(*desc_args[:2], KV.data, *desc_args[3:])]
+                                          if tma else []), T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
                           T.address_of(Stage[0]), T.address_of(Valid[0]), T.address_of(Xch[0]),
@@ -274,10 +324,10 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, split=1, pad=16):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, pad=16, tma=False):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, ablate=ablate, split=split,
-                                       pad=pad)
+                                       has_topk_length=has_topk_length, ablate=ablate, pad=pad,
+                                       tma=tma)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
