@@ -85,7 +85,8 @@ __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int war
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters instead of out (u32
 // words 8 (12 bx + warp) + 0..5, summed over the warp's tokens; consumers: cycles in the full-barrier waits, QK +
 // exchange store, the exchange barrier, the rest of the step (exchange sum, softmax, PV, release), the loop, steps;
-// producers: cycles in the empty-barrier waits, in the copies' issue, the loop, steps).
+// producers: cycles in the empty-barrier waits, in the copies' issue, the loop, steps); 128 no output stores, 256
+// the clock reads of 64 without their stores (outputs kept).
 // PAD: bytes between stage rows beyond the row (16: the 8 rows an ldmatrix reads sit in distinct bank quads).
 // TMA: each row one cp.async.bulk.tensor (desc: KV as [rows][Dqk / 64][64] bf16, SWIZZLE_128B) into 1152-byte
 // stage rows (128-byte aligned: fdsa_swz_row); PAD unused.
@@ -97,6 +98,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
                                                    void *stage_v, int *valid, float *xch, void *bars_v, int bx,
                                                    int grid, float c) {
   constexpr int ROW = 2 * DQK, RS = TMA ? 1152 : ROW + PAD, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
+  constexpr bool CLK = ABL & (64 | 256);  // the counters' clock reads
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
@@ -115,7 +117,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
     if (lane >= 16) return;
     const unsigned char *kv = static_cast<const unsigned char *>(KVv);
     unsigned cw = 0, ci = 0, cl = 0;
-    const unsigned cl0 = (ABL & 64) ? clock() : 0u;
+    const unsigned cl0 = CLK ? clock() : 0u;
     int n = 0;
     for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
       const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
@@ -124,9 +126,9 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
       for (int it = 0; it < nsteps; ++it, ++n) {
         const int s = n & 1, slot = 16 * (it + 1) + lane;
         const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
-        unsigned c0 = (ABL & 64) ? clock() : 0u;
+        unsigned c0 = CLK ? clock() : 0u;
         if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
-        if (ABL & 64) {
+        if (CLK) {
           const unsigned c1 = clock();
           cw += c1 - c0;
           c0 = c1;
@@ -138,7 +140,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
         else
           fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
                             bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
-        if (ABL & 64) ci += clock() - c0;
+        if (CLK) ci += clock() - c0;
         row = nrow;
       }
     }
@@ -164,7 +166,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
   }
   const unsigned krs = fdsa_swz_row(kr);
   unsigned cw = 0, cq = 0, cb = 0, cr = 0, cl = 0;
-  const unsigned cl0 = (ABL & 64) ? clock() : 0u;
+  const unsigned cl0 = CLK ? clock() : 0u;
   int n = 0;
   for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
     const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
@@ -189,9 +191,9 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
     float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f;
     for (int it = 0; it < nsteps; ++it, ++n) {
       const int bi = 2 * g + (n & 1);
-      unsigned c0 = (ABL & 64) ? clock() : 0u;
+      unsigned c0 = CLK ? clock() : 0u;
       fdsa_wait_parity(bars + 8 * bi, (n >> 1) & 1);
-      if (ABL & 64) {
+      if (CLK) {
         const unsigned c1 = clock();
         cw += c1 - c0;
         c0 = c1;
@@ -220,13 +222,13 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
       float part[2][4], S[2][4];
       float *xb = xch + (2 * g + (n & 1)) * 512;  // [hh][j][lane][4]
       fdsa_mma_xch_put(acc, xb, hh, lane, part);
-      if (ABL & 64) {
+      if (CLK) {
         const unsigned c1 = clock();
         cq += c1 - c0;
         c0 = c1;
       }
       asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
-      if (ABL & 64) {
+      if (CLK) {
         const unsigned c1 = clock();
         cb += c1 - c0;
         c0 = c1;
@@ -240,13 +242,13 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
       __syncwarp();  // every lane's ldmatrix of the stage is done before the release
       if (lane == 0)
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
-      if (ABL & 64) cr += clock() - c0;
+      if (CLK) cr += clock() - c0;
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    if (!(ABL & 64))
+    if (!(ABL & (64 | 128)))
       fdsa_mma_store_group<H, HAS_SINK>(o, m0, m1, t0, t1, l0, l1, c, Sink, Outv, Lse, MaxLogits, tok, r, q, hh);
   }
   if (ABL & 64) {
