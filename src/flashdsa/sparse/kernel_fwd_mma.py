@@ -58,6 +58,7 @@ express block-wide gemms, not per-warp ``mma.sync`` chains with their own softma
 
 import functools
 import os
+import re
 
 import tilelang
 import tilelang.language as T
@@ -478,17 +479,17 @@ def _pass_configs():
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
               form: str = DEFAULT_FORM):
     """``kernel_fwd.launch``'s compiled-kernel signature; n_blocks is not a build parameter (dynamic trip count).
-    ``form`` "mma_ws" / "mma_wst" (rows by TMA tensor copies, swizzled; + "_p<N>": N bytes of row padding;
-    + "_a<N>": a timing build):
+    ``form`` "mma_ws" / "mma_wst" (rows by TMA tensor copies, swizzled) / "mma_wst3" (+ 3 stages per group;
+    + "_p<N>": N bytes of row padding; + "_a<N>": a timing build):
     ``kernel_fwd_mma_ws`` (H <= 16)."""
     assert d_v == D_V, d_v
-    base, _, abl = form.partition("_a")
-    if base.partition("_p")[0] in ("mma_ws", "mma_wst"):
+    ws = re.fullmatch(r"mma_ws(t?)(3?)(?:_p(\d+))?(?:_a(\d+))?", form)
+    if ws:
         from . import kernel_fwd_mma_ws
 
-        base, _, pad = base.partition("_p")
+        tma, three, pad, abl = ws.groups()
         return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length, int(abl or 0),
-                                        int(pad or 16), base == "mma_wst")
+                                        int(pad or 16), bool(tma), 3 if three else 2)
     return _build(heads, dqk, sm_scale, has_sink, has_topk_length, form)
 
 

@@ -81,16 +81,19 @@ __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int war
   w[5] = steps;
 }
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
-// valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
-// ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters instead of out (u32
-// words 8 (12 bx + warp) + 0..5, summed over the warp's tokens; consumers: cycles in the full-barrier waits, QK +
+// valid: [4][NST][16]; xch: [4][2 parity (NST 2) or 1][512]; bars: 4 NST full (16 arrivals) then 4 NST empty (2
+// arrivals), group-major.
+// ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters over out's first
+// words after the outputs (u32 words 8 (12 bx + warp) + 0..5, summed over the warp's tokens; consumers: cycles in the full-barrier waits, QK +
 // exchange store, the exchange barrier, the rest of the step (exchange sum, softmax, PV, release), the loop, steps;
 // producers: cycles in the empty-barrier waits, in the copies' issue, the loop, steps); 128 no output stores, 256
 // the clock reads of 64 without their stores (outputs kept).
 // PAD: bytes between stage rows beyond the row (16: the 8 rows an ldmatrix reads sit in distinct bank quads).
 // TMA: each row one cp.async.bulk.tensor (desc: KV as [rows][Dqk / 64][64] bf16, SWIZZLE_128B) into 1152-byte
 // stage rows (128-byte aligned: fdsa_swz_row); PAD unused.
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int PAD = 16, int TMA = 0>
+// NST: stages per group (3: TMA only; one partial-S exchange buffer per group, written once the step before's
+// stage was released by both warps, i.e. after the partner read it).
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int PAD = 16, int TMA = 0, int NST = 2>
 __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void *Qv, const void *KVv,
                                                    int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
@@ -118,22 +121,22 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
     const unsigned char *kv = static_cast<const unsigned char *>(KVv);
     unsigned cw = 0, ci = 0, cl = 0;
     const unsigned cl0 = CLK ? clock() : 0u;
-    int n = 0;
+    int n = 0, st = 0, kk = 0;  // steps so far, their stage and round (n = NST kk + st)
     for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
       const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
       const int *idx = Indices + static_cast<long long>(tok) * topk;
       int row = lane < lim ? idx[lane] : -1;
-      for (int it = 0; it < nsteps; ++it, ++n) {
-        const int s = n & 1, slot = 16 * (it + 1) + lane;
+      for (int it = 0; it < nsteps; ++it, ++n, st = st + 1 == NST ? 0 : st + 1, kk += st == 0) {
+        const int slot = 16 * (it + 1) + lane;
         const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
         unsigned c0 = CLK ? clock() : 0u;
-        if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
+        if (kk >= 1) fdsa_wait_parity(bars + 8 * (4 * NST + NST * g + st), (kk - 1) & 1);
         if (CLK) {
           const unsigned c1 = clock();
           cw += c1 - c0;
           c0 = c1;
         }
-        const int ok = row >= 0 && row < n_rows, bi = 2 * g + s;
+        const int ok = row >= 0 && row < n_rows, bi = NST * g + st;
         valid[bi * 16 + lane] = ok;
         if (TMA)
           fdsa_tma_row<ROW>(stage_s + (bi * 16 + lane) * RS, desc, row, bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
@@ -167,7 +170,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
   const unsigned krs = fdsa_swz_row(kr);
   unsigned cw = 0, cq = 0, cb = 0, cr = 0, cl = 0;
   const unsigned cl0 = CLK ? clock() : 0u;
-  int n = 0;
+  int n = 0, st = 0, kk = 0, pst = 0, pkk = 0;  // as the producer's; pst / pkk: the step before's
   for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
     const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
     unsigned qreg[NQ][4];  // {a0, a1, a2, a3} = heads r / r + 8, dims d + 2 q (+1) / d + 8 + 2 q (+1)
@@ -190,9 +193,9 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
       for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
     float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f;
     for (int it = 0; it < nsteps; ++it, ++n) {
-      const int bi = 2 * g + (n & 1);
+      const int bi = NST * g + st;
       unsigned c0 = CLK ? clock() : 0u;
-      fdsa_wait_parity(bars + 8 * bi, (n >> 1) & 1);
+      fdsa_wait_parity(bars + 8 * bi, kk & 1);
       if (CLK) {
         const unsigned c1 = clock();
         cw += c1 - c0;
@@ -220,7 +223,8 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
 #pragma unroll
         for (int b = 0; b < 2; ++b) vd[j][b] = valid[bi * 16 + 8 * j + 2 * q + b];
       float part[2][4], S[2][4];
-      float *xb = xch + (2 * g + (n & 1)) * 512;  // [hh][j][lane][4]
+      float *xb = xch + (NST == 2 ? 2 * g + (n & 1) : g) * 512;  // [hh][j][lane][4]
+      if (NST != 2 && n >= 1) fdsa_wait_parity(bars + 8 * (4 * NST + NST * g + pst), pkk & 1);
       fdsa_mma_xch_put(acc, xb, hh, lane, part);
       if (CLK) {
         const unsigned c1 = clock();
@@ -241,14 +245,18 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
         fdsa_mma_softmax_pv<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
       __syncwarp();  // every lane's ldmatrix of the stage is done before the release
       if (lane == 0)
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (4 * NST + bi)) : "memory");
       if (CLK) cr += clock() - c0;
+      pst = st;
+      pkk = kk;
+      st = st + 1 == NST ? 0 : st + 1;
+      kk += st == 0;
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    if (!(ABL & (64 | 128)))
+    if (!(ABL & 128))
       fdsa_mma_store_group<H, HAS_SINK>(o, m0, m1, t0, t1, l0, l1, c, Sink, Outv, Lse, MaxLogits, tok, r, q, hh);
   }
   if (ABL & 64) {
@@ -256,16 +264,16 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
     if (lane == 0) fdsa_mma_ws_counters(Outv, bx, warp, cw, cq, cb, cr, cl, n);
   }
 }
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL, int PAD, class TensorMap>  // a CUtensorMap
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL, int PAD, int NST, class TensorMap>  // a CUtensorMap
 __device__ __forceinline__ void fdsa_mma_ws_tma(const TensorMap &desc, const void *Qv, const void *KVv, int n_rows,
                                                 int n_tok, const int *Indices, int topk, const int *TopkLen,
                                                 const float *Sink, void *Outv, float *Lse, float *MaxLogits,
                                                 void *stage_v, int *valid, float *xch, void *bars_v, int bx, int grid,
                                                 float c) {
   if ((static_cast<unsigned>(__cvta_generic_to_shared(stage_v)) & 1023u) != 0u) __trap();  // the swizzle's base
-  fdsa_mma_ws_kernel<H, DQK, HAS_SINK, HAS_TL, ABL, PAD, 1>(&desc, Qv, KVv, n_rows, n_tok, Indices, topk, TopkLen,
-                                                           Sink, Outv, Lse, MaxLogits, stage_v, valid, xch, bars_v,
-                                                           bx, grid, c);
+  fdsa_mma_ws_kernel<H, DQK, HAS_SINK, HAS_TL, ABL, PAD, 1, NST>(&desc, Qv, KVv, n_rows, n_tok, Indices, topk,
+                                                                TopkLen, Sink, Outv, Lse, MaxLogits, stage_v, valid,
+                                                                xch, bars_v, bx, grid, c);
 }
 template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL, int PAD>
 __device__ __forceinline__ void fdsa_mma_ws_plain(const void *Qv, const void *KVv, int n_rows, int n_tok,
@@ -281,10 +289,10 @@ __device__ __forceinline__ void fdsa_mma_ws_plain(const void *Qv, const void *KV
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
                                 has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0,
-                                pad: int = 16, tma: bool = False):
+                                pad: int = 16, tma: bool = False, stages: int = 2):
     """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``ablate``:
-    the ABL bits of a timing build, ``pad`` / ``tma``: the stage rows (``fdsa_mma_ws_kernel``)."""
-    assert pad % 16 == 0, pad
+    the ABL bits of a timing build, ``pad`` / ``tma`` / ``stages``: the stage rows (``fdsa_mma_ws_kernel``)."""
+    assert pad % 16 == 0 and stages in (2, 3) and (stages == 2 or tma), (pad, tma, stages)
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -295,7 +303,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     rs = 1152 if tma else 2 * dqk + pad
     fn = (f"fdsa_mma_ws_{'tma' if tma else 'plain'}<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, "
-          f"{int(ablate)}, {pad}>")
+          f"{int(ablate)}, {pad}{f', {stages}' if tma else ''}>")
     # TMA: KV as [n_kv][Dqk / 64][64] bf16 (dims innermost first, byte strides), one row per box, SWIZZLE_128B
     desc_args = (9, 3, None, 64, dqk // 64, n_kv, 2, 128, 2 * dqk, 64, dqk // 64, 1, 1, 1, 1, 0, 3, 2, 0)
 
@@ -311,10 +319,10 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
         with T.Kernel(T.min((n_tok + 3) // 4, n_ctas), threads=THREADS, prelude=_SRC) as bx:
-            Stage = T.alloc_shared([4 * 2 * 16 * rs], u8)
-            Valid = T.alloc_shared([4 * 2 * 16], i32)
-            Xch = T.alloc_shared([4 * 2 * 512], f32)
-            bars = T.alloc_barrier([16] * 8 + [2] * 8)
+            Stage = T.alloc_shared([4 * stages * 16 * rs], u8)
+            Valid = T.alloc_shared([4 * stages * 16], i32)
+            Xch = T.alloc_shared([4 * (2 if stages == 2 else 1) * 512], f32)
+            bars = T.alloc_barrier([16] * (4 * stages) + [2] * (4 * stages))
             T.call_extern("handle", fn, *([T.create_tma_descriptor(*desc_args[:2], KV.data, *desc_args[3:])]
                                           if tma else []), T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
@@ -326,10 +334,10 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, pad=16, tma=False):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, pad=16, tma=False, stages=2):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
                                        has_topk_length=has_topk_length, ablate=ablate, pad=pad,
-                                       tma=tma)
+                                       tma=tma, stages=stages)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
