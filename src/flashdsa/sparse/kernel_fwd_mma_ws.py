@@ -46,29 +46,6 @@ N_CTAS = 132  # persistent CTAs (one per H200 SM)
 EXPECTS_WGMMA = False
 
 _SRC = km._SRC + r"""
-// TMA rows: a row copied by cp.async.bulk.tensor with SWIZZLE_128B into a 128-byte aligned stage row keeps its
-// 128-byte lines in place and moves 16-byte chunk c of a line at shared address a to chunk c ^ ((a >> 7) & 7).
-// Stage rows are 1152 = 9 x 128 bytes apart from a 1024-aligned base, so the 8 rows an ldmatrix reads (same
-// logical chunk) fall in 8 distinct bank quads.  fdsa_swz_row: the physical offset of logical offset off (chunk
-// bits 32 (s % 4) of k step s are flipped afterwards by fdsa_swz_at, within the same line); offsets relative to a
-// 1024-aligned base (the stage's)
-__device__ __forceinline__ unsigned fdsa_swz_row(unsigned off) { return off ^ (((off >> 7) & 7u) << 4); }
-__device__ __forceinline__ unsigned fdsa_swz_at(unsigned addr, int k) { return addr ^ (32u * k); }
-template <int ROW>
-__device__ __forceinline__ void fdsa_tma_row(unsigned dst, const void *desc, int row, unsigned bar, int ok,
-                                             void *dst_g) {
-  if (ok) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(ROW) : "memory");
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-                 "%3, %4}], [%5];" :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(0), "r"(0),
-                 "r"(row), "r"(bar) : "memory");
-  } else {
-#pragma unroll
-    for (int k = 0; k < ROW / 16; ++k) reinterpret_cast<uint4 *>(dst_g)[k] = make_uint4(0u, 0u, 0u, 0u);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-  }
-}
 // ABL 64: a warp's counters (see fdsa_mma_ws_kernel)
 __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int warp, unsigned a, unsigned b, unsigned c,
                                                      unsigned d, unsigned loop, int steps) {
@@ -81,27 +58,22 @@ __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int war
   w[5] = steps;
 }
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
-// valid: [4][NST][16]; xch: [4][2 parity (NST 2) or 1][512]; bars: 4 NST full (16 arrivals) then 4 NST empty (2
-// arrivals), group-major.
+// valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters over out's first
-// words after the outputs (u32 words 8 (12 bx + warp) + 0..5, summed over the warp's tokens; consumers: cycles in the full-barrier waits, QK +
+// words once the outputs are written (u32 words 8 (12 bx + warp) + 0..5, summed over the warp's tokens; consumers: cycles in the full-barrier waits, QK +
 // exchange store, the exchange barrier, the rest of the step (exchange sum, softmax, PV, release), the loop, steps;
-// producers: cycles in the empty-barrier waits, in the copies' issue, the loop, steps); 128 no output stores, 256
-// the clock reads of 64 without their stores (outputs kept).
-// PAD: bytes between stage rows beyond the row (16: the 8 rows an ldmatrix reads sit in distinct bank quads).
-// TMA: each row one cp.async.bulk.tensor (desc: KV as [rows][Dqk / 64][64] bf16, SWIZZLE_128B) into 1152-byte
-// stage rows (128-byte aligned: fdsa_swz_row); PAD unused.
-// NST: stages per group (3: TMA only; one partial-S exchange buffer per group, written once the step before's
-// stage was released by both warps, i.e. after the partner read it).
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int PAD = 16, int TMA = 0, int NST = 2>
-__device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void *Qv, const void *KVv,
-                                                   int n_rows, int n_tok,
+// producers: cycles in the empty-barrier waits, in the copies' issue, the loop, steps).
+// QS: the rope's Q fragments by ldmatrix from qrope ([4 groups][16 heads][64 dims], 128-byte rows, chunk c of head
+// h at c ^ (h & 7); written per token by the group) instead of 8 registers.  PF: each B fragment's ldmatrix issued
+// one k step / PV step ahead of its products.
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int QS = 0, int PF = 0>
+__device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
                                                    const float *Sink, void *Outv, float *Lse, float *MaxLogits,
-                                                   void *stage_v, int *valid, float *xch, void *bars_v, int bx,
-                                                   int grid, float c) {
-  constexpr int ROW = 2 * DQK, RS = TMA ? 1152 : ROW + PAD, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
-  constexpr bool CLK = ABL & (64 | 256);  // the counters' clock reads
+                                                   void *stage_v, int *valid, float *xch, void *qrope_v, void *bars_v,
+                                                   int bx, int grid, float c) {
+  constexpr int ROW = 2 * DQK, RS = ROW + 16, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
+  constexpr int NQR = QS ? 16 : NQ;  // k steps whose Q fragments stay in registers
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
@@ -120,30 +92,27 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
     if (lane >= 16) return;
     const unsigned char *kv = static_cast<const unsigned char *>(KVv);
     unsigned cw = 0, ci = 0, cl = 0;
-    const unsigned cl0 = CLK ? clock() : 0u;
-    int n = 0, st = 0, kk = 0;  // steps so far, their stage and round (n = NST kk + st)
+    const unsigned cl0 = (ABL & 64) ? clock() : 0u;
+    int n = 0;
     for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
       const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
       const int *idx = Indices + static_cast<long long>(tok) * topk;
       int row = lane < lim ? idx[lane] : -1;
-      for (int it = 0; it < nsteps; ++it, ++n, st = st + 1 == NST ? 0 : st + 1, kk += st == 0) {
-        const int slot = 16 * (it + 1) + lane;
+      for (int it = 0; it < nsteps; ++it, ++n) {
+        const int s = n & 1, slot = 16 * (it + 1) + lane;
         const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
-        unsigned c0 = CLK ? clock() : 0u;
-        if (kk >= 1) fdsa_wait_parity(bars + 8 * (4 * NST + NST * g + st), (kk - 1) & 1);
-        if (CLK) {
+        unsigned c0 = (ABL & 64) ? clock() : 0u;
+        if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
+        if (ABL & 64) {
           const unsigned c1 = clock();
           cw += c1 - c0;
           c0 = c1;
         }
-        const int ok = row >= 0 && row < n_rows, bi = NST * g + st;
+        const int ok = row >= 0 && row < n_rows, bi = 2 * g + s;
         valid[bi * 16 + lane] = ok;
-        if (TMA)
-          fdsa_tma_row<ROW>(stage_s + (bi * 16 + lane) * RS, desc, row, bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
-        else
-          fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
-                            bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
-        if (CLK) ci += clock() - c0;
+        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+                          bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
+        if (ABL & 64) ci += clock() - c0;
         row = nrow;
       }
     }
@@ -159,26 +128,32 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
   const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
   const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
   const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
-  // TMA: the same addresses through the swizzle, per line phase j (lines 4 hh + j; k step s: phase s / 4, chunk
-  // bits 32 (s % 4) flipped by fdsa_swz_at); the rope in line 8
-  unsigned kq[4], vq[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    kq[j] = fdsa_swz_row(ka - 512 * hh + 128 * (4 * hh + j));
-    vq[j] = fdsa_swz_row(va - 512 * hh + 128 * (4 * hh + j));
-  }
-  const unsigned krs = fdsa_swz_row(kr);
+  // QS: head lane % 16, rope dims 32 hh + 8 (lane / 16) of k step 16 (k step 17: chunk ^ 2, i.e. address ^ 32)
+  const unsigned qrope_s = static_cast<unsigned>(__cvta_generic_to_shared(qrope_v)) + g * 2048;
+  const unsigned qra = qrope_s + (lane & 15) * 128 + 16 * ((4 * hh + (lane >> 4)) ^ (lane & 7));
   unsigned cw = 0, cq = 0, cb = 0, cr = 0, cl = 0;
-  const unsigned cl0 = CLK ? clock() : 0u;
-  int n = 0, st = 0, kk = 0, pst = 0, pkk = 0;  // as the producer's; pst / pkk: the step before's
+  const unsigned cl0 = (ABL & 64) ? clock() : 0u;
+  int n = 0;
   for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
     const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
-    unsigned qreg[NQ][4];  // {a0, a1, a2, a3} = heads r / r + 8, dims d + 2 q (+1) / d + 8 + 2 q (+1)
+    unsigned qreg[NQR][4];  // {a0, a1, a2, a3} = heads r / r + 8, dims d + 2 q (+1) / d + 8 + 2 q (+1)
+    if (QS && NROPE) {  // the group's rope tile: after the last step's exchange barrier nobody reads the old one
+      for (int i = 32 * hh + lane; i < 128; i += 64) {
+        const int h = i >> 3, ch = i & 7;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (h < H)
+          w = reinterpret_cast<const uint4 *>(static_cast<const unsigned short *>(Qv) +
+                                              (static_cast<long long>(tok) * H + h) * DQK + 512)[ch];
+        *reinterpret_cast<uint4 *>(static_cast<unsigned char *>(qrope_v) + g * 2048 + h * 128 + 16 * (ch ^ (h & 7))) =
+            w;
+      }
+      asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
+    }
     {
       const unsigned *q0 = static_cast<const unsigned *>(Qv) + (static_cast<long long>(tok) * H + r) * (DQK / 2);
       const unsigned *q1 = q0 + 4 * DQK;  // 8 heads on
 #pragma unroll
-      for (int s = 0; s < NQ; ++s) {
+      for (int s = 0; s < NQR; ++s) {
         const int d = (s < 16 ? 256 * hh + 16 * s : 512 + 32 * hh + 16 * (s - 16)) / 2 + q;
         qreg[s][0] = r < H ? q0[d] : 0u;
         qreg[s][1] = r + 8 < H ? q1[d] : 0u;
@@ -193,10 +168,10 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
       for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
     float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f;
     for (int it = 0; it < nsteps; ++it, ++n) {
-      const int bi = NST * g + st;
-      unsigned c0 = CLK ? clock() : 0u;
-      fdsa_wait_parity(bars + 8 * bi, kk & 1);
-      if (CLK) {
+      const int bi = 2 * g + (n & 1);
+      unsigned c0 = (ABL & 64) ? clock() : 0u;
+      fdsa_wait_parity(bars + 8 * bi, (n >> 1) & 1);
+      if (ABL & 64) {
         const unsigned c1 = clock();
         cw += c1 - c0;
         c0 = c1;
@@ -206,15 +181,23 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
 #pragma unroll
       for (int e = 0; e < 16; ++e) acc[e >> 3][(e >> 2) & 1][e & 3] = 0.f;
       if (!(ABL & 32)) {
+        auto kaddr = [&](int s) { return sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)); };
+        unsigned bn[4];
+        if (PF) fdsa_mma_ldm(kaddr(0), bn);
 #pragma unroll
         for (int s = 0; s < NQ; ++s) {
-          unsigned b[4];
-          if (TMA)
-            fdsa_mma_ldm(s < 16 ? fdsa_swz_at(sb + kq[s >> 2], s & 3) : fdsa_swz_at(sb + krs, s - 16), b);
-          else
-            fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
-          fdsa_mma_bf16_16816(acc[s & 1][0], qreg[s], b[0], b[1]);
-          fdsa_mma_bf16_16816(acc[s & 1][1], qreg[s], b[2], b[3]);
+          unsigned b[4], qa[4];
+          if (PF) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) b[e] = bn[e];
+            if (s + 1 < NQ) fdsa_mma_ldm(kaddr(s + 1), bn);
+          } else {
+            fdsa_mma_ldm(kaddr(s), b);
+          }
+          if (s >= NQR) fdsa_mma_ldm(qra ^ (32u * (s - 16)), qa);
+          const unsigned *af = s < NQR ? qreg[s < NQR ? s : 0] : qa;
+          fdsa_mma_bf16_16816(acc[s & 1][0], af, b[0], b[1]);
+          fdsa_mma_bf16_16816(acc[s & 1][1], af, b[2], b[3]);
         }
       }
       int vd[2][2];
@@ -223,76 +206,45 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
 #pragma unroll
         for (int b = 0; b < 2; ++b) vd[j][b] = valid[bi * 16 + 8 * j + 2 * q + b];
       float part[2][4], S[2][4];
-      float *xb = xch + (NST == 2 ? 2 * g + (n & 1) : g) * 512;  // [hh][j][lane][4]
-      if (NST != 2 && n >= 1) fdsa_wait_parity(bars + 8 * (4 * NST + NST * g + pst), pkk & 1);
+      float *xb = xch + (2 * g + (n & 1)) * 512;  // [hh][j][lane][4]
       fdsa_mma_xch_put(acc, xb, hh, lane, part);
-      if (CLK) {
+      if (ABL & 64) {
         const unsigned c1 = clock();
         cq += c1 - c0;
         c0 = c1;
       }
       asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
-      if (CLK) {
+      if (ABL & 64) {
         const unsigned c1 = clock();
         cb += c1 - c0;
         c0 = c1;
       }
       fdsa_mma_xch_sum(part, vd, xb, hh, lane, S);
-      if (TMA)
-        fdsa_mma_softmax_pv_at<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o,
-                                            [&](int i) { return fdsa_swz_at(sb + vq[i >> 2], i & 3); });
-      else
-        fdsa_mma_softmax_pv<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
+      fdsa_mma_softmax_pv<!(ABL & 16), PF>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
       __syncwarp();  // every lane's ldmatrix of the stage is done before the release
       if (lane == 0)
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (4 * NST + bi)) : "memory");
-      if (CLK) cr += clock() - c0;
-      pst = st;
-      pkk = kk;
-      st = st + 1 == NST ? 0 : st + 1;
-      kk += st == 0;
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
+      if (ABL & 64) cr += clock() - c0;
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    if (!(ABL & 128))
-      fdsa_mma_store_group<H, HAS_SINK>(o, m0, m1, t0, t1, l0, l1, c, Sink, Outv, Lse, MaxLogits, tok, r, q, hh);
+    fdsa_mma_store_group<H, HAS_SINK>(o, m0, m1, t0, t1, l0, l1, c, Sink, Outv, Lse, MaxLogits, tok, r, q, hh);
   }
   if (ABL & 64) {
     cl = clock() - cl0;
     if (lane == 0) fdsa_mma_ws_counters(Outv, bx, warp, cw, cq, cb, cr, cl, n);
   }
 }
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL, int PAD, int NST, class TensorMap>  // a CUtensorMap
-__device__ __forceinline__ void fdsa_mma_ws_tma(const TensorMap &desc, const void *Qv, const void *KVv, int n_rows,
-                                                int n_tok, const int *Indices, int topk, const int *TopkLen,
-                                                const float *Sink, void *Outv, float *Lse, float *MaxLogits,
-                                                void *stage_v, int *valid, float *xch, void *bars_v, int bx, int grid,
-                                                float c) {
-  if ((static_cast<unsigned>(__cvta_generic_to_shared(stage_v)) & 1023u) != 0u) __trap();  // the swizzle's base
-  fdsa_mma_ws_kernel<H, DQK, HAS_SINK, HAS_TL, ABL, PAD, 1, NST>(&desc, Qv, KVv, n_rows, n_tok, Indices, topk,
-                                                                TopkLen, Sink, Outv, Lse, MaxLogits, stage_v, valid,
-                                                                xch, bars_v, bx, grid, c);
-}
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL, int PAD>
-__device__ __forceinline__ void fdsa_mma_ws_plain(const void *Qv, const void *KVv, int n_rows, int n_tok,
-                                                  const int *Indices, int topk, const int *TopkLen, const float *Sink,
-                                                  void *Outv, float *Lse, float *MaxLogits, void *stage_v, int *valid,
-                                                  float *xch, void *bars_v, int bx, int grid, float c) {
-  fdsa_mma_ws_kernel<H, DQK, HAS_SINK, HAS_TL, ABL, PAD, 0>(nullptr, Qv, KVv, n_rows, n_tok, Indices, topk, TopkLen,
-                                                           Sink, Outv, Lse, MaxLogits, stage_v, valid, xch, bars_v,
-                                                           bx, grid, c);
-}
 """
 
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
                                 has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0,
-                                pad: int = 16, tma: bool = False, stages: int = 2):
+                                q_smem: bool = False, prefetch: bool = False):
     """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``ablate``:
-    the ABL bits of a timing build, ``pad`` / ``tma`` / ``stages``: the stage rows (``fdsa_mma_ws_kernel``)."""
-    assert pad % 16 == 0 and stages in (2, 3) and (stages == 2 or tma), (pad, tma, stages)
+    the ABL bits of a timing build, ``q_smem`` / ``prefetch``: QS / PF (``fdsa_mma_ws_kernel``)."""
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -301,11 +253,9 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     c_log2 = float(sm_scale) * tc.LOG2E
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
-    rs = 1152 if tma else 2 * dqk + pad
-    fn = (f"fdsa_mma_ws_{'tma' if tma else 'plain'}<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, "
-          f"{int(ablate)}, {pad}{f', {stages}' if tma else ''}>")
-    # TMA: KV as [n_kv][Dqk / 64][64] bf16 (dims innermost first, byte strides), one row per box, SWIZZLE_128B
-    desc_args = (9, 3, None, 64, dqk // 64, n_kv, 2, 128, 2 * dqk, 64, dqk // 64, 1, 1, 1, 1, 0, 3, 2, 0)
+    rs = 2 * dqk + 16
+    fn = (f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, "
+          f"{int(q_smem)}, {int(prefetch)}>")
 
     @T.prim_func
     def sparse_mla_fwd_mma_ws(
@@ -319,25 +269,25 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
         with T.Kernel(T.min((n_tok + 3) // 4, n_ctas), threads=THREADS, prelude=_SRC) as bx:
-            Stage = T.alloc_shared([4 * stages * 16 * rs], u8)
-            Valid = T.alloc_shared([4 * stages * 16], i32)
-            Xch = T.alloc_shared([4 * (2 if stages == 2 else 1) * 512], f32)
-            bars = T.alloc_barrier([16] * (4 * stages) + [2] * (4 * stages))
-            T.call_extern("handle", fn, *([T.create_tma_descriptor(*desc_args[:2], KV.data, *desc_args[3:])]
-                                          if tma else []), T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
+            Stage = T.alloc_shared([4 * 2 * 16 * rs], u8)
+            Valid = T.alloc_shared([4 * 2 * 16], i32)
+            Xch = T.alloc_shared([4 * 2 * 512], f32)
+            Qrope = T.alloc_shared([4 * 2048 if q_smem else 16], u8)
+            bars = T.alloc_barrier([16] * 8 + [2] * 8)
+            T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
                           T.address_of(Stage[0]), T.address_of(Valid[0]), T.address_of(Xch[0]),
-                          T.address_of(bars[0]), bx, T.min((n_tok + 3) // 4, n_ctas), c_log2)
+                          T.address_of(Qrope[0]), T.address_of(bars[0]), bx, T.min((n_tok + 3) // 4, n_ctas), c_log2)
 
     return sparse_mla_fwd_mma_ws
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, pad=16, tma=False, stages=2):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, q_smem=False, prefetch=False):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, ablate=ablate, pad=pad,
-                                       tma=tma, stages=stages)
+                                       has_topk_length=has_topk_length, ablate=ablate, q_smem=q_smem,
+                                       prefetch=prefetch)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
