@@ -58,7 +58,6 @@ express block-wide gemms, not per-warp ``mma.sync`` chains with their own softma
 
 import functools
 import os
-import re
 
 import tilelang
 import tilelang.language as T
@@ -122,8 +121,7 @@ __device__ __forceinline__ void fdsa_mma_xch_sum(const float (&part)[2][4], cons
 }
 // the online softmax of rows r, r + 8 (identical in both warps; few O rescales: _warp_mma's notes), then (PV) the PV
 // over this warp's 256 output dims: A = P (the S accumulator layout), B = V by ldmatrix.trans from the lane's address
-// (PF: each ldmatrix one PV step ahead of its products)
-template <int PV, int PF = 0>
+template <int PV>
 __device__ __forceinline__ void fdsa_mma_softmax_pv(const float (&S)[2][4], float c, float &m0, float &m1, float &t0,
                                                     float &t1, float &l0, float &l1, float (&o)[32][4],
                                                     unsigned v_addr) {
@@ -140,18 +138,10 @@ __device__ __forceinline__ void fdsa_mma_softmax_pv(const float (&S)[2][4], floa
   if (PV) {
     const unsigned a[4] = {fdsa_pack_bf16x2(P[0][0], P[0][1]), fdsa_pack_bf16x2(P[0][2], P[0][3]),
                            fdsa_pack_bf16x2(P[1][0], P[1][1]), fdsa_pack_bf16x2(P[1][2], P[1][3])};
-    unsigned bn[4];
-    if (PF) fdsa_mma_ldm_t(v_addr, bn);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       unsigned b[4];
-      if (PF) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) b[e] = bn[e];
-        if (i + 1 < 16) fdsa_mma_ldm_t(v_addr + 32 * (i + 1), bn);
-      } else {
-        fdsa_mma_ldm_t(v_addr + 32 * i, b);
-      }
+      fdsa_mma_ldm_t(v_addr + 32 * i, b);
       fdsa_mma_bf16_16816(o[2 * i], a, b[0], b[1]);
       fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
     }
@@ -481,16 +471,13 @@ def _pass_configs():
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
               form: str = DEFAULT_FORM):
     """``kernel_fwd.launch``'s compiled-kernel signature; n_blocks is not a build parameter (dynamic trip count).
-    ``form`` "mma_ws" (+ "_q": the rope's Q from shared memory, + "_f": the B fragments' loads a step ahead,
-    + "_a<N>": a timing build): ``kernel_fwd_mma_ws`` (H <= 16)."""
+    ``form`` "mma_ws" (+ "_a<N>": a timing build): ``kernel_fwd_mma_ws`` (H <= 16)."""
     assert d_v == D_V, d_v
-    ws = re.fullmatch(r"mma_ws(_q)?(_f)?(?:_a(\d+))?", form)
-    if ws:
+    base, _, abl = form.partition("_a")
+    if base == "mma_ws":
         from . import kernel_fwd_mma_ws
 
-        qs, pf, abl = ws.groups()
-        return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length, int(abl or 0), bool(qs),
-                                        bool(pf))
+        return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length, int(abl or 0))
     return _build(heads, dqk, sm_scale, has_sink, has_topk_length, form)
 
 

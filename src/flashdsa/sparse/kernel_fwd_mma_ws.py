@@ -15,7 +15,10 @@ issuing its share of the next stage's bulk copies (~72 cycles per copy, session 
     waits on it before refilling.  2 stages of 16 rows per group (1168-byte row stride).
   * **Persistent.**  Grid min(ceil(T / 4), ``N_CTAS``); group g of CTA b takes tokens 4 b + g, 4 b + g + 4 grid, ..;
     its producer warp follows the same sequence.  Stage and parity follow a running step count across tokens.
-Q's A fragments come from global memory per token (all 18 k steps in registers, as ``mma_c4``).
+Q's A fragments come from global memory per token: the 16 latent k steps into registers (as ``mma_c4``), the rope
+(Dqk 576) into a per-group shared tile read by ``ldmatrix`` -- 8 registers fewer, so that ptxas can load B
+fragments ahead of the products (session 40: with all 18 k steps in registers every B fragment went into the same
+four registers, each ``ldmatrix`` waited out before its two products; 1.384 -> 1.369 ms).
 
 Measured (H200, session 39, S 4096 over SKV 8192, H 16, topk 2048, ``--variants``): 1.386 / 1.387 ms (two calls;
 sorted indices 1.387-1.390) against ``mma_c4``'s 1.422-1.423 and ``mma_c2q18``'s 1.435, outputs bitwise ``mma_c4``'s;
@@ -60,20 +63,21 @@ __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int war
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
 // valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
 // ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters over out's first
-// words once the outputs are written (u32 words 8 (12 bx + warp) + 0..5, summed over the warp's tokens; consumers: cycles in the full-barrier waits, QK +
-// exchange store, the exchange barrier, the rest of the step (exchange sum, softmax, PV, release), the loop, steps;
-// producers: cycles in the empty-barrier waits, in the copies' issue, the loop, steps).
-// QS: the rope's Q fragments by ldmatrix from qrope ([4 groups][16 heads][64 dims], 128-byte rows, chunk c of head
-// h at c ^ (h & 7); written per token by the group) instead of 8 registers.  PF: each B fragment's ldmatrix issued
-// one k step / PV step ahead of its products.
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int QS = 0, int PF = 0>
+// words once the outputs are written (u32 words 8 (12 bx + warp) + 0..5, summed over the warp's tokens; consumers:
+// cycles in the full-barrier waits, QK + exchange store, the exchange barrier, the rest of the step (exchange sum,
+// softmax, PV, release), the loop, steps; producers: cycles in the empty-barrier waits, in the copies' issue, the
+// loop, steps).  The outputs stay written: without them the products are dead code.
+// The rope's Q fragments (Dqk 576) come by ldmatrix from qrope ([4 groups][16 heads][64 dims], 128-byte rows, chunk
+// c of head h at c ^ (h & 7); written per token by the group), not from 8 registers: with all of Q in registers
+// ptxas has no register left to load a B fragment before the products of the one before (SASS, session 40).
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
                                                    const float *Sink, void *Outv, float *Lse, float *MaxLogits,
                                                    void *stage_v, int *valid, float *xch, void *qrope_v, void *bars_v,
                                                    int bx, int grid, float c) {
   constexpr int ROW = 2 * DQK, RS = ROW + 16, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
-  constexpr int NQR = QS ? 16 : NQ;  // k steps whose Q fragments stay in registers
+  constexpr int NQR = 16;  // k steps whose Q fragments stay in registers (the latent ones)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
@@ -128,7 +132,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
   const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
   const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
-  // QS: head lane % 16, rope dims 32 hh + 8 (lane / 16) of k step 16 (k step 17: chunk ^ 2, i.e. address ^ 32)
+  // the rope's A fragments: head lane % 16, dims 32 hh + 8 (lane / 16) of k step 16 (17: chunk ^ 2, address ^ 32)
   const unsigned qrope_s = static_cast<unsigned>(__cvta_generic_to_shared(qrope_v)) + g * 2048;
   const unsigned qra = qrope_s + (lane & 15) * 128 + 16 * ((4 * hh + (lane >> 4)) ^ (lane & 7));
   unsigned cw = 0, cq = 0, cb = 0, cr = 0, cl = 0;
@@ -137,7 +141,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
     const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
     unsigned qreg[NQR][4];  // {a0, a1, a2, a3} = heads r / r + 8, dims d + 2 q (+1) / d + 8 + 2 q (+1)
-    if (QS && NROPE) {  // the group's rope tile: after the last step's exchange barrier nobody reads the old one
+    if (NROPE) {  // the group's rope tile: after the last step's exchange barrier nobody reads the old one
       for (int i = 32 * hh + lane; i < 128; i += 64) {
         const int h = i >> 3, ch = i & 7;
         uint4 w = make_uint4(0u, 0u, 0u, 0u);
@@ -181,19 +185,10 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
 #pragma unroll
       for (int e = 0; e < 16; ++e) acc[e >> 3][(e >> 2) & 1][e & 3] = 0.f;
       if (!(ABL & 32)) {
-        auto kaddr = [&](int s) { return sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)); };
-        unsigned bn[4];
-        if (PF) fdsa_mma_ldm(kaddr(0), bn);
 #pragma unroll
         for (int s = 0; s < NQ; ++s) {
           unsigned b[4], qa[4];
-          if (PF) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) b[e] = bn[e];
-            if (s + 1 < NQ) fdsa_mma_ldm(kaddr(s + 1), bn);
-          } else {
-            fdsa_mma_ldm(kaddr(s), b);
-          }
+          fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
           if (s >= NQR) fdsa_mma_ldm(qra ^ (32u * (s - 16)), qa);
           const unsigned *af = s < NQR ? qreg[s < NQR ? s : 0] : qa;
           fdsa_mma_bf16_16816(acc[s & 1][0], af, b[0], b[1]);
@@ -220,7 +215,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
         c0 = c1;
       }
       fdsa_mma_xch_sum(part, vd, xb, hh, lane, S);
-      fdsa_mma_softmax_pv<!(ABL & 16), PF>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
+      fdsa_mma_softmax_pv<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
       __syncwarp();  // every lane's ldmatrix of the stage is done before the release
       if (lane == 0)
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
@@ -241,10 +236,9 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
 
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0,
-                                q_smem: bool = False, prefetch: bool = False):
+                                has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0):
     """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``ablate``:
-    the ABL bits of a timing build, ``q_smem`` / ``prefetch``: QS / PF (``fdsa_mma_ws_kernel``)."""
+    the ABL bits of a timing build (``fdsa_mma_ws_kernel``)."""
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -254,8 +248,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     rs = 2 * dqk + 16
-    fn = (f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, "
-          f"{int(q_smem)}, {int(prefetch)}>")
+    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma_ws(
@@ -272,7 +265,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
             Stage = T.alloc_shared([4 * 2 * 16 * rs], u8)
             Valid = T.alloc_shared([4 * 2 * 16], i32)
             Xch = T.alloc_shared([4 * 2 * 512], f32)
-            Qrope = T.alloc_shared([4 * 2048 if q_smem else 16], u8)
+            Qrope = T.alloc_shared([4 * 2048 if dqk == 576 else 16], u8)
             bars = T.alloc_barrier([16] * 8 + [2] * 8)
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
@@ -284,10 +277,9 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, q_smem=False, prefetch=False):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, ablate=ablate, q_smem=q_smem,
-                                       prefetch=prefetch)
+                                       has_topk_length=has_topk_length, ablate=ablate)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
