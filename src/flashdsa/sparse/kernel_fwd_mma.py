@@ -121,11 +121,10 @@ __device__ __forceinline__ void fdsa_mma_xch_sum(const float (&part)[2][4], cons
 }
 // the online softmax of rows r, r + 8 (identical in both warps; few O rescales: _warp_mma's notes), then (PV) the PV
 // over this warp's 256 output dims: A = P (the S accumulator layout), B = V by ldmatrix.trans from the lane's address
-// (v_at(i): the address of PV step i's ldmatrix)
-template <int PV, class VAt>
-__device__ __forceinline__ void fdsa_mma_softmax_pv_at(const float (&S)[2][4], float c, float &m0, float &m1,
-                                                       float &t0, float &t1, float &l0, float &l1, float (&o)[32][4],
-                                                       VAt v_at) {
+template <int PV>
+__device__ __forceinline__ void fdsa_mma_softmax_pv(const float (&S)[2][4], float c, float &m0, float &m1, float &t0,
+                                                    float &t1, float &l0, float &l1, float (&o)[32][4],
+                                                    unsigned v_addr) {
   float P[2][4];
   fdsa_lazy_softmax_step(S, c, m0, m1, t0, t1, l0, l1, P, [&](float al0, float al1) {
 #pragma unroll
@@ -142,17 +141,11 @@ __device__ __forceinline__ void fdsa_mma_softmax_pv_at(const float (&S)[2][4], f
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       unsigned b[4];
-      fdsa_mma_ldm_t(v_at(i), b);
+      fdsa_mma_ldm_t(v_addr + 32 * i, b);
       fdsa_mma_bf16_16816(o[2 * i], a, b[0], b[1]);
       fdsa_mma_bf16_16816(o[2 * i + 1], a, b[2], b[3]);
     }
   }
-}
-template <int PV>
-__device__ __forceinline__ void fdsa_mma_softmax_pv(const float (&S)[2][4], float c, float &m0, float &m1, float &t0,
-                                                    float &t1, float &l0, float &l1, float (&o)[32][4],
-                                                    unsigned v_addr) {
-  fdsa_mma_softmax_pv_at<PV>(S, c, m0, m1, t0, t1, l0, l1, o, [&](int i) { return v_addr + 32 * i; });
 }
 // A single group's outputs for heads r / r + 8 of token tok (l summed over the quad): each warp its 256 dims of out,
 // warp 0's quad leader lse (natural log, without the sink; +inf if empty) and max_logits (-inf if empty);
@@ -478,15 +471,13 @@ def _pass_configs():
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,
               form: str = DEFAULT_FORM):
     """``kernel_fwd.launch``'s compiled-kernel signature; n_blocks is not a build parameter (dynamic trip count).
-    ``form`` "mma_ws" / "mma_wst" (rows by TMA, swizzled; + "_a<N>": a timing build): ``kernel_fwd_mma_ws``
-    (H <= 16)."""
+    ``form`` "mma_ws" (+ "_a<N>": a timing build): ``kernel_fwd_mma_ws`` (H <= 16)."""
     assert d_v == D_V, d_v
     base, _, abl = form.partition("_a")
-    if base in ("mma_ws", "mma_wst"):
+    if base == "mma_ws":
         from . import kernel_fwd_mma_ws
 
-        return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length, int(abl or 0),
-                                        base == "mma_wst")
+        return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length, int(abl or 0))
     return _build(heads, dqk, sm_scale, has_sink, has_topk_length, form)
 
 

@@ -49,29 +49,6 @@ N_CTAS = 132  # persistent CTAs (one per H200 SM)
 EXPECTS_WGMMA = False
 
 _SRC = km._SRC + r"""
-// TMA rows: a row copied by cp.async.bulk.tensor with SWIZZLE_128B into a 128-byte aligned stage row keeps its
-// 128-byte lines in place and moves 16-byte chunk c of a line at shared address a to chunk c ^ ((a >> 7) & 7).
-// Stage rows are 1152 = 9 x 128 bytes apart from a 1024-aligned base, so the 8 rows an ldmatrix reads (same
-// logical chunk) fall in 8 distinct bank quads.  fdsa_swz_row: the physical offset of logical offset off (chunk
-// bits 32 (s % 4) of k step s are flipped afterwards by fdsa_swz_at, within the same line); offsets relative to a
-// 1024-aligned base (the stage's)
-__device__ __forceinline__ unsigned fdsa_swz_row(unsigned off) { return off ^ (((off >> 7) & 7u) << 4); }
-__device__ __forceinline__ unsigned fdsa_swz_at(unsigned addr, int k) { return addr ^ (32u * k); }
-template <int ROW>
-__device__ __forceinline__ void fdsa_tma_row(unsigned dst, const void *desc, int row, unsigned bar, int ok,
-                                             void *dst_g) {
-  if (ok) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(ROW) : "memory");
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-                 "%3, %4}], [%5];" :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(desc)), "r"(0), "r"(0),
-                 "r"(row), "r"(bar) : "memory");
-  } else {
-#pragma unroll
-    for (int k = 0; k < ROW / 16; ++k) reinterpret_cast<uint4 *>(dst_g)[k] = make_uint4(0u, 0u, 0u, 0u);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-  }
-}
 // ABL 64: a warp's counters (see fdsa_mma_ws_kernel)
 __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int warp, unsigned a, unsigned b, unsigned c,
                                                      unsigned d, unsigned loop, int steps) {
@@ -93,16 +70,13 @@ __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int war
 // The rope's Q fragments (Dqk 576) come by ldmatrix from qrope ([4 groups][16 heads][64 dims], 128-byte rows, chunk
 // c of head h at c ^ (h & 7); written per token by the group), not from 8 registers: with all of Q in registers
 // ptxas has no register left to load a B fragment before the products of the one before (SASS, session 40).
-// TMA: each row one cp.async.bulk.tensor (desc: KV as [rows][Dqk / 64][64] bf16, SWIZZLE_128B) into 1152-byte
-// stage rows (128-byte aligned, fdsa_swz_row) instead of a cp.async.bulk into 16-byte shifted rows.
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int TMA = 0>
-__device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void *Qv, const void *KVv, int n_rows,
-                                                   int n_tok,
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0>
+__device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
                                                    const float *Sink, void *Outv, float *Lse, float *MaxLogits,
                                                    void *stage_v, int *valid, float *xch, void *qrope_v, void *bars_v,
                                                    int bx, int grid, float c) {
-  constexpr int ROW = 2 * DQK, RS = TMA ? 1152 : ROW + 16, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
+  constexpr int ROW = 2 * DQK, RS = ROW + 16, NROPE = (DQK - 512) / 32, NQ = 16 + NROPE;
   constexpr int NQR = 16;  // k steps whose Q fragments stay in registers (the latent ones)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, q = lane & 3;
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
@@ -140,11 +114,8 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
         }
         const int ok = row >= 0 && row < n_rows, bi = 2 * g + s;
         valid[bi * 16 + lane] = ok;
-        if (TMA)
-          fdsa_tma_row<ROW>(stage_s + (bi * 16 + lane) * RS, desc, row, bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
-        else
-          fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
-                            bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
+        fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
+                          bars + 8 * bi, ok, stage + (bi * 16 + lane) * RS);
         if (ABL & 64) ci += clock() - c0;
         row = nrow;
       }
@@ -157,20 +128,10 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int hh = warp & 1;
-  // One per-lane ldmatrix address for both products: key l % 8 + 8 ((l / 8) % 2), dims + 8 (l / 16).  QK (rows as
-  // n): {b0 keys 0-7, b0 keys 8-15, b1 keys 0-7, b1 keys 8-15}; PV (transposed): {b0, b1} of 8 dims, then the next.
-  // TMA: through the swizzle per line phase j (line 4 hh + j holds k steps / PV steps 4 j .. 4 j + 3, whose chunk
-  // bits 32 (s % 4) fdsa_swz_at flips); the rope in line 8.
-  const unsigned kva = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4);
-  // (TMA: the chunk bits of line phase j packed in byte j of kx, so that the addresses cost registers for two words)
-  const unsigned kv0 = (TMA ? kva & ~0x70u : kva) + 512 * hh;
-  unsigned kx = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) kx |= (fdsa_swz_row(kva + 128 * (4 * hh + j)) & 0x70u) << (8 * j);
-  const unsigned kra = TMA ? fdsa_swz_row(kva + 1024 + 64 * hh) : kva + 1024 + 64 * hh;
-  auto kv_at = [&](unsigned sb, int s) -> unsigned {  // k step / PV step s < 16 of the latent dims
-    return TMA ? sb + kv0 + 128 * (s >> 2) + (((kx >> (8 * (s >> 2))) & 0x70u) ^ (32u * (s & 3))) : sb + kv0 + 32 * s;
-  };
+  // per-lane ldmatrix addresses (kernel_fwd_mma's): B of QK (rows as n), B of PV (transposed)
+  const unsigned ka = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 512 * hh;
+  const unsigned kr = ((lane & 7) + 8 * (lane >> 4)) * RS + 16 * ((lane >> 3) & 1) + 1024 + 64 * hh;
+  const unsigned va = ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 16 * (lane >> 4) + 512 * hh;
   // the rope's A fragments: head lane % 16, dims 32 hh + 8 (lane / 16) of k step 16 (17: chunk ^ 2, address ^ 32)
   const unsigned qrope_s = static_cast<unsigned>(__cvta_generic_to_shared(qrope_v)) + g * 2048;
   const unsigned qra = qrope_s + (lane & 15) * 128 + 16 * ((4 * hh + (lane >> 4)) ^ (lane & 7));
@@ -227,11 +188,11 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
 #pragma unroll
         for (int s = 0; s < NQ; ++s) {
           unsigned b[4], qa[4];
-          fdsa_mma_ldm(s < 16 ? kv_at(sb, s) : (TMA ? fdsa_swz_at(sb + kra, s - 16) : sb + kra + 32 * (s - 16)), b);
+          fdsa_mma_ldm(sb + (s < 16 ? ka + 32 * s : kr + 32 * (s - 16)), b);
           if (s >= NQR) fdsa_mma_ldm(qra ^ (32u * (s - 16)), qa);
           const unsigned *af = s < NQR ? qreg[s < NQR ? s : 0] : qa;
-          fdsa_mma_bf16_16816(acc[s & 1][0], af, b[0], b[2]);
-          fdsa_mma_bf16_16816(acc[s & 1][1], af, b[1], b[3]);
+          fdsa_mma_bf16_16816(acc[s & 1][0], af, b[0], b[1]);
+          fdsa_mma_bf16_16816(acc[s & 1][1], af, b[2], b[3]);
         }
       }
       int vd[2][2];
@@ -254,7 +215,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
         c0 = c1;
       }
       fdsa_mma_xch_sum(part, vd, xb, hh, lane, S);
-      fdsa_mma_softmax_pv_at<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o, [&](int i) { return kv_at(sb, i); });
+      fdsa_mma_softmax_pv<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
       __syncwarp();  // every lane's ldmatrix of the stage is done before the release
       if (lane == 0)
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
@@ -271,34 +232,13 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *desc, const void 
     if (lane == 0) fdsa_mma_ws_counters(Outv, bx, warp, cw, cq, cb, cr, cl, n);
   }
 }
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL, class TensorMap>  // TensorMap: CUtensorMap
-__device__ __forceinline__ void fdsa_mma_ws_tma(const TensorMap &desc, const void *Qv, const void *KVv, int n_rows,
-                                                int n_tok, const int *Indices, int topk, const int *TopkLen,
-                                                const float *Sink, void *Outv, float *Lse, float *MaxLogits,
-                                                void *stage_v, int *valid, float *xch, void *qrope_v, void *bars_v,
-                                                int bx, int grid, float c) {
-  if ((static_cast<unsigned>(__cvta_generic_to_shared(stage_v)) & 1023u) != 0u) __trap();  // the swizzle's base
-  fdsa_mma_ws_kernel<H, DQK, HAS_SINK, HAS_TL, ABL, 1>(&desc, Qv, KVv, n_rows, n_tok, Indices, topk, TopkLen, Sink,
-                                                      Outv, Lse, MaxLogits, stage_v, valid, xch, qrope_v, bars_v, bx,
-                                                      grid, c);
-}
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL>
-__device__ __forceinline__ void fdsa_mma_ws_plain(const void *Qv, const void *KVv, int n_rows, int n_tok,
-                                                  const int *Indices, int topk, const int *TopkLen, const float *Sink,
-                                                  void *Outv, float *Lse, float *MaxLogits, void *stage_v, int *valid,
-                                                  float *xch, void *qrope_v, void *bars_v, int bx, int grid, float c) {
-  fdsa_mma_ws_kernel<H, DQK, HAS_SINK, HAS_TL, ABL, 0>(nullptr, Qv, KVv, n_rows, n_tok, Indices, topk, TopkLen, Sink,
-                                                      Outv, Lse, MaxLogits, stage_v, valid, xch, qrope_v, bars_v, bx,
-                                                      grid, c);
-}
 """
 
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0,
-                                tma: bool = False):
+                                has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0):
     """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``ablate``:
-    the ABL bits of a timing build, ``tma``: TMA (``fdsa_mma_ws_kernel``)."""
+    the ABL bits of a timing build (``fdsa_mma_ws_kernel``)."""
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -307,10 +247,8 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     c_log2 = float(sm_scale) * tc.LOG2E
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
-    rs = 1152 if tma else 2 * dqk + 16
-    fn = f"fdsa_mma_ws_{'tma' if tma else 'plain'}<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}>"
-    # TMA: KV as [n_kv][Dqk / 64][64] bf16 (dims innermost first, byte strides), one row per box, SWIZZLE_128B
-    desc_args = (9, 3, None, 64, dqk // 64, n_kv, 2, 128, 2 * dqk, 64, dqk // 64, 1, 1, 1, 1, 0, 3, 2, 0)
+    rs = 2 * dqk + 16
+    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma_ws(
@@ -329,8 +267,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
             Xch = T.alloc_shared([4 * 2 * 512], f32)
             Qrope = T.alloc_shared([4 * 2048 if dqk == 576 else 16], u8)
             bars = T.alloc_barrier([16] * 8 + [2] * 8)
-            T.call_extern("handle", fn, *([T.create_tma_descriptor(*desc_args[:2], KV.data, *desc_args[3:])]
-                                          if tma else []), T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
+            T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV[0, 0]), n_kv, n_tok,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
                           T.address_of(Stage[0]), T.address_of(Valid[0]), T.address_of(Xch[0]),
@@ -340,9 +277,9 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, tma=False):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, ablate=ablate, tma=tma)
+                                       has_topk_length=has_topk_length, ablate=ablate)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
