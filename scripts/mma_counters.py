@@ -58,8 +58,8 @@ def main():
 
 def ws_counters(name, q, kv, idx, S):
     """``kernel_fwd_mma_ws``'s ``_a64`` builds: per CTA and warp, sums over the warp's tokens (consumer warps 0-7:
-    wait, QK + exchange store, exchange barrier, rest, loop, steps, each token's start (Q) and end (outputs);
-    producer warps 8-11: empty wait, issue, -, -, loop, steps); medians over warps of the cycles per step."""
+    wait, QK + exchange store, exchange barrier, rest, loop, steps; producer warps 8-11: empty wait, issue, -, -,
+    loop, steps); medians over warps of the cycles per step."""
     compiled = functools.partial(kernel_fwd_mma._compiled, form=name)
 
     def fn(_=None):
@@ -73,7 +73,7 @@ def ws_counters(name, q, kv, idx, S):
     cnt = w.reshape(n_cta, 12, 8)
     steps = np.maximum(cnt[:, :, 5], 1)
     cons = {k: float(np.median(cnt[:, :8, i] / steps[:, :8])) for k, i in
-            (("wait", 0), ("qk", 1), ("bar", 2), ("rest", 3), ("loop", 4), ("token_start", 6), ("token_end", 7))}
+            (("wait", 0), ("qk", 1), ("bar", 2), ("rest", 3), ("loop", 4))}
     prod = {k: float(np.median(cnt[:, 8:, i] / steps[:, 8:])) for k, i in (("wait", 0), ("issue", 1), ("loop", 4))}
     print(f"{name}: {t.ms_median:.4f} ms; consumer cycles per step: "
           + ", ".join(f"{k} {v:.0f}" for k, v in cons.items()) + "; producer: "

@@ -205,11 +205,11 @@ FEW_HEAD_CASES = [c for c in CASES if c[1] <= 16] + [
 
 FEW_HEAD_FORMS = [(c, f) for c in FEW_HEAD_CASES
                   for f in ("narrow", "mma_q18", "mma_c2q18", "mma_c2q6", "mma_g3", "mma_t2", "mma_c4", "mma_c3n3",
-                            "mma_ws", "mma_wsp")
+                            "mma_ws")
                   if f == "narrow" or (c[1] > 16) == (f == "mma_t2")] + [
     # kernel_fwd_mma_ws is persistent (132 CTAs of four token groups): several tokens per group, with topk_length
-    (c, f) for f in ("mma_ws", "mma_wsp")
-    for c in ((576, 16, 4096, 256, 1200, True, True, "contig"), (512, 7, 1840, 100, 700, False, True, "sliced"))
+    ((576, 16, 4096, 256, 1200, True, True, "contig"), "mma_ws"),
+    ((512, 7, 1840, 100, 700, False, True, "sliced"), "mma_ws"),
 ]
 
 

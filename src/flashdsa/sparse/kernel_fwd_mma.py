@@ -474,11 +474,10 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
     ``form`` "mma_ws" (+ "_a<N>": a timing build): ``kernel_fwd_mma_ws`` (H <= 16)."""
     assert d_v == D_V, d_v
     base, _, abl = form.partition("_a")
-    if base in ("mma_ws", "mma_wsp"):
+    if base == "mma_ws":
         from . import kernel_fwd_mma_ws
 
-        return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length, int(abl or 0),
-                                        base == "mma_wsp")
+        return kernel_fwd_mma_ws._build(heads, dqk, sm_scale, has_sink, has_topk_length, int(abl or 0))
     return _build(heads, dqk, sm_scale, has_sink, has_topk_length, form)
 
 

@@ -51,8 +51,7 @@ EXPECTS_WGMMA = False
 _SRC = km._SRC + r"""
 // ABL 64: a warp's counters (see fdsa_mma_ws_kernel)
 __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int warp, unsigned a, unsigned b, unsigned c,
-                                                     unsigned d, unsigned loop, int steps, unsigned e = 0u,
-                                                     unsigned f = 0u) {
+                                                     unsigned d, unsigned loop, int steps) {
   unsigned *w = static_cast<unsigned *>(Outv) + 8 * (12 * bx + warp);
   w[0] = a;
   w[1] = b;
@@ -60,8 +59,6 @@ __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int war
   w[3] = d;
   w[4] = loop;
   w[5] = steps;
-  w[6] = e;
-  w[7] = f;
 }
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
 // valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
@@ -73,9 +70,7 @@ __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int war
 // The rope's Q fragments (Dqk 576) come by ldmatrix from qrope ([4 groups][16 heads][64 dims], 128-byte rows, chunk
 // c of head h at c ^ (h & 7); written per token by the group), not from 8 registers: with all of Q in registers
 // ptxas has no register left to load a B fragment before the products of the one before (SASS, session 40).
-// PFT: the next token's Q (the rope tile by cp.async, the latent fragments into registers) and first row numbers
-// are loaded during the current token's last step, not at the next token's start.
-template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0, int PFT = 0>
+template <int H, int DQK, int HAS_SINK, int HAS_TL, int ABL = 0>
 __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *KVv, int n_rows, int n_tok,
                                                    const int *Indices, int topk, const int *TopkLen,
                                                    const float *Sink, void *Outv, float *Lse, float *MaxLogits,
@@ -103,18 +98,13 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
     unsigned cw = 0, ci = 0, cl = 0;
     const unsigned cl0 = (ABL & 64) ? clock() : 0u;
     int n = 0;
-    auto first_row = [&](int tk, int lm) -> int {
-      return tk < n_tok && lane < lm ? Indices[static_cast<long long>(tk) * topk + lane] : -1;
-    };
-    int lim = 4 * bx + g < n_tok ? token_lim(4 * bx + g) : 0, row = PFT ? first_row(4 * bx + g, lim) : -1;
     for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
-      const int nsteps = (lim + 15) >> 4, ntok = tok + 4 * grid;
+      const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
       const int *idx = Indices + static_cast<long long>(tok) * topk;
-      if (!PFT) row = lane < lim ? idx[lane] : -1;
-      const int nlim = ntok < n_tok ? token_lim(ntok) : 0;
+      int row = lane < lim ? idx[lane] : -1;
       for (int it = 0; it < nsteps; ++it, ++n) {
         const int s = n & 1, slot = 16 * (it + 1) + lane;
-        const int nrow = it + 1 < nsteps ? (slot < lim ? idx[slot] : -1) : (PFT ? first_row(ntok, nlim) : -1);
+        const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
         unsigned c0 = (ABL & 64) ? clock() : 0u;
         if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
         if (ABL & 64) {
@@ -129,8 +119,6 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
         if (ABL & 64) ci += clock() - c0;
         row = nrow;
       }
-      if (PFT && nsteps == 0) row = first_row(ntok, nlim);
-      lim = nlim;
     }
     if (ABL & 64) {
       cl = clock() - cl0;
@@ -147,62 +135,34 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   // the rope's A fragments: head lane % 16, dims 32 hh + 8 (lane / 16) of k step 16 (17: chunk ^ 2, address ^ 32)
   const unsigned qrope_s = static_cast<unsigned>(__cvta_generic_to_shared(qrope_v)) + g * 2048;
   const unsigned qra = qrope_s + (lane & 15) * 128 + 16 * ((4 * hh + (lane >> 4)) ^ (lane & 7));
-  unsigned cw = 0, cq = 0, cb = 0, cr = 0, cl = 0, cp = 0, ce = 0;
+  unsigned cw = 0, cq = 0, cb = 0, cr = 0, cl = 0;
   const unsigned cl0 = (ABL & 64) ? clock() : 0u;
-  unsigned qreg[NQR][4];  // {a0, a1, a2, a3} = heads r / r + 8, dims d + 2 q (+1) / d + 8 + 2 q (+1)
-  // token tk's rope tile (the group's two warps: 16-byte pieces by cp.async, zero past H; the old tile is free once
-  // both warps are past the last step's exchange barrier) and latent A fragments
-  auto rope_issue = [&](int tk) {
-    for (int i = 32 * hh + lane; i < 128; i += 64) {
-      const int h = i >> 3, ch = i & 7;
-      const unsigned dst = qrope_s + h * 128 + 16 * (ch ^ (h & 7));
-      const unsigned short *src = static_cast<const unsigned short *>(Qv) +
-                                  (static_cast<long long>(tk) * H + (h < H ? h : 0)) * DQK + 512 + 8 * ch;
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(h < H ? 16 : 0)
-                   : "memory");
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  };
-  auto qreg_load = [&](int tk) {
-    const unsigned *q0 = static_cast<const unsigned *>(Qv) + (static_cast<long long>(tk) * H + r) * (DQK / 2);
-    const unsigned *q1 = q0 + 4 * DQK;  // 8 heads on
-#pragma unroll
-    for (int s = 0; s < NQR; ++s) {
-      const int d = (s < 16 ? 256 * hh + 16 * s : 512 + 32 * hh + 16 * (s - 16)) / 2 + q;
-      qreg[s][0] = r < H ? q0[d] : 0u;
-      qreg[s][1] = r + 8 < H ? q1[d] : 0u;
-      qreg[s][2] = r < H ? q0[d + 4] : 0u;
-      qreg[s][3] = r + 8 < H ? q1[d + 4] : 0u;
-    }
-  };
   int n = 0;
-  bool pre = false;  // PFT: this token's Q was issued during the last one's last step
   for (int tok = 4 * bx + g; tok < n_tok; tok += 4 * grid) {
     const int lim = token_lim(tok), nsteps = (lim + 15) >> 4;
-    const unsigned cp0 = (ABL & 64) ? clock() : 0u;
-    if (!PFT) {
-      if (NROPE) {  // the group's rope tile: after the last step's exchange barrier nobody reads the old one
-        for (int i = 32 * hh + lane; i < 128; i += 64) {
-          const int h = i >> 3, ch = i & 7;
-          uint4 w = make_uint4(0u, 0u, 0u, 0u);
-          if (h < H)
-            w = reinterpret_cast<const uint4 *>(static_cast<const unsigned short *>(Qv) +
-                                                (static_cast<long long>(tok) * H + h) * DQK + 512)[ch];
-          *reinterpret_cast<uint4 *>(static_cast<unsigned char *>(qrope_v) + g * 2048 + h * 128 +
-                                     16 * (ch ^ (h & 7))) = w;
-        }
-        asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
+    unsigned qreg[NQR][4];  // {a0, a1, a2, a3} = heads r / r + 8, dims d + 2 q (+1) / d + 8 + 2 q (+1)
+    if (NROPE) {  // the group's rope tile: after the last step's exchange barrier nobody reads the old one
+      for (int i = 32 * hh + lane; i < 128; i += 64) {
+        const int h = i >> 3, ch = i & 7;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (h < H)
+          w = reinterpret_cast<const uint4 *>(static_cast<const unsigned short *>(Qv) +
+                                              (static_cast<long long>(tok) * H + h) * DQK + 512)[ch];
+        *reinterpret_cast<uint4 *>(static_cast<unsigned char *>(qrope_v) + g * 2048 + h * 128 + 16 * (ch ^ (h & 7))) =
+            w;
       }
-      qreg_load(tok);
-    } else {
-      if (!pre) {
-        if (NROPE) rope_issue(tok);
-        qreg_load(tok);
-      }
-      pre = false;
-      if (NROPE) {
-        asm volatile("cp.async.wait_all;" ::: "memory");
-        asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
+      asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
+    }
+    {
+      const unsigned *q0 = static_cast<const unsigned *>(Qv) + (static_cast<long long>(tok) * H + r) * (DQK / 2);
+      const unsigned *q1 = q0 + 4 * DQK;  // 8 heads on
+#pragma unroll
+      for (int s = 0; s < NQR; ++s) {
+        const int d = (s < 16 ? 256 * hh + 16 * s : 512 + 32 * hh + 16 * (s - 16)) / 2 + q;
+        qreg[s][0] = r < H ? q0[d] : 0u;
+        qreg[s][1] = r + 8 < H ? q1[d] : 0u;
+        qreg[s][2] = r < H ? q0[d + 4] : 0u;
+        qreg[s][3] = r + 8 < H ? q1[d + 4] : 0u;
       }
     }
     float o[32][4];
@@ -211,8 +171,6 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
     float m0 = -1e30f, m1 = -1e30f, t0 = -1e30f, t1 = -1e30f, l0 = 0.f, l1 = 0.f;
-    if (ABL & 64) cp += clock() - cp0;
-    const int ntok = tok + 4 * grid;
     for (int it = 0; it < nsteps; ++it, ++n) {
       const int bi = 2 * g + (n & 1);
       unsigned c0 = (ABL & 64) ? clock() : 0u;
@@ -244,8 +202,6 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
         for (int b = 0; b < 2; ++b) vd[j][b] = valid[bi * 16 + 8 * j + 2 * q + b];
       float part[2][4], S[2][4];
       float *xb = xch + (2 * g + (n & 1)) * 512;  // [hh][j][lane][4]
-      const bool last = PFT && it == nsteps - 1 && ntok < n_tok;
-      if (last) qreg_load(ntok);  // this token's fragments are dead after its last QK
       fdsa_mma_xch_put(acc, xb, hh, lane, part);
       if (ABL & 64) {
         const unsigned c1 = clock();
@@ -253,10 +209,6 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
         c0 = c1;
       }
       asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
-      if (last) {
-        if (NROPE) rope_issue(ntok);
-        pre = true;
-      }
       if (ABL & 64) {
         const unsigned c1 = clock();
         cb += c1 - c0;
@@ -269,27 +221,24 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + 8 * (8 + bi)) : "memory");
       if (ABL & 64) cr += clock() - c0;
     }
-    const unsigned ce0 = (ABL & 64) ? clock() : 0u;
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     fdsa_mma_store_group<H, HAS_SINK>(o, m0, m1, t0, t1, l0, l1, c, Sink, Outv, Lse, MaxLogits, tok, r, q, hh);
-    if (ABL & 64) ce += clock() - ce0;
   }
   if (ABL & 64) {
     cl = clock() - cl0;
-    if (lane == 0) fdsa_mma_ws_counters(Outv, bx, warp, cw, cq, cb, cr, cl, n, cp, ce);
+    if (lane == 0) fdsa_mma_ws_counters(Outv, bx, warp, cw, cq, cb, cr, cl, n);
   }
 }
 """
 
 
 def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0,
-                                prefetch: bool = False):
+                                has_topk_length: bool = False, n_ctas: int = N_CTAS, ablate: int = 0):
     """prim_func as ``kernel_fwd_mma.build_sparse_mla_fwd_mma`` (H <= 16, Dqk 512 / 576, any topk); ``ablate``:
-    the ABL bits of a timing build, ``prefetch``: PFT (``fdsa_mma_ws_kernel``)."""
+    the ABL bits of a timing build (``fdsa_mma_ws_kernel``)."""
     if not 1 <= heads <= MAX_HEADS:
         raise ValueError(f"sparse mma_ws forward: H={heads} not in 1..{MAX_HEADS}")
     if dqk not in (512, 576):
@@ -299,8 +248,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_kv, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_kv", "n_tl", "n_sink", "topk")
     rs = 2 * dqk + 16
-    fn = (f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, "
-          f"{int(prefetch)}>")
+    fn = f"fdsa_mma_ws_kernel<{heads}, {dqk}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma_ws(
@@ -329,9 +277,9 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
 
 
 @functools.lru_cache(maxsize=32)
-def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0, prefetch=False):
+def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, ablate=ablate, prefetch=prefetch)
+                                       has_topk_length=has_topk_length, ablate=ablate)
     return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
 
 
