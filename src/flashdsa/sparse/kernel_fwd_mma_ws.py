@@ -27,9 +27,13 @@ on 132 SMs) against ``mma_c2q18``'s 0.094, so fewer tokens keep the other forms.
 threads, consumers at 232 registers with 84 B of spills): 1.457 ms; each group's rows spread over the four producer
 warps (divergent per-lane token loops): 1.483 ms; three stages per group (flags in the rows' padding, one exchange
 buffer with two barriers per step): 1.500 ms; the exchange in each warp's own rope half of the stage rows (so three
-stages fit): 1.442 ms (two stages that way 1.435); all removed.  Why only 2.5% (a consumer step without the issue
-would be ~1,825 of today's ~2,470 cycles): not measured yet -- the producer's ~1,150 cycles to issue a stage's 16
-rows (~72 each) or the shared-memory port (docs/PERFORMANCE.md "Session 39").
+stages fit): 1.442 ms (two stages that way 1.435); all removed.
+Session 40 (docs/PERFORMANCE.md "Session 40"; ABL 64 counters with the outputs kept): the consumers wait only
+~150-200 cycles per 16-key step for their stage; the step is their own QK (~870-1,050 cycles: 18 ``ldmatrix`` + 36
+``mma``) and softmax + PV (~800-1,070), i.e. the shared-memory port (~236 KB per SM and step, ~79% of 128 B/clk) and
+the ``ldmatrix`` latencies.  Measured and removed: rows by TMA with the 128B swizzle (128-byte aligned destinations:
+without products 1.35 -> 1.08 ms, but the swizzled addresses cost registers: 1.387 vs 1.375 ms), also with three
+stages (1.46), two full barriers per stage (1.39), the next token's Q loaded during the last step (no gain).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
