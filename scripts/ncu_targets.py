@@ -11,7 +11,8 @@ FP8-compute pair forward, same shape), sparse_pair_hop (the bf16 pair kernel thr
 hop: ``kernel_fwd_pair`` ``hop=True``), sparse_pair_cache_no_convert (the 656-byte cache kernel without the
 conversion, wrong results), sparse_pair_cache_contig_no_convert (the same with the raw bytes landing contiguously),
 decode_sparse_fp8_h16 (sparse decode over the 656-byte cache, B 128, H 16,
-s_q 1, topk 2048, cache 32768: the issue's 3.0 TB/s case).
+s_q 1, topk 2048, cache 32768: the issue's 3.0 TB/s case), sparse_mma_ws_h16 (``kernel_fwd_mma_ws``, S 4096 over
+SKV 8192, H 16, topk 2048: #8's H 16 row).
 """
 
 import sys
@@ -46,6 +47,12 @@ def main():
         case = [c for c in suites.decode_cases(True) if c.name.startswith("sparse_fp8_B128_H16")][0]
         inp = case.build(dev, g)
         fn = lambda: mla_decode(inp["q"], inp["kv_cache"], None, None, indices=inp["indices"])  # noqa: E731
+    elif name == "sparse_mma_ws_h16":
+        from flashdsa.sparse import kernel_fwd, kernel_fwd_mma_ws
+
+        g = torch.Generator(device=dev).manual_seed(0)
+        q, kv, idx = kernel_fwd._prefill_inputs(g, S=4096, SKV=8192, H=16, topk=2048)
+        fn = lambda: kernel_fwd.launch(kernel_fwd_mma_ws._compiled, q, kv, idx, sm_scale=576**-0.5, d_v=512)  # noqa
     elif name == "sparse_pair_fp8":
         from flashdsa.quant import quantize_fp8
         from flashdsa.sparse import kernel_fwd_pair_fp8

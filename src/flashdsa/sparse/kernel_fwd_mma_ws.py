@@ -66,8 +66,9 @@ __device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int war
 }
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
 // valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
-// ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters over out's first
-// words once the outputs are written (u32 words 8 (12 bx + warp) + 0..5, summed over the warp's tokens; consumers:
+// ABL (timing builds, wrong results): 16 no PV, 32 no QK products, 64 per-warp clock counters written at the end
+// over out's first words (tokens 0-3, which CTA 0 stores first; u32 words 8 (12 bx + warp) + 0..5, summed over the
+// warp's tokens; consumers:
 // cycles in the full-barrier waits, QK + exchange store, the exchange barrier, the rest of the step (exchange sum,
 // softmax, PV, release), the loop, steps; producers: cycles in the empty-barrier waits, in the copies' issue, the
 // loop, steps).  The outputs stay written: without them the products are dead code.
