@@ -30,10 +30,11 @@ buffer with two barriers per step): 1.500 ms; the exchange in each warp's own ro
 stages fit): 1.442 ms (two stages that way 1.435); all removed.
 Session 40 (docs/PERFORMANCE.md "Session 40"; ABL 64 counters with the outputs kept): the consumers wait only
 ~150-200 cycles per 16-key step for their stage; the step is their own QK (~870-1,050 cycles: 18 ``ldmatrix`` + 36
-``mma``) and softmax + PV (~800-1,070), i.e. the shared-memory port (~236 KB per SM and step, ~79% of 128 B/clk) and
-the ``ldmatrix`` latencies.  Measured and removed: rows by TMA with the 128B swizzle (128-byte aligned destinations:
-without products 1.35 -> 1.08 ms, but the swizzled addresses cost registers: 1.387 vs 1.375 ms), also with three
-stages (1.46), two full barriers per stage (1.39), the next token's Q loaded during the last step (no gain).
+``mma``) and softmax + PV (~800-1,070) on a shared-memory port ~67-79% busy, with the L2 at 86% of its throughput
+delivering the rows (ncu; 25% more SM clock buys only 8% less time).  Measured and removed: rows by TMA with the
+128B swizzle (128-byte aligned destinations: without products 1.35 -> 1.08 ms, but the swizzled addresses cost
+registers: 1.387 vs 1.375 ms), also with three stages (1.46), two full barriers per stage (1.39), the next token's Q
+loaded during the last step (no gain).
 """
 
 # no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
