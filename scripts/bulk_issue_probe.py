@@ -4,8 +4,8 @@ Why: in ``sparse/kernel_fwd_mma.py`` the consumer warps issue their own rows' co
 16-key step doing it (``scripts/mma_counters.py``): a producer warp would take that off their path only if one warp
 can issue the SM's ~64 rows per step fast enough.  Here ``W`` warps per CTA (one CTA per SM, 132 CTAs) each copy
 random 1152-byte rows of an L2-resident 8192-row table into their own ring of ``R`` 16-row stages (rows ``ROW +
-PAD`` bytes apart, PAD 16 unless given; one mbarrier per
-stage), waiting on a stage's previous copies only when the ring wraps; ``MODE`` 0: lanes 0-15 each copy one row
+PAD`` bytes apart, PAD 16 unless given; PAD -1: 128-byte slots, each row at its source's offset within 128 bytes;
+one mbarrier per stage), waiting on a stage's previous copies only when the ring wraps; ``MODE`` 0: lanes 0-15 each copy one row
 (one ``arrive.expect_tx`` per row, as the kernel), 1: lane 0 arrives once and copies the 16 rows in sequence.  (The
 ``.shared::cta`` destination form of PTX ISA 8.6 compiled but failed at launch on the H200 host, session 38.)
 Prints rows per microsecond and SM, and the cycles a warp spends issuing one 16-row stage.
@@ -32,7 +32,8 @@ __device__ __forceinline__ void arrive_expect(unsigned bar, unsigned bytes) {
 }
 template <int W, int R, int MODE, int ROW, int PAD>
 __global__ void probe(const unsigned char *kv, const int *idx, int steps, long long *cyc, int *sink) {
-  constexpr int RS = ROW + PAD;
+  // PAD -1: each row's destination 16-byte offset within 128 bytes equal to its source's (rows in 128-aligned slots)
+  constexpr int RS = PAD >= 0 ? ROW + PAD : (ROW + 112 + 127) / 128 * 128;
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ __align__(8) unsigned long long bars[W * R];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -60,7 +61,8 @@ __global__ void probe(const unsigned char *kv, const int *idx, int steps, long l
     if (MODE == 0) {
       if (lane < 16) {
         arrive_expect(bar, ROW);
-        copy_row<ROW>(st0 + (slot * 16 + lane) * RS, kv + static_cast<long long>(row) * ROW, bar);
+        const unsigned co = PAD >= 0 ? 0u : static_cast<unsigned>((static_cast<long long>(row) * ROW) & 127);
+        copy_row<ROW>(st0 + (slot * 16 + lane) * RS + co, kv + static_cast<long long>(row) * ROW, bar);
       }
     } else {
       int rk[16];
@@ -89,7 +91,7 @@ __global__ void probe(const unsigned char *kv, const int *idx, int steps, long l
 template <int W, int R, int MODE, int ROW = 1152, int PAD = 16>
 void run(const unsigned char *kv, const int *idx, long long *cyc, int *sink) {
   const int steps = 512;
-  const size_t smem = static_cast<size_t>(W) * R * 16 * (ROW + PAD);
+  const size_t smem = static_cast<size_t>(W) * R * 16 * (PAD >= 0 ? ROW + PAD : (ROW + 112 + 127) / 128 * 128);
   cudaFuncSetAttribute(probe<W, R, MODE, ROW, PAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   const float ms = probe_ms([&] { probe<W, R, MODE, ROW, PAD><<<132, 32 * W, smem>>>(kv, idx, steps, cyc, sink); });
   long long h[2 * 132 * 8];
@@ -135,10 +137,17 @@ int main() {
   // the destination's alignment (session 40): rows RS = ROW + PAD bytes apart
   run<4, 3, 0, 1152, 0>(kv, idx, cyc, sink);
   run<4, 3, 0, 1152, 32>(kv, idx, cyc, sink);
-  run<4, 3, 0, 1152, 64>(kv, idx, cyc, sink);
-  run<4, 3, 0, 1152, 128>(kv, idx, cyc, sink);
+  run<4, 2, 0, 1152, 0>(kv, idx, cyc, sink);  // (three stages of 1216- / 1280-byte rows exceed shared memory)
+  run<4, 2, 0, 1152, 64>(kv, idx, cyc, sink);
+  run<4, 2, 0, 1152, 128>(kv, idx, cyc, sink);
   run<8, 1, 0, 1152, 0>(kv, idx, cyc, sink);
   run<4, 3, 0, 576, 0>(kv, idx, cyc, sink);
+  // 656-byte rows (the FP8 cache): packed, 16-byte padded, each row co-aligned with its source (pad -1)
+  run<4, 3, 0, 656, 0>(kv, idx, cyc, sink);
+  run<4, 3, 0, 656, 16>(kv, idx, cyc, sink);
+  run<4, 3, 0, 656, -1>(kv, idx, cyc, sink);
+  run<4, 3, 0, 1152, -1>(kv, idx, cyc, sink);
+  run<4, 3, 0, 1152, 16>(kv, idx, cyc, sink);
   return 0;
 }
 """
