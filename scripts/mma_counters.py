@@ -22,6 +22,19 @@ from flashdsa.bench.harness import time_fn
 from flashdsa.sparse import kernel_fwd, kernel_fwd_mma
 
 
+def timed_words(name, q, kv, idx):
+    """The event time of form ``name`` and, after one more launch, its ``out`` as unsigned 32-bit words (int64)."""
+    compiled = functools.partial(kernel_fwd_mma._compiled, form=name)
+
+    def fn(_=None):
+        return kernel_fwd.launch(compiled, q, kv, idx, sm_scale=576 ** -0.5, d_v=512)
+
+    t = time_fn(fn, [None], q.device, reps=20)
+    o = fn()[0]
+    torch.cuda.synchronize()
+    return t, o.view(torch.int32).reshape(-1).cpu().numpy().astype(np.int64) & 0xffffffff
+
+
 def main():
     names = sys.argv[1].split(",")
     shape = sys.argv[sys.argv.index("--shape") + 1] if "--shape" in sys.argv else "prefill"
@@ -34,15 +47,8 @@ def main():
             res[name] = ws_counters(name, q, kv, idx, S)
             continue
         groups, _, _, tiles, _, _ = kernel_fwd_mma.form_shape(name)
-        compiled = functools.partial(kernel_fwd_mma._compiled, form=name)
-
-        def fn(_=None, c=compiled):
-            return kernel_fwd.launch(c, q, kv, idx, sm_scale=576 ** -0.5, d_v=512)
-
-        t = time_fn(fn, [None], q.device, reps=20)
-        o = fn()[0]
-        torch.cuda.synchronize()
-        w = o.view(torch.int32).reshape(S, 4096).cpu().numpy().astype(np.int64) & 0xffffffff
+        t, words = timed_words(name, q, kv, idx)
+        w = words.reshape(S, 4096)
         warps = 2 * groups * tiles
         cnt = w[:, :8 * warps].reshape(S, warps, 8)
         steps = np.maximum(cnt[:, :, 4], 1)
@@ -60,17 +66,9 @@ def ws_counters(name, q, kv, idx, S):
     """``kernel_fwd_mma_ws``'s ``_a64`` builds: per CTA and warp, sums over the warp's tokens (consumer warps 0-7:
     wait, QK + exchange store, exchange barrier, rest, loop, steps; producer warps 8-11: empty wait, issue, -, -,
     loop, steps); medians over warps of the cycles per step."""
-    compiled = functools.partial(kernel_fwd_mma._compiled, form=name)
-
-    def fn(_=None):
-        return kernel_fwd.launch(compiled, q, kv, idx, sm_scale=576 ** -0.5, d_v=512)
-
-    t = time_fn(fn, [None], q.device, reps=20)
-    o = fn()[0]
-    torch.cuda.synchronize()
+    t, words = timed_words(name, q, kv, idx)
     n_cta = min((S + 3) // 4, 132)
-    w = o.view(torch.int32).reshape(-1)[:n_cta * 12 * 8].cpu().numpy().astype(np.int64) & 0xffffffff
-    cnt = w.reshape(n_cta, 12, 8)
+    cnt = words[:n_cta * 12 * 8].reshape(n_cta, 12, 8)
     steps = np.maximum(cnt[:, :, 5], 1)
     cons = {k: float(np.median(cnt[:, :8, i] / steps[:, :8])) for k, i in
             (("wait", 0), ("qk", 1), ("bar", 2), ("rest", 3), ("loop", 4))}

@@ -85,6 +85,12 @@ MANY_TOKEN_FORM, TWO_PER_SM_FORM, FEW_TOKEN_FORM, TWO_TILE_FORM = "mma_ws", "mma
 EXPECTS_WGMMA = False  # tests/test_lowering.py: mma.sync by design (m16n8k16 fits 16 heads)
 
 _SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + r"""
+// timing builds (ABL 64): the cycles since c0 go to acc, and c0 moves on
+__device__ __forceinline__ void fdsa_clock_lap(unsigned &acc, unsigned &c0) {
+  const unsigned c1 = clock();
+  acc += c1 - c0;
+  c0 = c1;
+}
 __device__ __forceinline__ void fdsa_mma_ldm(unsigned addr, unsigned *x) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
@@ -292,11 +298,7 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     const int bi = g * NST + it % NST;
     unsigned c0 = (ABL & 64) ? clock() : 0u;
     fdsa_wait_parity(bars + bi * 8, (it / NST) & 1);
-    if (ABL & 64) {
-      const unsigned c1 = clock();
-      cyc_wait += c1 - c0;
-      c0 = c1;
-    }
+    if (ABL & 64) fdsa_clock_lap(cyc_wait, c0);
     const unsigned sb = stage_s + bi * 16 * RS;
     // ---- QK partial over this warp's dims: two chains per key n-tile (even / odd k steps)
     float acc[2][2][4];
@@ -323,17 +325,9 @@ __device__ __forceinline__ void fdsa_mma_kernel(
     // exchange the partials (a + b == b + a: both warps get the same S)
     float *xb = xch + ((g * T + t) * 2 + (it & 1)) * 512;  // [hh][j][lane][4]
     fdsa_mma_xch_put(acc, xb, hh, lane, part);
-    if (ABL & 64) {
-      const unsigned c1 = clock();
-      cyc_qk += c1 - c0;
-      c0 = c1;
-    }
+    if (ABL & 64) fdsa_clock_lap(cyc_qk, c0);
     asm volatile("bar.sync %0, %1;" :: "r"(8 + g), "r"(32 * W) : "memory");
-    if (ABL & 64) {
-      const unsigned c1 = clock();
-      cyc_bar += c1 - c0;
-      c0 = c1;
-    }
+    if (ABL & 64) fdsa_clock_lap(cyc_bar, c0);
     // the stage of step it - 1 is free (the group's warps are past its PV): refill it with step it + NST - 1
     if (it >= 1 && it + NST - 1 < nsteps) {
       const int st = it + NST - 1;

@@ -113,11 +113,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
         const int nrow = (it + 1 < nsteps && slot < lim) ? idx[slot] : -1;
         unsigned c0 = (ABL & 64) ? clock() : 0u;
         if (n >= 2) fdsa_wait_parity(bars + 8 * (8 + 2 * g + s), ((n >> 1) - 1) & 1);
-        if (ABL & 64) {
-          const unsigned c1 = clock();
-          cw += c1 - c0;
-          c0 = c1;
-        }
+        if (ABL & 64) fdsa_clock_lap(cw, c0);
         const int ok = row >= 0 && row < n_rows, bi = 2 * g + s;
         valid[bi * 16 + lane] = ok;
         fdsa_bulk_row<ROW>(stage_s + (bi * 16 + lane) * RS, kv + static_cast<long long>(ok ? row : 0) * ROW,
@@ -181,11 +177,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
       const int bi = 2 * g + (n & 1);
       unsigned c0 = (ABL & 64) ? clock() : 0u;
       fdsa_wait_parity(bars + 8 * bi, (n >> 1) & 1);
-      if (ABL & 64) {
-        const unsigned c1 = clock();
-        cw += c1 - c0;
-        c0 = c1;
-      }
+      if (ABL & 64) fdsa_clock_lap(cw, c0);
       const unsigned sb = stage_s + bi * 16 * RS;
       float acc[2][2][4];
 #pragma unroll
@@ -209,17 +201,9 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
       float part[2][4], S[2][4];
       float *xb = xch + (2 * g + (n & 1)) * 512;  // [hh][j][lane][4]
       fdsa_mma_xch_put(acc, xb, hh, lane, part);
-      if (ABL & 64) {
-        const unsigned c1 = clock();
-        cq += c1 - c0;
-        c0 = c1;
-      }
+      if (ABL & 64) fdsa_clock_lap(cq, c0);
       asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory");
-      if (ABL & 64) {
-        const unsigned c1 = clock();
-        cb += c1 - c0;
-        c0 = c1;
-      }
+      if (ABL & 64) fdsa_clock_lap(cb, c0);
       fdsa_mma_xch_sum(part, vd, xb, hh, lane, S);
       fdsa_mma_softmax_pv<!(ABL & 16)>(S, c, m0, m1, t0, t1, l0, l1, o, sb + va);
       __syncwarp();  // every lane's ldmatrix of the stage is done before the release
