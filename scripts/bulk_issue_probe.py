@@ -5,9 +5,11 @@ Why: in ``sparse/kernel_fwd_mma.py`` the consumer warps issue their own rows' co
 can issue the SM's ~64 rows per step fast enough.  Here ``W`` warps per CTA (one CTA per SM, 132 CTAs) each copy
 random 1152-byte rows of an L2-resident 8192-row table into their own ring of ``R`` 16-row stages (rows ``ROW +
 PAD`` bytes apart, PAD 16 unless given; PAD -1: 128-byte slots, each row at its source's offset within 128 bytes;
-one mbarrier per stage), waiting on a stage's previous copies only when the ring wraps; ``MODE`` 0: lanes 0-15 each copy one row
-(one ``arrive.expect_tx`` per row, as the kernel), 1: lane 0 arrives once and copies the 16 rows in sequence.  (The
-``.shared::cta`` destination form of PTX ISA 8.6 compiled but failed at launch on the H200 host, session 38.)
+PAD -2: packed rows, each placed in a slot whose address bit 4 matches its source's where the 8 + 8 slots allow, as
+``kernel_fwd_mma656``'s PAR build; one mbarrier per stage), waiting on a stage's previous copies only when the ring
+wraps; ``MODE`` 0: lanes 0-15 each copy one row (one ``arrive.expect_tx`` per row, as the kernel), 1: lane 0 arrives
+once and copies the 16 rows in sequence.  (The ``.shared::cta`` destination form of PTX ISA 8.6 compiled but failed
+at launch on the H200 host, session 38.)
 Prints rows per microsecond and SM, and the cycles a warp spends issuing one 16-row stage.
 
 Usage (GPU host, nvcc on PATH): ``python scripts/bulk_issue_probe.py``; JSON to ``$OUT/bulk_issue_probe.json``.
@@ -33,7 +35,7 @@ __device__ __forceinline__ void arrive_expect(unsigned bar, unsigned bytes) {
 template <int W, int R, int MODE, int ROW, int PAD>
 __global__ void probe(const unsigned char *kv, const int *idx, int steps, long long *cyc, int *sink) {
   // PAD -1: each row's destination 16-byte offset within 128 bytes equal to its source's (rows in 128-aligned slots)
-  constexpr int RS = PAD >= 0 ? ROW + PAD : (ROW + 112 + 127) / 128 * 128;
+  constexpr int RS = PAD >= 0 ? ROW + PAD : PAD == -2 ? ROW : (ROW + 112 + 127) / 128 * 128;
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ __align__(8) unsigned long long bars[W * R];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -59,10 +61,19 @@ __global__ void probe(const unsigned char *kv, const int *idx, int steps, long l
     __syncwarp();
     const long long c0 = clock64();
     if (MODE == 0) {
+      const unsigned char *src = kv + static_cast<long long>(row) * ROW;
+      int k = lane & 15;
+      if (PAD == -2) {  // rank among the rows of the same address bit 4; the 9th.. of a class take the other's slots
+        const int cls = static_cast<int>(reinterpret_cast<size_t>(src) >> 4) & 1;
+        const int dpar = static_cast<int>((st0 + slot * 16 * RS) >> 4) & 1;
+        const unsigned odd = __ballot_sync(0xffffffffu, cls) & 0xffffu, mine = cls ? odd : ~odd & 0xffffu;
+        const int rank = __popc(mine & ((1u << k) - 1u));
+        k = rank < 8 ? 2 * rank + (cls ^ dpar) : 2 * (rank - 8 + 16 - __popc(mine)) + (cls ^ 1 ^ dpar);
+      }
       if (lane < 16) {
         arrive_expect(bar, ROW);
-        const unsigned co = PAD >= 0 ? 0u : static_cast<unsigned>((static_cast<long long>(row) * ROW) & 127);
-        copy_row<ROW>(st0 + (slot * 16 + lane) * RS + co, kv + static_cast<long long>(row) * ROW, bar);
+        const unsigned co = PAD != -1 ? 0u : static_cast<unsigned>((static_cast<long long>(row) * ROW) & 127);
+        copy_row<ROW>(st0 + (slot * 16 + k) * RS + co, src, bar);
       }
     } else {
       int rk[16];
@@ -91,7 +102,8 @@ __global__ void probe(const unsigned char *kv, const int *idx, int steps, long l
 template <int W, int R, int MODE, int ROW = 1152, int PAD = 16>
 void run(const unsigned char *kv, const int *idx, long long *cyc, int *sink) {
   const int steps = 512;
-  const size_t smem = static_cast<size_t>(W) * R * 16 * (PAD >= 0 ? ROW + PAD : (ROW + 112 + 127) / 128 * 128);
+  const size_t smem =
+      static_cast<size_t>(W) * R * 16 * (PAD >= 0 ? ROW + PAD : PAD == -2 ? ROW : (ROW + 112 + 127) / 128 * 128);
   cudaFuncSetAttribute(probe<W, R, MODE, ROW, PAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   const float ms = probe_ms([&] { probe<W, R, MODE, ROW, PAD><<<132, 32 * W, smem>>>(kv, idx, steps, cyc, sink); });
   long long h[2 * 132 * 8];
@@ -146,8 +158,12 @@ int main() {
   run<4, 3, 0, 656, 0>(kv, idx, cyc, sink);
   run<4, 3, 0, 656, 16>(kv, idx, cyc, sink);
   run<4, 3, 0, 656, -1>(kv, idx, cyc, sink);
-  run<4, 3, 0, 1152, -1>(kv, idx, cyc, sink);
-  run<4, 3, 0, 1152, 16>(kv, idx, cyc, sink);
+  // packed 656-byte rows placed by address bit 4 (pad -2, session 41), against packed and co-aligned again
+  run<4, 3, 0, 656, -2>(kv, idx, cyc, sink);
+  run<4, 3, 0, 656, 0>(kv, idx, cyc, sink);
+  run<4, 3, 0, 656, -1>(kv, idx, cyc, sink);
+  run<4, 4, 0, 656, -2>(kv, idx, cyc, sink);
+  run<4, 4, 0, 656, 0>(kv, idx, cyc, sink);
   return 0;
 }
 """

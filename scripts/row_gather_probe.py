@@ -12,14 +12,20 @@ word of each row into a checksum (so the copies have a consumer), then refills t
   * ``lsu``: the warp's 32 lanes copy the 16 rows as 16-byte ``cp.async`` pieces (656 per chunk) with ``noinc``
     arrivals (the LSU path).
 
+Placements of a bulk-copied row (``--place``): ``packed`` (stage rows ``ROW`` bytes apart, as the kernels), ``parity``
+(packed, each warp's 16 rows placed so that a row's slot and its source agree in address bit 4 where the 8 + 8
+slots allow: ``kernel_fwd_mma656``'s ``mma_par``), ``co128`` (768-byte slots, each row at its source's offset within
+128 bytes; the offsets go through shared memory to the reader).  Session 40's ``scripts/bulk_issue_probe.py``: a
+copy 16 bytes off its source modulo 32 is the slow case.
+
 Checked: the checksums equal torch's sum of the same words (int64 wrap-around sums compared mod 2^32).
 
 Usage (GPU host): ``source .gpu/env.sh && python scripts/row_gather_probe.py [--modes bulk,lsu] [--warps 4,8]
-[--stages 2,4] [--row 656|1152] [--shapes decode|prefill] [--json out.json]``; decode shapes: B 128 tokens x 32768
-rows each and B 512 x 8192 (2.75 GB of rows at 656 B), topk 2048 sorted unique per token (the decode suite's and
-``kernel_fwd_narrow656 --variants``' pattern); prefill: S 4096 tokens x topk 2048 sorted unique rows of one shared
-SKV 8192 (L2-resident; #8's suite shape: 9.66 GB of 1152-byte rows).  A config whose stages leave room runs several
-CTAs per SM.
+[--stages 2,4] [--row 656|1152] [--shapes decode|prefill] [--place packed,parity,co128] [--json out.json]``; decode
+shapes: B 128 tokens x 32768 rows each and B 512 x 8192 (2.75 GB of rows at 656 B), topk 2048 sorted unique per
+token (the decode suite's and ``kernel_fwd_narrow656 --variants``' pattern); prefill: S 4096 tokens x topk 2048
+sorted unique rows of one shared SKV 8192 (L2-resident; #8's suite shape: 9.66 GB of 1152-byte rows).  A config whose
+stages leave room runs several CTAs per SM.
 """
 
 import argparse
@@ -32,9 +38,11 @@ import tilelang
 import tilelang.language as T
 
 _SRC = r"""
-template <int W, int NS, int LSU, int ROW>
+// PLACE 0 packed, 1 parity, 2 co128 (module notes); RS: the stage row stride
+template <int W, int NS, int LSU, int ROW, int PLACE>
 __device__ __forceinline__ void fdsa_probe_rows(const void *kv_v, int rs16, const int *idx, int topk,
-                                                void *stage_v, void *bars_v, int *out, int tok) {
+                                                void *stage_v, int *offs, void *bars_v, int *out, int tok) {
+  constexpr int RS = PLACE == 2 ? (ROW + 112 + 127) / 128 * 128 : ROW;
   const unsigned char *kv = static_cast<const unsigned char *>(kv_v);
   unsigned char *stage = static_cast<unsigned char *>(stage_v);
   const long long rs = static_cast<long long>(rs16) * 16;
@@ -51,12 +59,23 @@ __device__ __forceinline__ void fdsa_probe_rows(const void *kv_v, int rs16, cons
     const int st = warp * NS + step % NS;
     const unsigned bar = bars + st * 8;
     if (!LSU) {
+      const unsigned char *src = kv + (row >= 0 ? row : 0) * rs;
+      const unsigned sa = static_cast<unsigned>(reinterpret_cast<size_t>(src));
+      int k = lane & 15;
+      if (PLACE == 1) {  // rank among the rows of the same address bit 4; the 9th.. of a class take the other's slots
+        const int cls = (sa >> 4) & 1, dpar = ((stage_s + st * 16 * RS) >> 4) & 1;
+        const unsigned odd = __ballot_sync(0xffffffffu, cls) & 0xffffu, mine = cls ? odd : ~odd & 0xffffu;
+        const int rank = __popc(mine & ((1u << k) - 1u));
+        k = rank < 8 ? 2 * rank + (cls ^ dpar) : 2 * (rank - 8 + 16 - __popc(mine)) + (cls ^ 1 ^ dpar);
+      }
+      const unsigned co = PLACE == 2 ? ((sa - stage_s) & 112u) : 0u;  // slots are 128-byte multiples apart
       if (lane < 16) {
-        const unsigned dst = stage_s + (st * 16 + lane) * ROW;
+        const unsigned dst = stage_s + (st * 16 + k) * RS + co;
+        if (PLACE == 2) offs[st * 16 + k] = static_cast<int>(co);
         if (row >= 0) {
           asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(ROW) : "memory");
           asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                       :: "r"(dst), "l"(kv + row * rs), "r"(ROW), "r"(bar) : "memory");
+                       :: "r"(dst), "l"(src), "r"(ROW), "r"(bar) : "memory");
         } else {
           asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
         }
@@ -86,7 +105,8 @@ __device__ __forceinline__ void fdsa_probe_rows(const void *kv_v, int rs16, cons
                  "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra WAIT;\n\t}\n"
                  :: "r"(bar), "r"((it / NS) & 1) : "memory");
     if (lane < 16 && (warp + W * it) * 16 + lane < topk)
-      sum += *reinterpret_cast<const unsigned *>(stage + (st * 16 + lane) * ROW + 4 * (it & 127));
+      sum += *reinterpret_cast<const unsigned *>(stage + (st * 16 + lane) * RS + (PLACE == 2 ? offs[st * 16 + lane] : 0)
+                                                 + 4 * (it & 127));
     __syncwarp();
     if (it + NS < nsteps) {
       const int row = next;
@@ -101,31 +121,43 @@ __device__ __forceinline__ void fdsa_probe_rows(const void *kv_v, int rs16, cons
 """
 
 
-def build(n_warps: int, stages: int, lsu: bool, row: int = 656):
+PLACES = ("packed", "parity", "co128")
+
+
+def slot_bytes(row: int, place: str) -> int:
+    """The stage row stride of a placement."""
+    return (row + 112 + 127) // 128 * 128 if place == "co128" else row
+
+
+def build(n_warps: int, stages: int, lsu: bool, row: int = 656, place: str = "packed"):
     from flashdsa.sparse import _tl_common as tc
 
+    assert place == "packed" or not lsu, "the placements are for bulk copies"
     n_tok, n_ch, topk, n_out = tc.dynamic_dims("n_tok", "n_ch", "topk", "n_out")
     arrivals = 32 if lsu else 16
     u8, i32 = "uint8", "int32"
-    fn = f"fdsa_probe_rows<{n_warps}, {stages}, {int(lsu)}, {row}>"
+    fn = f"fdsa_probe_rows<{n_warps}, {stages}, {int(lsu)}, {row}, {PLACES.index(place)}>"
 
     @T.prim_func
     def row_gather_probe(KV: T.Tensor([n_ch, 16], u8), rs16: T.int32, Idx: T.Tensor([n_tok, topk], i32),
                          Out: T.Tensor([n_out], i32)):
         with T.Kernel(n_tok, threads=32 * n_warps, prelude=_SRC) as bx:
-            Stage = T.alloc_shared([n_warps * stages * 16 * row], "uint8")
+            Stage = T.alloc_shared([n_warps * stages * 16 * slot_bytes(row, place)], "uint8")
+            Offs = T.alloc_shared([n_warps * stages * 16], i32)
             bars = T.alloc_barrier([arrivals] * (n_warps * stages))
             T.call_extern("handle", fn, T.address_of(KV[0, 0]), rs16, T.address_of(Idx[0, 0]), topk,
-                          T.address_of(Stage[0]), T.address_of(bars[0]), T.address_of(Out[0]), bx)
+                          T.address_of(Stage[0]), T.address_of(Offs[0]), T.address_of(bars[0]),
+                          T.address_of(Out[0]), bx)
 
     return row_gather_probe
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(n_warps: int, stages: int, lsu: bool, row: int = 656):
+def compiled(n_warps: int, stages: int, lsu: bool, row: int = 656, place: str = "packed"):
     from flashdsa.sparse import _tl_common as tc
 
-    return tilelang.compile(build(n_warps, stages, lsu, row), target="cuda", pass_configs=tc.plain_pass_configs())
+    return tilelang.compile(build(n_warps, stages, lsu, row, place), target="cuda",
+                            pass_configs=tc.plain_pass_configs())
 
 
 def main():
@@ -135,6 +167,7 @@ def main():
     ap.add_argument("--stages", default="2,4")
     ap.add_argument("--row", type=int, default=656, choices=(656, 1152))
     ap.add_argument("--shapes", default="decode", choices=("decode", "prefill"))
+    ap.add_argument("--place", default="packed", help=f"comma-separated, of {PLACES} (bulk copies)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     ROW = a.row
@@ -154,12 +187,13 @@ def main():
             idx = idx + torch.arange(n_tok, device=dev).unsqueeze(1) * per_tok
         idx = idx.sort(dim=1).values.to(torch.int32)
         chunks = kv.view(-1, 16)
-        for mode in a.modes.split(","):
+        for mode, place in ((m, p) for m in a.modes.split(",") for p in a.place.split(",")
+                            if m == "bulk" or p == "packed"):
             for w in (int(x) for x in a.warps.split(",")):
                 for ns in (int(x) for x in a.stages.split(",")):
-                    if w * ns * 16 * ROW > 227 * 1024:
+                    if w * ns * 16 * slot_bytes(ROW, place) > 227 * 1024 - w * ns * 16 * 4:
                         continue
-                    k = compiled(w, ns, mode == "lsu", ROW)
+                    k = compiled(w, ns, mode == "lsu", ROW, place)
                     out = torch.zeros(n_tok * w, dtype=torch.int32, device=dev)
                     k(chunks, ROW // 16, idx, out)
                     torch.cuda.synchronize()
@@ -174,9 +208,9 @@ def main():
                     ok = torch.equal(ref % (1 << 32), out.view(n_tok, w).to(torch.int64) & 0xFFFFFFFF)
                     t = time_fn(lambda _: k(chunks, ROW // 16, idx, out), [None], dev, reps=30)
                     tb = n_tok * topk * ROW / t.ms_median / 1e9
-                    rows_out.append(dict(shape=label, row_bytes=ROW, mode=mode, warps=w, stages=ns, ms=t.ms_median,
-                                         ms_p10=t.ms_p10, tbps=tb, checksum_ok=ok))
-                    print(f"{label} {mode} warps {w} stages {ns}: {t.ms_median * 1e3:.1f} us (p10 "
+                    rows_out.append(dict(shape=label, row_bytes=ROW, mode=mode, place=place, warps=w, stages=ns,
+                                         ms=t.ms_median, ms_p10=t.ms_p10, tbps=tb, checksum_ok=ok))
+                    print(f"{label} {mode} {place} warps {w} stages {ns}: {t.ms_median * 1e3:.1f} us (p10 "
                           f"{t.ms_p10 * 1e3:.1f}), {tb:.3f} TB/s of rows, checksum {'ok' if ok else 'MISMATCH'}",
                           flush=True)
         del kv

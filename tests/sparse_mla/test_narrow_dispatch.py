@@ -119,6 +119,18 @@ def test_cache656_mma_rejects_wide_heads(record):
                                                narrow="mma")
 
 
+@pytest.mark.parametrize("name,expect", [("mma", (0, False)), ("mma_a64", (64, False)), ("mma_par", (0, True)),
+                                         ("mma_par_a48", (48, True))])
+def test_mma656_form_names(name, expect):
+    assert kernel_fwd_mma656.form(name) == expect
+
+
+@pytest.mark.parametrize("name", ["mma_parity", "mma_a", "mma_a6x", "mmax", "mma_a8_par", "ring"])
+def test_mma656_form_names_rejected(name):
+    with pytest.raises(ValueError, match=repr(name)):
+        kernel_fwd_mma656.form(name)
+
+
 def _named(name, key):
     return f"{name}:{key[-1]}" if name == "narrow656_dual" else name  # the dual form's last key is its prefetch
 

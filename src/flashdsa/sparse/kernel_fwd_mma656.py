@@ -11,14 +11,16 @@ us per 64-row block, PERFORMANCE.md session 13).  Here no converted tile exists 
   * **Key groups.**  Warps 2g and 2g + 1 form group g (4 groups); group g takes the 16-key chunks g, g + 4, ... of
     the token's top-k and keeps its own online softmax; the four groups are merged at the end (as split-KV).  So
     four independent chains per SM, each step 16 keys, no CTA-wide barrier inside the loop.
-  * **Raw rows straight into fragments.**  Each group has ``NST`` raw stages of 16 rows (one ``cp.async.bulk`` of
-    656 bytes per row, mbarrier ``expect_tx``; an invalid slot's row is zeroed by its issuing lane and flagged in
-    ``Valid``).  The row numbers come in blocks of 4 steps (one load per lane, a block ahead, handed out by
-    shuffles), so no index load sits on a step's refill.  A warp loads the e4m3 bytes it needs into registers and
-    converts them with ``cvt.rn.f16x2.e4m3x2`` (exact) straight into ``m16n8k16`` B fragments.  The contraction
-    order inside a 16-wide k step is free, so lane quad q takes 4 consecutive dims per step (bytes [32 q, +32) of a
-    128-dim tile over its 8 steps: two 16-byte loads per key and tile); Q' is stored in that order as ready A
-    fragments (one 16-byte load per lane and k step, no register moves), the bf16 rope likewise.
+  * **Raw rows straight into fragments.**  Each group has ``NST`` raw stages of 16 rows (one ``cp.async.bulk`` of 656
+    bytes per row, mbarrier ``expect_tx``; an invalid slot's row is zeroed by its issuing lane and flagged in
+    ``Valid``).  The row numbers come in blocks of 4 steps (one load per lane, a block ahead, handed out by shuffles),
+    so no index load sits on a step's refill.  The ``mma_par`` build places each warp's 8 rows so that a row's shared
+    slot and its source agree in address bit 4 where it can (``fdsa_m656_parity_slot``; a copy shifted 16 bytes modulo
+    32 against its source is slower; session 40).  A warp loads the e4m3 bytes it needs into registers and converts
+    them with ``cvt.rn.f16x2.e4m3x2`` (exact) straight into ``m16n8k16`` B fragments.  The contraction order inside a
+    16-wide k step is free, so lane quad q takes 4 consecutive dims per step (bytes [32 q, +32) of a 128-dim tile over
+    its 8 steps: two 16-byte loads per key and tile); Q' is stored in that order as ready A fragments (one 16-byte
+    load per lane and k step, no register moves), the bf16 rope likewise.
   * **The pair splits the dims.**  Warp h of a group (h = 0 / 1) owns latent tiles 2h, 2h + 1 (and h = 0 the bf16
     rope): its QK partial over its dims, in true units (each tile's accumulator times the row's tile scale, times
     the head's power of two of Q), goes through shared memory; both warps add the two partials in the same order
@@ -117,13 +119,25 @@ __device__ __forceinline__ void fdsa_m656_mma_f16(float *c, const unsigned *a, u
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// PAR builds: the slot (0..7) among its warp's 8 for lane l's row (lanes 0-7; cls: bit 4 of the row's source
+// address).  A bulk copy whose shared destination is 16 bytes off its source modulo 32 moves ~14% slower (session
+// 40, scripts/bulk_issue_probe.py); the slots alternate in that bit (656 = 41 x 16), so each row takes a slot of its
+// own class by rank, and only the rows beyond 4 of one class take the other class's free slots
+__device__ __forceinline__ int fdsa_m656_parity_slot(int cls, int lane, int dpar) {
+  const unsigned odd = __ballot_sync(0xffffffffu, cls) & 0xffu;
+  const unsigned mine = cls ? odd : ~odd & 0xffu;
+  const int rank = __popc(mine & ((1u << (lane & 7)) - 1u));
+  if (rank < 4) return 2 * rank + (cls ^ dpar);
+  return 2 * (rank - 4 + 8 - __popc(mine)) + (cls ^ 1 ^ dpar);  // after the other class's own rows
+}
 // The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
 // 16 no PV at all, 32 no QK products at all, 64 timestamps instead of out (H 16; u32 words per token: 0 / 1 the
 // globaltimer at entry, 2 after the prologue (6 / 7: warp 0's copies issued / Q' stored), 3 merge start (8 / 9 / 10:
 // O stored, synced, weights), 4 end, 5 the globaltimer at the end, 64 + 32 w + it warp w's wait of step it done,
 // 320 + .. its exchange barrier passed, 832 + w its loop end; clock64 deltas from entry in cycles)
-template <int H, int HAS_SINK, int HAS_TL, int ABL = 0>
+// PAR 1: rows placed by fdsa_m656_parity_slot (the keys of a half-chunk permuted; the softmax does not care)
+template <int H, int HAS_SINK, int HAS_TL, int ABL = 0, int PAR = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
@@ -172,9 +186,15 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   };
   auto block_rows = [&](int k) -> int { return slot_row(4 * k + (lane >> 3)); };
   const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
+  const int dpar = (stage_s >> 4) & 1;  // bit 4 of slot 0's shared address (slots of a half-chunk alternate)
   auto issue = [&](int step, int row) {
+    int j = lane;
+    if (PAR) {  // the whole warp takes part in the ballot
+      const size_t src = reinterpret_cast<size_t>(kv + (row >= 0 && row < n_rows ? row : 0) * rs);
+      j = fdsa_m656_parity_slot(static_cast<int>(src >> 4) & 1, lane, dpar);
+    }
     if (lane < 8) {
-      const int k = hh * 8 + lane, bi = g * NST + step % NST;
+      const int k = hh * 8 + j, bi = g * NST + step % NST;
       const int ok = row >= 0 && row < n_rows;
       valid[bi * 16 + k] = ok;
       fdsa_bulk_row<FDSA_M656_ROW>(stage_s + (bi * 16 + k) * ROW, kv + (ok ? row : 0) * rs, bars + bi * 8, ok,
@@ -513,19 +533,23 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 """
 
 
-def form(name: str) -> int:
-    """The ``ablate`` bits of a form name: "mma" (0), or the timing builds "mma_a<N>" (the kernel's ABL bits N)."""
+def form(name: str) -> tuple[int, bool]:
+    """(``ablate`` bits, ``parity``) of a form name: "mma" (0, False), "mma_par" (0, True: rows placed by their
+    source address's bit 4, ``fdsa_m656_parity_slot``), or either with "_a<N>" (timing builds: the ABL bits N)."""
     rest = name.removeprefix("mma")
+    parity = rest.startswith("_par")
+    rest = rest.removeprefix("_par")
     if not name.startswith("mma") or (rest and not (rest.startswith("_a") and rest[2:].isdigit())):
         raise ValueError(f"narrow: unknown mma form {name!r}")
-    return int(rest[2:] or 0)
+    return int(rest[2:] or 0), parity
 
 
 def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, ablate: int = 0):
+                                has_topk_length: bool = False, ablate: int = 0, parity: bool = False):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
-    MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds)."""
+    MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds); ``parity``: the
+    PAR build (rows in slots of their source address's 32-byte phase)."""
     assert 1 <= heads <= MAX_HEADS, heads
     assert not ablate & 64 or heads == 16, "the timestamp build writes 4096 words per token"
 
@@ -536,7 +560,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     CH = fc.CHUNK
     stage_bytes = GROUPS * NST * CHUNK * fc.ROW_BYTES
     assert stage_bytes >= GROUPS * 2 * 32 * 32 * 4 * 4  # the merge buffer
-    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}>"
+    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, {int(parity)}>"
 
     @T.prim_func
     def sparse_mla_fwd_mma656(
@@ -572,8 +596,9 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
 
 @functools.lru_cache(maxsize=64)
 def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, name: str = "mma"):
+    ablate, parity = form(name)
     func = build_sparse_mla_fwd_mma656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, ablate=form(name))
+                                       has_topk_length=has_topk_length, ablate=ablate, parity=parity)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -583,4 +608,5 @@ def lowering_cases():
         ("mma656_h16_sink_tl", build_sparse_mla_fwd_mma656(heads=16, sm_scale=576 ** -0.5, has_sink=True,
                                                            has_topk_length=True)),
         ("mma656_h3", build_sparse_mla_fwd_mma656(heads=3, sm_scale=0.05)),
+        ("mma656_h16_par", build_sparse_mla_fwd_mma656(heads=16, sm_scale=576 ** -0.5, parity=True)),
     ]
