@@ -3,8 +3,8 @@ wgmma M side) against the reference on ``dequantize_kv_fp8(kv)`` with the bf16 f
 and poisoning as ``test_kernel_fp8cache_gpu``: unreferenced rows and row padding are NaN / huge bytes), over
 head counts 1..32, both stage counts, the two-warpgroup forms of ``kernel_fwd_narrow656_dual`` (H <= 16; every
 prefetch form; the f16 form also over widely spread row and head scales), ``kernel_fwd_mma656`` and its ``mma_par``
-build, topk not a multiple of 64, topk > Tkv, invalid indices of every kind, empty rows, topk_length, +/-inf sinks,
-padded row strides and strided q; a second launch must be bitwise equal."""
+/ ``mma_ws`` builds, topk not a multiple of 64, topk > Tkv, invalid indices of every kind, empty rows, topk_length,
++/-inf sinks, padded row strides and strided q; a second launch must be bitwise equal."""
 
 import pytest
 import torch
@@ -49,12 +49,14 @@ CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "mma"), (3, 8192, 2048,
           (16, 8192, 2048, 20, False, False, "contig", 688, "mma"), (16, 64, 16, 5, True, False, "contig", 656, "mma")]
 # its "mma_par" build (rows placed by source address bit 4): row strides of odd (656, 688) and even (672, 704)
 # multiples of 16 bytes -- with even ones every row of a token is of one class, so half of them take the other
-# class's slots
-CASES += [c + ("mma_par",) for c in _DUAL]
-CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "mma_par"),
-          (3, 8192, 2048, 7, True, True, "strided", 672, "mma_par"),
-          (16, 8192, 2048, 20, False, False, "contig", 688, "mma_par"),
-          (16, 64, 16, 5, True, False, "contig", 672, "mma_par")]
+# class's slots; and the producer-warp builds "mma_ws" / "mma_ws_par" (4 producer warps, stages released on empty
+# barriers)
+CASES += [c + (form,) for form in ("mma_par", "mma_ws", "mma_ws_par") for c in _DUAL]
+CASES += [c + (form,) for form in ("mma_par", "mma_ws_par")
+          for c in ((1, 4096, 100, 62, True, False, "contig", 704), (3, 8192, 2048, 7, True, True, "strided", 672),
+                    (16, 8192, 2048, 20, False, False, "contig", 688), (16, 64, 16, 5, True, False, "contig", 672))]
+CASES += [(3, 8192, 2048, 7, True, True, "strided", 656, "mma_ws"),
+          (16, 64, 16, 5, True, False, "contig", 656, "mma_ws")]
 CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "ring16"),
           (16, 8192, 2048, 20, False, False, "contig", 688, "ring16")]
 
@@ -81,7 +83,7 @@ def test_sparse_mla_fwd_narrow656(heads, tkv, topk, n_tok, sink, use_tl, layout,
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("form", ["ring_er_f16", "mma", "mma_par"])
+@pytest.mark.parametrize("form", ["ring_er_f16", "mma", "mma_par", "mma_ws_par"])
 @pytest.mark.parametrize("spread", [4, 10])
 def test_f16_form_scale_spread(spread, form):
     """The f16 form ("ring_er_f16": each row's latent tile scaled by its scale over the token's largest, q by the

@@ -119,13 +119,16 @@ def test_cache656_mma_rejects_wide_heads(record):
                                                narrow="mma")
 
 
-@pytest.mark.parametrize("name,expect", [("mma", (0, False)), ("mma_a64", (64, False)), ("mma_par", (0, True)),
-                                         ("mma_par_a48", (48, True))])
+@pytest.mark.parametrize("name,expect", [
+    ("mma", (0, False, False)), ("mma_a64", (64, False, False)), ("mma_par", (0, True, False)),
+    ("mma_par_a48", (48, True, False)), ("mma_ws", (0, False, True)), ("mma_ws_par", (0, True, True)),
+    ("mma_ws_a16", (16, False, True)), ("mma_ws_par_a64", (64, True, True))])
 def test_mma656_form_names(name, expect):
     assert kernel_fwd_mma656.form(name) == expect
 
 
-@pytest.mark.parametrize("name", ["mma_parity", "mma_a", "mma_a6x", "mmax", "mma_a8_par", "ring"])
+@pytest.mark.parametrize("name", ["mma_parity", "mma_a", "mma_a6x", "mmax", "mma_a8_par", "ring", "mma_par_ws",
+                                  "mma_wsx"])
 def test_mma656_form_names_rejected(name):
     with pytest.raises(ValueError, match=repr(name)):
         kernel_fwd_mma656.form(name)

@@ -21,6 +21,10 @@ us per 64-row block, PERFORMANCE.md session 13).  Here no converted tile exists 
     16-wide k step is free, so lane quad q takes 4 consecutive dims per step (bytes [32 q, +32) of a 128-dim tile over
     its 8 steps: two 16-byte loads per key and tile); Q' is stored in that order as ready A fragments (one 16-byte
     load per lane and k step, no register moves), the bf16 rope likewise.
+  * **Producer warps (``mma_ws`` builds, to measure).**  As ``kernel_fwd_mma_ws`` does for bf16 rows: 384 threads,
+    warp 8 + g issues group g's 16 copies per step (``fdsa_m656_producer``; ``setmaxnreg`` 24 / 240) and the two
+    consumer warps release a stage on an empty mbarrier after its PV, so no consumer spends ~8 x 72 cycles per step
+    issuing copies (session 38's per-copy cost); ``mma_ws_par`` adds the PAR placement over the 16 rows.
   * **The pair splits the dims.**  Warp h of a group (h = 0 / 1) owns latent tiles 2h, 2h + 1 (and h = 0 the bf16
     rope): its QK partial over its dims, in true units (each tile's accumulator times the row's tile scale, times
     the head's power of two of Q), goes through shared memory; both warps add the two partials in the same order
@@ -42,24 +46,15 @@ exp2 domain (so P <= 2^8; the true max is kept apart for max_logits) -- invalid 
 -inf), natural-log lse without the sink, empty rows -> out 0, lse +inf, max_logits -inf;
 ``inv = 1 / (l + 2^(sink log2 e - m c))``.
 
-Measured (H200, H 16, topk 2048, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``; JSONs
-``benchmarks/results/2026-12-03_h200_*_variants_session3[23]_*.json``; docs/PERFORMANCE.md "Session 32", "Session 33").
-Session 33's build (6e8a3c4) against the two-warpgroup form: decode B 128 over 32768 rows per token 75.1 vs 98.9 us
-(decode suite row 0.0754 ms = 2.34 TB/s; 2.00 with session 32's build), B 512 268.6 vs 358.4 us, prefill S 4096 over
-SKV 8192 2.026 vs 2.550 ms, S 256 134.4 vs 165.8 us: ``kernel_fwd_fp8cache.FEW_HEAD_FORM`` runs it at every H <= 16
-call.  Without any QK or PV product (ABL 48) the loop takes 65.9 us at B 128, 211 us at B 512 (3.25 TB/s): at B 128
-the kernel is within ~9 us of its copy-and-softmax skeleton.  Measured slower: a producer warp issuing every row
-copy (109.9 us), half the rows by 16-byte ``cp.async`` pieces next to the bulk copies (81.0), rows by ``cp.async``
-pieces only (session 32), an integer-op e4m3 -> f16 conversion (session 32).  ncu (B 128): ~875 instructions per
-warp and 16-key step at 1e46066 (issued IPC 0.44 per scheduler with 2 warps; 1,090 in session 32), ~705 with the
-fragment-native Q' (d569f0e; stalls spread: fixed-latency waits 30%, short scoreboard 14%, the copy issue ~10%).
-Session 34 (95ed1cf, PERFORMANCE.md "Session 34"): the merge stores its output straight to global (a bf16 staging
-tile's 2-byte stores had 16-way bank conflicts: 4.1 -> 1.0 us per CTA): B 128 73.3-73.7 us (suite 0.0736-0.0741 ms =
-2.38-2.40 TB/s), B 512 263-264, S 4096 1.984 ms.  The timestamp build (ABL 64, ``scripts/mma656_timestamps.py``)
-shows ~6.4 us before the first copies go out (the first index / Q loads), then 1.98 us per 16-key step against 1.44
-without products: the steady state is product-bound.  Measured slower: QK on ``mma.sync.m16n8k32.e4m3`` with Q' as
-exact hi + lo e4m3 parts (ptxas emulates it on sm_90a with unpacks and two HMMA: 87.3 us).
-
+Measured (H200, H 16, topk 2048, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``; the history and its
+JSONs in docs/PERFORMANCE.md "Session 32" to "Session 35").  Against the two-warpgroup form (session 33): decode B 128
+over 32768 rows per token 75.1 vs 98.9 us, B 512 268.6 vs 358.4, prefill S 4096 over SKV 8192 2.026 vs 2.550 ms:
+``kernel_fwd_fp8cache.FEW_HEAD_FORM`` runs it at every H <= 16 call.  Since session 34 (95ed1cf; the merge stores
+straight to global): B 128 73.3-73.7 us (suite 2.38-2.40 TB/s), B 512 263-264, S 4096 1.984 ms.  Without any QK or
+PV product (ABL 48) B 128 takes 65.9 us; the timestamp build (ABL 64, ``scripts/mma656_timestamps.py``) shows ~6.4
+us before the first copies go out, then 1.98 us per 16-key step against 1.44 without products; ncu: ~705
+instructions per warp and step.  Measured slower (PERFORMANCE.md): a producer warp issuing every copy, rows or half
+rows by 16-byte ``cp.async`` pieces, an integer-op e4m3 -> f16 conversion, QK on ``mma.sync.m16n8k32.e4m3``.
 Shared memory: stages 4 x ``NST`` x 16 x 656 B (NST 4: 167,936 B; they hold the merge buffer at the end),
 Q' 16 KB, rope 2 KB, partial-S exchange 16 KB, flags and barriers.
 The per-warp fragment work is an extern device function (``fdsa_m656_kernel``): TileLang's tile operators express
@@ -76,6 +71,7 @@ import tilelang.language as T
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
 from ._tl_common import LOG2E
+from ._mma656_parts import M656_HELPERS
 from ._warp_mma import WARP_MMA_PRELUDE
 from .kernel_fwd_narrow656 import _pass_configs
 
@@ -90,60 +86,44 @@ _SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + f"""
 #define FDSA_M656_G {GROUPS}
 #define FDSA_M656_NST {NST}
 #define FDSA_M656_ROW {fc.ROW_BYTES}
-""" + r"""
-__device__ __forceinline__ unsigned fdsa_m656_cvt(unsigned v) {  // the low two e4m3 bytes of v -> f16x2 (exact)
-  unsigned r;
-  const unsigned short h = (unsigned short)(v & 0xffffu);
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
-  return r;
-}
-// the high two e4m3 bytes of v -> f16x2, the half taken by the PTX unpack (ptxas may read it as a register half
-// instead of shifting first)
-__device__ __forceinline__ unsigned fdsa_m656_cvt_hi(unsigned v) {
-  unsigned r;
-  asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, hi;\n\t}" : "=r"(r) : "r"(v));
-  return r;
-}
-__device__ __forceinline__ unsigned fdsa_m656_pack(float lo, float hi) {  // f16x2 {lo, hi}
-  unsigned r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ unsigned fdsa_m656_prmt(unsigned a, unsigned b, unsigned sel) {
-  unsigned r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-__device__ __forceinline__ void fdsa_m656_mma_f16(float *c, const unsigned *a, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// PAR builds: the slot (0..7) among its warp's 8 for lane l's row (lanes 0-7; cls: bit 4 of the row's source
-// address).  A bulk copy whose shared destination is 16 bytes off its source modulo 32 moves ~14% slower (session
-// 40, scripts/bulk_issue_probe.py); the slots alternate in that bit (656 = 41 x 16), so each row takes a slot of its
-// own class by rank, and only the rows beyond 4 of one class take the other class's free slots
-__device__ __forceinline__ int fdsa_m656_parity_slot(int cls, int lane, int dpar) {
-  const unsigned odd = __ballot_sync(0xffffffffu, cls) & 0xffu;
-  const unsigned mine = cls ? odd : ~odd & 0xffu;
-  const int rank = __popc(mine & ((1u << (lane & 7)) - 1u));
-  if (rank < 4) return 2 * rank + (cls ^ dpar);
-  return 2 * (rank - 4 + 8 - __popc(mine)) + (cls ^ 1 ^ dpar);  // after the other class's own rows
-}
-// The whole CTA (256 threads) for token tok: see the module notes of kernel_fwd_mma656.py.
+""" + M656_HELPERS + r"""
+// The whole CTA (256 threads; 384 in WS builds) for token tok: see the module notes of kernel_fwd_mma656.py.
 // ABL (timing builds, wrong results): 1 no conversion in QK, 2 none in PV, 4 no Q loads per step, 8 no S exchange,
 // 16 no PV at all, 32 no QK products at all, 64 timestamps instead of out (H 16; u32 words per token: 0 / 1 the
 // globaltimer at entry, 2 after the prologue (6 / 7: warp 0's copies issued / Q' stored), 3 merge start (8 / 9 / 10:
 // O stored, synced, weights), 4 end, 5 the globaltimer at the end, 64 + 32 w + it warp w's wait of step it done,
 // 320 + .. its exchange barrier passed, 832 + w its loop end; clock64 deltas from entry in cycles)
-// PAR 1: rows placed by fdsa_m656_parity_slot (the keys of a half-chunk permuted; the softmax does not care)
-template <int H, int HAS_SINK, int HAS_TL, int ABL = 0, int PAR = 0>
+// PAR 1: rows placed by fdsa_m656_parity_slot (the keys of a half-chunk permuted; the softmax does not care).
+// WS 1 (384 threads): warps 8 + g copy group g's rows (lane l < 16: row l of each step, the row numbers one step
+// ahead; setmaxnreg 24), the consumers (setmaxnreg 240) release a stage on its empty mbarrier (bars + 8 (G NST + bi),
+// 2 arrivals) after its PV instead of issuing copies themselves
+template <int H, int HAS_SINK, int HAS_TL, int ABL = 0, int PAR = 0, int WS = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
     float *xch, int *valid, float *misc, void *bars_v, int tok, float c) {
   constexpr int G = FDSA_M656_G, NST = FDSA_M656_NST, ROW = FDSA_M656_ROW;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  auto token_lim = [&]() -> int {
+    int lim = topk;
+    if (HAS_TL) {
+      lim = TopkLen[tok];
+      lim = lim < 0 ? 0 : (lim > topk ? topk : lim);
+    }
+    return lim;
+  };
+  if (WS && static_cast<int>(threadIdx.x) >= 64 * G) {  // the producers first: no consumer value lives across
+    fdsa_m656_producer<PAR>(static_cast<const unsigned char *>(KVv), static_cast<long long>(rs16) * 16, n_rows,
+                            Indices + static_cast<long long>(tok) * topk, token_lim(), (threadIdx.x >> 5) - 2 * G,
+                            threadIdx.x & 31, static_cast<unsigned char *>(stage_v), valid,
+                            static_cast<unsigned>(__cvta_generic_to_shared(bars_v)));
+    return;
+  }
+  int tid = threadIdx.x;
+  if (WS) {  // (tid read again after setmaxnreg: ptxas kept the earlier read's warp and lane on the stack)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  }
+  const int warp = tid >> 5, lane = tid & 31;
   const int g = warp >> 1, hh = warp & 1, r = lane >> 2, q = lane & 3;
   const long long t_entry = (ABL & 64) ? clock64() : 0;
   unsigned *dbg = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * 4096;
@@ -167,13 +147,11 @@ __device__ __forceinline__ void fdsa_m656_kernel(
   float *mlx = misc + 32;           // [G][2][16]: each group's m and l per head
   float *smx = misc + 32 + G * 32;  // [G][4]: each group's final scale reference per tile
   float *mtx = smx + G * 4;         // [G][16]: each group's true max score per head (max_logits)
-  int lim = topk;
-  if (HAS_TL) {
-    lim = TopkLen[tok];
-    lim = lim < 0 ? 0 : (lim > topk ? topk : lim);
-  }
+  const int lim = token_lim();
   const int nc = (lim + 15) >> 4;
   const int nsteps = nc > g ? (nc - g + G - 1) / G : 0;
+  const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
+  const int dpar = (stage_s >> 4) & 1;  // bit 4 of slot 0's shared address (the slots of a stage alternate)
 
   // step s of this group: chunk g + G s into stage s % NST; lanes 0-7 of each warp copy 8 of its 16 rows, one
   // cp.async.bulk each (an invalid slot's row is zeroed instead: nothing read), after writing the row's flag.
@@ -185,13 +163,11 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     return slot < lim ? Indices[static_cast<long long>(tok) * topk + slot] : -1;
   };
   auto block_rows = [&](int k) -> int { return slot_row(4 * k + (lane >> 3)); };
-  const unsigned stage_s = static_cast<unsigned>(__cvta_generic_to_shared(stage));
-  const int dpar = (stage_s >> 4) & 1;  // bit 4 of slot 0's shared address (slots of a half-chunk alternate)
   auto issue = [&](int step, int row) {
     int j = lane;
     if (PAR) {  // the whole warp takes part in the ballot
       const size_t src = reinterpret_cast<size_t>(kv + (row >= 0 && row < n_rows ? row : 0) * rs);
-      j = fdsa_m656_parity_slot(static_cast<int>(src >> 4) & 1, lane, dpar);
+      j = fdsa_m656_parity_slot<8>(static_cast<int>(src >> 4) & 1, lane, dpar);
     }
     if (lane < 8) {
       const int k = hh * 8 + j, bi = g * NST + step % NST;
@@ -202,7 +178,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     }
   };
   static_assert(NST == 4, "the row blocks hold 4 steps: the prologue issues block 0");
-  int rows_cur = block_rows(0), rows_next = block_rows(1);
+  int rows_cur = WS ? 0 : block_rows(0), rows_next = WS ? 0 : block_rows(1);
 
   {  // Q' (f16, per-(half, head) power of two) and the bf16 rope into shared memory: 16 threads per head
     const int h = tid >> 4, p = tid & 15;
@@ -216,7 +192,8 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       rw = *reinterpret_cast<const uint2 *>(row + 512 + 4 * p);
     }
     // block 0's copies go out while Q's loads are in flight
-    for (int s = 0; s < NST && s < nsteps; ++s) issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
+    for (int s = 0; !WS && s < NST && s < nsteps; ++s)
+      issue(s, __shfl_sync(0xffffffffu, rows_cur, 8 * s + (lane & 7)));
     if (warp == 0) stamp(6);
     const unsigned *wu = reinterpret_cast<const unsigned *>(w);
     float mx = 0.f;
@@ -248,7 +225,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     rp[2] = rw.y;
     if (warp == 0) stamp(7);
   }
-  __syncthreads();
+  fdsa_m656_sync<WS>();
   if (tid == 0) stamp(2);
 
   float o[2][16][4];
@@ -356,7 +333,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     if (it < 32) stamp(320 + 32 * warp + it);
     // the stage of step it - 1 is free (both warps are past its PV): refill it with step it + NST - 1
     // (issuing it after the PV instead measured slower: 95.5 vs 94.0 us, session 32)
-    if (it >= 1 && it + NST - 1 < nsteps) {
+    if (!WS && it >= 1 && it + NST - 1 < nsteps) {
       const int st = it + NST - 1;
       if ((st & 3) == 0) {  // the first step of block st / 4: load block st / 4 + 1
         rows_cur = rows_next;
@@ -444,6 +421,11 @@ __device__ __forceinline__ void fdsa_m656_kernel(
         }
       }
     }
+    if (WS) {  // both warps release the stage to the producer once every lane's reads of it are done
+      __syncwarp();
+      if (lane == 0)
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bars + (G * NST + bi) * 8) : "memory");
+    }
   }
 
   stamp(832 + warp);
@@ -464,7 +446,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
     smx[g * 4 + 2 * hh] = sref0;
     smx[g * 4 + 2 * hh + 1] = sref1;
   }
-  __syncthreads();  // every group is done: no copy in flight, the stages hold the merge buffer now
+  fdsa_m656_sync<WS>();  // every group is done: no copy in flight, the stages hold the merge buffer now
   if (tid == 0) stamp(3);
   float *mrg = reinterpret_cast<float *>(stage);  // [g][hh][fragment 0..31][lane][4]
 #pragma unroll
@@ -474,7 +456,7 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       *reinterpret_cast<float4 *>(mrg + (((g * 2 + hh) * 32 + tt * 16 + i) * 32 + lane) * 4) =
           make_float4(o[tt][i][0], o[tt][i][1], o[tt][i][2], o[tt][i][3]);
   if (tid == 0) stamp(8);
-  __syncthreads();
+  fdsa_m656_sync<WS>();
   if (tid == 0) stamp(9);
   float wgt[G][2], inv0, inv1;
   fdsa_groups_weights<G, H, HAS_SINK>(mlx, Sink, r, c, wgt, inv0, inv1);
@@ -533,23 +515,28 @@ __device__ __forceinline__ void fdsa_m656_kernel(
 """
 
 
-def form(name: str) -> tuple[int, bool]:
-    """(``ablate`` bits, ``parity``) of a form name: "mma" (0, False), "mma_par" (0, True: rows placed by their
-    source address's bit 4, ``fdsa_m656_parity_slot``), or either with "_a<N>" (timing builds: the ABL bits N)."""
+def form(name: str) -> tuple[int, bool, bool]:
+    """(``ablate`` bits, ``parity``, ``producer``) of a form name "mma[_ws][_par][_a<N>]": "_ws" the producer-warp
+    build (``fdsa_m656_kernel``'s WS), "_par" rows placed by their source address's bit 4
+    (``fdsa_m656_parity_slot``), "_a<N>" a timing build with the ABL bits N."""
     rest = name.removeprefix("mma")
+    producer = rest.startswith("_ws")
+    rest = rest.removeprefix("_ws")
     parity = rest.startswith("_par")
     rest = rest.removeprefix("_par")
     if not name.startswith("mma") or (rest and not (rest.startswith("_a") and rest[2:].isdigit())):
         raise ValueError(f"narrow: unknown mma form {name!r}")
-    return int(rest[2:] or 0), parity
+    return int(rest[2:] or 0), parity, producer
 
 
 def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool = False,
-                                has_topk_length: bool = False, ablate: int = 0, parity: bool = False):
+                                has_topk_length: bool = False, ablate: int = 0, parity: bool = False,
+                                producer: bool = False):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
     MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds); ``parity``: the
-    PAR build (rows in slots of their source address's 32-byte phase)."""
+    PAR build (rows in slots of their source address's 32-byte phase); ``producer``: the WS build (4 producer
+    warps, 384 threads)."""
     assert 1 <= heads <= MAX_HEADS, heads
     assert not ablate & 64 or heads == 16, "the timestamp build writes 4096 words per token"
 
@@ -560,7 +547,8 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     CH = fc.CHUNK
     stage_bytes = GROUPS * NST * CHUNK * fc.ROW_BYTES
     assert stage_bytes >= GROUPS * 2 * 32 * 32 * 4 * 4  # the merge buffer
-    fn = f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, {int(parity)}>"
+    fn = (f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, {int(parity)}, "
+          f"{int(producer)}>")
 
     @T.prim_func
     def sparse_mla_fwd_mma656(
@@ -577,14 +565,14 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=THREADS, prelude=_SRC) as bx:
+        with T.Kernel(n_tok, threads=THREADS + 128 * producer, prelude=_SRC) as bx:
             Stage = T.alloc_shared([stage_bytes], u8)
             Qs = T.alloc_shared([MAX_HEADS * 1024], u8)
             Xch = T.alloc_shared([GROUPS * 2 * 512], f32)
             Qr = T.alloc_shared([MAX_HEADS * 128], u8)
             Valid = T.alloc_shared([GROUPS * NST * CHUNK], i32)
             Misc = T.alloc_shared([32 + GROUPS * 32 + GROUPS * 4 + GROUPS * 16], f32)
-            bars = T.alloc_barrier([CHUNK] * (GROUPS * NST))
+            bars = T.alloc_barrier([CHUNK] * (GROUPS * NST) + [2] * (GROUPS * NST * producer))
             T.call_extern("handle", fn, T.address_of(Q[0, 0, 0]), T.address_of(KV8[0, 0]), rs16, n_rows,
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
@@ -596,9 +584,10 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
 
 @functools.lru_cache(maxsize=64)
 def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, name: str = "mma"):
-    ablate, parity = form(name)
+    ablate, parity, producer = form(name)
     func = build_sparse_mla_fwd_mma656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
-                                       has_topk_length=has_topk_length, ablate=ablate, parity=parity)
+                                       has_topk_length=has_topk_length, ablate=ablate, parity=parity,
+                                       producer=producer)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -609,4 +598,7 @@ def lowering_cases():
                                                            has_topk_length=True)),
         ("mma656_h3", build_sparse_mla_fwd_mma656(heads=3, sm_scale=0.05)),
         ("mma656_h16_par", build_sparse_mla_fwd_mma656(heads=16, sm_scale=576 ** -0.5, parity=True)),
+        ("mma656_h16_ws_sink_tl", build_sparse_mla_fwd_mma656(heads=16, sm_scale=576 ** -0.5, has_sink=True,
+                                                              has_topk_length=True, producer=True)),
+        ("mma656_h5_ws_par", build_sparse_mla_fwd_mma656(heads=5, sm_scale=0.05, parity=True, producer=True)),
     ]
