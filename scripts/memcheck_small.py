@@ -7,7 +7,8 @@ and compares with the reference, so a wrong result also fails (exit 1).  Targets
 paged_pipelined, sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_bf16_ws (600) / sparse_cache656 / sparse_fp8
 (the dispatched sparse MLA forwards, with invalid indices of every kind, an all-invalid row and NaN in unselected
 KV rows), sparse_bwd / sparse_bwd_det (the dispatched backward, fast and deterministic), decode / decode_bs16
-(narrow dense decode, TMA / cp.async loads), decode_ws (the warp-specialised dense decode).
+(narrow dense decode, TMA / cp.async loads), decode_ws (the warp-specialised dense decode), sparse_cache656_<form>
+(kernel_fwd_mma656's builds mma / mma_par / mma_ws / mma_ws_par at H 16).
 """
 
 import os
@@ -189,13 +190,15 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig")}
 
 
-def sparse_cache656_mma():
-    """The 656-byte cache forward with H <= 16 on kernel_fwd_mma656 (the form switch read at dispatch time)."""
-    with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": "mma"}):
+def sparse_cache656_mma(form="mma"):
+    """The 656-byte cache forward with H <= 16 on kernel_fwd_mma656's build ``form`` (the form switch read at
+    dispatch time)."""
+    with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": form}):
         return sparse("cache656")
 
 
-TARGETS["sparse_cache656_mma"] = sparse_cache656_mma
+for _form in ("mma", "mma_par", "mma_ws", "mma_ws_par"):
+    TARGETS[f"sparse_cache656_{_form}"] = lambda f=_form: sparse_cache656_mma(f)
 
 
 def main():
