@@ -15,10 +15,13 @@ Prints rows per microsecond and SM, and the cycles a warp spends issuing one 16-
 Usage (GPU host, nvcc on PATH): ``python scripts/bulk_issue_probe.py``; JSON to ``$OUT/bulk_issue_probe.json``.
 """
 
+from flashdsa.sparse._mma656_parts import PARITY_SLOT_SRC
+
 SRC = r"""
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+""" + PARITY_SLOT_SRC + r"""
 constexpr int ROWMAX = 1152, NROWS = 8192;
 __device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {
   asm volatile("{\n\t.reg .pred p;\n\tWAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
@@ -63,13 +66,9 @@ __global__ void probe(const unsigned char *kv, const int *idx, int steps, long l
     if (MODE == 0) {
       const unsigned char *src = kv + static_cast<long long>(row) * ROW;
       int k = lane & 15;
-      if (PAD == -2) {  // rank among the rows of the same address bit 4; the 9th.. of a class take the other's slots
-        const int cls = static_cast<int>(reinterpret_cast<size_t>(src) >> 4) & 1;
-        const int dpar = static_cast<int>((st0 + slot * 16 * RS) >> 4) & 1;
-        const unsigned odd = __ballot_sync(0xffffffffu, cls) & 0xffffu, mine = cls ? odd : ~odd & 0xffffu;
-        const int rank = __popc(mine & ((1u << k) - 1u));
-        k = rank < 8 ? 2 * rank + (cls ^ dpar) : 2 * (rank - 8 + 16 - __popc(mine)) + (cls ^ 1 ^ dpar);
-      }
+      if (PAD == -2)
+        k = fdsa_m656_parity_slot<16>(static_cast<int>(reinterpret_cast<size_t>(src) >> 4) & 1, lane,
+                                      static_cast<int>((st0 + slot * 16 * RS) >> 4) & 1);
       if (lane < 16) {
         arrive_expect(bar, ROW);
         const unsigned co = PAD != -1 ? 0u : static_cast<unsigned>((static_cast<long long>(row) * ROW) & 127);

@@ -37,7 +37,9 @@ import torch
 import tilelang
 import tilelang.language as T
 
-_SRC = r"""
+from flashdsa.sparse._mma656_parts import PARITY_SLOT_SRC
+
+_SRC = PARITY_SLOT_SRC + r"""
 // PLACE 0 packed, 1 parity, 2 co128 (module notes); RS: the stage row stride
 template <int W, int NS, int LSU, int ROW, int PLACE>
 __device__ __forceinline__ void fdsa_probe_rows(const void *kv_v, int rs16, const int *idx, int topk,
@@ -62,12 +64,7 @@ __device__ __forceinline__ void fdsa_probe_rows(const void *kv_v, int rs16, cons
       const unsigned char *src = kv + (row >= 0 ? row : 0) * rs;
       const unsigned sa = static_cast<unsigned>(reinterpret_cast<size_t>(src));
       int k = lane & 15;
-      if (PLACE == 1) {  // rank among the rows of the same address bit 4; the 9th.. of a class take the other's slots
-        const int cls = (sa >> 4) & 1, dpar = ((stage_s + st * 16 * RS) >> 4) & 1;
-        const unsigned odd = __ballot_sync(0xffffffffu, cls) & 0xffffu, mine = cls ? odd : ~odd & 0xffffu;
-        const int rank = __popc(mine & ((1u << k) - 1u));
-        k = rank < 8 ? 2 * rank + (cls ^ dpar) : 2 * (rank - 8 + 16 - __popc(mine)) + (cls ^ 1 ^ dpar);
-      }
+      if (PLACE == 1) k = fdsa_m656_parity_slot<16>((sa >> 4) & 1, lane, ((stage_s + st * 16 * RS) >> 4) & 1);
       const unsigned co = PLACE == 2 ? ((sa - stage_s) & 112u) : 0u;  // slots are 128-byte multiples apart
       if (lane < 16) {
         const unsigned dst = stage_s + (st * 16 + k) * RS + co;

@@ -1,8 +1,26 @@
 """CUDA device helpers of ``kernel_fwd_mma656`` (the few-head forward over the 656-byte FP8 cache): the exact e4m3 ->
 f16 conversions and f16 ``mma.sync``, the PAR builds' row placement and the WS builds' producer warp.  Concatenated
-into that kernel's prelude after its ``FDSA_M656_*`` defines (groups, stages, row bytes)."""
+into that kernel's prelude after its ``FDSA_M656_*`` defines (groups, stages, row bytes).  ``PARITY_SLOT_SRC`` alone
+is also the row placement of ``scripts/row_gather_probe.py`` and ``scripts/bulk_issue_probe.py``."""
 
-M656_HELPERS = r"""
+PARITY_SLOT_SRC = r"""
+// PAR builds: the slot (0..N-1) among the N its warp copies for lane l's row (lanes 0..N-1; cls: bit 4 of the
+// row's source address; dpar: that bit of slot 0's shared address).  A bulk copy whose shared destination is 16
+// bytes off its source modulo 32 moves ~14% slower (session 40, scripts/bulk_issue_probe.py); the slots alternate in
+// that bit (656 = 41 x 16), so each row takes a slot of its own class by rank, and only the rows beyond N / 2 of one
+// class take the other class's free slots.  The whole warp calls it (ballot)
+template <int N>
+__device__ __forceinline__ int fdsa_m656_parity_slot(int cls, int lane, int dpar) {
+  constexpr unsigned ALL = (1u << N) - 1u;
+  const unsigned odd = __ballot_sync(0xffffffffu, cls) & ALL;
+  const unsigned mine = cls ? odd : ~odd & ALL;
+  const int rank = __popc(mine & ((1u << (lane & (N - 1))) - 1u));
+  if (rank < N / 2) return 2 * rank + (cls ^ dpar);
+  return 2 * (rank - N / 2 + N - __popc(mine)) + (cls ^ 1 ^ dpar);  // after the other class's own rows
+}
+"""
+
+M656_HELPERS = PARITY_SLOT_SRC + r"""
 __device__ __forceinline__ unsigned fdsa_m656_cvt(unsigned v) {  // the low two e4m3 bytes of v -> f16x2 (exact)
   unsigned r;
   const unsigned short h = (unsigned short)(v & 0xffffu);
@@ -30,20 +48,6 @@ __device__ __forceinline__ void fdsa_m656_mma_f16(float *c, const unsigned *a, u
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// PAR builds: the slot (0..N-1) among the N its warp copies for lane l's row (lanes 0..N-1; cls: bit 4 of the
-// row's source address; dpar: that bit of slot 0's shared address).  A bulk copy whose shared destination is 16
-// bytes off its source modulo 32 moves ~14% slower (session 40, scripts/bulk_issue_probe.py); the slots alternate in
-// that bit (656 = 41 x 16), so each row takes a slot of its own class by rank, and only the rows beyond N / 2 of one
-// class take the other class's free slots.  The whole warp calls it (ballot)
-template <int N>
-__device__ __forceinline__ int fdsa_m656_parity_slot(int cls, int lane, int dpar) {
-  constexpr unsigned ALL = (1u << N) - 1u;
-  const unsigned odd = __ballot_sync(0xffffffffu, cls) & ALL;
-  const unsigned mine = cls ? odd : ~odd & ALL;
-  const int rank = __popc(mine & ((1u << (lane & (N - 1))) - 1u));
-  if (rank < N / 2) return 2 * rank + (cls ^ dpar);
-  return 2 * (rank - N / 2 + N - __popc(mine)) + (cls ^ 1 ^ dpar);  // after the other class's own rows
 }
 // the consumers' CTA-wide barrier: all threads, or the 256 consumer threads of a WS build (its producers return early)
 template <int WS>

@@ -91,6 +91,16 @@ __device__ __forceinline__ void fdsa_clock_lap(unsigned &acc, unsigned &c0) {
   acc += c1 - c0;
   c0 = c1;
 }
+// timing builds (ABL 64): a warp's six counter words at w
+__device__ __forceinline__ void fdsa_put_counters(unsigned *w, unsigned a, unsigned b, unsigned c, unsigned d,
+                                                  unsigned e, unsigned f) {
+  w[0] = a;
+  w[1] = b;
+  w[2] = c;
+  w[3] = d;
+  w[4] = e;
+  w[5] = f;
+}
 __device__ __forceinline__ void fdsa_mma_ldm(unsigned addr, unsigned *x) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
@@ -216,15 +226,9 @@ __device__ __forceinline__ void fdsa_mma_kernel(
   unsigned cyc_wait = 0, cyc_qk = 0, cyc_bar = 0, cyc_issue = 0, cyc_loop = 0;
   auto dbg_out = [&](int nst) {  // ABL 64: every thread is past its output writes
     __syncthreads();
-    if (lane == 0) {
-      unsigned *dbg = static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256 + 8 * warp;
-      dbg[0] = cyc_wait;
-      dbg[1] = cyc_bar;
-      dbg[2] = cyc_issue;
-      dbg[3] = cyc_loop;
-      dbg[4] = nst;
-      dbg[5] = cyc_qk;
-    }
+    if (lane == 0)
+      fdsa_put_counters(static_cast<unsigned *>(Outv) + static_cast<long long>(tok) * H * 256 + 8 * warp, cyc_wait,
+                        cyc_bar, cyc_issue, cyc_loop, nst, cyc_qk);
   };
   const int nsteps = nc > g ? (nc - g + G - 1) / G : 0;
   const int *idx = Indices + static_cast<long long>(tok) * topk;

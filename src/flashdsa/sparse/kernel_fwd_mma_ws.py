@@ -54,16 +54,9 @@ N_CTAS = 132  # persistent CTAs (one per H200 SM)
 EXPECTS_WGMMA = False
 
 _SRC = km._SRC + r"""
-// ABL 64: a warp's counters (see fdsa_mma_ws_kernel)
-__device__ __forceinline__ void fdsa_mma_ws_counters(void *Outv, int bx, int warp, unsigned a, unsigned b, unsigned c,
-                                                     unsigned d, unsigned loop, int steps) {
-  unsigned *w = static_cast<unsigned *>(Outv) + 8 * (12 * bx + warp);
-  w[0] = a;
-  w[1] = b;
-  w[2] = c;
-  w[3] = d;
-  w[4] = loop;
-  w[5] = steps;
+// ABL 64: where warp `warp` of CTA bx puts its counters (see fdsa_mma_ws_kernel)
+__device__ __forceinline__ unsigned *fdsa_mma_ws_counters(void *Outv, int bx, int warp) {
+  return static_cast<unsigned *>(Outv) + 8 * (12 * bx + warp);
 }
 // The CTA: consumers (warps 0-7, groups of two) and producers (warps 8-11).  stage: [4 groups][2][16 rows][RS];
 // valid: [4][2][16]; xch: [4][2 parity][512]; bars: 8 full (16 arrivals) then 8 empty (2 arrivals), group-major.
@@ -124,7 +117,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
     }
     if (ABL & 64) {
       cl = clock() - cl0;
-      if (lane == 0) fdsa_mma_ws_counters(Outv, bx, warp, cw, ci, 0u, 0u, cl, n);
+      if (lane == 0) fdsa_put_counters(fdsa_mma_ws_counters(Outv, bx, warp), cw, ci, 0u, 0u, cl, n);
     }
     return;
   }
@@ -219,7 +212,7 @@ __device__ __forceinline__ void fdsa_mma_ws_kernel(const void *Qv, const void *K
   }
   if (ABL & 64) {
     cl = clock() - cl0;
-    if (lane == 0) fdsa_mma_ws_counters(Outv, bx, warp, cw, cq, cb, cr, cl, n);
+    if (lane == 0) fdsa_put_counters(fdsa_mma_ws_counters(Outv, bx, warp), cw, cq, cb, cr, cl, n);
   }
 }
 """
