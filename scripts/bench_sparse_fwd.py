@@ -1,9 +1,9 @@
-"""Time the sparse MLA forward kernels on the GPU: kernel_fwd (pipelined) vs kernel_fwd_ws (warp-specialised, "ws1").
+"""Time the sparse MLA forward kernels on the GPU: kernel_fwd as dispatched vs its forced forms and the pair kernel.
 
-    python scripts/bench_sparse_fwd.py [--out FILE.json] [--reps 20] [--variants fwd,ws1] [--cases ...]
+    python scripts/bench_sparse_fwd.py [--out FILE.json] [--reps 20] [--variants fwd,pair] [--cases ...]
 
 Variants: "fwd" = kernel_fwd.run_sparse_mla_fwd as dispatched, "padded" / "narrow" = its 64-head-tile kernel /
-kernel_fwd_narrow.py forced, "ws1" = kernel_fwd_ws.py, "pair" = kernel_fwd_pair.py.
+kernel_fwd_narrow.py forced, "pair" = kernel_fwd_pair.py.
 
 Four shapes (issue targets in TFLOP/s, FLOPs = 2 S H topk (Dqk + 512)):
   V32_H128          S 4096, SKV 8192,   H 128, Dqk 576, topk 2048        -> 700
@@ -25,10 +25,10 @@ import time
 
 import torch
 
-from flashdsa.sparse import kernel_fwd, kernel_fwd_pair, kernel_fwd_ws
+from flashdsa.sparse import kernel_fwd, kernel_fwd_pair
 
 HANG_S = 30.0
-VARIANTS = ("fwd", "ws1", "padded", "narrow", "pair")
+VARIANTS = ("fwd", "padded", "narrow", "pair")
 CASES = {
     "V32_H128": dict(H=128, dqk=576, topk=2048, skv=8192, sink=False, target=700),
     "V32_H64": dict(H=64, dqk=576, topk=2048, skv=8192, sink=False, target=690),
@@ -58,9 +58,7 @@ def _runner(variant, q, kv, idx, sm_scale, sink):
         pair = False if variant == "padded" else None
         return lambda: kernel_fwd.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink,
                                                      narrow=narrow, pair=pair)
-    if variant == "pair":
-        return lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)
-    return lambda: kernel_fwd_ws.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)
+    return lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv, idx, sm_scale=sm_scale, d_v=512, attn_sink=sink)
 
 
 def bench(fn, what, reps, warmup=3):
@@ -82,7 +80,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--variants", default="fwd,ws1")
+    ap.add_argument("--variants", default="fwd,pair")
     ap.add_argument("--cases", default=",".join(CASES))
     a = ap.parse_args()
     variants = a.variants.split(",")

@@ -2,7 +2,7 @@
 
     python scripts/variants.py [--out DIR]
 
-* sparse MLA forward: the pipelined kernel (kernel_fwd) vs the warp-specialized one (kernel_fwd_ws)
+* sparse MLA forward: the dispatched kernel (kernel_fwd) vs the pair kernel forced (kernel_fwd_pair)
 * indexer prefill: (block_n, cols, num_stages, schedule, head_major, chains, relu_add) configurations of kernel_prefill
 Median of CUDA-event timings after warm-up; random inputs; each variant checked against the default one.
 """
@@ -17,7 +17,7 @@ import tilelang
 
 from flashdsa.bench.harness import time_fn
 from flashdsa.indexer import kernel_prefill
-from flashdsa.sparse import kernel_fwd, kernel_fwd_ws
+from flashdsa.sparse import kernel_fwd, kernel_fwd_pair
 
 
 def bench(fn, reps=20, warmup=3):
@@ -38,7 +38,7 @@ def sparse_cases(rows):
         s = torch.randn(H, generator=g, device="cuda") if sink else None
         flops = 2 * S * H * topk * (dqk + 512)
         ref = None
-        for mod in (kernel_fwd, kernel_fwd_ws):
+        for mod in (kernel_fwd, kernel_fwd_pair):
             why = mod.kernel_unsupported(q, kv, idx, d_v=512, attn_sink=s)
             if why:
                 rows.append({"op": "sparse_mla_fwd", "case": name, "variant": mod.__name__, "skipped": why})

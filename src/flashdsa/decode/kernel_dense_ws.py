@@ -4,8 +4,9 @@ Notes
 -----
 Same contract, split plan, partial buffers and combine kernel as ``kernel_dense.py`` (which owns the host side and
 dispatches here for ``variant="ws"``); only the partial kernel differs.  Its structure is the one that runs on the
-H200 in ``sparse/kernel_fwd_ws.py`` (producer warpgroup + two consumer warpgroups splitting d_v, mbarrier
-hand-offs, 240 + 176 + 88 registers), with the top-k gather replaced by the paged-cache gather.
+H200 in the first warp-specialised sparse forward (``sparse/kernel_fwd_ws.py``, removed in session 42 once the
+pair kernel had overtaken it everywhere; docs/PERFORMANCE.md "Session 2"): a producer warpgroup + two consumer
+warpgroups splitting d_v, mbarrier hand-offs, 240 + 176 + 88 registers, with the paged-cache gather.
 
 Why the pipelined kernel is slow (1.25 ms / 0.49 TB/s at B 64 H 16, 1.41 ms / 207 TFLOP/s at B 128 H 128):
   * 32-key tiles with one tile in flight, issued after the barrier that ends the previous tile: the HBM latency
@@ -70,7 +71,7 @@ _OVERHEAD_TILES = 3  # fixed cost of one split in 64-key tiles (Q load, epilogue
 _MIN_CHUNK_TILES = 2
 THREADS = 384
 # setmaxnreg budget: the pool is the launch allocation, (65536 // 384) // 8 * 8 = 168 registers x 384 threads,
-# so the three per-thread counts must sum to <= 504 (sparse/kernel_fwd_ws.py: 512 hung on the H200).
+# so the three per-thread counts must sum to <= 504 (512 hung the first sparse ws kernel on the H200).
 REG_WG0, REG_WG1, REG_PRODUCER = 240, 176, 88
 _REG_LAUNCH = (65536 // THREADS) // 8 * 8
 assert REG_WG0 + REG_WG1 + REG_PRODUCER <= 3 * _REG_LAUNCH
@@ -296,7 +297,7 @@ def _pass_configs():
         tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
         tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
         # intra-role syncs are explicit named barriers (8 / 9): the automatic pass can hand the producer and WG0
-        # the same barrier id (sparse/kernel_fwd_ws.py)
+        # the same barrier id (seen in the first sparse ws kernel)
         tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
     }
 

@@ -112,7 +112,7 @@ def online_softmax_macro(*, BH, BI, D, c_log2, batch=1):
 
 def wg1_pv_step_macro(*, BH, DH):
     """Macro ``wg1_step(phase, s_rdy, Alpha_s, P, KVr, kv_fr, acc_o)`` of the warp-specialised kernels' second
-    consumer warpgroup (sparse "ws1", dense decode "ws"): wait for P and alpha of a block (``s_rdy``), rescale
+    consumer warpgroup (dense decode "ws"): wait for P and alpha of a block (``s_rdy``), rescale
     its O half, O += P V_half (wgmma), retire it and release the KV buffer (``kv_fr``)."""
 
     @T.macro
