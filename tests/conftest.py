@@ -47,6 +47,20 @@ def _seed_and_clean_env(monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _poison_gpu_allocations(request):
+    """GPU tests run with every CUDA torch.empty / empty_like / new_empty filled with 0xFF bytes, or the module's
+    ``POISON_BYTE`` (tests/poison.py)."""
+    byte = getattr(request.module, "POISON_BYTE", 0xFF)
+    if "gpu" not in request.keywords or byte is None or os.environ.get("FLASHDSA_TEST_POISON", "1") == "0":
+        yield
+        return
+    from poison import poisoned_allocations  # tests/ is on sys.path, as for oracles
+
+    with poisoned_allocations(byte):
+        yield
+
+
 @pytest.fixture
 def gen():
     """A seeded CPU torch.Generator for explicit randomness."""

@@ -20,7 +20,7 @@ from flashdsa.sparse import kernel_fwd_fp8cache  # noqa: E402
 from .test_kernel_fp8cache_gpu import _fp8_cache  # noqa: E402
 
 from ._f16_spread import check_f16_spread  # noqa: E402
-from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
+from .test_kernel_gpu import _make_inputs, check_against_reference  # noqa: E402
 
 D_V, DQK = 512, 576
 
@@ -28,24 +28,24 @@ D_V, DQK = 512, 576
 CASES = [
     (16, 4096, 2048, 40, False, False, "contig", 656, None),
     (16, 592, 100, 213, True, True, "contig", 672, None),
-    (16, 300, 700, 17, True, False, "strided", 656, 2),  # topk > Tkv: many invalid slots
+    (16, 300, 700, 17, True, False, "sliced", 656, 2),  # topk > Tkv: many invalid slots
     (1, 4096, 100, 62, True, False, "contig", 704, None),
     (3, 1000, 64, 9, False, True, "contig", 656, None),
-    (9, 2000, 129, 33, True, True, "strided", 656, 3),
+    (9, 2000, 129, 33, True, True, "sliced", 656, 3),
     (17, 1840, 256, 62, True, True, "contig", 656, None),
     (32, 8192, 2048, 20, False, True, "contig", 688, None),
 ]
 # the two-warpgroup forms (kernel_fwd_narrow656_dual): odd and even block counts, one block, empty rows, sinks
 _DUAL = [(16, 4096, 2048, 40, False, False, "contig", 656), (16, 592, 100, 213, True, True, "contig", 672),
-         (16, 300, 700, 17, True, False, "strided", 656), (5, 1000, 64, 9, False, True, "contig", 656),
-         (9, 2000, 129, 33, True, True, "strided", 656)]
+         (16, 300, 700, 17, True, False, "sliced", 656), (5, 1000, 64, 9, False, True, "contig", 656),
+         (9, 2000, 129, 33, True, True, "sliced", 656)]
 CASES += [c + (form,) for form in ("regs", "ring", "ring64", "ring_er", "ringx", "ring_er_f16")
           for c in _DUAL]
 CASES += [c + ("ring16_er",) for c in _DUAL[1:3]]
 # kernel_fwd_mma656 (per-warp mma.sync chains): groups with different step counts, more steps than stages,
 # one chunk, H 1 / 3 / 16
 CASES += [c + ("mma",) for c in _DUAL]
-CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "mma"), (3, 8192, 2048, 7, True, True, "strided", 656, "mma"),
+CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "mma"), (3, 8192, 2048, 7, True, True, "sliced", 656, "mma"),
           (16, 8192, 2048, 20, False, False, "contig", 688, "mma"), (16, 64, 16, 5, True, False, "contig", 656, "mma")]
 # its "mma_par" build (rows placed by source address bit 4): row strides of odd (656, 688) and even (672, 704)
 # multiples of 16 bytes -- with even ones every row of a token is of one class, so half of them take the other
@@ -53,9 +53,9 @@ CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "mma"), (3, 8192, 2048,
 # barriers)
 CASES += [c + (form,) for form in ("mma_par", "mma_ws", "mma_ws_par") for c in _DUAL]
 CASES += [c + (form,) for form in ("mma_par", "mma_ws_par")
-          for c in ((1, 4096, 100, 62, True, False, "contig", 704), (3, 8192, 2048, 7, True, True, "strided", 672),
+          for c in ((1, 4096, 100, 62, True, False, "contig", 704), (3, 8192, 2048, 7, True, True, "sliced", 672),
                     (16, 8192, 2048, 20, False, False, "contig", 688), (16, 64, 16, 5, True, False, "contig", 672))]
-CASES += [(3, 8192, 2048, 7, True, True, "strided", 656, "mma_ws"),
+CASES += [(3, 8192, 2048, 7, True, True, "sliced", 656, "mma_ws"),
           (16, 64, 16, 5, True, False, "contig", 656, "mma_ws")]
 CASES += [(1, 4096, 100, 62, True, False, "contig", 704, "ring16"),
           (16, 8192, 2048, 20, False, False, "contig", 688, "ring16")]
@@ -74,7 +74,6 @@ def test_sparse_mla_fwd_narrow656(heads, tkv, topk, n_tok, sink, use_tl, layout,
     kw = dict(sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink,
               narrow=stages if isinstance(stages, str) else True,
               narrow_stages=None if isinstance(stages, str) else stages)
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     out, lse, max_logits = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, **kw)
     torch.cuda.synchronize()
     check_against_reference(out, lse, max_logits, q, kv_deq, indices, sm_scale, topk_length, attn_sink, valid)

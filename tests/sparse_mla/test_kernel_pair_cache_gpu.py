@@ -20,7 +20,7 @@ from flashdsa.sparse import kernel_fwd_pair_cache as kmod  # noqa: E402
 
 from ._hang import assert_same_as_default, sync_or_die  # noqa: E402
 from .test_kernel_fp8cache_gpu import _fp8_cache  # noqa: E402
-from .test_kernel_gpu import _make_inputs, _poison_allocator, check_against_reference  # noqa: E402
+from .test_kernel_gpu import _make_inputs, check_against_reference  # noqa: E402
 
 D_V = 512
 DQK = 576
@@ -53,14 +53,12 @@ def test_sparse_mla_fwd_pair_cache(heads, tkv, topk, n_tok, sink, use_tl, layout
     kw = dict(sm_scale=sm_scale, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     assert kmod.kernel_unsupported(q, kv8, indices, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink) is None
     what = f"H={heads} Tkv={tkv} topk={topk} T={n_tok} sink={sink} tl={use_tl} {layout} rs={row_stride}"
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     out = kmod.run_sparse_mla_fwd(q, kv8, indices, **kw)
     sync_or_die("kernel_fwd_pair_cache", what, HANG_S)
     check_against_reference(*out, q, kv_deq, indices, sm_scale, topk_length, attn_sink, valid)
     # the dispatcher (its rule, then each path forced), and the bf16 pair kernel on the dequantized cache: bitwise
     bf16_pair = kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, indices, **kw)
     for choice in (None, True, False):
-        _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
         dispatched = kernel_fwd_fp8cache.run_sparse_mla_fwd(q, kv8, indices, dequant_once=choice, **kw)
         sync_or_die("kernel_fwd_pair / dispatched", what, HANG_S)
         for name, a, b, c in zip(("out", "lse", "max_logits"), out, dispatched, bf16_pair):
@@ -77,7 +75,6 @@ def test_dequantize_cache(tkv, row_stride):
     kv = (torch.randn(tkv, DQK, generator=gen, device="cuda") * 3).to(torch.bfloat16)
     kv[torch.rand(tkv, generator=gen, device="cuda") < 0.2] = float("nan")  # -> poison rows in the cache
     kv8, ref = _fp8_cache(kv, row_stride, gen)
-    _poison_allocator((tkv, DQK))
     got = kernel_dequant656.dequantize_cache(kv8)
     torch.cuda.synchronize()
     assert got.shape == (tkv, DQK) and got.dtype == torch.bfloat16
@@ -109,7 +106,6 @@ def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, kv_deq = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
     sm_scale = DQK**-0.5
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     out = kmod.run_sparse_mla_fwd(q, kv8, indices, sm_scale=sm_scale, d_v=D_V, topk_length=topk_length,
                                   attn_sink=attn_sink, staging=staging)
     sync_or_die(f"kernel_fwd_pair_cache {staging}", f"H={heads} Tkv={tkv} topk={topk} T={n_tok}", HANG_S)
@@ -129,7 +125,6 @@ def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
     kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
-    _poison_allocator((n_tok, heads, D_V), (n_tok, heads), (n_tok, heads))
     assert_same_as_default("kernel_fwd_pair_cache", lambda **v: kmod.run_sparse_mla_fwd(q, kv8, indices, **kw, **v),
                            variant, f"H={heads} Tkv={tkv} topk={topk} T={n_tok} rs={row_stride}", HANG_S)
 

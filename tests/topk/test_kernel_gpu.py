@@ -18,17 +18,11 @@ pytest.importorskip("tilelang")
 from flashdsa.topk import kernel_radix  # noqa: E402
 from flashdsa.topk.reference import topk_indices_reference  # noqa: E402
 
-POISON = 0x5A5A5A5A
+POISON_BYTE = 0x5A  # every CUDA allocation in these tests starts as 0x5A5A5A5A (tests/poison.py): not -1
 NS = (1, 100, 2047, 8192, 33000, 131072)
 KS = (1, 64, 2048)
 MS = (1, 3, 64, 300)
 KINDS = ("randn", "ties", "allequal", "infnan", "signed_zero")
-
-
-def _poison_allocator(numel):
-    """Leave a freed block full of POISON in the caching allocator so that torch.empty of the output reuses it."""
-    junk = torch.full((numel,), POISON, dtype=torch.int32, device="cuda")
-    del junk
 
 
 def _scores(kind, M, N, gen):
@@ -68,7 +62,6 @@ def _ranges(M, N, gen):
 
 def _check(scores, k, starts=None, ends=None, order="index"):
     M = scores.shape[0]
-    _poison_allocator(M * k)
     got = kernel_radix.run_topk_indices(scores, k, starts, ends, order)
     torch.cuda.synchronize()
     ref = topk_indices_reference(scores, k, starts, ends, order)
@@ -145,7 +138,6 @@ def test_bitwise_deterministic(N, kind, order):
     st, en = _ranges(64, N, gen)
     first = kernel_radix.run_topk_indices(x, 2048, st, en, order)
     for _ in range(4):
-        _poison_allocator(first.numel())
         again = kernel_radix.run_topk_indices(x, 2048, st, en, order)
         assert torch.equal(first, again)
 
@@ -177,7 +169,6 @@ MULTI_MS = (1, 3, 16)
 
 def _check_multi(scores, k, starts=None, ends=None, groups=None):
     M = scores.shape[0]
-    _poison_allocator(M * k)
     got = kernel_radix_multi.run_topk_indices_multi(scores, k, starts, ends, groups=groups)
     torch.cuda.synchronize()
     ref = topk_indices_reference(scores, k, starts, ends, "index")
@@ -230,7 +221,6 @@ def test_multi_bitwise_deterministic(kind):
     st, en = _ranges(3, 1048576, gen)
     first = kernel_radix_multi.run_topk_indices_multi(x, 2048, st, en)
     for _ in range(4):
-        _poison_allocator(first.numel())
         again = kernel_radix_multi.run_topk_indices_multi(x, 2048, st, en)
         assert torch.equal(first, again)
 
@@ -288,7 +278,6 @@ def test_dsa_topk_kernel_streamed(max_chunk_bytes):
     kst = torch.zeros(M, dtype=torch.int32, device="cuda")
     kst[:40] = ken[:40] - 7  # rows shorter than topk
     ken[40:45] = kst[40:45]  # empty rows
-    _poison_allocator(M * topk)
     got = flashdsa.dsa_topk(q, k, w, topk, ks, k_start=kst, k_end=ken, max_chunk_bytes=max_chunk_bytes,
                             backend="kernel")
     logits = flashdsa.indexer_logits(q, k, w, ks, k_start=kst, k_end=ken, backend="kernel")
