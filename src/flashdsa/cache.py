@@ -55,6 +55,8 @@ def write_kv_cache(kv, kv_cache, slot_mapping):
         check_tensor("kv", kv, shape=(None, 1, None))
         kv = kv.squeeze(1)
     T, d = kv.shape
+    if d == 0:
+        raise ValueError(f"kv: expected rows of at least one element, got shape {list(kv.shape)}")
     check_tensor("kv_cache", kv_cache, ndim=(3, 4), dtypes=(kv.dtype, torch.uint8))
     fp8 = kv_cache.dtype == torch.uint8
     width = KV_FP8_BYTES if fp8 else d
@@ -99,6 +101,8 @@ def write_indexer_cache(k, k_cache, k_scale_cache, slot_mapping):
     """
     check_tensor("k", k, ndim=2, dtypes=_FLOATS)
     T, D = k.shape
+    if D == 0:
+        raise ValueError(f"k: expected keys of at least one element, got shape {list(k.shape)}")
     check_tensor("k_cache", k_cache, shape=(None, None, D), dtypes=(torch.float8_e4m3fn,))
     nb, bs = k_cache.shape[:2]
     check_tensor("k_scale_cache", k_scale_cache, shape=(nb, bs), dtypes=(torch.float32,))

@@ -58,6 +58,8 @@ def quantize_fp8(x: torch.Tensor, block: int = 128, pow2_scale: bool = True):
     """
     check_tensor("x", x, dtypes=_FLOAT_DTYPES, last_dim_contiguous=False)
     check_positive_int("block", block)
+    if not isinstance(pow2_scale, bool):
+        raise TypeError(f"pow2_scale: expected a bool, got {type(pow2_scale).__name__}")
     if x.dim() == 0 or x.shape[-1] % block != 0:
         raise ValueError(f"x: expected a last dim that is a multiple of block={block}, got shape {list(x.shape)}")
     xf = x.float().unflatten(-1, (x.shape[-1] // block, block))

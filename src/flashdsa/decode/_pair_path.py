@@ -70,7 +70,9 @@ def query_lengths(cache_seqlens, L: int, s_q: int, causal: bool):
     dev = cache_seqlens.device
     shift = torch.arange(s_q, device=dev, dtype=torch.int32) - (s_q - 1) if causal else \
         torch.zeros(s_q, device=dev, dtype=torch.int32)
-    return (cache_seqlens.view(-1, 1) + shift.view(1, s_q)).clamp(0, L).reshape(-1)  # int32
+    # clamped first: int32 sums must not wrap (cache_seqlens values are never checked; INT_MIN - 1 would be INT_MAX)
+    lens = cache_seqlens.view(-1, 1).clamp(-s_q, L + s_q)
+    return (lens + shift.view(1, s_q)).clamp(0, L).reshape(-1)  # int32
 
 
 def token_order(lengths, s_q: int):

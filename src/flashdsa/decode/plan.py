@@ -119,6 +119,9 @@ def mla_decode_plan(block_table, cache_seqlens, kv_cache, *, num_heads, s_q=1, q
     check_tensor("kv_cache", kv_cache, ndim=(3, 4))
     dev = kv_cache.device
     dqk = api.KV_DIM if kv_cache.dtype == torch.uint8 else kv_cache.shape[-1]
+    if dqk not in (512, 576):  # checked here: mla_decode's check below would name q, which is not an argument here
+        raise ValueError(f"kv_cache: expected a last dim (Dqk) in [512, 576] (or uint8 656-byte rows), "
+                         f"got shape {list(kv_cache.shape)}")
     B = block_table.shape[0]
     shape = torch.Size((B, s_q, num_heads, dqk))
     # the checks of mla_decode, on a q of the planned shape (all rows alias one row: nothing of size B * H is made)

@@ -138,8 +138,8 @@ def _flatten(q, kv, indices, topk_length, sm_scale, d_v, attn_sink, *, dqk_allow
     dqk = q.shape[-1]
     if dqk_allowed is not None and dqk not in dqk_allowed:
         raise ValueError(f"{qn}: expected a last dim (Dqk) in {sorted(dqk_allowed)}, got {dqk}")
-    if dqk % 8 != 0:
-        raise ValueError(f"{qn}: expected a last dim that is a multiple of 8, got {dqk}")
+    if dqk % 8 != 0 or dqk == 0:
+        raise ValueError(f"{qn}: expected a last dim that is a positive multiple of 8, got {dqk}")
     H = q.shape[-2]
     kv_dtypes = (q.dtype,) if kv_dtypes is None else kv_dtypes
     kd = dqk if kv_dim is None else kv_dim
@@ -326,6 +326,8 @@ def sparse_mla_fwd(q, kv, indices, *, sm_scale=None, d_v=512, attn_sink=None, to
         >>> out.shape, lse.shape
         (torch.Size([2, 4, 512]), torch.Size([2, 4]))
     """
+    if not isinstance(return_max_logits, bool):
+        raise TypeError(f"return_max_logits: expected a bool, got {type(return_max_logits).__name__}")
     key, hit = None, None
     if q_scale is None and kv_scale is None:
         key, hit = _replay("fwd", q, kv, indices, topk_length, attn_sink, sm_scale, d_v, backend)

@@ -115,6 +115,6 @@ def sparse_mla_fwd_fp8_forms(q, kv, indices, *, q_scale, kv_scale, sm_scale, d_v
     for name, x in (("q_scale", q_scale), ("kv_scale", kv_scale)):
         if x.device != qf.device:
             raise ValueError(f"{name}: expected device {qf.device} (q's), got {x.device}")
-    qs = q_scale.reshape(-1, H).contiguous()
+    qs = q_scale.reshape(qf.shape[0], H).contiguous()  # not -1: H = 0 leaves it ambiguous
     ks = kv_scale.reshape(-1).contiguous()
     return _fp8_op(qf, qs, kvf, ks, idx, scale, d_v, attn_sink, tl, backend), lead

@@ -111,6 +111,10 @@ def dsa_topk(q, k, weights, topk, k_scale=None, *, k_start=None, k_end=None, max
     check_tensor("q", q, ndim=3)
     check_tensor("k", k, ndim=2)
     M, N = q.shape[0], k.shape[0]
+    # checked whole here: the chunked path below passes slices, which would hide a wrong row count
+    check_tensor("weights", weights, shape=(M, q.shape[1]))
+    check_tensor("k_start", k_start, shape=(M,), optional=True, last_dim_contiguous=False)
+    check_tensor("k_end", k_end, shape=(M,), optional=True, last_dim_contiguous=False)
     rows = max(1, max_chunk_bytes // max(1, 4 * N))
     if rows >= M:
         logits = indexer_logits(q, k, weights, k_scale, k_start=k_start, k_end=k_end, backend=backend)
