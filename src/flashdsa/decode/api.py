@@ -48,7 +48,8 @@ def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, caus
         op = "sparse_mla_fwd"
         out, lse, _ = sparse_api._fwd_op(qf, flat, slots, sm_scale, d_v, attn_sink, tl, False, backend)
     _dispatch.record_choice("mla_decode", _dispatch.last_choice(op))
-    return out.reshape(B, s_q, H, d_v), lse.reshape(B, s_q, H)
+    ld = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtypes of the reference branch below
+    return out.reshape(B, s_q, H, d_v).to(q.dtype), lse.reshape(B, s_q, H).to(ld)
 
 
 @custom_op("mla_decode")

@@ -72,7 +72,8 @@ def indexer_logits(q, k, weights, k_scale=None, *, k_start=None, k_end=None, bac
         backend: "auto" | "kernel" | "reference".
 
     Returns:
-        `[M, N]` float32 logits; -inf outside each row's range (empty rows are all -inf).
+        `[M, N]` float32 logits (float64 where q or weights is float64: the reference's oracle precision); -inf
+        outside each row's range (empty rows are all -inf).
 
     Raises:
         TypeError / ValueError naming the argument for wrong dtypes, shapes or devices, or fp8 k without k_scale.
@@ -124,7 +125,7 @@ def indexer_logits_paged(q, k_cache, weights, context_lens, block_table, *, k_sc
         backend: "auto" | "kernel" | "reference".
 
     Returns:
-        `[B*next_n, max_context]` float32.
+        `[B*next_n, max_context]` float32 (float64 where q or weights is float64).
 
     Raises:
         TypeError / ValueError naming the argument.
