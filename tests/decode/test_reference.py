@@ -191,3 +191,17 @@ def test_degenerate_sizes():
     out, lse = flashdsa.mla_decode(q, torch.zeros(0, 4, 576).bfloat16(), None, None,
                                    indices=torch.zeros(2, 2, 3, dtype=I32), backend="reference")
     assert (out == 0).all() and (lse == math.inf).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_fp8_cache_output_dtypes_match_across_backends(dtype, sparse):
+    """Over the FP8 cache, "auto" (the sparse forward's route) and "reference" give q's dtype and f32 / f64 lse."""
+    q = torch.randn(2, 2, 4, 576).to(dtype)
+    cache = flashdsa.quantize_kv_fp8(torch.randn(3, 16, 576).bfloat16())
+    bt, cl = torch.tensor([[0, 1], [2, -1]], dtype=I32), torch.tensor([20, 5], dtype=I32)
+    idx = torch.randint(-1, 48, (2, 2, 7), dtype=I32) if sparse else None
+    want = (dtype, torch.float64 if dtype == torch.float64 else torch.float32)
+    for backend in ("auto", "reference"):
+        out, lse = flashdsa.mla_decode(q, cache, bt, cl, indices=idx, backend=backend)
+        assert (out.dtype, lse.dtype) == want, backend
