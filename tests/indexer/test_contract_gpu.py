@@ -30,10 +30,11 @@ import flashdsa
 from flashdsa import _dispatch
 from oracles import INT32_MAX, INT32_MIN, indexer_logits_oracle, indexer_logits_paged_oracle
 
+from .checks import check_close as _check
+
 I32 = torch.int32
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
-TOL = 5e-6
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 CPU_MAX_KEYS = 4096  # key / context counts above this are scaled to it on CPU (the float64 oracles are slow)
 
@@ -54,20 +55,6 @@ def _backend(device: str) -> str:
 
 def _tag(dtype) -> str:
     return "fp8" if dtype == FP8 else "bf16"
-
-
-def _check(out, ref):
-    """Issue #4's criteria (those of tests/indexer/test_kernel_gpu.py)."""
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert not torch.isnan(out).any(), "NaN in the output (unwritten or poisoned element)"
-    ref_inf = torch.isinf(ref)
-    assert torch.equal(torch.isinf(out), ref_inf), "-inf mask differs"
-    assert (out[ref_inf] == -math.inf).all()
-    x = out[~ref_inf].double()
-    y = ref[~ref_inf].double()
-    den = (x * x).sum() + (y * y).sum()
-    err = 0.0 if den == 0 else float(1 - 2 * (x * y).sum() / den)
-    assert err < TOL, f"relative error {err:.3e} >= {TOL}"
 
 
 # ------------------------------------------------------------------------------------------------ prefill

@@ -7,19 +7,18 @@ Compiled configs are kept modest: 6 fp8 (H, D) pairs and 2 bf16 ones.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from flashdsa.indexer.reference import indexer_logits_reference
+
+from .checks import check_close as _check
 
 pytestmark = pytest.mark.gpu
 
 I32 = torch.int32
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
-TOL = 5e-6
 
 
 def _kernel():
@@ -49,19 +48,6 @@ def _run(kp, q, k, w, ks, kst, ken):
     out = kp.run_indexer_logits(q, k, w, ks, kst, ken)
     torch.cuda.synchronize()
     return out
-
-
-def _check(out, ref):
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert not torch.isnan(out).any(), "NaN in the output (unwritten or poisoned element)"
-    ref_inf = torch.isinf(ref)
-    assert torch.equal(torch.isinf(out), ref_inf), "-inf mask differs"
-    assert (out[ref_inf] == -math.inf).all()
-    x = out[~ref_inf].double()
-    y = ref[~ref_inf].double()
-    den = (x * x).sum() + (y * y).sum()
-    err = 0.0 if den == 0 else float(1 - 2 * (x * y).sum() / den)
-    assert err < TOL, f"relative error {err:.3e} >= {TOL}"
 
 
 def _ranges(kind, M, N, dev="cuda"):
