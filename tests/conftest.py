@@ -50,14 +50,16 @@ def _seed_and_clean_env(monkeypatch):
 @pytest.fixture(autouse=True)
 def _poison_gpu_allocations(request):
     """GPU tests run with every CUDA torch.empty / empty_like / new_empty filled with 0xFF bytes, or the module's
-    ``POISON_BYTE`` (tests/poison.py)."""
+    ``POISON_BYTE`` (tests/poison.py). ``FLASHDSA_TEST_POISON``: "0" off, "all" every test and every device (the
+    CPU paths too: a reference or host path that reads memory it never wrote shows up on the CPU as well)."""
+    mode = os.environ.get("FLASHDSA_TEST_POISON", "1")
     byte = getattr(request.module, "POISON_BYTE", 0xFF)
-    if "gpu" not in request.keywords or byte is None or os.environ.get("FLASHDSA_TEST_POISON", "1") == "0":
+    if byte is None or mode == "0" or (mode != "all" and "gpu" not in request.keywords):
         yield
         return
     from poison import poisoned_allocations  # tests/ is on sys.path, as for oracles
 
-    with poisoned_allocations(byte):
+    with poisoned_allocations(byte, **({"where": lambda t: True} if mode == "all" else {})):
         yield
 
 
