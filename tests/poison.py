@@ -18,8 +18,11 @@ import torch
 
 
 def _fill(t, byte, where, empty):
-    # plain tensors only: a FakeTensor (torch.compile tracing) has no memory to fill
-    if type(t) is torch.Tensor and t.dtype != torch.bool and where(t) and t.untyped_storage().nbytes() > 0:
+    # plain tensors outside torch.compile only: a traced graph or a FakeTensor has no memory to fill
+    if torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.dtype == torch.bool or not where(t):
+        return t
+    nbytes = t.untyped_storage().nbytes()
+    if type(nbytes) is int and nbytes > 0:  # a symbolic size (tracing with dynamic shapes) has no memory either
         raw = empty(0, dtype=torch.uint8, device=t.device)  # no host copy: legal inside a CUDA-graph capture
         raw.set_(t.untyped_storage())
         raw.fill_(byte)
