@@ -7,8 +7,10 @@ and compares with the reference, so a wrong result also fails (exit 1).  Targets
 paged_pipelined, sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_bf16_ws (600) / sparse_cache656 / sparse_fp8
 (the dispatched sparse MLA forwards, with invalid indices of every kind, an all-invalid row and NaN in unselected
 KV rows), sparse_bwd / sparse_bwd_det (the dispatched backward, fast and deterministic), decode / decode_bs16
-(narrow dense decode, TMA / cp.async loads), decode_ws (the warp-specialised dense decode), sparse_cache656_<form>
-(kernel_fwd_mma656's builds mma / mma_par / mma_ws / mma_ws_par at H 16).
+(narrow dense decode, TMA / cp.async loads), decode_ws (the warp-specialised dense decode), decode_pair (H 128,
+B 132: the pair path), sparse_cache656_<form> (kernel_fwd_mma656's builds mma / mma_par / mma_ws / mma_ws_par at
+H 16), sparse_*_extras (with attn_sink and topk_length), sparse_bf16_512 (Dqk 512), sparse_bf16_h48 (padded
+heads), indexer_prefill / indexer_prefill_bf16.
 """
 
 import os
@@ -79,15 +81,28 @@ def _sparse_inputs(T_, H, Tkv, topk, dqk=576, seed=2):
     return q, kv, idx
 
 
-def sparse(form, n_tok=37, cases=((16, 100), (32, 100), (128, 256), (128, 700))):
+def _sink_and_lengths(n_tok, H, topk, seed=4):
+    """attn_sink with +-inf (finite for H < 3) and topk_length with 0, > topk and negative entries."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    sink = torch.randn(H, device=DEV, generator=g)
+    if H >= 3:
+        sink[0], sink[1] = float("inf"), float("-inf")
+    tl = torch.randint(0, topk + 1, (n_tok,), device=DEV, generator=g, dtype=torch.int32)
+    tl[:3] = torch.tensor([0, topk + 5, -3], device=DEV, dtype=torch.int32)[:n_tok]
+    return dict(attn_sink=sink, topk_length=tl)
+
+
+def sparse(form, n_tok=37, cases=((16, 100), (32, 100), (128, 256), (128, 700)), dqk=576, extras=False):
     """The dispatched sparse MLA forward on bf16 (H 16 / 32 / 128), the 656-byte FP8 cache, and FP8 compute
-    (``cases``: (H, topk); topk 700: the one-CTA-per-item pair grid)."""
+    (``cases``: (H, topk); topk 700: the one-CTA-per-item pair grid); ``dqk`` 512: the K = V form (bf16 only);
+    ``extras``: with attn_sink and topk_length."""
     import flashdsa
     from flashdsa.quant import quantize_fp8, quantize_kv_fp8
 
     ok = True
     for H, topk in cases:
-        q, kv, idx = _sparse_inputs(n_tok, H, 600, topk)
+        q, kv, idx = _sparse_inputs(n_tok, H, 600, topk, dqk=dqk)
+        opt = _sink_and_lengths(n_tok, H, topk) if extras else {}
         if form == "bf16":
             args, kw, tol = (q, kv, idx), {}, (8e-4, 3 / 128)
         elif form == "cache656":
@@ -98,11 +113,13 @@ def sparse(form, n_tok=37, cases=((16, 100), (32, 100), (128, 256), (128, 700)))
             kv8, ks = quantize_fp8(kv.nan_to_num(), block=576)
             kv8.view(torch.uint8)[300:] = 0x7F  # unselected rows NaN again (e4m3fn NaN, after quantization)
             args, kw, tol = (q8, kv8, idx), dict(q_scale=qs[..., 0], kv_scale=ks[..., 0]), (2e-3, 4 / 128)
+        kw.update(opt)
         out, lse = flashdsa.sparse_mla_fwd(*args, backend="kernel" if DEV == "cuda" else "reference", **kw)
         ro, rl = flashdsa.sparse_mla_fwd(*[a.cpu() for a in args], backend="reference",
                                          **{k: v.cpu() for k, v in kw.items()})
         good = _close(out, ro, *tol) and bool(torch.equal(torch.isinf(lse.cpu()), torch.isinf(rl)))
-        print(f"  sparse {form} H {H} topk {topk}: {'ok' if good else 'MISMATCH'}")
+        print(f"  sparse {form} Dqk {dqk} H {H} topk {topk}{' sink tl' if extras else ''}: "
+              f"{'ok' if good else 'MISMATCH'}")
         ok &= good
     return ok
 
@@ -136,14 +153,13 @@ def sparse_bwd(deterministic, dqk=576):
     return good
 
 
-def decode(H=16, s_q=2, bs=64):
+def decode(H=16, s_q=2, bs=64, B=5):
     """Dense paged decode (bf16 cache, NaN in unused slots, shuffled pages, a zero-length sequence); s_q * H <= 32
     runs the narrow kernel (TMA loads for bs >= 64, cp.async below), larger the warp-specialised one."""
     import flashdsa
 
     g = torch.Generator(device=DEV).manual_seed(3)
-    B = 5
-    lens = torch.tensor([0, 1, 70, 300, 129], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([0, 1, 70, 300, 129] * (B // 5) + [200] * (B % 5), dtype=torch.int32, device=DEV)
     mb = 6 * 64 // bs
     table = torch.randperm(B * mb, generator=g, device=DEV).int().view(B, mb)
     cache = (torch.randn(B * mb, bs, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
@@ -156,6 +172,40 @@ def decode(H=16, s_q=2, bs=64):
     good = _close(out, ro, 1e-3, 2 / 128)
     print(f"  decode dense B {B} s_q {s_q} H {H} block {bs}: {'ok' if good else 'MISMATCH'}")
     return good
+
+
+def indexer_prefill(dtype_name="fp8"):
+    """The prefill indexer (fp8 / bf16, H 64 / 32, D 128 / 64) over causal, clamped and empty ranges."""
+    import flashdsa
+    from flashdsa.quant import quantize_fp8
+
+    ok = True
+    g = torch.Generator(device=DEV).manual_seed(6)
+    for H, D in ((64, 128), (32, 64)):
+        M, N = 300, 1000
+        q = torch.randn(M, H, D, device=DEV, generator=g)
+        k = torch.randn(N, D, device=DEV, generator=g)
+        w = torch.randn(M, H, device=DEV, generator=g)
+        if dtype_name == "fp8":
+            q, _ = quantize_fp8(q, block=D)
+            k, ks = quantize_fp8(k, block=D)
+            ks = ks[:, 0].contiguous()
+        else:
+            q, k, ks = q.bfloat16(), k.bfloat16(), None
+        end = torch.arange(M, device=DEV, dtype=torch.int32) + (N - M + 1)
+        start = torch.randint(0, 200, (M,), device=DEV, generator=g, dtype=torch.int32)
+        start[5], end[7], end[8] = end[5], 0, N + 50  # an empty row, an empty range, a clamped end
+        out = flashdsa.indexer_logits(q, k, w, ks, k_start=start, k_end=end,
+                                      backend="kernel" if DEV == "cuda" else "reference")
+        ref = flashdsa.indexer_logits(q.cpu(), k.cpu(), w.cpu(), None if ks is None else ks.cpu(), k_start=start.cpu(),
+                                      k_end=end.cpu(), backend="reference")
+        o, r = out.cpu(), ref
+        same_mask = bool(torch.equal(torch.isinf(o), torch.isinf(r)))
+        fin = ~torch.isinf(r)
+        good = same_mask and _close(o[fin], r[fin], 1e-3, 1e-3)
+        print(f"  indexer prefill {dtype_name} H {H} D {D}: {'ok' if good else 'MISMATCH'}")
+        ok &= good
+    return ok
 
 
 def sparse_cache_converter(staging="converter"):
@@ -187,7 +237,16 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "decode_bs16": lambda: decode(16, 1, 16), "decode_ws": lambda: decode(64, 1, 64),
            "sparse_bwd": lambda: sparse_bwd(False), "sparse_bwd_det": lambda: sparse_bwd(True),
            "sparse_bwd512": lambda: sparse_bwd(False, 512), "sparse_cache656_converter": sparse_cache_converter,
-           "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig")}
+           "sparse_cache656_converter_contig": lambda: sparse_cache_converter("converter_contig"),
+           # with attn_sink / topk_length; Dqk 512 (K = V; topk 640: the persistent pair grid); H 48: padded heads
+           "sparse_bf16_extras": lambda: sparse("bf16", extras=True),
+           "sparse_bf16_ws_extras": lambda: sparse("bf16", 600, ((16, 100),), extras=True),
+           "sparse_bf16_512": lambda: sparse("bf16", cases=((16, 100), (64, 640), (128, 256)), dqk=512, extras=True),
+           "sparse_bf16_h48": lambda: sparse("bf16", cases=((48, 100),), extras=True),
+           "sparse_cache656_extras": lambda: sparse("cache656", extras=True),
+           "sparse_fp8_extras": lambda: sparse("fp8", extras=True),
+           "indexer_prefill": indexer_prefill, "indexer_prefill_bf16": lambda: indexer_prefill("bf16"),
+           "decode_pair": lambda: decode(128, 1, 64, B=132)}
 
 
 def sparse_cache656_mma(form="mma"):
