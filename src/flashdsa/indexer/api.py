@@ -145,8 +145,8 @@ def indexer_logits_paged(q, k_cache, weights, context_lens, block_table, *, k_sc
     B, next_n, H, D = q.shape
     check_tensor("k_cache", k_cache, shape=(None, None, D), dtypes=(q.dtype,))
     nb, bs = k_cache.shape[:2]
-    if nb == 0 or bs == 0:
-        raise ValueError(f"k_cache: expected num_blocks >= 1 and block_size >= 1, got shape {list(k_cache.shape)}")
+    if bs == 0:  # (no blocks at all is legal: every position is then outside the cache, -inf)
+        raise ValueError(f"k_cache: expected block_size >= 1, got shape {list(k_cache.shape)}")
     check_tensor("weights", weights, shape=(B * next_n, H), dtypes=_F32)
     check_tensor("context_lens", context_lens, shape=(B,), dtypes=_I32, last_dim_contiguous=False)
     check_tensor("block_table", block_table, shape=(B, None), dtypes=_I32)

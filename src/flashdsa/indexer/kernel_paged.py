@@ -509,6 +509,8 @@ def kernel_unsupported(q, k_cache, weights, context_lens, block_table, k_scale_c
         return f"next_n={NN} not in 1..{MAX_NEXT_N}"
     if bs not in SUPPORTED_BLOCK_SIZES:
         return f"block_size={bs} not in {SUPPORTED_BLOCK_SIZES}"
+    if nb == 0:
+        return "k_cache has no blocks"
     if weights.dtype != torch.float32 or tuple(weights.shape) != (B * NN, H):
         return "weights must be float32 [B*next_n, H]"
     if context_lens.dtype != torch.int32 or block_table.dtype != torch.int32 or block_table.dim() != 2:

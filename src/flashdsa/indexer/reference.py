@@ -68,7 +68,7 @@ def indexer_logits_paged_reference(q, k_cache, weights, context_lens, block_tabl
     dev = q.device
     L = int(max_context)
     out = torch.full((B * next_n, L), -math.inf, dtype=cd, device=dev)
-    if L == 0 or B == 0:
+    if L == 0 or B == 0 or nb == 0:  # no blocks: no block id is valid
         return out
     flat_k = k_cache.reshape(nb * bs, D)
     flat_s = k_scale_cache.reshape(nb * bs) if k_scale_cache is not None else None
