@@ -26,6 +26,18 @@ def test_info_runs(capsys):
     assert ("no CUDA GPU" in out) != torch.cuda.is_available()
 
 
+def test_info_composed_op_follows_its_stages(monkeypatch):
+    """dsa_topk has no kernel of its own: info reports its stages' kernels, or the first stage that has none."""
+    from flashdsa import _dispatch
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(_dispatch, "kernel_unavailable_reason", lambda op, dev, check=None: None)
+    assert _dispatch.describe("dsa_topk", cuda) == ("kernel", "indexer_logits + topk_indices kernels, stage by stage")
+    monkeypatch.setattr(_dispatch, "kernel_unavailable_reason",
+                        lambda op, dev, check=None: "no sm_90" if op == "topk_indices" else None)
+    assert _dispatch.describe("dsa_topk", cuda) == ("reference", "topk_indices: no sm_90")
+
+
 def test_python_m_help():
     r = subprocess.run([sys.executable, "-m", "flashdsa", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

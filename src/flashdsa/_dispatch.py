@@ -177,11 +177,20 @@ def last_choice(op: str) -> Optional[str]:
     return _LAST_CHOICE.get(op)
 
 
+#: ops with no kernel of their own that run other ops in sequence (each stage dispatched on its own)
+COMPOSED: dict[str, tuple[str, ...]] = {"dsa_topk": ("indexer_logits", "topk_indices")}
+
+
 def describe(op: str, device: torch.device) -> tuple[str, str]:
     """(backend that ``auto`` picks for typical inputs on ``device``, reason) for ``flashdsa info``."""
     want = requested_backend("auto")
     if want == "reference":
         return "reference", f"forced by {ENV_VAR}"
+    if op in COMPOSED:
+        stages = [describe(s, device) for s in COMPOSED[op]]
+        if all(b == "kernel" for b, _ in stages):
+            return "kernel", " + ".join(COMPOSED[op]) + " kernels, stage by stage"
+        return next((b, f"{s}: {r}") for s, (b, r) in zip(COMPOSED[op], stages) if b != "kernel")
     reason = kernel_unavailable_reason(op, device)
     if reason is None:
         return "kernel", "TileLang kernel"
