@@ -17,7 +17,8 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 def _check_contiguous(name: str, x: torch.Tensor):
     if not x.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous cache (it is written in place), got strides {tuple(x.stride())}")
+        raise ValueError(f"{name}: expected a contiguous cache (it is written in place), "
+                         f"got strides {tuple(x.stride())}")
 
 
 def _valid_slots(slot_mapping: torch.Tensor, num_slots: int):

@@ -122,7 +122,8 @@ def dequantize_kv_fp8(x: torch.Tensor) -> torch.Tensor:
     """
     check_tensor("x", x, dtypes=(torch.uint8,), last_dim_contiguous=False)
     if x.dim() == 0 or x.shape[-1] != KV_FP8_BYTES:
-        raise ValueError(f"x: expected a last dim of {KV_FP8_BYTES} bytes (the FP8 KV format), got shape {list(x.shape)}")
+        raise ValueError(f"x: expected a last dim of {KV_FP8_BYTES} bytes (the FP8 KV format), "
+                         f"got shape {list(x.shape)}")
     x = x.contiguous()
     lead = x.shape[:-1]
     fp8 = x[..., :KV_LATENT].contiguous().view(torch.float8_e4m3fn).float()

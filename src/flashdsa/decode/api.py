@@ -113,7 +113,8 @@ def _check_args(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, 
     check_tensor("block_table", block_table, shape=(B, None), dtypes=_I32, optional=sparse)
     check_tensor("cache_seqlens", cache_seqlens, shape=(B,), dtypes=_I32, optional=sparse, last_dim_contiguous=False)
     if topk_length is not None and not sparse:
-        raise ValueError("topk_length: only meaningful for sparse decode (indices given), got a tensor with indices=None")
+        raise ValueError("topk_length: only meaningful for sparse decode (indices given), "
+                         "got a tensor with indices=None")
     check_tensor("topk_length", topk_length, shape=(B,), dtypes=_I32, optional=True, last_dim_contiguous=False)
     check_tensor("attn_sink", attn_sink, shape=(H,), dtypes=(torch.float32, torch.float64), optional=True)
     check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,

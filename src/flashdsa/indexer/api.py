@@ -40,8 +40,10 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, weights: torch.Tensor, con
               block_table: torch.Tensor, k_scale_cache: Optional[torch.Tensor], max_context: int,
               backend: str) -> torch.Tensor:
     op = "indexer_logits_paged"
-    check = lambda: _dispatch.kernel_module(op).kernel_unsupported(q, k_cache, weights, context_lens, block_table,  # noqa: E731
-                                                                    k_scale_cache)
+    def check():
+        return _dispatch.kernel_module(op).kernel_unsupported(q, k_cache, weights, context_lens, block_table,
+                                                              k_scale_cache)
+
     if _dispatch.resolve_backend(op, backend, q.device, check) == "kernel":
         return _dispatch.kernel_module(op).run_indexer_logits_paged(q, k_cache, weights, context_lens, block_table,
                                                                     k_scale_cache, max_context)
@@ -96,7 +98,8 @@ def indexer_logits(q, k, weights, k_scale=None, *, k_start=None, k_end=None, bac
     check_tensor("weights", weights, shape=(M, H), dtypes=_F32)
     check_tensor("k_scale", k_scale, shape=(N,), dtypes=_F32, optional=True, last_dim_contiguous=False)
     if k_scale is None and k.dtype == torch.float8_e4m3fn:
-        raise ValueError("k_scale: required when k is float8_e4m3fn (per-key dequantization scale [N] float32), got None")
+        raise ValueError("k_scale: required when k is float8_e4m3fn (per-key dequantization scale [N] float32), "
+                         "got None")
     check_tensor("k_start", k_start, shape=(M,), dtypes=_I32, optional=True, last_dim_contiguous=False)
     check_tensor("k_end", k_end, shape=(M,), dtypes=_I32, optional=True, last_dim_contiguous=False)
     check_same_device(q=q, k=k, weights=weights, k_scale=k_scale, k_start=k_start, k_end=k_end)
@@ -152,7 +155,8 @@ def indexer_logits_paged(q, k_cache, weights, context_lens, block_table, *, k_sc
     check_tensor("block_table", block_table, shape=(B, None), dtypes=_I32)
     check_tensor("k_scale_cache", k_scale_cache, shape=(nb, bs), dtypes=_F32, optional=True)
     if k_scale_cache is None and k_cache.dtype == torch.float8_e4m3fn:
-        raise ValueError("k_scale_cache: required for a float8_e4m3fn k_cache ([num_blocks, block_size] float32), got None")
+        raise ValueError("k_scale_cache: required for a float8_e4m3fn k_cache ([num_blocks, block_size] float32), "
+                         "got None")
     check_same_device(q=q, k_cache=k_cache, weights=weights, context_lens=context_lens, block_table=block_table,
                       k_scale_cache=k_scale_cache)
     if max_context is None:

@@ -404,8 +404,9 @@ def sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale=None, *, backend="aut
     """DeepSeek-V4 sparse attention: K = V = kv, per-head attention sink; differentiable.
 
     Math:
-        ``out[b, m, h] = sum_j softmax_j(softmax_scale * q[b, m, h] . kv[b, i_j]) kv[b, i_j] / (1 + exp(sink[h] - lse))``
-        over valid ``i_j = topk_idxs[b, m, j]`` (``-1`` and out-of-range entries are skipped).
+        ``out[b, m, h] = sum_j softmax_j(softmax_scale * q[b, m, h] . kv[b, i_j]) kv[b, i_j]
+        / (1 + exp(sink[h] - lse))`` over valid ``i_j = topk_idxs[b, m, j]`` (``-1`` and out-of-range entries
+        are skipped).
 
     Args:
         q: `[b, m, h, d]` bfloat16 (d = 512 in V4; any multiple of 8 runs on the reference).
