@@ -27,7 +27,8 @@ def bench(fn, reps=20, warmup=3):
 
 def sparse_cases(rows):
     g = torch.Generator(device="cuda").manual_seed(0)
-    for name, H, dqk, topk, skv, sink in [("V32_H128", 128, 576, 2048, 8192, False), ("V32_H64", 64, 576, 2048, 8192, False),
+    for name, H, dqk, topk, skv, sink in [("V32_H128", 128, 576, 2048, 8192, False),
+                                          ("V32_H64", 64, 576, 2048, 8192, False),
                                           ("V32_H128_SKV128K", 128, 576, 2048, 131072, False),
                                           ("V4_h64_topk640_sink", 64, 512, 640, 8192, True)]:
         S = 4096
@@ -44,7 +45,8 @@ def sparse_cases(rows):
                 rows.append({"op": "sparse_mla_fwd", "case": name, "variant": mod.__name__, "skipped": why})
                 continue
             try:
-                fn = lambda: mod.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk ** -0.5, d_v=512, attn_sink=s)  # noqa: E731
+                def fn(mod=mod, q=q, kv=kv, idx=idx, s=s, dqk=dqk):
+                    return mod.run_sparse_mla_fwd(q, kv, idx, sm_scale=dqk ** -0.5, d_v=512, attn_sink=s)
                 out = fn()[0].float()
                 err = 0.0 if ref is None else ((out - ref).abs().max() / ref.abs().max()).item()
                 ref = out if ref is None else ref
