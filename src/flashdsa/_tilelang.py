@@ -22,7 +22,8 @@ def direct_launcher(kernel):
     every argument's dtype, shape, strides and device. Any other adapter: the kernel object."""
     adapter = getattr(kernel, "adapter", None)
     get = getattr(adapter, "_get_executable", None)
-    if get is None or getattr(adapter, "result_idx", None) or getattr(adapter, "_ffi_callee_allocated_output_abi", True):
+    if (get is None or getattr(adapter, "result_idx", None)
+            or getattr(adapter, "_ffi_callee_allocated_output_abi", True)):
         return kernel
     return get()
 

@@ -25,10 +25,12 @@ def dense_slots(block_table, cache_seqlens, num_blocks: int, block_size: int, s_
     slots = paged_positions(block_table, num_blocks, block_size, L)  # [B, L]
     pos = torch.arange(L, device=block_table.device)
     lens = cache_seqlens.long().view(B, 1)
-    shift = torch.arange(s_q, device=block_table.device).view(1, s_q) - s_q + 1 if causal else torch.zeros(1, s_q, dtype=torch.long, device=block_table.device)
+    shift = (torch.arange(s_q, device=block_table.device).view(1, s_q) - s_q + 1 if causal
+             else torch.zeros(1, s_q, dtype=torch.long, device=block_table.device))
     limit = lens + shift  # [B, s_q]
     keep = pos.view(1, 1, L) < limit.unsqueeze(-1)
-    return torch.where(keep, slots.unsqueeze(1), torch.full((), -1, dtype=torch.long, device=block_table.device)).to(torch.int32)
+    return torch.where(keep, slots.unsqueeze(1),
+                       torch.full((), -1, dtype=torch.long, device=block_table.device)).to(torch.int32)
 
 
 def mla_decode_reference(q, kv_cache, block_table, cache_seqlens, *, sm_scale: float, d_v: int, causal: bool,

@@ -1,7 +1,8 @@
 """GPU timing tools of the sparse MLA backward's main kernel (``python -m flashdsa.sparse.kernel_bwd ...``):
-``--ablate`` (without the atomics / the dK/dV stage), ``--red`` (the dKV reduction patterns), ``--det`` (the deterministic path's chunking), ``--topk`` (the V4 shape over topk), ``--reducer`` (the
-reducer warpgroup and its hand-over), ``--rows`` (the dispatched gather by rows against the T.Parallel gather),
-and the headline shapes through ``run_sparse_mla_bwd``."""
+``--ablate`` (without the atomics / the dK/dV stage), ``--red`` (the dKV reduction patterns), ``--det`` (the
+deterministic path's chunking), ``--topk`` (the V4 shape over topk), ``--reducer`` (the reducer warpgroup and its
+hand-over), ``--rows`` (the dispatched gather by rows against the T.Parallel gather), and the headline shapes through
+``run_sparse_mla_bwd``."""
 
 import torch
 

@@ -95,7 +95,8 @@ def reference_gather_qk(q, kv, idx):
 
 
 def lowering_cases():
-    return [(f"gather_qk_{m}_d576_nb4", build_gather_qk(dqk=576, n_blocks=4, mode=m), pass_configs(m)) for m in MODES] + [
+    return [(f"gather_qk_{m}_d576_nb4", build_gather_qk(dqk=576, n_blocks=4, mode=m), pass_configs(m))
+            for m in MODES] + [
         ("gather_qk_deep_d576_nb4_l2pf", build_gather_qk(dqk=576, n_blocks=4, mode="deep", l2_prefetch=True),
          pass_configs("deep"))]
 

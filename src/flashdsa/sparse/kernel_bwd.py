@@ -34,11 +34,12 @@ Design:
         invalid rows (fast path), or 16-byte stores of the same pattern into a partial buffer keyed by (head
         group, token, slot) (deterministic path).
   * Deterministic mode (``deterministic=True``): tokens are processed in chunks so the partial buffer stays
-    <= 2 GiB, whole waves of the main kernel (``_det_chunk``); per chunk the valid slot keys are stably sorted by kv row (torch.sort(stable=True)), segment
-    starts come from searchsorted, and a small TileLang kernel (one CTA per kv row) adds each row's partials
-    in sorted order into the fp32 accumulator (no atomics; chunks in fixed order).  Bitwise reproducible
-    by construction (every sum has a fixed order); slower: the partials cost 2 x 4 B x Dqk per (slot, head
-    group) of extra HBM traffic (~77 GB at the headline H = 128 shape, ~18 ms) -- likely > 2x the fast path.
+    <= 2 GiB, whole waves of the main kernel (``_det_chunk``); per chunk the valid slot keys are stably sorted by kv
+    row (torch.sort(stable=True)), segment starts come from searchsorted, and a small TileLang kernel (one CTA per kv
+    row) adds each row's partials in sorted order into the fp32 accumulator (no atomics; chunks in fixed order).
+    Bitwise reproducible by construction (every sum has a fixed order); slower: the partials cost 2 x 4 B x Dqk per
+    (slot, head group) of extra HBM traffic (~77 GB at the headline H = 128 shape, ~18 ms) -- likely > 2x the fast
+    path.
   * Dqk 512 (K = V, DeepSeek-V4), fast path: a third warpgroup (the reducer, ``reducer=True``) issues the
     atomics.  Each compute warpgroup writes its 32 columns of a 64 x 64 fp32 dKV chunk into its half of a
     16 KiB shared stage (``fdsa_stage_put``, an extern, so TileLang adds no CTA-wide barrier per chunk; XOR
@@ -48,7 +49,8 @@ Design:
     H 64 / Dqk 512 / topk 2048 10.61 -> 9.98 (dq bitwise equal to the default build, dkv within 6e-8); without
     the reductions (``red_skip``) 2.78 against 1.82 with no atomics at all: decoupled, the reductions cost 0.54 ms
     instead of 1.66, but the hand-over through shared memory costs 0.96 (a first form with one 64-column stage
-    and a CTA-wide barrier per chunk: 3.37 / 2.92; a double-buffered one in 16-column pieces: 3.49 / 2.79).  setmaxnreg 232 / 232 / 40.  Dqk 576 has no 16 KiB left for the stage.
+    and a CTA-wide barrier per chunk: 3.37 / 2.92; a double-buffered one in 16-column pieces: 3.49 / 2.79).
+    setmaxnreg 232 / 232 / 40.  Dqk 576 has no 16 KiB left for the stage.
   * dkv = fp32 accumulator .to(bf16); dq is written once, bf16, through the Q tile (no atomics).
   * T, Tkv and the indices width are dynamic symbols; the trip count ceil(topk / 64) is static (TileLang
     0.1.15 pitfalls, see kernel_fwd.py): kernels are cached per (H, Dqk, n_blocks, sm_scale, topk_length,

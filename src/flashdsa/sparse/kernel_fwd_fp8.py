@@ -42,12 +42,12 @@ Why it should beat the bf16 kernel: the bf16 pipelined kernel spends ~7500 cycle
   36 KiB, QK tensor time halves, PV tensor time is unchanged (p_split) or halves (p_split=False); the
   transpose costs ~16 shared loads/stores per thread per block, on the CUDA cores.
 Verified first on the CPU (on the H200 since 67a61c8: tests/sparse_mla/test_kernel_fp8_gpu.py): lowering for
-  sm_90a (H 128/64/16, Dqk 576/512, topk 2048/256/128/100, sink, topk_length, p_split on/off); the generated CUDA read by hand (cp.async wait counts
-  cover the KV group before the QK gemm and the transpose, the next stage's KV loads are issued after the
-  transpose, ks loads after the last ks read); nvcc 13.0 -arch=sm_90a compiles every one, PTX has
-  wgmma m64n32k32 / m64n256k32 .f32.e4m3.e4m3 only; ptxas: 255 registers, 132 B spill for the 32-block
-  H 128 config (0 spill for 2-block configs).  The transpose helper was checked against TileLang's layout
-  objects by a Python model (exact V^T, 2 wavefronts per 64-bit warp access = conflict-free).
+  sm_90a (H 128/64/16, Dqk 576/512, topk 2048/256/128/100, sink, topk_length, p_split on/off); the generated CUDA
+  read by hand (cp.async wait counts cover the KV group before the QK gemm and the transpose, the next stage's KV
+  loads are issued after the transpose, ks loads after the last ks read); nvcc 13.0 -arch=sm_90a compiles every one,
+  PTX has wgmma m64n32k32 / m64n256k32 .f32.e4m3.e4m3 only; ptxas: 255 registers, 132 B spill for the 32-block H 128
+  config (0 spill for 2-block configs).  The transpose helper was checked against TileLang's layout objects by a
+  Python model (exact V^T, 2 wavefronts per 64-bit warp access = conflict-free).
 """
 
 

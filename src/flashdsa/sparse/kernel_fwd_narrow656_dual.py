@@ -21,12 +21,12 @@ keys on the wgmma M side, the heads zero-padded to 16 on N).  Two ways to bring 
     barrier (b % 2, s)): its j-th block is phase j of its barriers (parity j % 2), never more than one phase ahead
     of the waiter.  (One barrier per stage for both warpgroups is wrong: a warpgroup reaching its wait for block
     b while block b - 1 is still in flight sees parity b % 2 as the completed previous phase and passes.)
-  * ``prefetch="ringx"``: ``RINGX_STAGES`` = 5 stages of 16 rows (52,480 B, all that
-    shared memory leaves), not tied to blocks: chunk c (rows [16 c, +16) of the token's top-k; block c / 4, converted by warpgroup (c / 4) % 2)
-    lives in stage c % 5; whoever converts chunk c issues chunk c + 5 (row numbers loaded at the start of the
-    block), so 1.25 blocks of rows can be in flight.  Each warpgroup has its own barrier per stage and tracks its
-    phase parities in a 5-bit mask (its chunks on a stage come in order, each issued only after the previous one
-    on that stage was converted, so a wait is never more than one phase ahead).
+  * ``prefetch="ringx"``: ``RINGX_STAGES`` = 5 stages of 16 rows (52,480 B, all that shared memory leaves), not tied
+    to blocks: chunk c (rows [16 c, +16) of the token's top-k; block c / 4, converted by warpgroup (c / 4) % 2) lives
+    in stage c % 5; whoever converts chunk c issues chunk c + 5 (row numbers loaded at the start of the block), so
+    1.25 blocks of rows can be in flight.  Each warpgroup has its own barrier per stage and tracks its phase parities
+    in a 5-bit mask (its chunks on a stage come in order, each issued only after the previous one on that stage was
+    converted, so a wait is never more than one phase ahead).
   * ``"ring_er_f16"`` (the default at H <= 16): "ring_er" with f16 products.  A pass over the token's valid rows
     (block 0's rows already in flight) takes each 128-dim tile's largest scale sigma_t; a row converts as
     ``f16(e4m3) * (s_t / sigma_t)`` (two instructions a pair instead of five: ``cvt.rn.f16x2.e4m3x2`` is exact, the
@@ -292,7 +292,8 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
         if t % ISSUE == 0:
             row = _row(Indices, tok, lim, blk * BI + s * QR + t // ISSUE) if rows is None else rows[s]
             ok = (row >= 0) & (row < n_rows)
-            T.call_extern("handle", "fdsa_bulk_row_mark" if f16 else "fdsa_bulk_row", T.address_of(Raw[s, t // ISSUE, 0]),
+            T.call_extern("handle", "fdsa_bulk_row_mark" if f16 else "fdsa_bulk_row",
+                          T.address_of(Raw[s, t // ISSUE, 0]),
                           T.address_of(KV8[T.if_then_else(ok, row, 0) * rs16, 0]),
                           T.address_of(bars[(blk % 2) * NQ + s]), T.if_then_else(ok, 1, 0))
 
@@ -532,4 +533,5 @@ def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [(f"narrow656_dual_{p}_h16_sink_tl",
              build_sparse_mla_fwd_narrow656_dual(heads=16, sm_scale=576 ** -0.5, has_sink=True, has_topk_length=True,
-                                                 prefetch=p)) for p in ("regs", "ring", "ring_er", "ringx", "ring_er_f16")]
+                                                 prefetch=p))
+            for p in ("regs", "ring", "ring_er", "ringx", "ring_er_f16")]

@@ -98,7 +98,8 @@ def sparse_mla_fwd_reference(q, kv, indices, *, sm_scale: float, d_v: int,
         p = torch.exp(s - m_safe.unsqueeze(-1))  # exp(-inf) = 0 for masked keys
         denom = p.sum(dim=-1)
         l_row = torch.where(empty, torch.full_like(m, math.inf), m_safe + torch.log(denom))
-        o = torch.einsum("thk,tkd->thd", p, k[..., :d_v]) / torch.where(empty, torch.ones_like(denom), denom).unsqueeze(-1)
+        o = (torch.einsum("thk,tkd->thd", p, k[..., :d_v])
+             / torch.where(empty, torch.ones_like(denom), denom).unsqueeze(-1))
         out[a:b] = o * sink_gate(l_row, attn_sink).unsqueeze(-1)
         lse[a:b] = l_row
         max_logits[a:b] = m
@@ -110,7 +111,8 @@ def _scatter_add_rows(dst: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor,
     if not deterministic:
         dst.index_add_(0, rows, vals)
         return
-    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    prev, prev_warn = (torch.are_deterministic_algorithms_enabled(),
+                       torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True)
     try:
         dst.index_put_((rows,), vals, accumulate=True)
@@ -151,7 +153,8 @@ def sparse_mla_bwd_reference(q, kv, indices, out, lse, dout, *, sm_scale: float,
         finite = torch.isfinite(lc)
         lse_safe = torch.where(finite, lc, torch.zeros_like(lc))
         p_raw = torch.exp(s - lse_safe.unsqueeze(-1))
-        p_raw = torch.where(valid.unsqueeze(1) & finite.unsqueeze(-1), p_raw, torch.zeros((), dtype=cd, device=q.device))
+        p_raw = torch.where(valid.unsqueeze(1) & finite.unsqueeze(-1), p_raw,
+                            torch.zeros((), dtype=cd, device=q.device))
         p = p_raw * g.unsqueeze(-1)
         delta = (oc * do).sum(-1)  # [t, h]
         dp = torch.einsum("thd,tkd->thk", do, k[..., :d_v])

@@ -19,7 +19,9 @@ _I32 = (torch.int32,)
 @custom_op("topk_indices")
 def _topk_op(scores: torch.Tensor, k: int, starts: Optional[torch.Tensor], ends: Optional[torch.Tensor], order: str,
              backend: str) -> torch.Tensor:
-    check = lambda: _dispatch.kernel_module("topk_indices").kernel_unsupported(scores, k, starts, ends, order)  # noqa: E731
+    def check():
+        return _dispatch.kernel_module("topk_indices").kernel_unsupported(scores, k, starts, ends, order)
+
     if _dispatch.resolve_backend("topk_indices", backend, scores.device, check) == "kernel":
         return _dispatch.kernel_module("topk_indices").run_topk_indices(scores, k, starts, ends, order)
     return reference.topk_indices_reference(scores, k, starts, ends, order)

@@ -241,8 +241,8 @@ def _build_topk_radix_persist(*, threads: int = THREADS, cache: int = CACHE):
             R.count_sweep(seg, lane, warp, ln, kk, kk, pos, cgt, ceq, mask, prefix, wred, skeys, Scores,
                           Ix(row=by, cnt0=a, tie0=h1))
             T.sync_threads()
-            R.write_sweep(seg, lane, warp, ln, kk, kk, pos, cgt, ceq, mask, prefix, x, s, need, skeys, Scores, Out, None,
-                          Ix(row=by, base=lo + cs))
+            R.write_sweep(seg, lane, warp, ln, kk, kk, pos, cgt, ceq, mask, prefix, x, s, need, skeys, Scores, Out,
+                          None, Ix(row=by, base=lo + cs))
             R.fill_tail(K, G, tx, kef, Out, Ix(row=by, gx=gx))
             # hand the workspace back zeroed (the next call on this stream reuses it without a memset)
             T.call_extern("handle", "fdsa_row_exit", Ws.data, T.Cast(i64, by) * WSTRIDE, G, 3 * HBINS, EXIT)

@@ -147,8 +147,8 @@ def supports(N: int, order: str, threads: int = THREADS) -> bool:
 
 
 def _pass_configs(unsafe_loads: bool = True) -> dict:
-    """The radix kernels' pass configs plus, with ``unsafe_loads``, no automatic bounds check on the score loads (each load is
-    already guarded by the position test)."""
+    """The radix kernels' pass configs plus, with ``unsafe_loads``, no automatic bounds check on the score loads
+    (each load is already guarded by the position test)."""
     import tilelang
 
     pc = dict(_radix_pass_configs())
