@@ -8,14 +8,9 @@ import pytest
 import torch
 
 import flashdsa
+from devices import DEVICES, backend_for as _backend
 from oracles import e4m3_encode, kv_fp8_pack_oracle
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _backend(device):
-    """On the GPU the readers must run their kernels (a silent fall-back to the reference would test nothing)."""
-    return "kernel" if device == "cuda" else "reference"
 
 
 def _slots(T, num_slots, gen):

@@ -1,4 +1,4 @@
-"""Issue #6's tolerances for a decode output against its reference, shared by the GPU decode tests.
+"""Issue #6's inputs and tolerances for the decode tests: a paged cache builder and the output check.
 
 A plain module (no ``pytest.skip`` at import), so the contract tests' CPU variants can use it too."""
 
@@ -33,3 +33,32 @@ def check_close(out, lse, ref_out, ref_lse):
         rel = d / ref_lse[fin].double().abs().clamp_min(1e-30)
         ok = (rel <= 8 / 65536) | (d <= 8 / 65536)
         assert ok.all(), f"lse: max rel err {rel.max().item():.3e}"
+
+
+def make_paged(B, s_q, H, block_size, lens, *, seed=0, extra_blocks=2, device="cpu"):
+    """q `[B, s_q, H, 576]` bf16, kv_cache (NaN in every unused slot), shuffled block_table, cache_seqlens, built
+    on the CPU from ``seed`` and moved to ``device``."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lens = [int(x) for x in lens]
+    assert len(lens) == B
+    need = [(n + block_size - 1) // block_size for n in lens]
+    max_blocks = max(1, max(need) + extra_blocks)
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.full((B, max_blocks), -1, dtype=torch.int32)
+    kv = torch.full((num_blocks, block_size, 576), float("nan"), dtype=torch.bfloat16)
+    pos = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[pos:pos + n].to(torch.int32)
+        pos += n
+        # entries past the sequence: a mix of -1, too-large ids and INT_MIN/INT_MAX (never dereferenced)
+        for j in range(n, max_blocks):
+            table[b, j] = (-1, num_blocks, 2**31 - 1, -(2**31))[(b + j) % 4]
+        for p0 in range(0, lens[b], block_size):
+            blk = int(table[b, p0 // block_size])
+            cnt = min(block_size, lens[b] - p0)
+            kv[blk, :cnt] = (torch.randn(cnt, 576, generator=g) * 0.1).to(torch.bfloat16)
+    # N(0, 0.01) q and kv: the distribution FlashMLA's MLA tests pair with these tolerances
+    q = (torch.randn(B, s_q, H, 576, generator=g) * 0.1).to(torch.bfloat16)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    return q.to(device), kv.to(device), table.to(device), seqlens.to(device)

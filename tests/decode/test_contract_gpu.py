@@ -28,11 +28,12 @@ import flashdsa
 from flashdsa import _dispatch
 from oracles import INT32_MAX, INT32_MIN, decode_slots, mla_decode_oracle
 
-from .checks import check_close as _check
+from devices import DEVICES, backend_for as _backend
+
+from .checks import check_close as _check, make_paged as _make
 
 I32 = torch.int32
 BF16 = torch.bfloat16
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 CPU_MAX_CACHE = 4096  # cache lengths / topk above this are scaled to it on CPU (the float64 oracle is slow)
 BAD = (INT32_MIN, INT32_MAX, -123456, None, -1)  # None: num_slots, the first out-of-range slot
 
@@ -40,41 +41,6 @@ BAD = (INT32_MIN, INT32_MAX, -123456, None, -1)  # None: num_slots, the first ou
 def _size(n: int, device: str) -> int:
     """``n`` on CUDA; on CPU at most ``CPU_MAX_CACHE`` (sizes up to it unchanged)."""
     return n if device == "cuda" else min(n, CPU_MAX_CACHE)
-
-
-def _backend(device: str) -> str:
-    """The backend under test: the kernel on CUDA (Hopper + tilelang, else skip), the reference on CPU."""
-    if device == "cpu":
-        return "reference"
-    pytest.importorskip("tilelang")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the decode kernels target Hopper (sm_90a)")
-    return "kernel"
-
-
-def _make(B, s_q, H, block_size, lens, *, seed, extra_blocks=2):
-    """CPU q `[B, s_q, H, 576]` bf16, kv_cache (NaN in every unused slot), shuffled block_table, cache_seqlens."""
-    g = torch.Generator().manual_seed(seed)
-    lens = [int(x) for x in lens]
-    assert len(lens) == B
-    need = [(n + block_size - 1) // block_size for n in lens]
-    max_blocks = max(1, max(need) + extra_blocks)
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.full((B, max_blocks), -1, dtype=I32)
-    kv = torch.full((num_blocks, block_size, 576), math.nan, dtype=BF16)
-    pos = 0
-    for b, n in enumerate(need):
-        table[b, :n] = perm[pos:pos + n].to(I32)
-        pos += n
-        for j in range(n, max_blocks):  # past the sequence: never dereferenced
-            table[b, j] = (-1, num_blocks, INT32_MAX, INT32_MIN)[(b + j) % 4]
-        for p0 in range(0, lens[b], block_size):
-            blk = int(table[b, p0 // block_size])
-            cnt = min(block_size, lens[b] - p0)
-            kv[blk, :cnt] = (torch.randn(cnt, 576, generator=g) * 0.1).to(BF16)
-    q = (torch.randn(B, s_q, H, 576, generator=g) * 0.1).to(BF16)
-    return q, kv, table, torch.tensor(lens, dtype=I32)
 
 
 def _sparse_indices(table, lens, block_size, s_q, topk, *, seed, n_slots, sprinkle=True):

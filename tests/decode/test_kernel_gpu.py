@@ -16,7 +16,7 @@ import torch
 
 from flashdsa.bench.harness import capture_graph
 
-from .checks import check_close as _check  # noqa: F401 - the other decode GPU files import it from here
+from .checks import check_close as _check, make_paged  # noqa: F401 - the other decode GPU files import _check
 
 pytestmark = pytest.mark.gpu
 
@@ -32,32 +32,9 @@ def _kernel():
     return kernel_dense
 
 
-def _make(B, s_q, H, block_size, lens, *, seed=0, extra_blocks=2, device="cuda"):
-    """q, kv_cache (NaN in every unused slot), shuffled block_table, cache_seqlens."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    lens = [int(x) for x in lens]
-    assert len(lens) == B
-    need = [(n + block_size - 1) // block_size for n in lens]
-    max_blocks = max(1, max(need) + extra_blocks)
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.full((B, max_blocks), -1, dtype=torch.int32)
-    kv = torch.full((num_blocks, block_size, 576), float("nan"), dtype=torch.bfloat16)
-    pos = 0
-    for b, n in enumerate(need):
-        table[b, :n] = perm[pos:pos + n].to(torch.int32)
-        pos += n
-        # entries past the sequence: a mix of -1, too-large ids and INT_MIN/INT_MAX (never dereferenced)
-        for j in range(n, max_blocks):
-            table[b, j] = (-1, num_blocks, 2**31 - 1, -(2**31))[(b + j) % 4]
-        for p0 in range(0, lens[b], block_size):
-            blk = int(table[b, p0 // block_size])
-            cnt = min(block_size, lens[b] - p0)
-            kv[blk, :cnt] = (torch.randn(cnt, 576, generator=g) * 0.1).to(torch.bfloat16)
-    # N(0, 0.01) q and kv: the distribution FlashMLA's MLA tests pair with these tolerances
-    q = (torch.randn(B, s_q, H, 576, generator=g) * 0.1).to(torch.bfloat16)
-    seqlens = torch.tensor(lens, dtype=torch.int32)
-    return q.to(device), kv.to(device), table.to(device), seqlens.to(device)
+def _make(*args, device="cuda", **kw):
+    """``checks.make_paged`` on the GPU."""
+    return make_paged(*args, device=device, **kw)
 
 
 def _reference(q, kv, table, seqlens, *, sm_scale, causal, sink):

@@ -30,27 +30,18 @@ import flashdsa
 from flashdsa import _dispatch
 from oracles import INT32_MAX, INT32_MIN, indexer_logits_oracle, indexer_logits_paged_oracle
 
+from devices import DEVICES, backend_for as _backend
+
 from .checks import check_close as _check
 
 I32 = torch.int32
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 CPU_MAX_KEYS = 4096  # key / context counts above this are scaled to it on CPU (the float64 oracles are slow)
 
 
 def _size(n: int, device: str) -> int:
     return n if device == "cuda" else min(n, CPU_MAX_KEYS)
-
-
-def _backend(device: str) -> str:
-    """The backend under test: the kernel on CUDA (Hopper + tilelang, else skip), the reference on CPU."""
-    if device == "cpu":
-        return "reference"
-    pytest.importorskip("tilelang")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the indexer kernels target Hopper (sm_90a)")
-    return "kernel"
 
 
 def _tag(dtype) -> str:

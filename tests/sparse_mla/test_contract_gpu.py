@@ -26,17 +26,12 @@ import pytest
 import torch
 
 import flashdsa
+from devices import backend_for as _backend, on_devices
 from oracles import INT32_MAX, INT32_MIN, sparse_mla_oracle
 
 D_V = 512
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-on_devices = pytest.mark.parametrize("device", DEVICES)
 BF16_TOL = dict(out_abs=8e-4, out_rel=3 / 128, cos=7e-6, lse_abs=1e-6, lse_rel=2 / 65536)
 FP8_TOL = dict(out_abs=2e-3, out_rel=4 / 128, cos=1e-4, lse_abs=1e-2, lse_rel=0.0)  # test_kernel_fp8_gpu's _check
-
-
-def _backend(device):
-    return "kernel" if device == "cuda" else "reference"
 
 
 @dataclasses.dataclass
