@@ -40,7 +40,8 @@ def _patch_torch_cuda():
     import torch
 
     props = types.SimpleNamespace(**H200)
-    stream = types.SimpleNamespace(cuda_stream=0, synchronize=lambda: None, wait_stream=lambda s: None)
+    stream = types.SimpleNamespace(cuda_stream=0, synchronize=lambda: None, wait_stream=lambda s: None,
+                                   query=lambda: True)
     c = torch.cuda
     c.is_available = lambda: True
     c.device_count = lambda: 1
