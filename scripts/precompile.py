@@ -19,7 +19,9 @@ or True (``torch.equal``), a boolean mask selects everything, timing events say 
 their body once. A test that still stops early (or reads a value its kernel choice depends on) misses kernels:
 the GPU call reports how many it still compiled (cache entries newer than the unpacked tarball).
 
-Honest about what it is: no test result here means anything; pytest's own pass / fail lines are not shown.
+Honest about what it is: no test result here means anything; pytest's own pass / fail lines are not shown. Only
+the tests marked ``gpu`` run (``-m`` is overridden); ``--log F`` lists each test's compiles and why a test that
+compiled nothing stopped.
 """
 
 from __future__ import annotations
