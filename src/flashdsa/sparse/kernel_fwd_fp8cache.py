@@ -323,10 +323,11 @@ def cache_chunks(kv):
 # kernel_fwd_narrow656_dual.PREFETCH or "mma" (kernel_fwd_mma656): that form at H <= 16; unset: FEW_HEAD_FORM at
 # H <= 16, narrow656 at 17..32
 NARROW_ENV = "FLASHDSA_NARROW_CACHE656"
-# The form run at H <= 16 without an explicit choice: kernel_fwd_mma656's per-warp mma.sync chains, faster than the
-# two-warpgroup form on every shape measured (session 33, H 16, topk 2048, 6e8a3c4: decode B 128 75.1 vs 98.9 us,
-# B 512 268.6 vs 358.4 us, prefill S 4096 over SKV 8192 2.026 vs 2.550 ms, S 256 134.4 vs 165.8 us)
-FEW_HEAD_FORM = "mma"
+# The form run at H <= 16 without an explicit choice: kernel_fwd_mma656's per-warp mma.sync chains with the row
+# copies issued by 4 producer warps ("mma_ws"), the fastest build on every shape measured (session 43, H 16, topk
+# 2048, de6276c, "mma" -> "mma_ws": decode B 128 73.6 -> 71.3 us, B 512 269.8 -> 246.8 us, prefill S 4096 over
+# SKV 8192 1.999 -> 1.674 ms, S 256 130.9 -> 110.8 us; "mma" beat the two-warpgroup form everywhere in session 33)
+FEW_HEAD_FORM = "mma_ws"
 
 
 def _use_pair(q, pair, narrow) -> bool:
