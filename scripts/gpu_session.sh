@@ -6,12 +6,15 @@
 # Run from the repo root on the GPU host with $OUT set (the device tool does); FLASHDSA_COMMIT names the commit.
 # Logs: $OUT/tests.log, $OUT/bench_<suite>.log; benchmark JSON lands in $OUT (copy to benchmarks/results/).
 # Each suite gets at most the time left; a killed suite leaves its log (JSON is written only at the end).
+# Kernels built on the CPU host (scripts/precompile.py) come along as carried .tlc/*.tar.xz: unpacked first; the
+# last line counts the kernels still compiled here (and packs them into $OUT/tlc_new.tar.xz for the next call).
 set -u
 budget=$1; test_timeout=$2; pytest_args=$3; shift 3
 start=$(date +%s)
 source .gpu/env.sh
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlc}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+bash scripts/gpu_cache.sh unpack .tlc/*.tar.xz
 if [ "$test_timeout" -gt 0 ]; then
   timeout -s KILL "$test_timeout" python -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark $pytest_args \
     > "$OUT/tests.log" 2>&1
@@ -26,4 +29,5 @@ for suite in "$@"; do
   echo "bench $suite rc=$? ($(( $(date +%s) - start )) s)"
   grep -vE "TileLang|^\s*$|Warning|warn" "$OUT/bench_$suite.log" | tail -14
 done
+bash scripts/gpu_cache.sh report "$OUT/tlc_new.tar.xz"
 echo "total $(( $(date +%s) - start )) s"

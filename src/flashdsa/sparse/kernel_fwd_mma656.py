@@ -49,11 +49,13 @@ exp2 domain (so P <= 2^8; the true max is kept apart for max_logits) -- invalid 
 Measured (H200, H 16, topk 2048, ``python -m flashdsa.sparse.kernel_fwd_narrow656 --variants``; the history and its
 JSONs in docs/PERFORMANCE.md "Session 32" to "Session 35").  Against the two-warpgroup form (session 33): decode B 128
 over 32768 rows per token 75.1 vs 98.9 us, B 512 268.6 vs 358.4, prefill S 4096 over SKV 8192 2.026 vs 2.550 ms:
-``kernel_fwd_fp8cache.FEW_HEAD_FORM`` runs it at every H <= 16 call.  Since session 34 (95ed1cf; the merge stores
+``kernel_fwd_fp8cache.FEW_HEAD_FORM`` runs it at every H <= 16 call, as the "mma_ws" build (4 producer warps issue
+the copies) since session 43: B 128 71.3 us, B 512 246.8, S 4096 1.674 ms against "mma"'s 73.6 / 269.8 / 1.999.
+Since session 34 (95ed1cf; the merge stores
 straight to global): B 128 73.3-73.7 us (suite 2.38-2.40 TB/s), B 512 263-264, S 4096 1.984 ms.  Without any QK or
 PV product (ABL 48) B 128 takes 65.9 us; the timestamp build (ABL 64, ``scripts/mma656_timestamps.py``) shows ~6.4
 us before the first copies go out, then 1.98 us per 16-key step against 1.44 without products; ncu: ~705
-instructions per warp and step.  Measured slower (PERFORMANCE.md): a producer warp issuing every copy, rows or half
+instructions per warp and step.  Measured slower (PERFORMANCE.md): one producer warp issuing every copy, rows or half
 rows by 16-byte ``cp.async`` pieces, an integer-op e4m3 -> f16 conversion, QK on ``mma.sync.m16n8k32.e4m3``.
 Shared memory: stages 4 x ``NST`` x 16 x 656 B (NST 4: 167,936 B; they hold the merge buffer at the end),
 Q' 16 KB, rope 2 KB, partial-S exchange 16 KB, flags and barriers.
