@@ -8,6 +8,8 @@ requests (topk_length 0), attention sinks including +-inf. Tolerances: those of 
 """
 
 import math
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -116,11 +118,64 @@ def test_sparse_decode_fp8_cuda_graph_replay(H):
         _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
 
 
+# (B, s_q, H, block_size, lens, topk, fp8): few query tokens, so split-KV runs (decode.kernel_split)
+SPLIT = [
+    (1, 1, 128, 64, (32768,), 2048, True),
+    (1, 1, 16, 64, (4096,), 2048, True),
+    (3, 2, 64, 16, (4096, 0, 300), 1024, False),
+    (2, 1, 128, 256, (20000, 140), 4096, False),
+    (5, 1, 9, 64, (4096, 33, 1000, 0, 2048), 2048, True),
+]
+
+
+@pytest.mark.parametrize("B,s_q,H,bs,lens,topk,fp8", SPLIT,
+                         ids=[f"B{c[0]}-sq{c[1]}-H{c[2]}-k{c[5]}-{'fp8' if c[6] else 'bf16'}" for c in SPLIT])
+def test_split_sparse_decode_matches_reference(B, s_q, H, bs, lens, topk, fp8):
+    """Split-KV sparse decode (with a sink incl. +-inf, topk_length incl. 0 and short) against the reference, and
+    the same call with ``$FLASHDSA_DECODE_SPLIT=0`` (one forward row per token) too."""
+    from flashdsa.decode import kernel_split
+
+    assert kernel_split.split_plan(B * s_q, H, topk, torch.cuda.get_device_properties(0).multi_processor_count)[0] > 1
+    q, kv, table, seqlens = _make(B, s_q, H, bs, list(lens), seed=B * 5 + H)
+    idx = _sparse_indices(table, seqlens, bs, s_q, topk, seed=B + 2 * H, n_slots=kv.shape[0] * bs)
+    tl = torch.tensor([topk, 0, 77, 130, 1][:B], device="cuda", dtype=torch.int32)
+    attn_sink = torch.randn(H, device="cuda")
+    attn_sink[0] = math.inf
+    attn_sink[-1] = -math.inf
+    cache = flashdsa.quantize_kv_fp8(kv) if fp8 else kv
+    ref_cache = flashdsa.dequantize_kv_fp8(cache) if fp8 else kv
+    ref_out, ref_lse = flashdsa.mla_decode(q, ref_cache, None, None, indices=idx, topk_length=tl,
+                                           attn_sink=attn_sink, backend="reference")
+    for env in ("", "0"):
+        with mock.patch.dict(os.environ, {kernel_split.SPLIT_ENV: env}):
+            out, lse = flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, attn_sink=attn_sink,
+                                           backend="kernel")
+        assert _dispatch.last_choice("mla_decode") == "kernel"
+        _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
+
+
+@pytest.mark.parametrize("B,s_q,H,lens", [(1, 1, 128, (32768,)), (2, 2, 64, (20000, 0)), (3, 1, 16, (9000, 1, 64))])
+def test_split_dense_decode_fp8_cache(B, s_q, H, lens):
+    """Dense decode over the FP8 cache with few query tokens: the whole cache in chunks (split-KV)."""
+    q, kv, table, seqlens = _make(B, s_q, H, 64, list(lens), seed=B + H)
+    cache = flashdsa.quantize_kv_fp8(kv)
+    out, lse = flashdsa.mla_decode(q, cache, table, seqlens, backend="kernel")
+    ref_out, ref_lse = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), table, seqlens, backend="reference")
+    _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
+
+
+@pytest.mark.parametrize("split", ["", "0"])
 @pytest.mark.parametrize("H,s_q,sink", [(16, 1, False), (16, 2, True), (64, 1, True), (3, 2, False)])
-def test_sparse_decode_fp8_eager_plan(H, s_q, sink):
+def test_sparse_decode_fp8_eager_plan(H, s_q, sink, split):
     """The eager plan of a sparse FP8 decode signature (``decode.api._PLANS``): stored by the first call, replayed
     by the next ones (new index values and lengths, outputs bitwise equal to the plain path's), and checked
-    against the reference; an environment switch of the kernel choice is part of the signature."""
+    against the reference; an environment switch of the kernel choice is part of the signature.  B 6 runs
+    split-KV (``decode.kernel_split``) unless ``$FLASHDSA_DECODE_SPLIT`` is 0."""
+    with mock.patch.dict(os.environ, {"FLASHDSA_DECODE_SPLIT": split}):
+        _eager_plan(H, s_q, sink)
+
+
+def _eager_plan(H, s_q, sink):
     from flashdsa.decode import api as decode_api
 
     B, bs, topk = 6, 64, 512
@@ -144,9 +199,6 @@ def test_sparse_decode_fp8_eager_plan(H, s_q, sink):
                                                topk_length=tl, attn_sink=sink_t, backend="reference")
         _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
     if H <= 16:
-        import os
-        from unittest import mock
-
         with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": "ring_er_f16"}):
             out3, lse3 = flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, attn_sink=sink_t)
         assert len(decode_api._PLANS) == 2

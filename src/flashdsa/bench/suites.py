@@ -474,6 +474,11 @@ def decode_cases(full: bool) -> list[Case]:
                 ">= 3.0 TB/s of cache bytes touched", sparse=True, fp8=True, topk=K, quick=False),
         _decode("mixed_dense_bf16_B128_H128_sq1_cache1-65536", s(128, 4), 128, 1, s(65536, 2048),
                 ">= 85% of the uniform-length TFLOP/s", mixed=True, quick=False),
+    ] + [  # few query tokens: split-KV over the sparse forward (decode.kernel_split); latency, no issue target
+        _decode(f"{kind}_fp8_B{B}_H{H}_sq1" + (f"_topk{K}" if kind == "sparse" else "") + f"_cache{cache}", B, H,
+                1, cache, "none (small batch, split-KV)", sparse=kind == "sparse", fp8=True, topk=K, quick=False)
+        for kind, B, H, cache in (("sparse", 1, 128, 32768), ("sparse", 8, 64, 32768), ("sparse", 4, 16, 32768),
+                                  ("dense", 1, 128, 32768), ("dense", 2, 16, 65536)) if full
     ]
 
 

@@ -11,7 +11,7 @@ from .. import _dispatch
 from .._library import _needs_dispatcher, custom_op
 from .._validate import check_float, check_same_device, check_tensor
 from ..quant import KV_DIM, KV_FP8_BYTES
-from . import _pair_path, reference
+from . import _pair_path, kernel_split, reference
 
 _Q = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # kernels: bf16
 _I32 = (torch.int32,)
@@ -41,15 +41,35 @@ def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, caus
         slots, tl = torch.full((B, s_q, 1), -1, dtype=torch.int32, device=q.device), None
     slots = slots.reshape(B * s_q, slots.shape[-1])
     qf = q.reshape(B * s_q, H, dqk)
-    if width == KV_FP8_BYTES:
-        op = "sparse_mla_fwd_cache656"
-        out, lse, _ = sparse_fp8._cache656_op(qf, flat, slots, sm_scale, d_v, attn_sink, tl, backend)
+    fp8 = width == KV_FP8_BYTES
+    op = "sparse_mla_fwd_cache656" if fp8 else "sparse_mla_fwd"
+    n_split, chunk = _split_plan(op, qf, flat, slots, d_v, tl, backend)
+    sink = attn_sink
+    if n_split > 1:  # few query tokens: each token's slot list in chunks, merged below (kernel_split)
+        qf, slots, tl = kernel_split.split_inputs(qf, slots, tl, n_split, chunk)
+        sink = None
+    if fp8:
+        out, lse, _ = sparse_fp8._cache656_op(qf, flat, slots, sm_scale, d_v, sink, tl, backend)
     else:
-        op = "sparse_mla_fwd"
-        out, lse, _ = sparse_api._fwd_op(qf, flat, slots, sm_scale, d_v, attn_sink, tl, False, backend)
+        out, lse, _ = sparse_api._fwd_op(qf, flat, slots, sm_scale, d_v, sink, tl, False, backend)
+    if n_split > 1:
+        out, lse = kernel_split.combine(out, lse, attn_sink, n_split)
     _dispatch.record_choice("mla_decode", _dispatch.last_choice(op))
     ld = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtypes of the reference branch below
     return out.reshape(B, s_q, H, d_v).to(q.dtype), lse.reshape(B, s_q, H).to(ld)
+
+
+def _split_plan(op, qf, flat, slots, d_v, tl, backend) -> tuple[int, int]:
+    """``kernel_split.plan_for``'s (n_split, chunk) where the forward ``op`` runs its kernel on these arguments
+    (the split rows have the same shapes but for T and topk), else (1, topk)."""
+    no_split = 1, slots.shape[-1]
+    if _dispatch.requested_backend(backend) == "reference" or qf.device.type != "cuda":
+        return no_split
+    n_split, chunk = kernel_split.plan_for(qf, slots)
+    if n_split == 1 or _dispatch.kernel_unavailable_reason(op, qf.device, lambda: _dispatch.kernel_module(
+            op).kernel_unsupported(qf, flat, slots, d_v=d_v, topk_length=tl)) is not None:
+        return no_split
+    return n_split, chunk
 
 
 @custom_op("mla_decode")
@@ -131,22 +151,29 @@ _PLANS = _dispatch.PlanCache()
 
 class _Cache656Plan:
     """The kernel launch one sparse-decode call signature over the 656-byte cache was validated and dispatched to
-    (``_dispatch.PlanCache``, as ``sparse_mla_fwd``'s plans): views, three outputs, one launch."""
+    (``_dispatch.PlanCache``, as ``sparse_mla_fwd``'s plans): views, three outputs, one launch; with split-KV
+    (``n_split`` > 1, ``kernel_split``) the split inputs, the forward's launch over them and the combine."""
 
-    __slots__ = ("launch", "B", "s_q", "H", "rows", "topk", "d_v", "tl_dummy", "sink_dummy")
+    __slots__ = ("launch", "B", "s_q", "H", "rows", "topk", "d_v", "tl_dummy", "sink_dummy", "n_split", "chunk")
 
     def __call__(self, q, kv_cache, indices, topk_length, attn_sink):
         _dispatch.record_choice("mla_decode", "kernel")
-        B, s_q, H, n = self.B, self.s_q, self.H, self.B * self.s_q
+        B, s_q, H, n, S = self.B, self.s_q, self.H, self.B * self.s_q, self.n_split
         if topk_length is None:
             tl = self.tl_dummy
         else:  # one length per request, for each of its s_q query tokens
             tl = topk_length if s_q == 1 else topk_length.view(B, 1).expand(B, s_q).reshape(n)
-        out = torch.empty((n, H, self.d_v), dtype=torch.bfloat16, device=q.device)
-        lse = torch.empty((n, H), dtype=torch.float32, device=q.device)
-        mx = torch.empty((n, H), dtype=torch.float32, device=q.device)
-        self.launch(q.view(n, H, KV_DIM), kv_cache.view(self.rows, KV_FP8_BYTES), indices.view(n, self.topk), tl,
-                    self.sink_dummy if attn_sink is None else attn_sink, out, lse, mx)
+        qf, idx, sink = q.view(n, H, KV_DIM), indices.view(n, self.topk), attn_sink
+        if S > 1:
+            qf, idx, tl_s = kernel_split.split_inputs(qf, idx, None if topk_length is None else tl, S, self.chunk)
+            tl, sink = self.tl_dummy if tl_s is None else tl_s, None
+        out = torch.empty((n * S, H, self.d_v), dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty((n * S, H), dtype=torch.float32, device=q.device)
+        mx = torch.empty((n * S, H), dtype=torch.float32, device=q.device)
+        self.launch(qf, kv_cache.view(self.rows, KV_FP8_BYTES), idx, tl, self.sink_dummy if sink is None else sink,
+                    out, lse, mx)
+        if S > 1:
+            out, lse = kernel_split.combine(out, lse, attn_sink, S)
         return out.view(B, s_q, H, self.d_v), lse.view(B, s_q, H)
 
 
@@ -162,14 +189,15 @@ def _plan_key(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, in
     from ..sparse import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair_cache
 
     env = tuple(os.environ.get(v) for v in (kernel_fwd_fp8cache.NARROW_ENV, kernel_fwd_pair_cache.STAGING_ENV,
-                                            kernel_dequant656.DEQUANT_ONCE_ENV))
+                                            kernel_dequant656.DEQUANT_ONCE_ENV, kernel_split.SPLIT_ENV))
     return _dispatch.call_signature("mla_decode_cache656", q, kv_cache, block_table, cache_seqlens, indices,
                                     topk_length, attn_sink, sm_scale, d_v, causal, backend, env)
 
 
 def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v) -> None:
     """After the plain path ran a call on the kernel: store its launch under ``key`` where the call can be replayed
-    as views of its inputs (all contiguous, a non-empty cache) and is one launch (not the whole-cache copy)."""
+    as views of its inputs (all contiguous, a non-empty cache) and is one forward launch (not the whole-cache copy;
+    with split-KV, the forward over the split rows and the combine)."""
     if key is None or _dispatch.last_choice("mla_decode") != "kernel" or kv_cache.numel() == 0:
         return
     if not all(t is None or t.is_contiguous() for t in (q, kv_cache, indices, topk_length, attn_sink)):
@@ -178,14 +206,19 @@ def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v
 
     B, s_q, H, _ = q.shape
     n, topk, rows = B * s_q, indices.shape[-1], kv_cache.shape[0] * kv_cache.shape[1]
+    n_split, chunk = kernel_split.split_plan(n, H, topk, _dispatch.sm_count(q.device.index or 0))
     tl = None if topk_length is None else torch.empty(n, dtype=torch.int32, device=q.device)
+    qf, idx = q.view(n, H, KV_DIM), indices.view(n, topk)
+    if n_split > 1:  # the launch the split rows take (same shapes as in _via_sparse_fwd)
+        qf, idx, tl = kernel_split.split_inputs(qf, idx, tl, n_split, chunk)
     launch = _dispatch.kernel_module("sparse_mla_fwd_cache656").launcher(
-        q.view(n, H, KV_DIM), kv_cache.view(rows, KV_FP8_BYTES), indices.view(n, topk), sm_scale=sm_scale, d_v=d_v,
-        topk_length=tl, attn_sink=attn_sink)
+        qf, kv_cache.view(rows, KV_FP8_BYTES), idx, sm_scale=sm_scale, d_v=d_v, topk_length=tl,
+        attn_sink=attn_sink if n_split == 1 else None)
     if launch is None:
         return
     plan = _Cache656Plan()
     plan.launch, plan.B, plan.s_q, plan.H, plan.rows, plan.topk, plan.d_v = launch, B, s_q, H, rows, topk, d_v
+    plan.n_split, plan.chunk = n_split, chunk
     plan.tl_dummy, plan.sink_dummy = dummy(torch.int32, q.device), dummy(torch.float32, q.device)
     _PLANS.put(key, plan)
 
@@ -225,7 +258,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
         Kernel: Hopper sm_90a. Dense decode over a bf16 cache (Dqk 576, d_v 512, H 1..128, block sizes 16..256):
         the split-KV decode kernel, or at H 64 / 128 with enough query tokens to fill the SMs one sparse forward on
         the pair schedule (sequences longest first). Sparse decode, and dense decode over the FP8 cache: one sparse
-        MLA forward over the flat cache (see :func:`sparse_mla_fwd`; FP8 rows through the 656-byte-cache forward).
+        MLA forward over the flat cache (see :func:`sparse_mla_fwd`; FP8 rows through the 656-byte-cache forward);
+        where its CTAs would fill at most half of the SMs (few query tokens), split-KV: each token's slot list in
+        chunks, one forward over the chunks and a combine kernel (``decode/kernel_split.py``).
 
     Example:
         >>> q = torch.randn(2, 1, 4, 576, dtype=torch.bfloat16)

@@ -1,0 +1,177 @@
+"""Split-KV for the decode forms that run as one sparse MLA forward (sparse decode; dense decode over the FP8 cache).
+
+A forward CTA takes one query token and 64 heads, so a decode step with few query tokens leaves most SMs idle:
+B = 1 at H 128 runs 2 CTAs on the H200's 132 SMs, each walking its whole slot list (top-k, or for dense decode
+over the FP8 cache the whole cache) alone. Where the step's CTAs fill at most half of the SMs, ``split_plan``
+cuts every token's slot list into ``n_split`` chunks of ``chunk`` slots (a power-of-two number of 64-slot blocks,
+at least ``MIN_SPLIT_BLOCKS``); the forward then runs once over the ``T * n_split`` (token, chunk) rows
+(``split_inputs``: q repeated per chunk, each chunk's ``topk_length``, no sink) and one combine kernel merges each
+token's chunks (``combine``). With ``lse_k`` the natural-log lse of chunk k (+inf where it saw no key, the
+forward's contract for an empty row, i.e. weight 0):
+
+    m = max_k lse_k,  w_k = exp(lse_k - m),  lse = m + log(sum_k w_k),
+    out = sum_k w_k out_k / (sum_k w_k + exp(sink - m))    (the sink term only with attn_sink),
+
+and a token no chunk saw a key of gets out 0, lse +inf. The plan depends on shapes only: no host sync, so a split
+decode step captures in a CUDA graph. Each chunk's output is normalised in fp32 inside the forward and rounded once
+to bf16 (the forward's output dtype); the merge runs in fp32.
+
+``$FLASHDSA_DECODE_SPLIT`` (``SPLIT_ENV``): "0" never splits (for timing); a positive integer is the least number
+of 64-slot blocks per chunk instead of ``MIN_SPLIT_BLOCKS``.
+"""
+
+# no `from __future__ import annotations`: TileLang evaluates the prim_func annotations at definition time
+
+import functools
+import os
+
+import torch
+
+from .. import _dispatch
+from .._tilelang import direct_launcher
+from ._tl_common import D_V, LN2, LOG2E
+
+SPLIT_ENV = "FLASHDSA_DECODE_SPLIT"
+BLOCK = 64  # slots per forward block: chunks are whole blocks
+MIN_SPLIT_BLOCKS = 2  # a chunk holds at least this many blocks (its CTA also loads Q and writes a partial)
+_COMBINE_THREADS = 128
+EXPECTS_WGMMA = False  # the combine kernel has no matrix product (tests/test_lowering.py)
+
+
+def split_plan(tokens: int, heads: int, topk: int, num_sms: int) -> tuple[int, int]:
+    """(n_split, chunk) for a forward over ``tokens`` query rows of ``heads`` heads with ``topk`` slots each:
+    (1, topk) where its ``tokens * ceil(heads / 64)`` CTAs fill more than half of the ``num_sms`` SMs, or the list
+    is too short to cut; else chunks of ``chunk`` slots (a power of two times 64, at least the minimum) such that
+    about one CTA per SM runs."""
+    env = os.environ.get(SPLIT_ENV, "")
+    if env == "0":
+        return 1, topk
+    min_blocks = int(env) if env.isdigit() else MIN_SPLIT_BLOCKS
+    units = tokens * -(-heads // 64)
+    n_blocks = -(-topk // BLOCK)
+    if units == 0 or 2 * units > num_sms or n_blocks < 2 * min_blocks:
+        return 1, topk
+    per_chunk = -(-n_blocks // (num_sms // units))
+    blocks = max(min_blocks, 1 << (per_chunk - 1).bit_length())
+    n_split = -(-n_blocks // blocks)
+    return (n_split, blocks * BLOCK) if n_split > 1 else (1, topk)
+
+
+def split_inputs(q, slots, topk_length, n_split: int, chunk: int):
+    """The forward's inputs for the (token, chunk) rows, row ``t * n_split + k`` = chunk k of token t:
+    (q [T * n_split, H, D] (q[t] repeated), slots [T * n_split, chunk] (slots[t, k * chunk:(k + 1) * chunk],
+    -1 past the list), topk_length [T * n_split] int32 (``topk_length[t] - k * chunk`` clamped to [0, chunk]) or
+    None where ``topk_length`` is None).  q [T, H, D], slots [T, topk] int32, topk_length [T] int32 or None."""
+    T_, H, D = q.shape
+    q_s = q.unsqueeze(1).expand(T_, n_split, H, D).reshape(T_ * n_split, H, D)
+    pad = n_split * chunk - slots.shape[1]
+    if pad > 0:
+        slots = torch.nn.functional.pad(slots, (0, pad), value=-1)
+    slots_s = slots.reshape(T_ * n_split, chunk)
+    tl_s = None
+    if topk_length is not None:
+        start = torch.arange(n_split, dtype=torch.int32, device=q.device) * chunk
+        tl_s = (topk_length.view(T_, 1) - start).clamp_(0, chunk).reshape(T_ * n_split)
+    return q_s, slots_s, tl_s
+
+
+def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS):
+    """Merge the chunks of each (token, head) (module docstring).
+
+    Signature: (OPart [T, n_split, H, 512] bf16, LsePart [T, n_split, H] f32 (natural log, +inf for a chunk with no
+    key), Sink [n_sink] f32, Out [T, H, 512] bf16, Lse [T, H] f32); grid (H, T), ``threads`` x 512 / threads
+    columns.
+    """
+    import tilelang.language as T
+
+    D = D_V
+    VPT = D // threads
+    f32, bf16 = "float32", "bfloat16"
+    ntok, nsp, n_sink = T.dynamic("tokens"), T.dynamic("n_split"), T.dynamic("n_sink")
+
+    @T.prim_func
+    def mla_decode_split_combine(
+        OPart: T.Tensor([ntok, nsp, heads, D], bf16),
+        LsePart: T.Tensor([ntok, nsp, heads], f32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([ntok, heads, D], bf16),
+        Lse: T.Tensor([ntok, heads], f32),
+    ):
+        with T.Kernel(heads, ntok, threads=threads) as (h, t):
+            tx = T.get_thread_binding()
+            mx = T.alloc_local([1], f32)
+            lk = T.alloc_local([1], f32)
+            w = T.alloc_local([1], f32)
+            tot = T.alloc_local([1], f32)
+            scl = T.alloc_local([1], f32)
+            acc = T.alloc_local([VPT], f32)
+            nan = T.alloc_local([1], "int32")
+            mx[0] = -T.infinity(f32)
+            nan[0] = 0
+            for k in T.serial(nsp):
+                # +inf marks a chunk that saw no key (weight 0); a NaN lse (a NaN row was attended) is kept apart
+                # (max drops NaN) and makes w, tot, out and lse NaN below, as in the unsplit forward
+                lk[0] = LsePart[t, k, h]
+                nan[0] = T.if_then_else(lk[0] != lk[0], 1, nan[0])
+                mx[0] = T.max(mx[0], T.if_then_else(lk[0] == T.infinity(f32), -T.infinity(f32), lk[0]))
+            tot[0] = 0
+            for v in T.vectorized(VPT):
+                acc[v] = 0
+            if mx[0] > -T.infinity(f32) or nan[0] != 0:
+                for k in T.serial(nsp):
+                    lk[0] = LsePart[t, k, h]
+                    w[0] = T.if_then_else(lk[0] == T.infinity(f32), T.float32(0),
+                                          T.exp2((lk[0] - mx[0]) * T.float32(LOG2E)))
+                    tot[0] += w[0]
+                    for v in T.vectorized(VPT):
+                        acc[v] += w[0] * T.cast(OPart[t, k, h, tx * VPT + v], f32)
+                if has_sink:
+                    scl[0] = 1.0 / (tot[0] + T.exp2((Sink[h] - mx[0]) * T.float32(LOG2E)))
+                else:
+                    scl[0] = 1.0 / tot[0]
+                for v in T.vectorized(VPT):
+                    Out[t, h, tx * VPT + v] = T.cast(acc[v] * scl[0], bf16)
+                if tx == 0:
+                    Lse[t, h] = mx[0] + T.log2(tot[0]) * T.float32(LN2)
+            else:
+                for v in T.vectorized(VPT):
+                    Out[t, h, tx * VPT + v] = T.cast(0, bf16)
+                if tx == 0:
+                    Lse[t, h] = T.infinity(f32)
+
+    return mla_decode_split_combine
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_combine(heads: int, has_sink: bool):
+    import tilelang
+
+    return direct_launcher(tilelang.compile(build_combine_kernel(heads=heads, has_sink=has_sink), target="cuda"))
+
+
+def combine(out_p, lse_p, attn_sink, n_split: int):
+    """(out [T, H, 512] bf16, lse [T, H] f32) merged from the forward's outputs over the (token, chunk) rows:
+    out_p [T * n_split, H, 512] bf16, lse_p [T * n_split, H] f32; attn_sink [H] f32 or None."""
+    from .._tilelang import dummy
+
+    n, H, D = out_p.shape
+    T_ = n // n_split
+    out = torch.empty((T_, H, D), dtype=torch.bfloat16, device=out_p.device)
+    lse = torch.empty((T_, H), dtype=torch.float32, device=out_p.device)
+    sink = dummy(torch.float32, out_p.device) if attn_sink is None else attn_sink.float().contiguous()
+    _compiled_combine(H, attn_sink is not None)(out_p.view(T_, n_split, H, D), lse_p.view(T_, n_split, H), sink,
+                                                out, lse)
+    return out, lse
+
+
+def plan_for(q, slots) -> tuple[int, int]:
+    """``split_plan`` for a forward over q [T, H, D] and slots [T, topk] on q's GPU (1 split off CUDA)."""
+    if q.device.type != "cuda":
+        return 1, slots.shape[1]
+    return split_plan(q.shape[0], q.shape[1], slots.shape[1], _dispatch.sm_count(q.device.index or 0))
+
+
+def lowering_cases():
+    """Representative (name, prim_func) configurations for the CPU lowering test."""
+    return [(f"split_combine_h{h}" + ("_sink" if s else ""), build_combine_kernel(heads=h, has_sink=s))
+            for h, s in ((128, True), (16, False))]
