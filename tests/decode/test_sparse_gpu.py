@@ -165,21 +165,22 @@ def test_split_dense_decode_fp8_cache(B, s_q, H, lens):
 
 
 @pytest.mark.parametrize("split", ["", "0"])
-@pytest.mark.parametrize("H,s_q,sink", [(16, 1, False), (16, 2, True), (64, 1, True), (3, 2, False)])
-def test_sparse_decode_fp8_eager_plan(H, s_q, sink, split):
+@pytest.mark.parametrize("B,H,s_q,sink", [(6, 16, 1, False), (6, 16, 2, True), (6, 64, 1, True), (6, 3, 2, False),
+                                          (1, 128, 1, True)])
+def test_sparse_decode_fp8_eager_plan(B, H, s_q, sink, split):
     """The eager plan of a sparse FP8 decode signature (``decode.api._PLANS``): stored by the first call, replayed
     by the next ones (new index values and lengths, outputs bitwise equal to the plain path's), and checked
     against the reference; an environment switch of the kernel choice is part of the signature.  B 6 runs
     split-KV (``decode.kernel_split``) unless ``$FLASHDSA_DECODE_SPLIT`` is 0."""
     with mock.patch.dict(os.environ, {"FLASHDSA_DECODE_SPLIT": split}):
-        _eager_plan(H, s_q, sink)
+        _eager_plan(B, H, s_q, sink)
 
 
-def _eager_plan(H, s_q, sink):
+def _eager_plan(B, H, s_q, sink):
     from flashdsa.decode import api as decode_api
 
-    B, bs, topk = 6, 64, 512
-    lens = [4096, 140, 20, 0, 1000, 77]
+    bs, topk = 64, 512
+    lens = [4096, 140, 20, 0, 1000, 77][:B]
     q, kv, table, seqlens = _make(B, s_q, H, bs, lens, seed=5)
     cache = flashdsa.quantize_kv_fp8(kv)
     sink_t = torch.randn(H, device="cuda") if sink else None

@@ -63,11 +63,12 @@ def split_inputs(q, slots, topk_length, n_split: int, chunk: int):
     -1 past the list), topk_length [T * n_split] int32 (``topk_length[t] - k * chunk`` clamped to [0, chunk]) or
     None where ``topk_length`` is None).  q [T, H, D], slots [T, topk] int32, topk_length [T] int32 or None."""
     T_, H, D = q.shape
-    q_s = q.unsqueeze(1).expand(T_, n_split, H, D).reshape(T_ * n_split, H, D)
+    # contiguous: at T = 1 the reshape of the expanded q would be a view with a zero row stride
+    q_s = q.unsqueeze(1).expand(T_, n_split, H, D).contiguous().view(T_ * n_split, H, D)
     pad = n_split * chunk - slots.shape[1]
     if pad > 0:
         slots = torch.nn.functional.pad(slots, (0, pad), value=-1)
-    slots_s = slots.reshape(T_ * n_split, chunk)
+    slots_s = slots.contiguous().view(T_ * n_split, chunk)
     tl_s = None
     if topk_length is not None:
         start = torch.arange(n_split, dtype=torch.int32, device=q.device) * chunk
