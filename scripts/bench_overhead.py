@@ -124,11 +124,13 @@ def main(argv=None):
     ap.add_argument("--suite-cases", default="decode:dense_bf16_B64_H16_sq1_cache8192,"
                     "sparse_mla_fwd:V4_sparse_attn_decode_b128_m1_n8192_h64_d512_topk640_sink",
                     help="SUITE:CASE,... also measured on the suite's own inputs ('' for none)")
+    ap.add_argument("--only-suite-cases", action="store_true", help="skip the two built-in cases")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
     rows = []
-    cases = [("v4_sparse_attn_decode_b128_h64_topk640", v4_decode), ("dense_decode_B64_H16_cache8192", dense_mem)]
+    cases = [] if args.only_suite_cases else [("v4_sparse_attn_decode_b128_h64_topk640", v4_decode),
+                                              ("dense_decode_B64_H16_cache8192", dense_mem)]
     for item in filter(None, args.suite_cases.split(",")):
         suite, name = item.split(":")
         cases.append((f"suite:{name}", suite_case(suite, name)))
