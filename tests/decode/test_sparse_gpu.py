@@ -122,8 +122,8 @@ def test_sparse_decode_fp8_cuda_graph_replay(H):
 SPLIT = [
     (1, 1, 128, 64, (32768,), 2048, True),
     (1, 1, 16, 64, (4096,), 2048, True),
-    (3, 2, 64, 16, (4096, 0, 300), 1024, False),
-    (2, 1, 128, 256, (20000, 140), 4096, False),
+    (3, 2, 64, 16, (4096, 0, 300), 1024, True),
+    (2, 1, 128, 256, (20000, 140), 4096, True),
     (5, 1, 9, 64, (4096, 33, 1000, 0, 2048), 2048, True),
 ]
 
@@ -131,8 +131,8 @@ SPLIT = [
 @pytest.mark.parametrize("B,s_q,H,bs,lens,topk,fp8", SPLIT,
                          ids=[f"B{c[0]}-sq{c[1]}-H{c[2]}-k{c[5]}-{'fp8' if c[6] else 'bf16'}" for c in SPLIT])
 def test_split_sparse_decode_matches_reference(B, s_q, H, bs, lens, topk, fp8):
-    """Split-KV sparse decode (with a sink incl. +-inf, topk_length incl. 0 and short) against the reference, and
-    the same call with ``$FLASHDSA_DECODE_SPLIT=0`` (one forward row per token) too."""
+    """Split-KV sparse decode over the FP8 cache (fp32 partials; a sink incl. +-inf, topk_length incl. 0 and short)
+    against the reference, and the same call with ``$FLASHDSA_DECODE_SPLIT=0`` (one forward row per token) too."""
     from flashdsa.decode import kernel_split
 
     assert kernel_split.split_plan(B * s_q, H, topk, torch.cuda.get_device_properties(0).multi_processor_count)[0] > 1

@@ -41,33 +41,42 @@ def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, caus
         slots, tl = torch.full((B, s_q, 1), -1, dtype=torch.int32, device=q.device), None
     slots = slots.reshape(B * s_q, slots.shape[-1])
     qf = q.reshape(B * s_q, H, dqk)
-    fp8 = width == KV_FP8_BYTES
-    op = "sparse_mla_fwd_cache656" if fp8 else "sparse_mla_fwd"
-    n_split, chunk = _split_plan(op, qf, flat, slots, d_v, tl, backend)
-    sink = attn_sink
-    if n_split > 1:  # few query tokens: each token's slot list in chunks, merged below (kernel_split)
-        qf, slots, tl = kernel_split.split_inputs(qf, slots, tl, n_split, chunk)
-        sink = None
-    if fp8:
-        out, lse, _ = sparse_fp8._cache656_op(qf, flat, slots, sm_scale, d_v, sink, tl, backend)
+    if width == KV_FP8_BYTES:
+        op = "sparse_mla_fwd_cache656"
+        n_split, chunk = _split_plan(qf, flat, slots, d_v, tl, backend)
+        if n_split > 1:  # few query tokens: chunks of each slot list, fp32 partials, merged (kernel_split)
+            from ..sparse import kernel_fwd_fp8cache
+
+            qs, slots_s, tl_s = kernel_split.split_inputs(qf, slots, tl, n_split, chunk)
+            out_p, lse_p, _ = kernel_fwd_fp8cache.run_sparse_mla_fwd(qs, flat, slots_s, sm_scale=sm_scale, d_v=d_v,
+                                                                     topk_length=tl_s, checked=True, out_f32=True)
+            out, lse = kernel_split.combine(out_p, lse_p, attn_sink, n_split)
+            _dispatch.record_choice(op, "kernel")
+        else:
+            out, lse, _ = sparse_fp8._cache656_op(qf, flat, slots, sm_scale, d_v, attn_sink, tl, backend)
     else:
-        out, lse, _ = sparse_api._fwd_op(qf, flat, slots, sm_scale, d_v, sink, tl, False, backend)
-    if n_split > 1:
-        out, lse = kernel_split.combine(out, lse, attn_sink, n_split)
+        op = "sparse_mla_fwd"
+        out, lse, _ = sparse_api._fwd_op(qf, flat, slots, sm_scale, d_v, attn_sink, tl, False, backend)
     _dispatch.record_choice("mla_decode", _dispatch.last_choice(op))
     ld = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtypes of the reference branch below
     return out.reshape(B, s_q, H, d_v).to(q.dtype), lse.reshape(B, s_q, H).to(ld)
 
 
-def _split_plan(op, qf, flat, slots, d_v, tl, backend) -> tuple[int, int]:
-    """``kernel_split.plan_for``'s (n_split, chunk) where the forward ``op`` runs its kernel on these arguments
-    (the split rows have the same shapes but for T and topk), else (1, topk)."""
+def _split_plan(qf, flat, slots, d_v, tl, backend) -> tuple[int, int]:
+    """``kernel_split.plan_for``'s (n_split, chunk) where the 656-byte-cache forward runs its kernel on these
+    arguments (the split rows have the same shapes but for T and topk) in a form that writes fp32 partials
+    (``kernel_fwd_fp8cache.writes_f32``), else (1, topk)."""
+    from ..sparse import kernel_fwd_fp8cache
+
+    op = "sparse_mla_fwd_cache656"
     no_split = 1, slots.shape[-1]
     if _dispatch.requested_backend(backend) == "reference" or qf.device.type != "cuda":
         return no_split
     n_split, chunk = kernel_split.plan_for(qf, slots)
-    if n_split == 1 or _dispatch.kernel_unavailable_reason(op, qf.device, lambda: _dispatch.kernel_module(
-            op).kernel_unsupported(qf, flat, slots, d_v=d_v, topk_length=tl)) is not None:
+    if n_split == 1 or not kernel_fwd_fp8cache.writes_f32(qf.shape[1]):
+        return no_split
+    if _dispatch.kernel_unavailable_reason(op, qf.device, lambda: kernel_fwd_fp8cache.kernel_unsupported(
+            qf, flat, slots, d_v=d_v, topk_length=tl)) is not None:
         return no_split
     return n_split, chunk
 
@@ -167,7 +176,7 @@ class _Cache656Plan:
         if S > 1:
             qf, idx, tl_s = kernel_split.split_inputs(qf, idx, None if topk_length is None else tl, S, self.chunk)
             tl, sink = self.tl_dummy if tl_s is None else tl_s, None
-        out = torch.empty((n * S, H, self.d_v), dtype=torch.bfloat16, device=q.device)
+        out = torch.empty((n * S, H, self.d_v), dtype=torch.bfloat16 if S == 1 else torch.float32, device=q.device)
         lse = torch.empty((n * S, H), dtype=torch.float32, device=q.device)
         mx = torch.empty((n * S, H), dtype=torch.float32, device=q.device)
         self.launch(qf, kv_cache.view(self.rows, KV_FP8_BYTES), idx, tl, self.sink_dummy if sink is None else sink,
@@ -206,14 +215,14 @@ def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v
 
     B, s_q, H, _ = q.shape
     n, topk, rows = B * s_q, indices.shape[-1], kv_cache.shape[0] * kv_cache.shape[1]
-    n_split, chunk = kernel_split.split_plan(n, H, topk, _dispatch.sm_count(q.device.index or 0))
     tl = None if topk_length is None else torch.empty(n, dtype=torch.int32, device=q.device)
     qf, idx = q.view(n, H, KV_DIM), indices.view(n, topk)
-    if n_split > 1:  # the launch the split rows take (same shapes as in _via_sparse_fwd)
+    n_split, chunk = _split_plan(qf, kv_cache.view(rows, KV_FP8_BYTES), idx, d_v, tl, "kernel")
+    if n_split > 1:  # the launch the split rows take (as in _via_sparse_fwd)
         qf, idx, tl = kernel_split.split_inputs(qf, idx, tl, n_split, chunk)
     launch = _dispatch.kernel_module("sparse_mla_fwd_cache656").launcher(
         qf, kv_cache.view(rows, KV_FP8_BYTES), idx, sm_scale=sm_scale, d_v=d_v, topk_length=tl,
-        attn_sink=attn_sink if n_split == 1 else None)
+        attn_sink=attn_sink if n_split == 1 else None, out_f32=n_split > 1)
     if launch is None:
         return
     plan = _Cache656Plan()
@@ -259,8 +268,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
         the split-KV decode kernel, or at H 64 / 128 with enough query tokens to fill the SMs one sparse forward on
         the pair schedule (sequences longest first). Sparse decode, and dense decode over the FP8 cache: one sparse
         MLA forward over the flat cache (see :func:`sparse_mla_fwd`; FP8 rows through the 656-byte-cache forward);
-        where its CTAs would fill at most half of the SMs (few query tokens), split-KV: each token's slot list in
-        chunks, one forward over the chunks and a combine kernel (``decode/kernel_split.py``).
+        over the FP8 cache at H 64 / 128 and H <= 16, where its CTAs would fill at most half of the SMs (few query
+        tokens), split-KV: each token's slot list in chunks, one forward over the chunks writing fp32 partials and
+        a combine kernel (``decode/kernel_split.py``).
 
     Example:
         >>> q = torch.randn(2, 1, 4, 576, dtype=torch.bfloat16)

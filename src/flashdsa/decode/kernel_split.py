@@ -1,4 +1,5 @@
-"""Split-KV for the decode forms that run as one sparse MLA forward (sparse decode; dense decode over the FP8 cache).
+"""Split-KV for decode over the FP8 656-byte cache, which runs as one sparse MLA forward (sparse decode, and dense
+decode through slot lists).
 
 A forward CTA takes one query token and 64 heads, so a decode step with few query tokens leaves most SMs idle:
 B = 1 at H 128 runs 2 CTAs on the H200's 132 SMs, each walking its whole slot list (top-k, or for dense decode
@@ -13,8 +14,9 @@ forward's contract for an empty row, i.e. weight 0):
     out = sum_k w_k out_k / (sum_k w_k + exp(sink - m))    (the sink term only with attn_sink),
 
 and a token no chunk saw a key of gets out 0, lse +inf. The plan depends on shapes only: no host sync, so a split
-decode step captures in a CUDA graph. Each chunk's output is normalised in fp32 inside the forward and rounded once
-to bf16 (the forward's output dtype); the merge runs in fp32.
+decode step captures in a CUDA graph. The forward writes each chunk's normalised output in fp32 (``out_f32``: the
+pair and "mma" forms of the 656-byte-cache forward, ``kernel_fwd_fp8cache.writes_f32``; bf16 partials put the
+output's cosine distance at ~5e-6, the issue's bound, measured in session 44) and the merge runs in fp32.
 
 ``$FLASHDSA_DECODE_SPLIT`` (``SPLIT_ENV``): "0" never splits (for timing); a positive integer is the least number
 of 64-slot blocks per chunk instead of ``MIN_SPLIT_BLOCKS``.
@@ -79,7 +81,7 @@ def split_inputs(q, slots, topk_length, n_split: int, chunk: int):
 def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS):
     """Merge the chunks of each (token, head) (module docstring).
 
-    Signature: (OPart [T, n_split, H, 512] bf16, LsePart [T, n_split, H] f32 (natural log, +inf for a chunk with no
+    Signature: (OPart [T, n_split, H, 512] f32, LsePart [T, n_split, H] f32 (natural log, +inf for a chunk with no
     key), Sink [n_sink] f32, Out [T, H, 512] bf16, Lse [T, H] f32); grid (H, T), ``threads`` x 512 / threads
     columns.
     """
@@ -92,7 +94,7 @@ def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_
 
     @T.prim_func
     def mla_decode_split_combine(
-        OPart: T.Tensor([ntok, nsp, heads, D], bf16),
+        OPart: T.Tensor([ntok, nsp, heads, D], f32),
         LsePart: T.Tensor([ntok, nsp, heads], f32),
         Sink: T.Tensor([n_sink], f32),
         Out: T.Tensor([ntok, heads, D], bf16),
@@ -125,7 +127,7 @@ def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_
                                           T.exp2((lk[0] - mx[0]) * T.float32(LOG2E)))
                     tot[0] += w[0]
                     for v in T.vectorized(VPT):
-                        acc[v] += w[0] * T.cast(OPart[t, k, h, tx * VPT + v], f32)
+                        acc[v] += w[0] * OPart[t, k, h, tx * VPT + v]
                 if has_sink:
                     scl[0] = 1.0 / (tot[0] + T.exp2((Sink[h] - mx[0]) * T.float32(LOG2E)))
                 else:
@@ -152,7 +154,7 @@ def _compiled_combine(heads: int, has_sink: bool):
 
 def combine(out_p, lse_p, attn_sink, n_split: int):
     """(out [T, H, 512] bf16, lse [T, H] f32) merged from the forward's outputs over the (token, chunk) rows:
-    out_p [T * n_split, H, 512] bf16, lse_p [T * n_split, H] f32; attn_sink [H] f32 or None."""
+    out_p [T * n_split, H, 512] f32, lse_p [T * n_split, H] f32; attn_sink [H] f32 or None."""
     from .._tilelang import dummy
 
     n, H, D = out_p.shape

@@ -19,7 +19,8 @@ assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
 
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
-              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None):
+              prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
+              out_f32=False):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -51,7 +52,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     pb)`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the ready
     barriers above), the converter turns each landed half into what the consumers read and arrives on its ready
     barrier (count 128); ``regs`` then has four entries (at most 512 in all), and each PV is two m64n128 wgmmas
-    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128)."""
+    into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128).
+
+    ``out_f32``: Out is float32 (split-KV partials, ``decode/kernel_split.py``), written straight from the O
+    fragments (no bf16 staging)."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
@@ -202,13 +206,21 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             l_acc[h] = Ls0[h] + Ls1[h]
         normaliser(inv, l_acc, m_run, Sink, h0)
         o_mul(acc_o, inv)
-        if n_o == 1:
-            T.copy(acc_o[0], Stage)
+        if out_f32:  # fp32 partials: from the fragments to global memory
+            if n_o == 1:
+                T.copy(acc_o[0], Out[tok, h0 : h0 + BH, c0 : c0 + DH])
+            else:
+                T.copy(acc_o[0], Out[tok, h0 : h0 + BH, c0 : c0 + DO])
+                T.copy(acc_o[1], Out[tok, h0 : h0 + BH, c0 + DO : c0 + DH])
+            T.sync_threads(own_bar, 128)
         else:
-            T.copy(acc_o[0], Stage[:, 0:DO])
-            T.copy(acc_o[1], Stage[:, DO:DH])
-        T.sync_threads(own_bar, 128)
-        T.copy(Stage, Out[tok, h0 : h0 + BH, c0 : c0 + DH])
+            if n_o == 1:
+                T.copy(acc_o[0], Stage)
+            else:
+                T.copy(acc_o[0], Stage[:, 0:DO])
+                T.copy(acc_o[1], Stage[:, DO:DH])
+            T.sync_threads(own_bar, 128)
+            T.copy(Stage, Out[tok, h0 : h0 + BH, c0 : c0 + DH])
 
     # ------------------------------------------------------------------ items (``persistent``: several per CTA)
     # Why each buffer is free when the next item rewrites it (phases continue: ``pair_phase``; every role counts

@@ -338,9 +338,34 @@ def _use_pair(q, pair, narrow) -> bool:
                                           and not narrow)
 
 
+def _default_narrow(heads: int) -> bool | str:
+    """The ``narrow`` choice at this H when none is given: ``$FLASHDSA_NARROW_CACHE656`` (``NARROW_ENV``), else
+    ``FEW_HEAD_FORM`` at H <= 16 and narrow656 at 17..32, False above."""
+    from . import kernel_fwd_narrow656, kernel_fwd_narrow656_dual
+
+    env = os.environ.get(NARROW_ENV, "")
+    narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
+    if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
+        known = env in kernel_fwd_narrow656_dual.PREFETCH or env.startswith("mma")  # "mma_a<N>": timing builds
+        narrow = env if known else FEW_HEAD_FORM
+    return narrow
+
+
+def writes_f32(heads: int) -> bool:
+    """Whether the kernel ``run_sparse_mla_fwd`` picks at this H (no explicit form) writes float32 outputs with
+    ``out_f32`` (split-KV partials): the pair form (H 64 / 128) and the "mma" forms (H <= 16, not a timing build)."""
+    from . import kernel_fwd_mma656, kernel_fwd_pair_cache
+
+    if heads in kernel_fwd_pair_cache.SUPPORTED_H:
+        return True
+    narrow = _default_narrow(heads)
+    return (isinstance(narrow, str) and narrow.startswith("mma") and heads <= kernel_fwd_mma656.MAX_HEADS
+            and kernel_fwd_mma656.form(narrow)[0] == 0)
+
+
 def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
              narrow: bool | str | None = None, pair: bool | None = None, narrow_stages: int | None = None,
-             dequant_once: bool | None = None):
+             dequant_once: bool | None = None, out_f32: bool = False):
     """The one kernel launch ``run_sparse_mla_fwd`` makes for these accepted arguments (T > 0, Tkv > 0), as a
     callable ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)`` (q and indices
     contiguous); None where the call takes the whole-cache bf16 copy (``dequant_once``: two launches).  What
@@ -354,17 +379,15 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     if _use_pair(q, pair, narrow):
         if kernel_dequant656.use_dequant_once(q.shape[0], indices.shape[-1], heads, kv.shape[0], dequant_once):
             return None
-        return kernel_fwd_pair_cache.launcher(heads, n_blocks, float(sm_scale), has_sink, has_tl)
+        return kernel_fwd_pair_cache.launcher(heads, n_blocks, float(sm_scale), has_sink, has_tl, out_f32=out_f32)
     if narrow is None:
-        env = os.environ.get(NARROW_ENV, "")
-        narrow = env != "0" and heads <= kernel_fwd_narrow656.MAX_HEADS
-        if narrow and heads <= kernel_fwd_narrow656_dual.MAX_HEADS and env not in ("1", "narrow656"):
-            known = env in kernel_fwd_narrow656_dual.PREFETCH or env.startswith("mma")  # "mma_a<N>": timing builds
-            narrow = env if known else FEW_HEAD_FORM
+        narrow = _default_narrow(heads)
     if isinstance(narrow, str) and narrow.startswith("mma"):  # per-warp mma.sync chains (H <= 16)
         if heads > kernel_fwd_mma656.MAX_HEADS:
             raise ValueError(f"narrow: the 'mma' form takes H <= {kernel_fwd_mma656.MAX_HEADS}, got H={heads}")
-        kernel = kernel_fwd_mma656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow)
+        kernel = kernel_fwd_mma656.compiled(heads, float(sm_scale), has_sink, has_tl, narrow, out_f32)
+    elif out_f32:
+        raise ValueError(f"out_f32: only the pair and 'mma' forms write float32 outputs, got narrow={narrow!r}")
     elif narrow in kernel_fwd_narrow656_dual.PREFETCH:  # the two-warpgroup forms (H <= 16)
         if heads > kernel_fwd_narrow656_dual.MAX_HEADS:
             raise ValueError(f"narrow: the {narrow!r} form takes H <= {kernel_fwd_narrow656_dual.MAX_HEADS}, "
@@ -389,8 +412,9 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
                        narrow: bool | str | None = None, pair: bool | None = None, narrow_stages: int | None = None,
-                       dequant_once: bool | None = None, checked: bool = False):
-    """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).
+                       dequant_once: bool | None = None, checked: bool = False, out_f32: bool = False):
+    """Returns (out [T,H,512] bf16 (float32 with ``out_f32``: split-KV partials; the pair and "mma" forms only,
+    no whole-cache copy), lse [T,H] f32 (natural log), max_logits [T,H] f32).
 
     ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
     is 64 or 128.  With ``pair``, ``dequant_once`` (None: ``kernel_dequant656.use_dequant_once``'s rule, which
@@ -411,18 +435,21 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
         reason = check(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"sparse_mla fwd {'pair ' if pair else ''}fp8-cache kernel: {reason}")
+    if out_f32:
+        dequant_once = False
     if pair and kernel_dequant656.use_dequant_once(q.shape[0], indices.shape[-1], q.shape[1], kv.shape[0],
                                                    dequant_once):
         return kernel_fwd_pair.run_sparse_mla_fwd(q, kernel_dequant656.dequantize_cache(kv), indices,
                                                   sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
                                                   attn_sink=attn_sink, checked=True)
-    (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
+    (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v,
+                                                  out_dtype=torch.float32 if out_f32 else torch.bfloat16)
     if done:
         return out, lse, max_logits
     q = q.contiguous()
     indices = indices.contiguous()
     launch = launcher(q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink,
-                      narrow=narrow, pair=pair, narrow_stages=narrow_stages, dequant_once=False)
+                      narrow=narrow, pair=pair, narrow_stages=narrow_stages, dequant_once=False, out_f32=out_f32)
     _, _, tl_arg, sink_arg, _ = tc.optional_args(indices, topk_length, attn_sink, q.device)
     launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits

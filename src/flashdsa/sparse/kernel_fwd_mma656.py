@@ -99,7 +99,8 @@ _SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + f"""
 // WS 1 (384 threads): warps 8 + g copy group g's rows (lane l < 16: row l of each step, the row numbers one step
 // ahead; setmaxnreg 24), the consumers (setmaxnreg 240) release a stage on its empty mbarrier (bars + 8 (G NST + bi),
 // 2 arrivals) after its PV instead of issuing copies themselves
-template <int H, int HAS_SINK, int HAS_TL, int ABL = 0, int PAR = 0, int WS = 0>
+// OF32 1: Out is float32 (split-KV partials), stored as 16-byte pieces of 4 dims
+template <int H, int HAS_SINK, int HAS_TL, int ABL = 0, int PAR = 0, int WS = 0, int OF32 = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
@@ -497,7 +498,17 @@ __device__ __forceinline__ void fdsa_m656_kernel(
       }
     }
     const int d0 = 128 * t + 32 * q + 4 * g;
-    if (!(ABL & 64)) {
+    if (OF32) {
+      float *outf = static_cast<float *>(Outv) + static_cast<long long>(tok) * H * 512;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = r + (e < 2 ? 0 : 8), d = d0 + (e & 1) * 16;
+        const float sinv = e < 2 ? inv0 : inv1;
+        if (hr < H)
+          *reinterpret_cast<float4 *>(outf + hr * 512 + d) =
+              make_float4(sum[0][e] * sinv, sum[1][e] * sinv, sum[2][e] * sinv, sum[3][e] * sinv);
+      }
+    } else if (!(ABL & 64)) {
       if (r < H) {
         *reinterpret_cast<uint2 *>(out + r * 512 + d0) = make_uint2(pk[0][0], pk[0][1]);
         *reinterpret_cast<uint2 *>(out + r * 512 + d0 + 16) = make_uint2(pk[1][0], pk[1][1]);
@@ -533,13 +544,14 @@ def form(name: str) -> tuple[int, bool, bool]:
 
 def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool = False,
                                 has_topk_length: bool = False, ablate: int = 0, parity: bool = False,
-                                producer: bool = False):
+                                producer: bool = False, out_f32: bool = False):
     """prim_func with ``kernel_fwd_narrow656.build_sparse_mla_fwd_narrow656``'s signature (Q[T,H,576] bf16, KV8 /
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
     MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds); ``parity``: the
     PAR build (rows in slots of their source address's 32-byte phase); ``producer``: the WS build (4 producer
-    warps, 384 threads)."""
+    warps, 384 threads); ``out_f32``: Out float32 (split-KV partials, the OF32 build)."""
     assert 1 <= heads <= MAX_HEADS, heads
+    assert not (out_f32 and ablate), "timing builds write bf16"
     assert not ablate & 64 or heads == 16, "the timestamp build writes 4096 words per token"
 
     assert sm_scale > 0
@@ -550,7 +562,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     stage_bytes = GROUPS * NST * CHUNK * fc.ROW_BYTES
     assert stage_bytes >= GROUPS * 2 * 32 * 32 * 4 * 4  # the merge buffer
     fn = (f"fdsa_m656_kernel<{heads}, {int(has_sink)}, {int(has_topk_length)}, {int(ablate)}, {int(parity)}, "
-          f"{int(producer)}>")
+          f"{int(producer)}" + (", 1>" if out_f32 else ">"))
 
     @T.prim_func
     def sparse_mla_fwd_mma656(
@@ -563,7 +575,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
         Indices: T.Tensor([n_tok, topk_dim], i32),
         TopkLen: T.Tensor([n_tl], i32),
         Sink: T.Tensor([n_sink], f32),
-        Out: T.Tensor([n_tok, heads, fc.D_V], bf16),
+        Out: T.Tensor([n_tok, heads, fc.D_V], f32 if out_f32 else bf16),
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
@@ -585,11 +597,12 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
 
 
 @functools.lru_cache(maxsize=64)
-def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, name: str = "mma"):
+def compiled(heads: int, sm_scale: float, has_sink: bool, has_topk_length: bool, name: str = "mma",
+             out_f32: bool = False):
     ablate, parity, producer = form(name)
     func = build_sparse_mla_fwd_mma656(heads=heads, sm_scale=sm_scale, has_sink=has_sink,
                                        has_topk_length=has_topk_length, ablate=ablate, parity=parity,
-                                       producer=producer)
+                                       producer=producer, out_f32=out_f32)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -603,4 +616,6 @@ def lowering_cases():
         ("mma656_h16_ws_sink_tl", build_sparse_mla_fwd_mma656(heads=16, sm_scale=576 ** -0.5, has_sink=True,
                                                               has_topk_length=True, producer=True)),
         ("mma656_h5_ws_par", build_sparse_mla_fwd_mma656(heads=5, sm_scale=0.05, parity=True, producer=True)),
+        ("mma656_h16_ws_tl_f32", build_sparse_mla_fwd_mma656(heads=16, sm_scale=0.05, has_topk_length=True,
+                                                            producer=True, out_f32=True)),
     ]

@@ -412,18 +412,21 @@ def _dequant_parts(*, topk_dim, ablate=""):
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
-                                    staging: str = DEFAULT_STAGING):
+                                    staging: str = DEFAULT_STAGING, out_f32: bool = False):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
     ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s (default; WG0 then
     converts a.L while its remote PV runs); ``staging``: who converts, one of ``STAGINGS`` ("consumer":
-    ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``)."""
+    ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``); ``out_f32``: Out float32 (split-KV
+    partials)."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
-                  has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk)
+                  has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk,
+                  out_f32=out_f32)
+    out_dtype = f32 if out_f32 else bf16
     if staging.startswith("converter"):
         producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
@@ -442,7 +445,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
         Indices: T.Tensor([n_tok, topk_dim], i32),
         TopkLen: T.Tensor([n_tl], i32),
         Sink: T.Tensor([n_sink], f32),
-        Out: T.Tensor([n_tok, heads, D_V], bf16),
+        Out: T.Tensor([n_tok, heads, D_V], out_dtype),
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
@@ -457,10 +460,10 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True, staging: str = DEFAULT_STAGING):
+              overlap_qk: bool = True, staging: str = DEFAULT_STAGING, out_f32: bool = False):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk, staging=staging)
+                                           overlap_qk=overlap_qk, staging=staging, out_f32=out_f32)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -473,15 +476,15 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-             overlap_qk: bool = True, staging: str | None = None):
+             overlap_qk: bool = True, staging: str | None = None, out_f32: bool = False):
     """This kernel's launch as ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)``
     (q and indices contiguous; ``kernel_fwd_fp8cache.launcher``'s form).  ``staging``: None reads
-    ``$FLASHDSA_PAIR_CACHE_STAGING`` (``STAGING_ENV``) now."""
+    ``$FLASHDSA_PAIR_CACHE_STAGING`` (``STAGING_ENV``) now; ``out_f32``: out float32."""
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
     run = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate, overlap_qk,
-                                    staging))
+                                    staging, out_f32))
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
         chunks = fc.cache_chunks(kv)
@@ -515,6 +518,9 @@ def lowering_cases():
     return [("pair_cache_h128_topk2048_sink_tl",
              build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, has_sink=True,
                                              has_topk_length=True)),
+            ("pair_cache_h64_topk128_tl_f32",
+             build_sparse_mla_fwd_pair_cache(heads=64, topk=128, sm_scale=576**-0.5, has_topk_length=True,
+                                             out_f32=True)),
             ("pair_cache_h64_topk700_tl_consumer",
              build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_topk_length=True,
                                              staging="consumer")),
