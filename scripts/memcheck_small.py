@@ -13,6 +13,7 @@ H 16), sparse_*_extras (with attn_sink and topk_length), sparse_bf16_512 (Dqk 51
 heads), indexer_prefill / indexer_prefill_bf16.
 """
 
+import math
 import os
 import sys
 from unittest import mock
@@ -247,6 +248,46 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "sparse_fp8_extras": lambda: sparse("fp8", extras=True),
            "indexer_prefill": indexer_prefill, "indexer_prefill_bf16": lambda: indexer_prefill("bf16"),
            "decode_pair": lambda: decode(128, 1, 64, B=132)}
+
+
+def decode_split656():
+    """Split-KV decode over the FP8 cache (``decode/kernel_split.py``: fp32 partials of the pair / mma forms and
+    the combine): sparse at H 16 / 64 / 128 with -1 and out-of-range slots, a short and a zero topk_length and a
+    sink with +-inf; dense at H 128 over a cache with a zero-length sequence; NaN rows where nothing is attended."""
+    import flashdsa
+    from flashdsa.decode import kernel_split
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    nb, bs, B = 40, 64, 2
+    kv = (torch.randn(nb, bs, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
+    kv[nb - 4:] = float("nan")  # never attended
+    cache = flashdsa.quantize_kv_fp8(kv)
+    ok = True
+    for H in (16, 64, 128):
+        assert kernel_split.split_plan(B, H, 512, 132)[0] > 1
+        q = (torch.randn(B, 1, H, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
+        idx = torch.randint(0, (nb - 4) * bs, (B, 1, 512), generator=g, device=DEV, dtype=torch.int32)
+        idx[:, :, 3], idx[:, :, 9] = -1, nb * bs + 7
+        tl = torch.tensor([300, 0], dtype=torch.int32, device=DEV)
+        sink = torch.randn(H, generator=g, device=DEV)
+        sink[0], sink[-1] = math.inf, -math.inf
+        out, lse = flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, attn_sink=sink)
+        ro, _ = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), None, None, indices=idx, topk_length=tl,
+                                    attn_sink=sink, backend="reference")
+        good = _close(out, ro, 1e-3, 2 / 128)
+        print(f"  split sparse decode H {H}: {'ok' if good else 'MISMATCH'}")
+        ok &= good
+    table = torch.randperm(nb - 4, generator=g, device=DEV)[:32].int().view(B, 16)
+    lens = torch.tensor([1000, 0], dtype=torch.int32, device=DEV)
+    q = (torch.randn(B, 1, 128, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
+    out, _ = flashdsa.mla_decode(q, cache, table, lens)
+    ro, _ = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), table, lens, backend="reference")
+    good = _close(out, ro, 1e-3, 2 / 128)
+    print(f"  split dense FP8 decode H 128: {'ok' if good else 'MISMATCH'}")
+    return ok and good
+
+
+TARGETS["decode_split656"] = decode_split656
 
 
 def sparse_cache656_mma(form="mma"):

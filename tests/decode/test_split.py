@@ -99,3 +99,13 @@ def test_split_combine_keeps_nan():
     out_p, lse_p, _ = sparse_mla_fwd_reference(q_s, kv, slots_s, sm_scale=0.05, d_v=512)
     out, lse = _combine64(out_p, lse_p, None, 2)
     assert ref_lse.isnan().all() and lse.isnan().all() and out.isnan().all()
+
+
+@pytest.mark.parametrize("heads,env,expected", [(128, "", True), (64, "", True), (16, "", True), (3, "", True),
+                                                (32, "", False), (100, "", False), (16, "ring_er_f16", False),
+                                                (16, "mma", True), (16, "mma_a64", False), (16, "0", False)])
+def test_fp32_partials_only_from_the_forms_that_write_them(heads, env, expected):
+    from flashdsa.sparse import kernel_fwd_fp8cache
+
+    with mock.patch.dict(os.environ, {kernel_fwd_fp8cache.NARROW_ENV: env}):
+        assert kernel_fwd_fp8cache.writes_f32(heads) is expected
