@@ -140,8 +140,10 @@ def main(argv=None):
         rows.append(row)
         torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), results=rows), f, indent=1)
+        from flashdsa.bench.harness import environment
+
+        with open(args.json, "w") as f:  # environment(): GPU, versions, commit, date, FLASHDSA_* switches
+            json.dump(dict(environment(torch.device("cuda")), results=rows), f, indent=1)
 
 
 if __name__ == "__main__":
