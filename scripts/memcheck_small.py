@@ -10,7 +10,8 @@ KV rows), sparse_bwd / sparse_bwd_det (the dispatched backward, fast and determi
 (narrow dense decode, TMA / cp.async loads), decode_ws (the warp-specialised dense decode), decode_pair (H 128,
 B 132: the pair path), sparse_cache656_<form> (kernel_fwd_mma656's builds mma / mma_par / mma_ws / mma_ws_par at
 H 16), sparse_*_extras (with attn_sink and topk_length), sparse_bf16_512 (Dqk 512), sparse_bf16_h48 (padded
-heads), indexer_prefill / indexer_prefill_bf16.
+heads), indexer_prefill / indexer_prefill_bf16, decode_split656 (split-KV decode over the FP8 cache: sparse H 16 /
+64 / 128 and dense).
 """
 
 import math
