@@ -63,7 +63,7 @@ def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, caus
 
 
 def _split_plan(qf, flat, slots, d_v, tl, backend) -> tuple[int, int]:
-    """``kernel_split.plan_for``'s (n_split, chunk) where the 656-byte-cache forward runs its kernel on these
+    """``kernel_split.split_plan``'s (n_split, chunk) where the 656-byte-cache forward runs its kernel on these
     arguments (the split rows have the same shapes but for T and topk) in a form that writes fp32 partials
     (``kernel_fwd_fp8cache.writes_f32``), else (1, topk)."""
     from ..sparse import kernel_fwd_fp8cache
@@ -72,7 +72,8 @@ def _split_plan(qf, flat, slots, d_v, tl, backend) -> tuple[int, int]:
     no_split = 1, slots.shape[-1]
     if _dispatch.requested_backend(backend) == "reference" or qf.device.type != "cuda":
         return no_split
-    n_split, chunk = kernel_split.plan_for(qf, slots)
+    n_split, chunk = kernel_split.split_plan(qf.shape[0], qf.shape[1], slots.shape[1],
+                                             _dispatch.sm_count(qf.device.index or 0))
     if n_split == 1 or not kernel_fwd_fp8cache.writes_f32(qf.shape[1]):
         return no_split
     if _dispatch.kernel_unavailable_reason(op, qf.device, lambda: kernel_fwd_fp8cache.kernel_unsupported(

@@ -29,7 +29,6 @@ import os
 
 import torch
 
-from .. import _dispatch
 from .._tilelang import direct_launcher
 from ._tl_common import D_V, LN2, LOG2E
 
@@ -79,7 +78,10 @@ def split_inputs(q, slots, topk_length, n_split: int, chunk: int):
 
 
 def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS):
-    """Merge the chunks of each (token, head) (module docstring).
+    """Merge the chunks of each (token, head) (module docstring).  The same merge as the dense decode's
+    ``_tl_common.combine_row_macro``, in the forward's lse convention (natural log, +inf for no key) and keeping a
+    NaN partial NaN; folding both into that macro (an input-convention option) waits for a GPU to verify the
+    rebuilt combine (ROADMAP).
 
     Signature: (OPart [T, n_split, H, 512] f32, LsePart [T, n_split, H] f32 (natural log, +inf for a chunk with no
     key), Sink [n_sink] f32, Out [T, H, 512] bf16, Lse [T, H] f32); grid (H, T), ``threads`` x 512 / threads
@@ -165,13 +167,6 @@ def combine(out_p, lse_p, attn_sink, n_split: int):
     _compiled_combine(H, attn_sink is not None)(out_p.view(T_, n_split, H, D), lse_p.view(T_, n_split, H), sink,
                                                 out, lse)
     return out, lse
-
-
-def plan_for(q, slots) -> tuple[int, int]:
-    """``split_plan`` for a forward over q [T, H, D] and slots [T, topk] on q's GPU (1 split off CUDA)."""
-    if q.device.type != "cuda":
-        return 1, slots.shape[1]
-    return split_plan(q.shape[0], q.shape[1], slots.shape[1], _dispatch.sm_count(q.device.index or 0))
 
 
 def lowering_cases():
