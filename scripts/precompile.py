@@ -4,6 +4,8 @@
     TILELANG_CACHE_DIR=/tmp/tlc python scripts/precompile.py --run scripts/memcheck_small.py decode_pair
     TILELANG_CACHE_DIR=/tmp/tlc python scripts/precompile.py --run -m flashdsa bench --op decode
     python scripts/precompile.py --pack /tmp/tlc .tlc/A.tar.xz     # the tarball a GPU call unpacks
+    python scripts/precompile.py --mark /tmp/tlc                   # before the runs: record which entries they use
+    python scripts/precompile.py --pack-used /tmp/tlc .tlc/G.tar.xz  # after: only those (a seeded cache's subset)
 
 Why: every GPU host starts with a cold cache, and compiling (nvcc / ptxas) takes most of a GPU call's test time
 while the device minutes are few. TileLang's kernel cache key is the prim_func's TVM script, the target string,
@@ -293,16 +295,47 @@ def _report(plugin, log):
     print(lines[0])
 
 
-def pack(cache_dir: str, out: str) -> None:
-    """xz-tar the kernel entries of ``cache_dir`` (not TileLang's staging dirs, not the nvcc-level binary cache,
-    whose keys hold this host's include paths and so never hit on the GPU host)."""
-    import subprocess
+_USED_MARK = ".used-mark"
 
-    names = []
+
+def _kernel_dirs(cache_dir: str):
+    """(path relative to ``cache_dir``, [file paths]) of every kernel entry (not TileLang's staging dirs, not the
+    nvcc-level binary cache, whose keys hold this host's include paths and so never hit on the GPU host)."""
     for root, dirs, files in os.walk(cache_dir):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d != "cuda-binaries"]
         if "manifest.json" in files:
-            names.append(os.path.relpath(root, cache_dir))
+            yield os.path.relpath(root, cache_dir), [os.path.join(root, f) for f in files]
+
+
+def mark(cache_dir: str) -> None:
+    """Start recording which entries of ``cache_dir`` are used: every file's access time goes back to 2000 (so
+    that the next read updates it, also under ``relatime``) and ``.used-mark`` is written now; after the
+    precompile runs, ``--pack-used`` packs the entries read or written since.  (A tar or copy of the whole
+    directory reads every entry: pack from it only after ``--pack-used``.)"""
+    old = 946684800  # 2000-01-01
+    n = 0
+    for _, paths in _kernel_dirs(cache_dir):
+        for f in paths:
+            os.utime(f, (old, os.stat(f).st_mtime))
+        n += 1
+    with open(os.path.join(cache_dir, _USED_MARK), "w") as f:
+        f.write("used-entries mark\n")
+    print(f"marked {n} kernels in {cache_dir}")
+
+
+def used(cache_dir: str) -> list[str]:
+    """The kernel entries of ``cache_dir`` read or written since ``mark``."""
+    since = os.stat(os.path.join(cache_dir, _USED_MARK)).st_mtime
+    return sorted(rel for rel, paths in _kernel_dirs(cache_dir)
+                  if any(max(os.stat(f).st_atime, os.stat(f).st_mtime) > since for f in paths))
+
+
+def pack(cache_dir: str, out: str, names: list[str] | None = None) -> None:
+    """xz-tar the kernel entries ``names`` of ``cache_dir`` (None: every entry, ``_kernel_dirs``)."""
+    import subprocess
+
+    if names is None:
+        names = [rel for rel, _ in _kernel_dirs(cache_dir)]
     # xz -9e: the entries are near copies of each other, and the large dictionary finds that (session 45: 415
     # kernels in 7.4 MB against 11.9 at the default level, which decides whether a call's carry fits 64 MiB)
     subprocess.run(["tar", "-C", cache_dir, "-cJf", out, *sorted(names)], check=True,
@@ -335,6 +368,12 @@ def run_program(argv: list[str], mode) -> int:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--pack"]:
         pack(argv[1], argv[2])
+        return 0
+    if argv[:1] == ["--mark"]:
+        mark(argv[1])
+        return 0
+    if argv[:1] == ["--pack-used"]:
+        pack(argv[1], argv[2], used(argv[1]))
         return 0
     log = None
     if argv[:1] == ["--log"]:
