@@ -79,9 +79,12 @@ def split_inputs(q, slots, topk_length, n_split: int, chunk: int):
 
 def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS):
     """Merge the chunks of each (token, head) (module docstring).  The same merge as the dense decode's
-    ``_tl_common.combine_row_macro``, in the forward's lse convention (natural log, +inf for no key) and keeping a
-    NaN partial NaN; folding both into that macro (an input-convention option) waits for a GPU to verify the
-    rebuilt combine (ROADMAP).
+    ``_tl_common.combine_row_macro``, in the forward's lse convention (natural log, +inf for no key); folding both
+    into that macro (an input-convention option) waits for a GPU to verify the rebuilt combine (branch
+    ``gpu-pending``, ROADMAP).  Known limit of this build: its NaN flag (``x != x``) is folded to false by TVM's
+    simplifier (session 45, in the lowered CUDA), so a NaN partial lse makes out / lse NaN only through its
+    weight: where every chunk with keys has a NaN lse, the token gets out 0 and lse +inf instead of NaN
+    (``gpu-pending`` tests with ``T.isnan``).
 
     Signature: (OPart [T, n_split, H, 512] f32, LsePart [T, n_split, H] f32 (natural log, +inf for a chunk with no
     key), Sink [n_sink] f32, Out [T, H, 512] bf16, Lse [T, H] f32); grid (H, T), ``threads`` x 512 / threads
@@ -114,8 +117,8 @@ def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_
             mx[0] = -T.infinity(f32)
             nan[0] = 0
             for k in T.serial(nsp):
-                # +inf marks a chunk that saw no key (weight 0); a NaN lse (a NaN row was attended) is kept apart
-                # (max drops NaN) and makes w, tot, out and lse NaN below, as in the unsplit forward
+                # +inf marks a chunk that saw no key (weight 0); the NaN test below is meant to keep a NaN lse apart
+                # (max drops NaN), but the simplifier folds x != x to false (docstring: known limit)
                 lk[0] = LsePart[t, k, h]
                 nan[0] = T.if_then_else(lk[0] != lk[0], 1, nan[0])
                 mx[0] = T.max(mx[0], T.if_then_else(lk[0] == T.infinity(f32), -T.infinity(f32), lk[0]))
