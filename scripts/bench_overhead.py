@@ -41,16 +41,9 @@ def _events(fn, reps, flush):
     return statistics.median(ts)
 
 
-def _measure(fn, reps, flush):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    res = {"eager_ms": _events(fn, reps, flush)}
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        fn()
-    res["host_ms"] = (time.perf_counter() - t0) / 50 * 1e3
+def graph_ms(fn, reps, flush):
+    """Median ms of ``fn`` captured in a CUDA graph and replayed (events around each replay, L2 flushed), after
+    two warm-up calls on a side stream (what capture needs)."""
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -61,7 +54,20 @@ def _measure(fn, reps, flush):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    res["graph_ms"] = _events(g.replay, reps, flush)
+    return _events(g.replay, reps, flush)
+
+
+def _measure(fn, reps, flush):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    res = {"eager_ms": _events(fn, reps, flush)}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        fn()
+    res["host_ms"] = (time.perf_counter() - t0) / 50 * 1e3
+    res["graph_ms"] = graph_ms(fn, reps, flush)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

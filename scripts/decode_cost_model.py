@@ -26,7 +26,7 @@ except ImportError:  # run from a checkout without an install: use its src/
     import flashdsa
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from bench_overhead import _events  # noqa: E402
+from bench_overhead import graph_ms  # noqa: E402
 
 # name: (sparse, B, s_q, H, key counts); sparse rows: topk values; dense rows: cache lengths
 ROWS = {
@@ -58,21 +58,6 @@ def _call(sparse, B, s_q, H, keys, gen):
     return lambda: flashdsa.mla_decode(q, kv, table, lens, causal=True)
 
 
-def _graph_ms(fn, reps, flush):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return _events(g.replay, reps, flush)
-
-
 def fit(blocks, ms):
     """(fixed ms, ms per block) of the least-squares line through (blocks, ms)."""
     n = len(blocks)
@@ -95,7 +80,7 @@ def main(argv=None):
         gen = torch.Generator(device="cuda").manual_seed(0)
         ms = []
         for keys in counts:
-            ms.append(_graph_ms(_call(sparse, B, s_q, H, keys, gen), args.reps, flush))
+            ms.append(graph_ms(_call(sparse, B, s_q, H, keys, gen), args.reps, flush))
             torch.cuda.empty_cache()
         blocks = [k / 64 for k in counts]
         fixed, per_block = fit(blocks, ms)
