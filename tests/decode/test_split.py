@@ -75,8 +75,9 @@ def test_split_then_combine_matches_the_unsplit_forward(n_split, chunk, with_tl)
     assert (n_split - 1) * chunk < topk <= n_split * chunk  # as split_plan's plans
     ref_out, ref_lse, _ = sparse_mla_fwd_reference(q, kv, slots, sm_scale=0.05, d_v=512, attn_sink=sink,
                                                    topk_length=tl)
-    q_s, slots_s, tl_s = kernel_split.split_inputs(q, slots, tl, n_split, chunk)
-    assert q_s.shape == (T * n_split, H, D) and slots_s.shape == (T * n_split, chunk)
+    slots_s, tl_s = kernel_split.split_inputs(slots, tl, n_split, chunk)
+    q_s = q.repeat_interleave(n_split, dim=0)  # the kernels read q row t for rows t * n_split ..
+    assert slots_s.shape == (T * n_split, chunk)
     out_p, lse_p, _ = sparse_mla_fwd_reference(q_s, kv, slots_s, sm_scale=0.05, d_v=512, topk_length=tl_s)
     out, lse = _combine64(out_p, lse_p, sink, n_split)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
@@ -95,7 +96,8 @@ def test_split_combine_keeps_nan():
     kv[5] = math.nan
     slots = torch.arange(256, dtype=torch.int32).view(1, 256)
     ref_out, ref_lse, _ = sparse_mla_fwd_reference(q, kv, slots, sm_scale=0.05, d_v=512)
-    q_s, slots_s, _ = kernel_split.split_inputs(q, slots, None, 2, 128)
+    slots_s, _ = kernel_split.split_inputs(slots, None, 2, 128)
+    q_s = q.repeat_interleave(2, dim=0)
     out_p, lse_p, _ = sparse_mla_fwd_reference(q_s, kv, slots_s, sm_scale=0.05, d_v=512)
     out, lse = _combine64(out_p, lse_p, None, 2)
     assert ref_lse.isnan().all() and lse.isnan().all() and out.isnan().all()

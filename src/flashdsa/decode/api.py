@@ -47,8 +47,8 @@ def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, caus
         if n_split > 1:  # few query tokens: chunks of each slot list, fp32 partials, merged (kernel_split)
             from ..sparse import kernel_fwd_fp8cache
 
-            qs, slots_s, tl_s = kernel_split.split_inputs(qf, slots, tl, n_split, chunk)
-            out_p, lse_p, _ = kernel_fwd_fp8cache.run_sparse_mla_fwd(qs, flat, slots_s, sm_scale=sm_scale, d_v=d_v,
+            slots_s, tl_s = kernel_split.split_inputs(slots, tl, n_split, chunk)
+            out_p, lse_p, _ = kernel_fwd_fp8cache.run_sparse_mla_fwd(qf, flat, slots_s, sm_scale=sm_scale, d_v=d_v,
                                                                      topk_length=tl_s, checked=True, out_f32=True)
             out, lse = kernel_split.combine(out_p, lse_p, attn_sink, n_split)
             _dispatch.record_choice(op, "kernel")
@@ -162,7 +162,7 @@ _PLANS = _dispatch.PlanCache()
 class _Cache656Plan:
     """The kernel launch one sparse-decode call signature over the 656-byte cache was validated and dispatched to
     (``_dispatch.PlanCache``, as ``sparse_mla_fwd``'s plans): views, three outputs, one launch; with split-KV
-    (``n_split`` > 1, ``kernel_split``) the split inputs, the forward's launch over them and the combine."""
+    (``n_split`` > 1, ``kernel_split``) the split slot lists, the forward's launch over them and the combine."""
 
     __slots__ = ("launch", "B", "s_q", "H", "rows", "topk", "d_v", "tl_dummy", "sink_dummy", "n_split", "chunk")
 
@@ -175,7 +175,7 @@ class _Cache656Plan:
             tl = topk_length if s_q == 1 else topk_length.view(B, 1).expand(B, s_q).reshape(n)
         qf, idx, sink = q.view(n, H, KV_DIM), indices.view(n, self.topk), attn_sink
         if S > 1:
-            qf, idx, tl_s = kernel_split.split_inputs(qf, idx, None if topk_length is None else tl, S, self.chunk)
+            idx, tl_s = kernel_split.split_inputs(idx, None if topk_length is None else tl, S, self.chunk)
             tl, sink = self.tl_dummy if tl_s is None else tl_s, None
         out = torch.empty((n * S, H, self.d_v), dtype=torch.bfloat16 if S == 1 else torch.float32, device=q.device)
         lse = torch.empty((n * S, H), dtype=torch.float32, device=q.device)
@@ -220,7 +220,7 @@ def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v
     qf, idx = q.view(n, H, KV_DIM), indices.view(n, topk)
     n_split, chunk = _split_plan(qf, kv_cache.view(rows, KV_FP8_BYTES), idx, d_v, tl, "kernel")
     if n_split > 1:  # the launch the split rows take (as in _via_sparse_fwd)
-        qf, idx, tl = kernel_split.split_inputs(qf, idx, tl, n_split, chunk)
+        idx, tl = kernel_split.split_inputs(idx, tl, n_split, chunk)
     launch = _dispatch.kernel_module("sparse_mla_fwd_cache656").launcher(
         qf, kv_cache.view(rows, KV_FP8_BYTES), idx, sm_scale=sm_scale, d_v=d_v, topk_length=tl,
         attn_sink=attn_sink if n_split == 1 else None, out_f32=n_split > 1)

@@ -6,8 +6,8 @@ B = 1 at H 128 runs 2 CTAs on the H200's 132 SMs, each walking its whole slot li
 over the FP8 cache the whole cache) alone. Where the step's CTAs fill at most half of the SMs, ``split_plan``
 cuts every token's slot list into ``n_split`` chunks of ``chunk`` slots (a power-of-two number of 64-slot blocks,
 at least ``MIN_SPLIT_BLOCKS``); the forward then runs once over the ``T * n_split`` (token, chunk) rows
-(``split_inputs``: q repeated per chunk, each chunk's ``topk_length``, no sink) and one combine kernel merges each
-token's chunks (``combine``). With ``lse_k`` the natural-log lse of chunk k (+inf where it saw no key, the
+(``split_inputs``: each chunk's slots and ``topk_length``; q read once per token; no sink) and one combine kernel
+merges each token's chunks (``combine``). With ``lse_k`` the natural-log lse of chunk k (+inf where it saw no key, the
 forward's contract for an empty row, i.e. weight 0):
 
     m = max_k lse_k,  w_k = exp(lse_k - m),  lse = m + log(sum_k w_k),
@@ -58,23 +58,22 @@ def split_plan(tokens: int, heads: int, topk: int, num_sms: int) -> tuple[int, i
     return (n_split, blocks * BLOCK) if n_split > 1 else (1, topk)
 
 
-def split_inputs(q, slots, topk_length, n_split: int, chunk: int):
-    """The forward's inputs for the (token, chunk) rows, row ``t * n_split + k`` = chunk k of token t:
-    (q [T * n_split, H, D] (q[t] repeated), slots [T * n_split, chunk] (slots[t, k * chunk:(k + 1) * chunk],
-    -1 past the list), topk_length [T * n_split] int32 (``topk_length[t] - k * chunk`` clamped to [0, chunk]) or
-    None where ``topk_length`` is None).  q [T, H, D], slots [T, topk] int32, topk_length [T] int32 or None."""
-    T_, H, D = q.shape
-    # contiguous: at T = 1 the reshape of the expanded q would be a view with a zero row stride
-    q_s = q.unsqueeze(1).expand(T_, n_split, H, D).contiguous().view(T_ * n_split, H, D)
+def split_inputs(slots, topk_length, n_split: int, chunk: int):
+    """The forward's index inputs for the (token, chunk) rows, row ``t * n_split + k`` = chunk k of token t (q keeps
+    one row per token: the ``out_f32`` forward builds read q row ``t`` for rows ``t * n_split ..``):
+    (slots [T * n_split, chunk] (slots[t, k * chunk:(k + 1) * chunk], -1 past the list), topk_length
+    [T * n_split] int32 (``topk_length[t] - k * chunk`` clamped to [0, chunk]) or None where ``topk_length`` is
+    None).  slots [T, topk] int32, topk_length [T] int32 or None."""
+    T_ = slots.shape[0]
     pad = n_split * chunk - slots.shape[1]
     if pad > 0:
         slots = torch.nn.functional.pad(slots, (0, pad), value=-1)
     slots_s = slots.contiguous().view(T_ * n_split, chunk)
     tl_s = None
     if topk_length is not None:
-        start = torch.arange(n_split, dtype=torch.int32, device=q.device) * chunk
+        start = torch.arange(n_split, dtype=torch.int32, device=slots.device) * chunk
         tl_s = (topk_length.view(T_, 1) - start).clamp_(0, chunk).reshape(T_ * n_split)
-    return q_s, slots_s, tl_s
+    return slots_s, tl_s
 
 
 def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS):

@@ -20,7 +20,7 @@ assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
               prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
-              out_f32=False):
+              out_f32=False, q_rows=None):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -55,7 +55,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128).
 
     ``out_f32``: Out is float32 (split-KV partials, ``decode/kernel_split.py``), written straight from the O
-    fragments (no bf16 staging)."""
+    fragments (no bf16 staging); ``q_rows``: Q's row count when it differs from n_tok (split-KV: token t reads q row
+    t / (n_tok / q_rows), a token's chunks sharing its q row)."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
@@ -82,10 +83,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         # one consumer warpgroup loads Q[:, c0:c0+256] (+ the rope tail): 16 B per thread and load.  (Loaded by all
         # 384 threads, the 64 x 256 tile is not a multiple of 384 x 8 elements and lowered to 2-byte loads, which
         # cost ~45 us per CTA: measured on the H200, session 8.)  Both halves are complete after BAR_BOTH.
-        T.copy(Q[tok, h0 : h0 + BH, c0 : c0 + DH], Q_half)
+        q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
+        T.copy(Q[q_tok, h0 : h0 + BH, c0 : c0 + DH], Q_half)
         if Q_t is not None:
             if D_tail > 0:
-                T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t)
+                T.copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t)
         T.fence_proxy_async()
         T.sync_threads(BAR_BOTH, 256)
 

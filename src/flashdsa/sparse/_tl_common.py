@@ -310,12 +310,14 @@ def check_fwd_shapes(q, kv, indices, *, d_v, topk_length, attn_sink) -> str | No
     return check_optional(n_tok, heads, topk_length, attn_sink)
 
 
-def fwd_outputs(q, kv, *, sm_scale: float, d_v: int, out_dtype=torch.bfloat16):
-    """Forward outputs (out [T,H,d_v] ``out_dtype``, lse [T,H] f32, max_logits [T,H] f32) and whether they are
-    already final (T = 0, or Tkv = 0: every index invalid -> out 0, lse +inf, max_logits -inf)."""
+def fwd_outputs(q, kv, *, sm_scale: float, d_v: int, out_dtype=torch.bfloat16, n_tok=None):
+    """Forward outputs (out [T,H,d_v] ``out_dtype``, lse [T,H] f32, max_logits [T,H] f32; T = ``n_tok``, default
+    q's rows) and whether they are already final (T = 0, or Tkv = 0: every index invalid -> out 0, lse +inf,
+    max_logits -inf)."""
     if not (sm_scale > 0 and math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale}")
-    n_tok, heads, _ = q.shape
+    heads = q.shape[1]
+    n_tok = q.shape[0] if n_tok is None else n_tok
     dev = q.device
     out = torch.empty((n_tok, heads, d_v), dtype=out_dtype, device=dev)
     lse = torch.empty((n_tok, heads), dtype=torch.float32, device=dev)

@@ -413,8 +413,9 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
                        narrow: bool | str | None = None, pair: bool | None = None, narrow_stages: int | None = None,
                        dequant_once: bool | None = None, checked: bool = False, out_f32: bool = False):
-    """Returns (out [T,H,512] bf16 (float32 with ``out_f32``: split-KV partials; the pair and "mma" forms only,
-    no whole-cache copy), lse [T,H] f32 (natural log), max_logits [T,H] f32).
+    """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  ``out_f32`` (split-KV
+    partials; the pair and "mma" forms only, no whole-cache copy): out float32, and q may hold one row per token
+    for T = indices' rows = a multiple of q's (row t reads q row t / (T / q rows)).
 
     ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
     is 64 or 128.  With ``pair``, ``dequant_once`` (None: ``kernel_dequant656.use_dequant_once``'s rule, which
@@ -443,7 +444,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
                                                   sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
                                                   attn_sink=attn_sink, checked=True)
     (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v,
-                                                  out_dtype=torch.float32 if out_f32 else torch.bfloat16)
+                                                  out_dtype=torch.float32 if out_f32 else torch.bfloat16,
+                                                  n_tok=indices.shape[0])
     if done:
         return out, lse, max_logits
     q = q.contiguous()

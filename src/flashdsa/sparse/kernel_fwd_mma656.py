@@ -99,12 +99,12 @@ _SRC = tc.FAST_EXP2_PRELUDE + WARP_MMA_PRELUDE + f"""
 // WS 1 (384 threads): warps 8 + g copy group g's rows (lane l < 16: row l of each step, the row numbers one step
 // ahead; setmaxnreg 24), the consumers (setmaxnreg 240) release a stage on its empty mbarrier (bars + 8 (G NST + bi),
 // 2 arrivals) after its PV instead of issuing copies themselves
-// OF32 1: Out is float32 (split-KV partials), stored as 16-byte pieces of 4 dims
+// OF32 1: Out is float32 (split-KV partials), stored as 16-byte pieces of 4 dims; qdiv: rows per q row
 template <int H, int HAS_SINK, int HAS_TL, int ABL = 0, int PAR = 0, int WS = 0, int OF32 = 0>
 __device__ __forceinline__ void fdsa_m656_kernel(
     const void *Qv, const void *KVv, int rs16, int n_rows, const int *Indices, int topk, const int *TopkLen,
     const float *Sink, void *Outv, float *Lse, float *MaxLogits, void *stage_v, void *qs_v, void *qr_v,
-    float *xch, int *valid, float *misc, void *bars_v, int tok, float c) {
+    float *xch, int *valid, float *misc, void *bars_v, int tok, float c, int qdiv = 1) {
   constexpr int G = FDSA_M656_G, NST = FDSA_M656_NST, ROW = FDSA_M656_ROW;
   auto token_lim = [&]() -> int {
     int lim = topk;
@@ -189,7 +189,9 @@ __device__ __forceinline__ void fdsa_m656_kernel(
                   make_uint4(0u, 0u, 0u, 0u)};
     uint2 rw = make_uint2(0u, 0u);
     if (h < H) {
-      const unsigned short *row = static_cast<const unsigned short *>(Qv) + (static_cast<long long>(tok) * H + h) * 576;
+      // qdiv > 1 (split-KV): qdiv consecutive rows (one token's chunks) share one q row
+      const unsigned short *row =
+          static_cast<const unsigned short *>(Qv) + (static_cast<long long>(tok / qdiv) * H + h) * 576;
 #pragma unroll
       for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const uint4 *>(row + 32 * p)[i];
       rw = *reinterpret_cast<const uint2 *>(row + 512 + 4 * p);
@@ -549,7 +551,8 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     KVf / KVb: 16-byte-chunk views of the cache, rs16, n_rows, Indices[T,topk], TopkLen, Sink, Out, Lse,
     MaxLogits); H <= 16, any topk.  ``ablate``: the kernel's ABL bits (``form``; timing builds); ``parity``: the
     PAR build (rows in slots of their source address's 32-byte phase); ``producer``: the WS build (4 producer
-    warps, 384 threads); ``out_f32``: Out float32 (split-KV partials, the OF32 build)."""
+    warps, 384 threads); ``out_f32``: Out float32 (split-KV partials, the OF32 build), and Q [n_q, H, 576] with
+    n_q dividing T: rows t read q row t / (T / n_q) (a token's chunks share its q row)."""
     assert 1 <= heads <= MAX_HEADS, heads
     assert not (out_f32 and ablate), "timing builds write bf16"
     assert not ablate & 64 or heads == 16, "the timestamp build writes 4096 words per token"
@@ -558,6 +561,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
     c_log2 = float(sm_scale) * LOG2E
     bf16, f32, i32, u8 = "bfloat16", "float32", "int32", "uint8"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
+    n_q = T.dynamic("n_q") if out_f32 else n_tok  # split-KV: one q row per token, n_tok / n_q chunk rows each
     CH = fc.CHUNK
     stage_bytes = GROUPS * NST * CHUNK * fc.ROW_BYTES
     assert stage_bytes >= GROUPS * 2 * 32 * 32 * 4 * 4  # the merge buffer
@@ -566,7 +570,7 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
 
     @T.prim_func
     def sparse_mla_fwd_mma656(
-        Q: T.Tensor([n_tok, heads, fc.DQK], bf16),
+        Q: T.Tensor([n_q, heads, fc.DQK], bf16),
         KV8: T.Tensor([n_ch, CH], fc.FP8),
         KVf: T.Tensor([n_ch, CH // 4], f32),
         KVb: T.Tensor([n_ch, CH // 2], bf16),
@@ -591,7 +595,8 @@ def build_sparse_mla_fwd_mma656(*, heads: int, sm_scale: float, has_sink: bool =
                           T.address_of(Indices[0, 0]), topk_dim, T.address_of(TopkLen[0]), T.address_of(Sink[0]),
                           T.address_of(Out[0, 0, 0]), T.address_of(Lse[0, 0]), T.address_of(MaxLogits[0, 0]),
                           T.address_of(Stage[0]), T.address_of(Qs[0]), T.address_of(Qr[0]), T.address_of(Xch[0]),
-                          T.address_of(Valid[0]), T.address_of(Misc[0]), T.address_of(bars[0]), bx, c_log2)
+                          T.address_of(Valid[0]), T.address_of(Misc[0]), T.address_of(bars[0]), bx, c_log2,
+                          *((n_tok // n_q,) if out_f32 else ()))
 
     return sparse_mla_fwd_mma656
 

@@ -419,7 +419,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s (default; WG0 then
     converts a.L while its remote PV runs); ``staging``: who converts, one of ``STAGINGS`` ("consumer":
     ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``); ``out_f32``: Out float32 (split-KV
-    partials)."""
+    partials) and Q [n_q, H, 576] with n_q dividing T (``pair_body``'s q_rows)."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
@@ -427,6 +427,9 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk,
                   out_f32=out_f32)
     out_dtype = f32 if out_f32 else bf16
+    n_q = n_tok
+    if out_f32:  # split-KV: one q row per token, n_tok / n_q chunk rows each (pair_body's q_rows)
+        n_q = common["q_rows"] = T.dynamic("n_q")
     if staging.startswith("converter"):
         producer, converter = _converter_parts(topk_dim=topk_dim, ablate=ablate, contig=staging == "converter_contig")
         body = kp.pair_body(**common, producer=producer, converter=converter, regs=CONVERTER_REGS,
@@ -437,7 +440,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
-        Q: T.Tensor([n_tok, heads, fc.DQK], bf16),
+        Q: T.Tensor([n_q, heads, fc.DQK], bf16),
         KVf: T.Tensor([n_ch, 4], f32),
         KVb: T.Tensor([n_ch, 8], bf16),
         rs16: T.int32,
