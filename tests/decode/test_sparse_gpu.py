@@ -92,14 +92,14 @@ def test_dense_decode_fp8_cache(B, s_q, H, bs, lens):
     _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
 
 
-@pytest.mark.parametrize("H", [64, 16])
-def test_sparse_decode_fp8_cuda_graph_replay(H):
-    """Capture one sparse FP8 decode step, replay it with new indices and lengths written in place (H 64: the pair
-    kernel, H 16: the few-head kernel)."""
+@pytest.mark.parametrize("H,fp8", [(64, True), (16, True), (32, False), (128, False)])
+def test_sparse_decode_cuda_graph_replay(H, fp8):
+    """Capture one sparse decode step, replay it with new indices and lengths written in place (B 8: split-KV;
+    FP8 H 64: the pair kernel, H 16: the few-head kernel; bf16 cache H 32: padded to the 64-head pair kernel)."""
     B, s_q, bs, topk = 8, 1, 64, 512
     lens = [4096, 140, 20, 0, 4096, 1000, 77, 512]
     q, kv, table, seqlens = _make(B, s_q, H, bs, lens, seed=11)
-    cache = flashdsa.quantize_kv_fp8(kv)
+    cache = flashdsa.quantize_kv_fp8(kv) if fp8 else kv
     idx = _sparse_indices(table, seqlens, bs, s_q, topk, seed=1, n_slots=kv.shape[0] * bs)
     tl = torch.full((B,), topk, device="cuda", dtype=torch.int32)
     flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, backend="kernel")  # compile, warm up
@@ -113,8 +113,8 @@ def test_sparse_decode_fp8_cuda_graph_replay(H):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref_out, ref_lse = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), None, None, indices=idx,
-                                               topk_length=tl, backend="reference")
+        ref_out, ref_lse = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache) if fp8 else kv, None, None,
+                                               indices=idx, topk_length=tl, backend="reference")
         _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
 
 
@@ -125,14 +125,21 @@ SPLIT = [
     (3, 2, 64, 16, (4096, 0, 300), 1024, True),
     (2, 1, 128, 256, (20000, 140), 4096, True),
     (5, 1, 9, 64, (4096, 33, 1000, 0, 2048), 2048, True),
+    (2, 1, 32, 64, (4096, 500), 2048, True),  # the 64-head pair form with zero-padded heads
+    (1, 2, 100, 16, (8000,), 2048, True),  # the 128-head pair form, padded
+    (1, 1, 128, 64, (32768,), 2048, False),  # bf16 cache: the pair kernel's fp32 build
+    (3, 2, 64, 16, (4096, 0, 300), 1024, False),
+    (5, 1, 9, 64, (4096, 33, 1000, 0, 2048), 2048, False),  # bf16, padded to 64 heads
+    (2, 1, 77, 256, (20000, 140), 4096, False),  # bf16, padded to 128 heads
 ]
 
 
 @pytest.mark.parametrize("B,s_q,H,bs,lens,topk,fp8", SPLIT,
                          ids=[f"B{c[0]}-sq{c[1]}-H{c[2]}-k{c[5]}-{'fp8' if c[6] else 'bf16'}" for c in SPLIT])
 def test_split_sparse_decode_matches_reference(B, s_q, H, bs, lens, topk, fp8):
-    """Split-KV sparse decode over the FP8 cache (fp32 partials; a sink incl. +-inf, topk_length incl. 0 and short)
-    against the reference, and the same call with ``$FLASHDSA_DECODE_SPLIT=0`` (one forward row per token) too."""
+    """Split-KV sparse decode (fp32 partials, heads padded where the H has no such build; a sink incl. +-inf,
+    topk_length incl. 0 and short) against the reference, and the same call with ``$FLASHDSA_DECODE_SPLIT=0`` (one
+    forward row per token) too."""
     from flashdsa.decode import kernel_split
 
     assert kernel_split.split_plan(B * s_q, H, topk, torch.cuda.get_device_properties(0).multi_processor_count)[0] > 1
@@ -154,7 +161,8 @@ def test_split_sparse_decode_matches_reference(B, s_q, H, bs, lens, topk, fp8):
         _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
 
 
-@pytest.mark.parametrize("B,s_q,H,lens", [(1, 1, 128, (32768,)), (2, 2, 64, (20000, 0)), (3, 1, 16, (9000, 1, 64))])
+@pytest.mark.parametrize("B,s_q,H,lens", [(1, 1, 128, (32768,)), (2, 2, 64, (20000, 0)), (3, 1, 16, (9000, 1, 64)),
+                                          (2, 1, 24, (9000, 300))])
 def test_split_dense_decode_fp8_cache(B, s_q, H, lens):
     """Dense decode over the FP8 cache with few query tokens: the whole cache in chunks (split-KV)."""
     q, kv, table, seqlens = _make(B, s_q, H, 64, list(lens), seed=B + H)
@@ -166,7 +174,7 @@ def test_split_dense_decode_fp8_cache(B, s_q, H, lens):
 
 @pytest.mark.parametrize("split", ["", "0"])
 @pytest.mark.parametrize("B,H,s_q,sink", [(6, 16, 1, False), (6, 16, 2, True), (6, 64, 1, True), (6, 3, 2, False),
-                                          (1, 128, 1, True)])
+                                          (1, 128, 1, True), (6, 32, 1, True)])
 def test_sparse_decode_fp8_eager_plan(B, H, s_q, sink, split):
     """The eager plan of a sparse FP8 decode signature (``decode.api._PLANS``): stored by the first call, replayed
     by the next ones (new index values and lengths, outputs bitwise equal to the plain path's), and checked

@@ -43,11 +43,13 @@ def test_split_env():
         assert kernel_split.split_plan(1, 128, 2048, 132) == (4, 512)
 
 
-def _combine64(out_p, lse_p, sink, n_split):
-    """The combine kernel's arithmetic in float64 (kernel_split module docstring)."""
-    n, H, D = out_p.shape
-    o = out_p.double().view(n // n_split, n_split, H, D)
-    lk = lse_p.double().view(n // n_split, n_split, H)
+def _combine64(out_p, lse_p, sink, n_split, heads=None):
+    """The combine kernel's arithmetic in float64 (kernel_split module docstring), over the first ``heads`` heads
+    of the partials (None: all)."""
+    n, Hp, D = out_p.shape
+    H = Hp if heads is None else heads
+    o = out_p.double().view(n // n_split, n_split, Hp, D)[:, :, :H]
+    lk = lse_p.double().view(n // n_split, n_split, Hp)[:, :, :H]
     lk = torch.where(torch.isinf(lk) & (lk > 0), torch.full_like(lk, -math.inf), lk)
     m = lk.amax(dim=1)
     empty = torch.isinf(m) & (m < 0)
@@ -111,3 +113,37 @@ def test_fp32_partials_only_from_the_forms_that_write_them(heads, env, expected)
 
     with mock.patch.dict(os.environ, {kernel_fwd_fp8cache.NARROW_ENV: env}):
         assert kernel_fwd_fp8cache.writes_f32(heads) is expected
+
+
+@pytest.mark.parametrize("heads,fp8,env,expected", [(128, True, "", 128), (64, False, "", 64), (16, True, "", 16),
+                                                    (3, True, "", 3), (16, False, "", 64), (1, False, "", 64),
+                                                    (32, True, "", 64), (17, True, "", 64), (65, True, "", 128),
+                                                    (100, False, "", 128), (16, True, "0", 64),
+                                                    (16, True, "mma_a64", 64)])
+def test_split_forward_heads(heads, fp8, env, expected):
+    """The split forward runs where a kernel writes fp32 partials: at H itself, else the next pair form."""
+    from flashdsa.sparse import kernel_fwd_fp8cache
+
+    with mock.patch.dict(os.environ, {kernel_fwd_fp8cache.NARROW_ENV: env}):
+        assert kernel_split.forward_heads(heads, fp8) == expected
+
+
+def test_padded_heads_merge_to_the_unsplit_forward():
+    """q padded with zero heads (``pad_heads``), split and merged over the real heads: the unsplit forward's
+    output for those heads (the padded heads' partials are never read)."""
+    g = torch.Generator().manual_seed(7)
+    T, H, Hp, topk, n_kv, n_split, chunk = 3, 5, 8, 256, 400, 2, 128
+    q = torch.randn(T, H, 576, generator=g, dtype=torch.float64)
+    kv = torch.randn(n_kv, 576, generator=g, dtype=torch.float64)
+    slots = torch.randint(-1, n_kv, (T, topk), generator=g, dtype=torch.int32)
+    sink = torch.randn(H, generator=g, dtype=torch.float64)
+    ref_out, ref_lse, _ = sparse_mla_fwd_reference(q, kv, slots, sm_scale=0.05, d_v=512, attn_sink=sink)
+    q_p = kernel_split.pad_heads(q, Hp)
+    assert q_p.shape == (T, Hp, 576) and torch.equal(q_p[:, :H], q) and not q_p[:, H:].any()
+    assert kernel_split.pad_heads(q, H) is q
+    slots_s, _ = kernel_split.split_inputs(slots, None, n_split, chunk)
+    out_p, lse_p, _ = sparse_mla_fwd_reference(q_p.repeat_interleave(n_split, dim=0), kv, slots_s, sm_scale=0.05,
+                                               d_v=512)
+    out, lse = _combine64(out_p, lse_p, sink, n_split, heads=H)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)

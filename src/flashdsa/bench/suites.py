@@ -475,10 +475,13 @@ def decode_cases(full: bool) -> list[Case]:
         _decode("mixed_dense_bf16_B128_H128_sq1_cache1-65536", s(128, 4), 128, 1, s(65536, 2048),
                 ">= 85% of the uniform-length TFLOP/s", mixed=True, quick=False),
     ] + [  # few query tokens: split-KV over the sparse forward (decode.kernel_split); latency, no issue target
-        _decode(f"{kind}_fp8_B{B}_H{H}_sq1" + (f"_topk{K}" if kind == "sparse" else "") + f"_cache{cache}", B, H,
-                1, cache, "none (small batch, split-KV)", sparse=kind == "sparse", fp8=True, topk=K, quick=False)
-        for kind, B, H, cache in (("sparse", 1, 128, 32768), ("sparse", 8, 64, 32768), ("sparse", 4, 16, 32768),
-                                  ("dense", 1, 128, 32768), ("dense", 2, 16, 65536)) if full
+        _decode(f"{kind}_{'fp8' if fp8 else 'bf16'}_B{B}_H{H}_sq1" + (f"_topk{K}" if kind == "sparse" else "")
+                + f"_cache{cache}", B, H, 1, cache, "none (small batch, split-KV)", sparse=kind == "sparse", fp8=fp8,
+                topk=K, quick=False)
+        for kind, fp8, B, H, cache in (("sparse", True, 1, 128, 32768), ("sparse", True, 8, 64, 32768),
+                                       ("sparse", True, 4, 16, 32768), ("dense", True, 1, 128, 32768),
+                                       ("dense", True, 2, 16, 65536), ("sparse", True, 4, 32, 32768),
+                                       ("sparse", False, 1, 128, 32768), ("sparse", False, 4, 16, 32768)) if full
     ]
 
 

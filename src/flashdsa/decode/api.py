@@ -41,45 +41,47 @@ def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, caus
         slots, tl = torch.full((B, s_q, 1), -1, dtype=torch.int32, device=q.device), None
     slots = slots.reshape(B * s_q, slots.shape[-1])
     qf = q.reshape(B * s_q, H, dqk)
-    if width == KV_FP8_BYTES:
-        op = "sparse_mla_fwd_cache656"
-        n_split, chunk = _split_plan(qf, flat, slots, d_v, tl, backend)
-        if n_split > 1:  # few query tokens: chunks of each slot list, fp32 partials, merged (kernel_split)
-            from ..sparse import kernel_fwd_fp8cache
+    fp8 = width == KV_FP8_BYTES
+    op = "sparse_mla_fwd_cache656" if fp8 else "sparse_mla_fwd"
+    n_split, chunk, heads_s = _split_plan(qf, flat, slots, d_v, tl, backend)
+    if n_split > 1:  # few query tokens: chunks of each slot list, fp32 partials, merged (kernel_split)
+        from ..sparse import kernel_fwd_fp8cache, kernel_fwd_pair
 
-            slots_s, tl_s = kernel_split.split_inputs(slots, tl, n_split, chunk)
-            out_p, lse_p, _ = kernel_fwd_fp8cache.run_sparse_mla_fwd(qf, flat, slots_s, sm_scale=sm_scale, d_v=d_v,
-                                                                     topk_length=tl_s, checked=True, out_f32=True)
-            out, lse = kernel_split.combine(out_p, lse_p, attn_sink, n_split)
-            _dispatch.record_choice(op, "kernel")
-        else:
-            out, lse, _ = sparse_fp8._cache656_op(qf, flat, slots, sm_scale, d_v, attn_sink, tl, backend)
+        run = kernel_fwd_fp8cache.run_sparse_mla_fwd if fp8 else kernel_fwd_pair.run_sparse_mla_fwd
+        slots_s, tl_s = kernel_split.split_inputs(slots, tl, n_split, chunk)
+        out_p, lse_p, _ = run(kernel_split.pad_heads(qf, heads_s), flat, slots_s, sm_scale=sm_scale, d_v=d_v,
+                              topk_length=tl_s, checked=True, out_f32=True)
+        out, lse = kernel_split.combine(out_p, lse_p, attn_sink, n_split, heads=H)
+        _dispatch.record_choice(op, "kernel")
+    elif fp8:
+        out, lse, _ = sparse_fp8._cache656_op(qf, flat, slots, sm_scale, d_v, attn_sink, tl, backend)
     else:
-        op = "sparse_mla_fwd"
         out, lse, _ = sparse_api._fwd_op(qf, flat, slots, sm_scale, d_v, attn_sink, tl, False, backend)
     _dispatch.record_choice("mla_decode", _dispatch.last_choice(op))
     ld = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtypes of the reference branch below
     return out.reshape(B, s_q, H, d_v).to(q.dtype), lse.reshape(B, s_q, H).to(ld)
 
 
-def _split_plan(qf, flat, slots, d_v, tl, backend) -> tuple[int, int]:
-    """``kernel_split.split_plan``'s (n_split, chunk) where the 656-byte-cache forward runs its kernel on these
-    arguments (the split rows have the same shapes but for T and topk) in a form that writes fp32 partials
-    (``kernel_fwd_fp8cache.writes_f32``), else (1, topk)."""
-    from ..sparse import kernel_fwd_fp8cache
+def _split_plan(qf, flat, slots, d_v, tl, backend) -> tuple[int, int, int]:
+    """(n_split, chunk, heads of the split forward): ``kernel_split.split_plan``'s split and
+    ``kernel_split.forward_heads`` where the forward over this cache (bf16 rows or 656-byte FP8 rows) runs its
+    kernel on these arguments (the split rows have the same shapes but for T, H and topk), else (1, topk, H)."""
+    from ..sparse import kernel_fwd, kernel_fwd_fp8cache
 
-    op = "sparse_mla_fwd_cache656"
-    no_split = 1, slots.shape[-1]
+    fp8 = flat.shape[1] == KV_FP8_BYTES
+    op, check = (("sparse_mla_fwd_cache656", kernel_fwd_fp8cache.kernel_unsupported) if fp8
+                 else ("sparse_mla_fwd", kernel_fwd.kernel_unsupported))
+    no_split = 1, slots.shape[-1], qf.shape[1]
     if _dispatch.requested_backend(backend) == "reference" or qf.device.type != "cuda":
         return no_split
     n_split, chunk = kernel_split.split_plan(qf.shape[0], qf.shape[1], slots.shape[1],
                                              _dispatch.sm_count(qf.device.index or 0))
-    if n_split == 1 or not kernel_fwd_fp8cache.writes_f32(qf.shape[1]):
+    if n_split == 1:
         return no_split
-    if _dispatch.kernel_unavailable_reason(op, qf.device, lambda: kernel_fwd_fp8cache.kernel_unsupported(
-            qf, flat, slots, d_v=d_v, topk_length=tl)) is not None:
+    if _dispatch.kernel_unavailable_reason(op, qf.device, lambda: check(qf, flat, slots, d_v=d_v,
+                                                                       topk_length=tl)) is not None:
         return no_split
-    return n_split, chunk
+    return n_split, chunk, kernel_split.forward_heads(qf.shape[1], fp8)
 
 
 @custom_op("mla_decode")
@@ -164,7 +166,8 @@ class _Cache656Plan:
     (``_dispatch.PlanCache``, as ``sparse_mla_fwd``'s plans): views, three outputs, one launch; with split-KV
     (``n_split`` > 1, ``kernel_split``) the split slot lists, the forward's launch over them and the combine."""
 
-    __slots__ = ("launch", "B", "s_q", "H", "rows", "topk", "d_v", "tl_dummy", "sink_dummy", "n_split", "chunk")
+    __slots__ = ("launch", "B", "s_q", "H", "rows", "topk", "d_v", "tl_dummy", "sink_dummy", "n_split", "chunk",
+                 "heads_s")
 
     def __call__(self, q, kv_cache, indices, topk_length, attn_sink):
         _dispatch.record_choice("mla_decode", "kernel")
@@ -173,17 +176,17 @@ class _Cache656Plan:
             tl = self.tl_dummy
         else:  # one length per request, for each of its s_q query tokens
             tl = topk_length if s_q == 1 else topk_length.view(B, 1).expand(B, s_q).reshape(n)
-        qf, idx, sink = q.view(n, H, KV_DIM), indices.view(n, self.topk), attn_sink
+        qf, idx, sink, Hs = q.view(n, H, KV_DIM), indices.view(n, self.topk), attn_sink, self.heads_s
         if S > 1:
             idx, tl_s = kernel_split.split_inputs(idx, None if topk_length is None else tl, S, self.chunk)
-            tl, sink = self.tl_dummy if tl_s is None else tl_s, None
-        out = torch.empty((n * S, H, self.d_v), dtype=torch.bfloat16 if S == 1 else torch.float32, device=q.device)
-        lse = torch.empty((n * S, H), dtype=torch.float32, device=q.device)
-        mx = torch.empty((n * S, H), dtype=torch.float32, device=q.device)
+            tl, sink, qf = self.tl_dummy if tl_s is None else tl_s, None, kernel_split.pad_heads(qf, Hs)
+        out = torch.empty((n * S, Hs, self.d_v), dtype=torch.bfloat16 if S == 1 else torch.float32, device=q.device)
+        lse = torch.empty((n * S, Hs), dtype=torch.float32, device=q.device)
+        mx = torch.empty((n * S, Hs), dtype=torch.float32, device=q.device)
         self.launch(qf, kv_cache.view(self.rows, KV_FP8_BYTES), idx, tl, self.sink_dummy if sink is None else sink,
                     out, lse, mx)
         if S > 1:
-            out, lse = kernel_split.combine(out, lse, attn_sink, S)
+            out, lse = kernel_split.combine(out, lse, attn_sink, S, heads=H)
         return out.view(B, s_q, H, self.d_v), lse.view(B, s_q, H)
 
 
@@ -218,9 +221,10 @@ def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v
     n, topk, rows = B * s_q, indices.shape[-1], kv_cache.shape[0] * kv_cache.shape[1]
     tl = None if topk_length is None else torch.empty(n, dtype=torch.int32, device=q.device)
     qf, idx = q.view(n, H, KV_DIM), indices.view(n, topk)
-    n_split, chunk = _split_plan(qf, kv_cache.view(rows, KV_FP8_BYTES), idx, d_v, tl, "kernel")
+    n_split, chunk, heads_s = _split_plan(qf, kv_cache.view(rows, KV_FP8_BYTES), idx, d_v, tl, "kernel")
     if n_split > 1:  # the launch the split rows take (as in _via_sparse_fwd)
         idx, tl = kernel_split.split_inputs(idx, tl, n_split, chunk)
+        qf = kernel_split.pad_heads(qf, heads_s)
     launch = _dispatch.kernel_module("sparse_mla_fwd_cache656").launcher(
         qf, kv_cache.view(rows, KV_FP8_BYTES), idx, sm_scale=sm_scale, d_v=d_v, topk_length=tl,
         attn_sink=attn_sink if n_split == 1 else None, out_f32=n_split > 1)
@@ -228,7 +232,7 @@ def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v
         return
     plan = _Cache656Plan()
     plan.launch, plan.B, plan.s_q, plan.H, plan.rows, plan.topk, plan.d_v = launch, B, s_q, H, rows, topk, d_v
-    plan.n_split, plan.chunk = n_split, chunk
+    plan.n_split, plan.chunk, plan.heads_s = n_split, chunk, heads_s
     plan.tl_dummy, plan.sink_dummy = dummy(torch.int32, q.device), dummy(torch.float32, q.device)
     _PLANS.put(key, plan)
 
@@ -269,9 +273,10 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
         the split-KV decode kernel, or at H 64 / 128 with enough query tokens to fill the SMs one sparse forward on
         the pair schedule (sequences longest first). Sparse decode, and dense decode over the FP8 cache: one sparse
         MLA forward over the flat cache (see :func:`sparse_mla_fwd`; FP8 rows through the 656-byte-cache forward);
-        over the FP8 cache at H 64 / 128 and H <= 16, where its CTAs would fill at most half of the SMs (few query
-        tokens), split-KV: each token's slot list in chunks, one forward over the chunks writing fp32 partials and
-        a combine kernel (``decode/kernel_split.py``).
+        where its CTAs would fill at most half of the SMs (few query tokens), split-KV: each token's slot list in
+        chunks, one forward over the chunks writing fp32 partials (H 64 / 128, and H <= 16 over the FP8 cache;
+        other H with zero-padded heads on the 64 / 128-head form) and a combine kernel
+        (``decode/kernel_split.py``).
 
     Example:
         >>> q = torch.randn(2, 1, 4, 576, dtype=torch.bfloat16)

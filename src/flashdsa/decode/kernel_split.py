@@ -1,5 +1,5 @@
-"""Split-KV for decode over the FP8 656-byte cache, which runs as one sparse MLA forward (sparse decode, and dense
-decode through slot lists).
+"""Split-KV for the decode forms that run as one sparse MLA forward: sparse decode over either cache, and dense
+decode over the FP8 656-byte cache (through slot lists).
 
 A forward CTA takes one query token and 64 heads, so a decode step with few query tokens leaves most SMs idle:
 B = 1 at H 128 runs 2 CTAs on the H200's 132 SMs, each walking its whole slot list (top-k, or for dense decode
@@ -15,8 +15,11 @@ forward's contract for an empty row, i.e. weight 0):
 
 and a token no chunk saw a key of gets out 0, lse +inf. The plan depends on shapes only: no host sync, so a split
 decode step captures in a CUDA graph. The forward writes each chunk's normalised output in fp32 (``out_f32``: the
-pair and "mma" forms of the 656-byte-cache forward, ``kernel_fwd_fp8cache.writes_f32``; bf16 partials put the
-output's cosine distance at ~5e-6, the issue's bound, measured in session 44) and the merge runs in fp32.
+pair forms over either cache (H 64 / 128) and the "mma" forms of the 656-byte-cache forward (H <= 16,
+``kernel_fwd_fp8cache.writes_f32``); bf16 partials put the output's cosine distance at ~5e-6, the issue's bound,
+measured in session 44) and the merge runs in fp32. Other head counts run the split forward on the next pair form
+(``forward_heads``: 64 or 128 heads, q padded with zero heads by ``pad_heads``); the combine reads the real heads
+only.
 
 ``$FLASHDSA_DECODE_SPLIT`` (``SPLIT_ENV``): "0" never splits (for timing); a positive integer is the least number
 of 64-slot blocks per chunk instead of ``MIN_SPLIT_BLOCKS``.
@@ -58,6 +61,31 @@ def split_plan(tokens: int, heads: int, topk: int, num_sms: int) -> tuple[int, i
     return (n_split, blocks * BLOCK) if n_split > 1 else (1, topk)
 
 
+def forward_heads(heads: int, fp8: bool) -> int:
+    """The head count the split forward runs at for ``heads`` query heads: ``heads`` where a kernel at that H
+    writes fp32 partials (the pair forms at 64 / 128 over either cache; the "mma" forms at H <= 16 over the
+    656-byte cache, ``kernel_fwd_fp8cache.writes_f32``), else the next pair form (64 up to 64 heads, else 128): the
+    padded heads' q rows are zero and their partials are never read.  (At the few tokens that split, a chunk's
+    CTA is bound by its rows and its fixed cost, not by the heads' products.)"""
+    if fp8:
+        from ..sparse import kernel_fwd_fp8cache
+
+        if kernel_fwd_fp8cache.writes_f32(heads):
+            return heads
+    return 64 if heads <= 64 else 128
+
+
+def pad_heads(q, heads: int):
+    """q [T, H, D] as [T, heads, D] (heads >= H): itself where H == heads, else a copy with zero rows for the heads
+    past H."""
+    T_, H, D = q.shape
+    if H == heads:
+        return q
+    q_p = q.new_zeros((T_, heads, D))
+    q_p[:, :H] = q
+    return q_p
+
+
 def split_inputs(slots, topk_length, n_split: int, chunk: int):
     """The forward's index inputs for the (token, chunk) rows, row ``t * n_split + k`` = chunk k of token t (q keeps
     one row per token: the ``out_f32`` forward builds read q row ``t`` for rows ``t * n_split ..``):
@@ -76,7 +104,7 @@ def split_inputs(slots, topk_length, n_split: int, chunk: int):
     return slots_s, tl_s
 
 
-def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS):
+def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS, part_heads: int = 0):
     """Merge the chunks of each (token, head) (module docstring).  The same merge as the dense decode's
     ``_tl_common.combine_row_macro``, in the forward's lse convention (natural log, +inf for no key); folding both
     into that macro (an input-convention option) waits for a GPU to verify the rebuilt combine (branch
@@ -85,9 +113,10 @@ def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_
     weight: where every chunk with keys has a NaN lse, the token gets out 0 and lse +inf instead of NaN
     (``gpu-pending`` tests with ``T.isnan``).
 
-    Signature: (OPart [T, n_split, H, 512] f32, LsePart [T, n_split, H] f32 (natural log, +inf for a chunk with no
-    key), Sink [n_sink] f32, Out [T, H, 512] bf16, Lse [T, H] f32); grid (H, T), ``threads`` x 512 / threads
-    columns.
+    Signature: (OPart [T, n_split, Hp, 512] f32, LsePart [T, n_split, Hp] f32 (natural log, +inf for a chunk with
+    no key), Sink [n_sink] f32, Out [T, H, 512] bf16, Lse [T, H] f32) with Hp = ``part_heads`` (0: H; more where
+    the forward ran padded heads, ``forward_heads``: heads H.. of the partials are not read); grid (H, T),
+    ``threads`` x 512 / threads columns.
     """
     import tilelang.language as T
 
@@ -95,11 +124,13 @@ def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_
     VPT = D // threads
     f32, bf16 = "float32", "bfloat16"
     ntok, nsp, n_sink = T.dynamic("tokens"), T.dynamic("n_split"), T.dynamic("n_sink")
+    hp = part_heads or heads
+    assert hp >= heads, (part_heads, heads)
 
     @T.prim_func
     def mla_decode_split_combine(
-        OPart: T.Tensor([ntok, nsp, heads, D], f32),
-        LsePart: T.Tensor([ntok, nsp, heads], f32),
+        OPart: T.Tensor([ntok, nsp, hp, D], f32),
+        LsePart: T.Tensor([ntok, nsp, hp], f32),
         Sink: T.Tensor([n_sink], f32),
         Out: T.Tensor([ntok, heads, D], bf16),
         Lse: T.Tensor([ntok, heads], f32),
@@ -150,28 +181,32 @@ def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_combine(heads: int, has_sink: bool):
+def _compiled_combine(heads: int, has_sink: bool, part_heads: int = 0):
     import tilelang
 
-    return direct_launcher(tilelang.compile(build_combine_kernel(heads=heads, has_sink=has_sink), target="cuda"))
+    return direct_launcher(tilelang.compile(build_combine_kernel(heads=heads, has_sink=has_sink,
+                                                                 part_heads=part_heads), target="cuda"))
 
 
-def combine(out_p, lse_p, attn_sink, n_split: int):
+def combine(out_p, lse_p, attn_sink, n_split: int, heads: int | None = None):
     """(out [T, H, 512] bf16, lse [T, H] f32) merged from the forward's outputs over the (token, chunk) rows:
-    out_p [T * n_split, H, 512] f32, lse_p [T * n_split, H] f32; attn_sink [H] f32 or None."""
+    out_p [T * n_split, Hp, 512] f32, lse_p [T * n_split, Hp] f32 (Hp >= H: ``forward_heads``); attn_sink [H] f32
+    or None; H = ``heads`` (None: Hp)."""
     from .._tilelang import dummy
 
-    n, H, D = out_p.shape
+    n, Hp, D = out_p.shape
+    H = Hp if heads is None else heads
     T_ = n // n_split
     out = torch.empty((T_, H, D), dtype=torch.bfloat16, device=out_p.device)
     lse = torch.empty((T_, H), dtype=torch.float32, device=out_p.device)
     sink = dummy(torch.float32, out_p.device) if attn_sink is None else attn_sink.float().contiguous()
-    _compiled_combine(H, attn_sink is not None)(out_p.view(T_, n_split, H, D), lse_p.view(T_, n_split, H), sink,
-                                                out, lse)
+    _compiled_combine(H, attn_sink is not None, 0 if Hp == H else Hp)(
+        out_p.view(T_, n_split, Hp, D), lse_p.view(T_, n_split, Hp), sink, out, lse)
     return out, lse
 
 
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
-    return [(f"split_combine_h{h}" + ("_sink" if s else ""), build_combine_kernel(heads=h, has_sink=s))
-            for h, s in ((128, True), (16, False))]
+    return [(f"split_combine_h{h}" + ("_sink" if s else "") + (f"_of{p}" if p else ""),
+             build_combine_kernel(heads=h, has_sink=s, part_heads=p))
+            for h, s, p in ((128, True, 0), (16, False, 0), (32, True, 64))]

@@ -321,11 +321,14 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     return direct_launcher(kernel), False
 
 
-def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None, extra=()):
+def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None, extra=(),
+           out_f32: bool = False):
     """Host side shared by the forward variants: outputs, empty inputs, layouts, dummy optional args, then
     ``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)(...)``; ``extra``: more kernel
-    inputs, passed after Sink (e.g. the pair kernel's Order). Arguments already checked."""
-    (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
+    inputs, passed after Sink (e.g. the pair kernel's Order). Arguments already checked.  ``out_f32``: a build
+    writing float32 out over indices' rows (split-KV partials; q one row per token)."""
+    (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v, n_tok=indices.shape[0],
+                                                  out_dtype=torch.float32 if out_f32 else torch.bfloat16)
     if done:
         return out, lse, max_logits
     n_tok, heads, dqk = q.shape

@@ -172,6 +172,7 @@ def build_sparse_mla_fwd(
     hop: bool = False,
     batched: bool = False,
     evict_first: bool = False,
+    out_f32: bool = False,
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -194,7 +195,10 @@ def build_sparse_mla_fwd(
     ``rows_per_batch`` (S) and ``kv_per_batch`` (S_kv) after MaxLogits, Indices the flat view ``[B * S, topk]``,
     KV ``[B * S_kv, D]``; the rows are those of ``kernel_index.offset_batched_indices`` (one launch less).
     ``evict_first`` (with ``row_gather``): the gather's copies carry an L2 evict_first policy
-    (``_tl_common.EVICT_FIRST_PRELUDE``), for calls that read each KV row about once (``_persistent_kw``)."""
+    (``_tl_common.EVICT_FIRST_PRELUDE``), for calls that read each KV row about once (``_persistent_kw``).
+    ``out_f32`` (split-KV partials, ``decode/kernel_split.py``; the plain form): Out float32 and Q [n_q, H, Dqk]
+    with n_q dividing T, row t reading q row t / (T / n_q) (``pair_body``'s q_rows: a token's chunks share its q
+    row)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert not (batched and has_order), "batched: no ordered build"
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
@@ -203,11 +207,14 @@ def build_sparse_mla_fwd(
     assert not (row_gather and (ablate or l2_prefetch)), "row_gather: no ablate / l2_prefetch build"
     assert row_gather or not evict_first, "evict_first: a row_gather build"
     assert dqk == D_V or not evict_first, "evict_first: Dqk 512 only (illegal instruction at 576, session 31)"
+    assert not (out_f32 and (has_order or batched or ablate or hop)), "out_f32: the plain form"
+    n_q = T.dynamic("n_q") if out_f32 else n_tok  # split-KV: one q row per token, n_tok / n_q chunk rows each
     producer = _bf16_producer(dqk=dqk, n_kv=n_kv, topk_dim=topk_dim, prefetch_rows=prefetch_rows, ablate=ablate,
                               row_gather=row_gather, batched=batched)
     body = pair_body(heads=heads, dqk=dqk, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent,
+                     **(dict(out_f32=True, q_rows=n_q) if out_f32 else {}),
                      **(dict(converter=hop_converter(), regs=HOP_REGS) if hop else {}),
                      prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.EVICT_FIRST_PRELUDE if evict_first
                               else tc.ROW_GATHER_PRELUDE if row_gather else None))
@@ -249,12 +256,12 @@ def build_sparse_mla_fwd(
 
     @T.prim_func
     def sparse_mla_fwd_pair(
-        Q: T.Tensor([n_tok, heads, dqk], bf16),
+        Q: T.Tensor([n_q, heads, dqk], bf16),
         KV: T.Tensor([n_kv, dqk], bf16),
         Indices: T.Tensor([n_tok, topk_dim], i32),
         TopkLen: T.Tensor([n_tl], i32),
         Sink: T.Tensor([n_sink], f32),
-        Out: T.Tensor([n_tok, heads, D_V], bf16),
+        Out: T.Tensor([n_tok, heads, D_V], f32 if out_f32 else bf16),
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
@@ -353,14 +360,25 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
     return reason
 
 
+# the split-KV partials' build (``decode/kernel_split.py``): one CTA per (token, chunk) item, rows gathered by rows
+OUT_F32_KW = ROW_GATHER_KW + (("out_f32", True),)
+
+
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       order=None, checked: bool = False):
+                       order=None, checked: bool = False, out_f32: bool = False):
     """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  ``order``: None, or
-    [T] int32 on the device, the token each CTA row takes (a permutation of 0..T-1; ``pair_body``'s Order)."""
+    [T] int32 on the device, the token each CTA row takes (a permutation of 0..T-1; ``pair_body``'s Order).
+    ``out_f32`` (split-KV partials; ``OUT_F32_KW``'s build, no ``order``): out float32, and q may hold one row per
+    token for T = indices' rows = a multiple of q's (row t reads q row t / (T / q rows))."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"sparse_mla fwd pair kernel: {reason}")
+    if out_f32:
+        if order is not None:
+            raise ValueError("out_f32: no ordered build")
+        return kernel_fwd.launch(lambda *a: _compiled(*a, OUT_F32_KW), q, kv, indices, sm_scale=sm_scale, d_v=d_v,
+                                 topk_length=topk_length, attn_sink=attn_sink, out_f32=True)
     return kernel_fwd.launch(dispatched(q, kv.shape[0], order), q, kv, indices, sm_scale=sm_scale, d_v=d_v,
                              topk_length=topk_length, attn_sink=attn_sink, extra=() if order is None else (order,))
 
@@ -384,6 +402,9 @@ def lowering_cases():
         ("pair_h64_d512_topk640_sink_persistent132_row_gather_batched_evict_first",  # sparse_attn's decode plan
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, persistent=132,
                               row_gather=True, batched=True, evict_first=True)),
+        ("pair_h128_d576_topk256_tl_row_gather_out_f32",  # split-KV partials of bf16-cache decode
+         build_sparse_mla_fwd(heads=128, dqk=576, topk=256, sm_scale=0.04, has_topk_length=True, row_gather=True,
+                              out_f32=True)),
     ]
 
 
