@@ -147,3 +147,15 @@ def test_padded_heads_merge_to_the_unsplit_forward():
     out, lse = _combine64(out_p, lse_p, sink, n_split, heads=H)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+
+
+def test_split_combine_kernel_tests_its_partials_for_nan():
+    """The combine's NaN flag survives lowering (TVM's simplifier folds ``x != x`` to false, which removed the
+    flag from session 44's build; ``T.isnan`` lowers to a test the CUDA keeps)."""
+    pytest.importorskip("tilelang")
+    import re
+
+    from flashdsa._tilelang import lower_to_cuda_source
+
+    src = lower_to_cuda_source(kernel_split.build_combine_kernel(heads=16, has_sink=False), None, "sm_90a")
+    assert re.search(r"\(w\[0\] != w\[0\]\)", src), "no NaN test of the partial lse in the lowered combine"

@@ -141,11 +141,12 @@ def item_macros(*, M: int, s_q: int, causal: bool, BH: int, BI: int, heads: int 
     return load_item, start_item, wg0_finish
 
 
-def combine_row_macro(*, heads: int, has_sink: bool, vpt: int, col, unroll: bool = False):
+def combine_row_macro(*, heads: int, has_sink: bool, vpt: int, col, unroll: bool = False, natural: bool = False):
     """``combine_row(Sink, OPart, LsePart, Out, Lse, b, m, first, nsp, lead, t, scratch)``: the split-KV merge of
     query row ``m`` of sequence ``b`` from its ``nsp`` partials ``OPart[first + k, m]`` / ``LsePart[first + k, m]``
-    (k < nsp), used by the combine kernel (``kernel_dense.build_combine_kernel``) and the single-launch decode
-    (``kernel_dense_fused``), so both merge with the same arithmetic.
+    (k < nsp), used by the combine kernel (``kernel_dense.build_combine_kernel``), the single-launch decode
+    (``kernel_dense_fused``) and the combine of the decode forms that run as one sparse forward
+    (``kernel_split``), so all merge with the same arithmetic.
 
     Math (base 2, ``lse2_k = -inf`` for a split that saw no key): ``mx = max_k lse2_k``; ``w_k = 2^(lse2_k - mx)``,
     ``tot = sum_k w_k``; ``out = sum_k w_k o_k / tot`` (``/ (tot + 2^(sink log2e - mx))`` with a sink, which is
@@ -154,24 +155,49 @@ def combine_row_macro(*, heads: int, has_sink: bool, vpt: int, col, unroll: bool
     (``col`` is a Python function of the thread's index ``t`` among the row's threads and ``v``); ``lead`` (a
     condition) picks the one thread of the row that writes ``Lse``.  ``scratch`` = (mx, tot, w, scl [1] f32,
     acc [vpt] f32) local buffers.  ``unroll``: unrolled column loops (keeps ``acc`` in registers for large vpt).
+
+    ``natural``: the partials' lse in the sparse forward's convention (natural log, +inf for a partial that saw no
+    key), taken to base 2 as they are read; and a NaN lse (a NaN row was attended) makes the row's out and lse NaN
+    even where no other partial saw a key, as in the unsplit forward (``max`` drops NaN, so a flag raises ``mx``
+    to at least 0 and the NaN weight reaches every sum).
     """
     import tilelang.language as T
 
     f32, bf16 = "float32", "bfloat16"
     vloop = T.unroll if unroll else T.serial
 
+    def lse2(x):  # a partial's lse in base 2, -inf for one that saw no key
+        if not natural:
+            return x
+        return T.if_then_else(x == T.infinity(f32), -T.infinity(f32), x * T.float32(LOG2E))
+
     @T.macro
     def combine_row(Sink, OPart, LsePart, Out, Lse, b, m, first, nsp, lead, t, scratch):
         mx, tot, w, scl, acc = scratch
         mx[0] = -T.infinity(f32)
-        for k in T.serial(nsp):
-            mx[0] = T.max(mx[0], LsePart[first + k, m])
+        if natural:
+            nan = T.alloc_local([1], "int32")
+            nan[0] = 0
+            for k in T.serial(nsp):
+                w[0] = LsePart[first + k, m]
+                # T.isnan: the simplifier folds x != x to false (session 44's split combine lost its NaN flag so)
+                nan[0] = T.if_then_else(T.isnan(w[0]), 1, nan[0])
+                mx[0] = T.max(mx[0], lse2(w[0]))
+            if nan[0] != 0:
+                mx[0] = T.max(mx[0], T.float32(0))
+        else:
+            for k in T.serial(nsp):
+                mx[0] = T.max(mx[0], LsePart[first + k, m])
         tot[0] = 0
         for v in vloop(vpt):
             acc[v] = 0
         if mx[0] > -T.infinity(f32):
             for k in T.serial(nsp):
-                w[0] = T.exp2(LsePart[first + k, m] - mx[0])
+                if natural:
+                    w[0] = LsePart[first + k, m]
+                    w[0] = T.exp2(lse2(w[0]) - mx[0])
+                else:
+                    w[0] = T.exp2(LsePart[first + k, m] - mx[0])
                 tot[0] += w[0]
                 for v in vloop(vpt):
                     acc[v] += w[0] * OPart[first + k, m, col(t, v)]

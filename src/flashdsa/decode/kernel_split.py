@@ -33,7 +33,7 @@ import os
 import torch
 
 from .._tilelang import direct_launcher
-from ._tl_common import D_V, LN2, LOG2E
+from ._tl_common import D_V, combine_row_macro
 
 SPLIT_ENV = "FLASHDSA_DECODE_SPLIT"
 BLOCK = 64  # slots per forward block: chunks are whole blocks
@@ -105,77 +105,44 @@ def split_inputs(slots, topk_length, n_split: int, chunk: int):
 
 
 def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS, part_heads: int = 0):
-    """Merge the chunks of each (token, head) (module docstring).  The same merge as the dense decode's
-    ``_tl_common.combine_row_macro``, in the forward's lse convention (natural log, +inf for no key); folding both
-    into that macro (an input-convention option) waits for a GPU to verify the rebuilt combine (branch
-    ``gpu-pending``, ROADMAP).  Known limit of this build: its NaN flag (``x != x``) is folded to false by TVM's
-    simplifier (session 45, in the lowered CUDA), so a NaN partial lse makes out / lse NaN only through its
-    weight: where every chunk with keys has a NaN lse, the token gets out 0 and lse +inf instead of NaN
-    (``gpu-pending`` tests with ``T.isnan``).
+    """Merge the chunks of each (token, head) (module docstring) with the dense decode's merge
+    (``_tl_common.combine_row_macro``) in the forward's lse convention (``natural``: natural log, +inf for a chunk
+    with no key, a NaN partial kept).
 
-    Signature: (OPart [T, n_split, Hp, 512] f32, LsePart [T, n_split, Hp] f32 (natural log, +inf for a chunk with
-    no key), Sink [n_sink] f32, Out [T, H, 512] bf16, Lse [T, H] f32) with Hp = ``part_heads`` (0: H; more where
-    the forward ran padded heads, ``forward_heads``: heads H.. of the partials are not read); grid (H, T),
-    ``threads`` x 512 / threads columns.
+    Signature: (OPart [T * n_split, Hp, 512] f32 (row t * n_split + k: chunk k of token t), LsePart [T * n_split,
+    Hp] f32, Sink [n_sink] f32, Out [T, H, 512] bf16, Lse [T, H] f32, n_split int32) with Hp = ``part_heads``
+    (0: H; more where the forward ran padded heads, ``forward_heads``: heads H.. of the partials are not read);
+    grid (H, T), ``threads`` x 512 / threads columns.
     """
     import tilelang.language as T
 
     D = D_V
     VPT = D // threads
     f32, bf16 = "float32", "bfloat16"
-    ntok, nsp, n_sink = T.dynamic("tokens"), T.dynamic("n_split"), T.dynamic("n_sink")
+    nrow, ntok, n_sink = T.dynamic("rows"), T.dynamic("tokens"), T.dynamic("n_sink")
     hp = part_heads or heads
     assert hp >= heads, (part_heads, heads)
+    combine_row = combine_row_macro(heads=heads, has_sink=has_sink, vpt=VPT, col=lambda t, v: t * VPT + v,
+                                    natural=True)
 
     @T.prim_func
     def mla_decode_split_combine(
-        OPart: T.Tensor([ntok, nsp, hp, D], f32),
-        LsePart: T.Tensor([ntok, nsp, hp], f32),
+        OPart: T.Tensor([nrow, hp, D], f32),
+        LsePart: T.Tensor([nrow, hp], f32),
         Sink: T.Tensor([n_sink], f32),
         Out: T.Tensor([ntok, heads, D], bf16),
         Lse: T.Tensor([ntok, heads], f32),
+        n_split: T.int32,
     ):
         with T.Kernel(heads, ntok, threads=threads) as (h, t):
             tx = T.get_thread_binding()
             mx = T.alloc_local([1], f32)
-            lk = T.alloc_local([1], f32)
-            w = T.alloc_local([1], f32)
             tot = T.alloc_local([1], f32)
+            w = T.alloc_local([1], f32)
             scl = T.alloc_local([1], f32)
             acc = T.alloc_local([VPT], f32)
-            nan = T.alloc_local([1], "int32")
-            mx[0] = -T.infinity(f32)
-            nan[0] = 0
-            for k in T.serial(nsp):
-                # +inf marks a chunk that saw no key (weight 0); the NaN test below is meant to keep a NaN lse apart
-                # (max drops NaN), but the simplifier folds x != x to false (docstring: known limit)
-                lk[0] = LsePart[t, k, h]
-                nan[0] = T.if_then_else(lk[0] != lk[0], 1, nan[0])
-                mx[0] = T.max(mx[0], T.if_then_else(lk[0] == T.infinity(f32), -T.infinity(f32), lk[0]))
-            tot[0] = 0
-            for v in T.vectorized(VPT):
-                acc[v] = 0
-            if mx[0] > -T.infinity(f32) or nan[0] != 0:
-                for k in T.serial(nsp):
-                    lk[0] = LsePart[t, k, h]
-                    w[0] = T.if_then_else(lk[0] == T.infinity(f32), T.float32(0),
-                                          T.exp2((lk[0] - mx[0]) * T.float32(LOG2E)))
-                    tot[0] += w[0]
-                    for v in T.vectorized(VPT):
-                        acc[v] += w[0] * OPart[t, k, h, tx * VPT + v]
-                if has_sink:
-                    scl[0] = 1.0 / (tot[0] + T.exp2((Sink[h] - mx[0]) * T.float32(LOG2E)))
-                else:
-                    scl[0] = 1.0 / tot[0]
-                for v in T.vectorized(VPT):
-                    Out[t, h, tx * VPT + v] = T.cast(acc[v] * scl[0], bf16)
-                if tx == 0:
-                    Lse[t, h] = mx[0] + T.log2(tot[0]) * T.float32(LN2)
-            else:
-                for v in T.vectorized(VPT):
-                    Out[t, h, tx * VPT + v] = T.cast(0, bf16)
-                if tx == 0:
-                    Lse[t, h] = T.infinity(f32)
+            combine_row(Sink, OPart, LsePart, Out, Lse, t, h, t * n_split, n_split, tx == 0, tx,
+                        (mx, tot, w, scl, acc))
 
     return mla_decode_split_combine
 
@@ -200,8 +167,7 @@ def combine(out_p, lse_p, attn_sink, n_split: int, heads: int | None = None):
     out = torch.empty((T_, H, D), dtype=torch.bfloat16, device=out_p.device)
     lse = torch.empty((T_, H), dtype=torch.float32, device=out_p.device)
     sink = dummy(torch.float32, out_p.device) if attn_sink is None else attn_sink.float().contiguous()
-    _compiled_combine(H, attn_sink is not None, 0 if Hp == H else Hp)(
-        out_p.view(T_, n_split, Hp, D), lse_p.view(T_, n_split, Hp), sink, out, lse)
+    _compiled_combine(H, attn_sink is not None, 0 if Hp == H else Hp)(out_p, lse_p, sink, out, lse, n_split)
     return out, lse
 
 
