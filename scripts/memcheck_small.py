@@ -11,7 +11,8 @@ KV rows), sparse_bwd / sparse_bwd_det (the dispatched backward, fast and determi
 B 132: the pair path), sparse_cache656_<form> (kernel_fwd_mma656's builds mma / mma_par / mma_ws / mma_ws_par at
 H 16), sparse_*_extras (with attn_sink and topk_length), sparse_bf16_512 (Dqk 512), sparse_bf16_h48 (padded
 heads), indexer_prefill / indexer_prefill_bf16, decode_split656 (split-KV decode over the FP8 cache: sparse H 16 /
-64 / 128 and dense).
+64 / 128 and dense), decode_split_padded (split-KV at H 32 / 100 over the FP8 cache and H 9 / 64 / 128 over a bf16
+one: the padded pair forms and the bf16 pair kernel's fp32 build).
 """
 
 import math
@@ -251,10 +252,11 @@ TARGETS = {"topk_regs": lambda: topk("regs"), "topk_single": lambda: topk("singl
            "decode_pair": lambda: decode(128, 1, 64, B=132)}
 
 
-def decode_split656():
-    """Split-KV decode over the FP8 cache (``decode/kernel_split.py``: fp32 partials of the pair / mma forms and
-    the combine): sparse at H 16 / 64 / 128 with -1 and out-of-range slots, a short and a zero topk_length and a
-    sink with +-inf; dense at H 128 over a cache with a zero-length sequence; NaN rows where nothing is attended."""
+def decode_split(fp8=True, heads=(16, 64, 128), dense=True):
+    """Split-KV decode (``decode/kernel_split.py``: fp32 partials and the combine) over the FP8 cache (``fp8``)
+    or a bf16 one: sparse at each H of ``heads`` (H without an fp32-output build: the padded pair form) with -1 and
+    out-of-range slots, a short and a zero topk_length and a sink with +-inf; with ``dense``, dense decode at
+    H 128 over the FP8 cache with a zero-length sequence; NaN rows where nothing is attended."""
     import flashdsa
     from flashdsa.decode import kernel_split
 
@@ -262,9 +264,10 @@ def decode_split656():
     nb, bs, B = 40, 64, 2
     kv = (torch.randn(nb, bs, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
     kv[nb - 4:] = float("nan")  # never attended
-    cache = flashdsa.quantize_kv_fp8(kv)
+    cache = flashdsa.quantize_kv_fp8(kv) if fp8 else kv
+    ref_cache = flashdsa.dequantize_kv_fp8(cache) if fp8 else kv
     ok = True
-    for H in (16, 64, 128):
+    for H in heads:
         assert kernel_split.split_plan(B, H, 512, 132)[0] > 1
         q = (torch.randn(B, 1, H, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
         idx = torch.randint(0, (nb - 4) * bs, (B, 1, 512), generator=g, device=DEV, dtype=torch.int32)
@@ -273,22 +276,26 @@ def decode_split656():
         sink = torch.randn(H, generator=g, device=DEV)
         sink[0], sink[-1] = math.inf, -math.inf
         out, lse = flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, attn_sink=sink)
-        ro, _ = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), None, None, indices=idx, topk_length=tl,
-                                    attn_sink=sink, backend="reference")
+        ro, _ = flashdsa.mla_decode(q, ref_cache, None, None, indices=idx, topk_length=tl, attn_sink=sink,
+                                    backend="reference")
         good = _close(out, ro, 1e-3, 2 / 128)
-        print(f"  split sparse decode H {H}: {'ok' if good else 'MISMATCH'}")
+        print(f"  split sparse decode ({'fp8' if fp8 else 'bf16'}) H {H}: {'ok' if good else 'MISMATCH'}")
         ok &= good
-    table = torch.randperm(nb - 4, generator=g, device=DEV)[:32].int().view(B, 16)
-    lens = torch.tensor([1000, 0], dtype=torch.int32, device=DEV)
-    q = (torch.randn(B, 1, 128, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
-    out, _ = flashdsa.mla_decode(q, cache, table, lens)
-    ro, _ = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), table, lens, backend="reference")
-    good = _close(out, ro, 1e-3, 2 / 128)
-    print(f"  split dense FP8 decode H 128: {'ok' if good else 'MISMATCH'}")
-    return ok and good
+    if dense:
+        table = torch.randperm(nb - 4, generator=g, device=DEV)[:32].int().view(B, 16)
+        lens = torch.tensor([1000, 0], dtype=torch.int32, device=DEV)
+        q = (torch.randn(B, 1, 128, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
+        out, _ = flashdsa.mla_decode(q, cache, table, lens)
+        ro, _ = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), table, lens, backend="reference")
+        good = _close(out, ro, 1e-3, 2 / 128)
+        print(f"  split dense FP8 decode H 128: {'ok' if good else 'MISMATCH'}")
+        ok &= good
+    return ok
 
 
-TARGETS["decode_split656"] = decode_split656
+TARGETS["decode_split656"] = decode_split
+TARGETS["decode_split_padded"] = lambda: all([decode_split(True, (32, 100), dense=False),
+                                              decode_split(False, (9, 64, 128), dense=False)])
 
 
 def sparse_cache656_mma(form="mma"):
