@@ -481,7 +481,8 @@ def decode_cases(full: bool) -> list[Case]:
         for kind, fp8, B, H, cache in (("sparse", True, 1, 128, 32768), ("sparse", True, 8, 64, 32768),
                                        ("sparse", True, 4, 16, 32768), ("dense", True, 1, 128, 32768),
                                        ("dense", True, 2, 16, 65536), ("sparse", True, 4, 32, 32768),
-                                       ("sparse", False, 1, 128, 32768), ("sparse", False, 4, 16, 32768)) if full
+                                       ("sparse", False, 1, 128, 32768), ("sparse", False, 4, 16, 32768),
+                                       ("sparse", False, 32, 16, 32768)) if full
     ]
 
 

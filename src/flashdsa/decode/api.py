@@ -75,7 +75,8 @@ def _split_plan(qf, flat, slots, d_v, tl, backend) -> tuple[int, int, int]:
     if _dispatch.requested_backend(backend) == "reference" or qf.device.type != "cuda":
         return no_split
     n_split, chunk = kernel_split.split_plan(qf.shape[0], qf.shape[1], slots.shape[1],
-                                             _dispatch.sm_count(qf.device.index or 0))
+                                             _dispatch.sm_count(qf.device.index or 0),
+                                             kernel_split.split_fill(qf.shape[1], fp8))
     if n_split == 1:
         return no_split
     if _dispatch.kernel_unavailable_reason(op, qf.device, lambda: check(qf, flat, slots, d_v=d_v,

@@ -42,18 +42,19 @@ _COMBINE_THREADS = 128
 EXPECTS_WGMMA = False  # the combine kernel has no matrix product (tests/test_lowering.py)
 
 
-def split_plan(tokens: int, heads: int, topk: int, num_sms: int) -> tuple[int, int]:
+def split_plan(tokens: int, heads: int, topk: int, num_sms: int, fill: int = 2) -> tuple[int, int]:
     """(n_split, chunk) for a forward over ``tokens`` query rows of ``heads`` heads with ``topk`` slots each:
-    (1, topk) where its ``tokens * ceil(heads / 64)`` CTAs fill more than half of the ``num_sms`` SMs, or the list
-    is too short to cut; else chunks of ``chunk`` slots (a power of two times 64, at least the minimum) such that
-    about one CTA per SM runs."""
+    (1, topk) where its ``tokens * ceil(heads / 64)`` CTAs fill more than 1 / ``fill`` of the ``num_sms`` SMs, or
+    the list is too short to cut; else chunks of ``chunk`` slots (a power of two times 64, at least the minimum)
+    such that about one CTA per SM runs.  (``fill`` 4: where the unsplit form is much cheaper per key than the
+    split one, ``split_fill``.)"""
     env = os.environ.get(SPLIT_ENV, "")
     if env == "0":
         return 1, topk
     min_blocks = int(env) if env.isdigit() else MIN_SPLIT_BLOCKS
     units = tokens * -(-heads // 64)
     n_blocks = -(-topk // BLOCK)
-    if units == 0 or 2 * units > num_sms or n_blocks < 2 * min_blocks:
+    if units == 0 or fill * units > num_sms or n_blocks < 2 * min_blocks:
         return 1, topk
     per_chunk = -(-n_blocks // (num_sms // units))
     blocks = max(min_blocks, 1 << (per_chunk - 1).bit_length())
@@ -73,6 +74,15 @@ def forward_heads(heads: int, fp8: bool) -> int:
         if kernel_fwd_fp8cache.writes_f32(heads):
             return heads
     return 64 if heads <= 64 else 128
+
+
+def split_fill(heads: int, fp8: bool) -> int:
+    """``split_plan``'s ``fill`` for this form: 4 for the bf16 cache at H <= 16, else 2.  There the unsplit
+    forward is the per-warp ``mma.sync`` kernel (~1.5 us per 64-key block and token, ~47 us for a CTA over 2048
+    keys), while the split runs the 64-head pair form (~2.6 us per block plus ~10 us per CTA and ~5 us of combine,
+    from session 44's B 8 H 64 / B 1 H 128 timings): with chunks of 16 blocks (fill 2, tokens 34..66) the two tie,
+    with 8 or fewer (fill 4) the split wins.  A model, not yet measured for these forms (ROADMAP)."""
+    return 4 if not fp8 and heads <= 16 else 2
 
 
 def pad_heads(q, heads: int):
