@@ -57,3 +57,32 @@ def test_paged_matches_reference_and_slot_lists(monkeypatch, B, s_q, H, block_si
     assert not _pair_path.paged(block_size)
     slots = _run(K, q, kv, table, seqlens, causal, attn_sink)
     assert torch.equal(out, slots[0]) and torch.equal(lse, slots[1]), "paged != slot lists"
+
+
+@pytest.mark.parametrize("B,s_q,H,block_size,lens,causal,sink,bad", [c for c in CASES if c[2] == 128] + [
+    (133, 1, 128, 64, (8192, 4096, 64, 1, 0, 3000), True, False, True)])
+def test_cluster_build_matches_the_paged_kernel(monkeypatch, B, s_q, H, block_size, lens, causal, sink, bad):
+    """The 2-CTA cluster build (``$FLASHDSA_DECODE_PAIR_CLUSTER=1``: the two head groups of a token share each full
+    page's TMA load by multicast) against the reference and bit for bit against the paged kernel (same products
+    in the same order); B 133: an odd number of tokens, more CTAs than SMs, partial and bad pages."""
+    from flashdsa.decode import kernel_pair_paged
+
+    K = _kernel()
+    lens = [lens[i % len(lens)] for i in range(B)]
+    q, kv, table, seqlens = _make(B, s_q, H, block_size, lens, seed=B * 17 + block_size)
+    if bad:
+        for b, n in enumerate(lens):
+            if n > 2 * block_size:
+                table[b, 1] = -1
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(H, device="cuda", dtype=torch.float32)
+        attn_sink[0], attn_sink[1] = float("inf"), float("-inf")
+    monkeypatch.setenv(kernel_pair_paged.CLUSTER_ENV, "1")
+    assert kernel_pair_paged.use_cluster(H)
+    out, lse = _run(K, q, kv, table, seqlens, causal, attn_sink)
+    torch.cuda.synchronize()
+    _check(out, lse, *_reference(q, kv, table, seqlens, sm_scale=576 ** -0.5, causal=causal, sink=attn_sink))
+    monkeypatch.setenv(kernel_pair_paged.CLUSTER_ENV, "0")
+    plain = _run(K, q, kv, table, seqlens, causal, attn_sink)
+    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1]), "cluster != paged kernel"

@@ -24,6 +24,7 @@ addresses -> 4-5 TMA instructions from one thread): without any gather the pair 
 """
 
 import functools
+import os
 
 import torch
 
@@ -40,13 +41,20 @@ from ._tl_common import D_V, DQK
 BI = tc.BLOCK_I
 DH = D_V // 2
 TOPK_BOUND = 1 << 30  # the kernel's static block bound; the real bound is TopkLen <= max_blocks * block_size
+# "1": at H 128 the token's two head-group CTAs run as a 2-CTA cluster sharing each full page's TMA load (one L2
+# read per page instead of two; session 45, not yet measured: timing and tests read it, the default is off)
+CLUSTER_ENV = "FLASHDSA_DECODE_PAIR_CLUSTER"
 
 
-def paged_producer(*, s_q, block_size):
+def paged_producer(*, s_q, block_size, cluster=False):
     """The producer (``pair_body``'s ``producer`` slot) of the paged bf16 cache: ``kv_src`` = (KV [num_blocks *
     block_size, 576] (the row gather's flat view), KVP [num_blocks, block_size, 576] (the TMA's paged view)),
-    ``Indices`` = BlockTable [B, max_blocks] int32."""
+    ``Indices`` = BlockTable [B, max_blocks] int32.  ``cluster`` (``pair_body``'s): a full block's TMA loads are
+    multicast by rank 0 of the token's 2-CTA cluster into both CTAs (each CTA still expects the bytes on its own
+    ready barrier), so each page is read from L2 once for both head groups; partial blocks keep a row gather per
+    CTA."""
     bs = int(block_size)
+    mc = 0b11 if cluster else None  # T.tma_copy's cluster_mask: None = a unicast load
     assert bs % BI == 0, bs
     gather_l, gather_r = row_gather_macros(DQK)
     i32 = "int32"
@@ -74,7 +82,7 @@ def paged_producer(*, s_q, block_size):
         KVP = kv_src[1]
         if pg[k + 2] == 1:
             T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, 0:DH], KVh, barrier=rdy,
-                       leader_scope_threads=128)
+                       leader_scope_threads=128, cluster_mask=mc)
             T.barrier_arrive(rdy)
         else:
             gather_l(KVh, Rows, kv_src)
@@ -85,9 +93,9 @@ def paged_producer(*, s_q, block_size):
         KVP = kv_src[1]
         if pg[k + 2] == 1:
             T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, DH:D_V], KVh, barrier=rdy,
-                       leader_scope_threads=128)
+                       leader_scope_threads=128, cluster_mask=mc)
             T.tma_copy(KVP[pg[k], blk * BI % bs:blk * BI % bs + BI, D_V:DQK], Kt, barrier=rdy,
-                       leader_scope_threads=128)
+                       leader_scope_threads=128, cluster_mask=mc)
             T.barrier_arrive(rdy)
         else:
             gather_r(KVh, Kt, Rows, kv_src)
@@ -119,19 +127,22 @@ def paged_producer(*, s_q, block_size):
     return producer
 
 
-def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool):
+def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool,
+                     cluster: bool = False):
     """The TileLang prim_func: Q [B * s_q, H, 576] bf16, KV [num_blocks * block_size, 576] bf16 (flat view), KVP
     [num_blocks, block_size, 576] bf16 (the same cache, paged view), BlockTable [B, max_blocks] int32, TopkLen
     [B * s_q] int32 (attended length per token, in [0, max_blocks * block_size]), Sink [n_sink] f32, Order
     [B * s_q] int32 (CTA row -> token; ``pair_body``), Out [B * s_q, H, 512] bf16, Lse [B * s_q, H] f32,
-    MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64."""
+    MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64; ``cluster`` (H 128): the token's two
+    head-group CTAs as a cluster sharing each full page's TMA load (``paged_producer``)."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_pages, n_seq, maxb, n_sink = tc.dynamic_dims("n_tok", "n_kv", "n_pages", "n_seq", "max_blocks",
                                                                 "n_sink")
     bs = int(block_size)
     body = pair_body(heads=heads, dqk=DQK, topk=TOPK_BOUND, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=True, n_tok=n_tok, topk_dim=maxb * bs,
-                     producer=paged_producer(s_q=s_q, block_size=bs), prelude=tc.ROW_GATHER_PRELUDE)
+                     producer=paged_producer(s_q=s_q, block_size=bs, cluster=cluster),
+                     prelude=tc.ROW_GATHER_PRELUDE, **({"cluster": True} if cluster else {}))
 
     @T.prim_func
     def mla_decode_pair_paged(
@@ -157,9 +168,15 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool):
-    func = build_pair_paged(heads=heads, s_q=s_q, block_size=block_size, sm_scale=sm_scale, has_sink=has_sink)
+def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, cluster: bool = False):
+    func = build_pair_paged(heads=heads, s_q=s_q, block_size=block_size, sm_scale=sm_scale, has_sink=has_sink,
+                            cluster=cluster)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
+
+
+def use_cluster(heads: int) -> bool:
+    """Whether ``run`` launches the cluster build: H 128 and ``$FLASHDSA_DECODE_PAIR_CLUSTER`` = "1"."""
+    return heads == 128 and os.environ.get(CLUSTER_ENV, "") == "1"
 
 
 def supports(block_size: int) -> bool:
@@ -179,7 +196,7 @@ def run(q, kv_cache, block_table, lengths, order, *, sm_scale: float, attn_sink=
     (out, lse, max_logits), done = tc.fwd_outputs(q, flat, sm_scale=sm_scale, d_v=D_V)
     if done:
         return out, lse
-    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None)
+    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, use_cluster(H))
     sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, q.device)
     direct_launcher(kernel)(q, flat, kv_cache, block_table.contiguous(), lengths, sink, order, out, lse, max_logits)
     return out, lse
@@ -192,4 +209,6 @@ def lowering_cases():
                                                       has_sink=False)),
         ("pair_paged_h64_sq2_bs256_sink", build_pair_paged(heads=64, s_q=2, block_size=256, sm_scale=0.04,
                                                            has_sink=True)),
+        ("pair_paged_h128_sq2_bs64_sink_cluster", build_pair_paged(heads=128, s_q=2, block_size=64, sm_scale=0.04,
+                                                                   has_sink=True, cluster=True)),
     ]

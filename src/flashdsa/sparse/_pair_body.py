@@ -20,7 +20,7 @@ assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
               prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
-              out_f32=False, q_rows=None):
+              out_f32=False, q_rows=None, cluster=False):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
     MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
@@ -56,9 +56,17 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     ``out_f32``: Out is float32 (split-KV partials, ``decode/kernel_split.py``), written straight from the O
     fragments (no bf16 staging); ``q_rows``: Q's row count when it differs from n_tok (split-KV: token t reads q row
-    t / (n_tok / q_rows), a token's chunks sharing its q row)."""
+    t / (n_tok / q_rows), a token's chunks sharing its q row).
+
+    ``cluster`` (H 128, one item per CTA): the two head-group CTAs of a token run as a 2-CTA cluster, so a
+    producer may load a tile into both CTAs' shared memory at once (TMA multicast: ``kernel_pair_paged``).  A tile
+    is then free only when the consumers of both CTAs freed it: each free barrier counts the 128 local consumer
+    threads and lane 0 of each of the peer's 4 consumer warps (``T.mbarrier_arrive(bar, peer)``); TileLang syncs
+    the cluster after the barriers' initialisation (cluster barriers), and a cluster sync at the end keeps a CTA
+    from exiting while its peer may still arrive on it."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
+    assert not cluster or (heads == 2 * BLOCK_H and not persistent and converter is None), "cluster: H 128 pairs"
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
     assert all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
@@ -98,6 +106,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         T.fence_proxy_async()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
         if first_use is not None:
             first_use(half, tile0, wg_bar, t)
+
+    @T.macro
+    def free(bar, tx):
+        # a consumer thread is done with a tile (with ``cluster``: also lane 0 of each warp on the peer's barrier)
+        T.barrier_arrive(bar)
+        if cluster:
+            if tx % 32 == 0:
+                T.mbarrier_arrive(bar, 1 - T.block_rank_in_cluster())
 
     @T.macro
     def mask(Rows, acc_s):
@@ -257,9 +273,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         if persistent:
             drain()
 
+    def kernel_launch():
+        if cluster:
+            return T.ClusterKernel(n_ctas, cluster_dims=2, threads=threads, prelude=prelude)
+        return T.Kernel(n_ctas, threads=threads, prelude=prelude)
+
     @T.macro
     def body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse, MaxLogits, Order):
-        with T.Kernel(n_ctas, threads=threads, prelude=prelude) as bx:
+        with kernel_launch() as bx:
             Q_l = T.alloc_shared([BH, DH], bf16)
             Q_r = T.alloc_shared([BH, DH], bf16)
             KVa_l = T.alloc_shared([BI, DH], bf16)
@@ -299,10 +320,16 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 rdy_br = T.alloc_barrier(128)
                 rdy_ar = T.alloc_barrier(128)
                 rdy_bl = T.alloc_barrier(128)
-            fr_al = T.alloc_barrier(128)
-            fr_bl = T.alloc_barrier(128)
-            fr_br = T.alloc_barrier(128)
-            fr_ar = T.alloc_barrier(128)
+            if cluster:  # the local consumers' 128 threads + lane 0 of the peer's 4 consumer warps
+                fr_al = T.alloc_cluster_barrier(132)
+                fr_bl = T.alloc_cluster_barrier(132)
+                fr_br = T.alloc_cluster_barrier(132)
+                fr_ar = T.alloc_cluster_barrier(132)
+            else:
+                fr_al = T.alloc_barrier(128)
+                fr_bl = T.alloc_barrier(128)
+                fr_br = T.alloc_barrier(128)
+                fr_ar = T.alloc_barrier(128)
             bar_ma = T.alloc_barrier(128)
             bar_mb = T.alloc_barrier(128)
             bar_p0 = T.alloc_barrier(128)
@@ -368,7 +395,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         # publish m_a; local PV: O_l += P_a V_a[:, :256], P from registers
                         softmax_local_pv(acc_s0, O0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, p0, KVa_l)
                         T.wait_wgmma(0)
-                        T.barrier_arrive(fr_al)
+                        free(fr_al, tx)
                         # common max m_b: move O_l, l_0 and P_a to it
                         adopt_max(bar_mb, pair_phase(pb, j), Mb, m_new0, m_run0, alpha0, l0)
                         for h, r in T.Parallel(BH, BI):
@@ -385,14 +412,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                             if j + 1 < npair[0]:
                                 qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
                                 T.wait_wgmma(1)  # the remote PV retired (the QK on a.L may still run): b.L, P1 free
-                                T.barrier_arrive(fr_bl)
+                                free(fr_bl, tx)
                                 qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, j + 1), tx)
                             else:
                                 T.wait_wgmma(0)
-                                T.barrier_arrive(fr_bl)
+                                free(fr_bl, tx)
                         else:
                             T.wait_wgmma(0)  # the remote PV retired: b.L (and P1) free before a.L is awaited
-                            T.barrier_arrive(fr_bl)
+                            free(fr_bl, tx)
                             if j + 1 < npair[0]:
                                 qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
                                 qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, j + 1), tx)
@@ -424,9 +451,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         T.barrier_wait(bar_p0, pair_phase(pb, j))
                         pv(P0, KVa_r, O1)
                         T.wait_wgmma(n_o)  # the local PV retired: b.R no longer read
-                        T.barrier_arrive(fr_br)
+                        free(fr_br, tx)
                         T.wait_wgmma(0)  # the remote PV retired: a.R, P0 free before b.R is awaited
-                        T.barrier_arrive(fr_ar)
+                        free(fr_ar, tx)
                         if j + 1 < npair[0]:
                             qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl,
                                  pair_phase(pb, j + 1), tx)
@@ -453,5 +480,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                                   rdy_ar, rdy_bl, pb)
                         if persistent:
                             pb[0] = pb[0] + npair[0]
+            if cluster:
+                T.cluster_sync()  # the peer's last remote arrivals on this CTA's barriers have landed
 
     return body
