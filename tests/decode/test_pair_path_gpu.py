@@ -1,7 +1,8 @@
 """GPU: dense bf16 decode through the "pair" path (one sparse MLA forward on the pair schedule, H 64 / 128)
 against the reference, with test_kernel_gpu.py's inputs (shuffled tables, NaN in every unused slot, bad block ids
 past each sequence, mixed and zero lengths) and tolerances; "auto" picking it where its CTAs fill the SM waves;
-a CUDA-graph replay with new lengths.  Compiles: one per (H, ceil(L / 64), sink) below (6)."""
+a CUDA-graph replay with new lengths; the one-launch lengths / order kernel (``kernel_order``) against the
+PyTorch ops it replaces.  Compiles: one per (H, ceil(L / 64), sink) below (6) + the order kernel."""
 
 import math
 
@@ -82,3 +83,41 @@ def test_pair_path_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         _check(out, lse, *_reference(q, kv, table, seqlens, sm_scale=0.05, causal=True, sink=None))
+
+
+@pytest.mark.parametrize("B", [1, 7, 128, 129, 300, 4096])
+@pytest.mark.parametrize("s_q,causal", [(1, True), (2, True), (4, True), (3, False)])
+def test_token_order_kernel_equals_torch_ops(B, s_q, causal):
+    """``kernel_order`` (one launch) against ``query_lengths`` / ``token_order`` (the PyTorch ops it replaces), bit
+    for bit: lengths of every int32 value (negative, past L, INT_MIN / INT_MAX), many ties (a stable sort), outputs
+    poisoned (conftest)."""
+    from flashdsa.decode import _pair_path, kernel_order
+
+    g = torch.Generator().manual_seed(B * 7 + s_q)
+    L = 64 * 37
+    pool = torch.tensor([0, 1, 2, 63, 64, L - 1, L, L + 1, L + 5, -1, -5, 2**31 - 1, -(2**31), 1000, 1000],
+                        dtype=torch.int32)
+    lens = torch.where(torch.rand(B, generator=g) < 0.5, pool[torch.randint(0, len(pool), (B,), generator=g)],
+                       torch.randint(-10, L + 10, (B,), generator=g, dtype=torch.int32)).cuda()
+    lengths, order = kernel_order.lengths_and_order(lens, L, s_q, causal)
+    ref_len = _pair_path.query_lengths(lens, L, s_q, causal)
+    ref_order = _pair_path.token_order(ref_len, s_q)
+    assert lengths.dtype == order.dtype == torch.int32
+    assert torch.equal(lengths, ref_len) and torch.equal(order, ref_order)
+    assert torch.equal(order.sort().values, torch.arange(B * s_q, dtype=torch.int32, device="cuda"))
+
+
+def test_prepare_uses_token_order_kernel(monkeypatch):
+    """Paged block sizes on CUDA: ``prepare`` takes the one-launch kernel (unless switched off), same tensors."""
+    from flashdsa.decode import _pair_path, kernel_order
+
+    table = torch.randint(0, 50, (5, 4), dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor([70, 256, 0, 129, 256], dtype=torch.int32, device="cuda")
+    calls = []
+    real = kernel_order.lengths_and_order
+    monkeypatch.setattr(kernel_order, "lengths_and_order", lambda *a: calls.append(1) or real(*a))
+    slots, lengths, order = _pair_path.prepare(table, seqlens, 50, 64, 2, True)
+    assert calls == [1] and slots is None
+    monkeypatch.setenv(kernel_order.ORDER_ENV, "0")
+    _, lengths2, order2 = _pair_path.prepare(table, seqlens, 50, 64, 2, True)
+    assert calls == [1] and torch.equal(lengths, lengths2) and torch.equal(order, order2)

@@ -88,10 +88,16 @@ def token_order(lengths, s_q: int):
 
 def prepare(block_table, cache_seqlens, num_blocks: int, block_size: int, s_q: int, causal: bool):
     """(slots, lengths, order) of a step: ``slot_rows`` (slots None where ``paged``: ``query_lengths`` only) and
-    ``token_order`` (GPU ops, no host sync); what ``run`` needs besides q and the cache, the same for every layer
-    of a decode step."""
+    ``token_order`` (GPU ops, no host sync; where paged, on CUDA, both in one launch: ``kernel_order``); what ``run``
+    needs besides q and the cache, the same for every layer of a decode step."""
     if paged(block_size):
-        slots, lengths = None, query_lengths(cache_seqlens, block_table.shape[1] * block_size, s_q, causal)
+        L = block_table.shape[1] * block_size
+        if cache_seqlens.is_cuda:
+            from . import kernel_order
+
+            if kernel_order.enabled():  # one launch instead of ~11 small ones
+                return (None,) + kernel_order.lengths_and_order(cache_seqlens, L, s_q, causal)
+        slots, lengths = None, query_lengths(cache_seqlens, L, s_q, causal)
     else:
         slots, lengths = slot_rows(block_table, cache_seqlens, num_blocks, block_size, s_q, causal)
     return slots, lengths, token_order(lengths, s_q)
