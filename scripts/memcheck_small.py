@@ -268,7 +268,7 @@ def decode_split(fp8=True, heads=(16, 64, 128), dense=True):
     ref_cache = flashdsa.dequantize_kv_fp8(cache) if fp8 else kv
     ok = True
     for H in heads:
-        assert kernel_split.split_plan(B, H, 512, 132)[0] > 1
+        assert kernel_split.split_plan(B, H, 512, 132, kernel_split.split_fill(H, fp8))[0] > 1
         q = (torch.randn(B, 1, H, 576, generator=g, device=DEV) * 0.1).to(torch.bfloat16)
         idx = torch.randint(0, (nb - 4) * bs, (B, 1, 512), generator=g, device=DEV, dtype=torch.int32)
         idx[:, :, 3], idx[:, :, 9] = -1, nb * bs + 7

@@ -142,7 +142,8 @@ def test_split_sparse_decode_matches_reference(B, s_q, H, bs, lens, topk, fp8):
     forward row per token) too."""
     from flashdsa.decode import kernel_split
 
-    assert kernel_split.split_plan(B * s_q, H, topk, torch.cuda.get_device_properties(0).multi_processor_count)[0] > 1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert kernel_split.split_plan(B * s_q, H, topk, sms, kernel_split.split_fill(H, fp8))[0] > 1  # the dispatch's
     q, kv, table, seqlens = _make(B, s_q, H, bs, list(lens), seed=B * 5 + H)
     idx = _sparse_indices(table, seqlens, bs, s_q, topk, seed=B + 2 * H, n_slots=kv.shape[0] * bs)
     tl = torch.tensor([topk, 0, 77, 130, 1][:B], device="cuda", dtype=torch.int32)

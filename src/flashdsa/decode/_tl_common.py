@@ -157,9 +157,12 @@ def combine_row_macro(*, heads: int, has_sink: bool, vpt: int, col, unroll: bool
     acc [vpt] f32) local buffers.  ``unroll``: unrolled column loops (keeps ``acc`` in registers for large vpt).
 
     ``natural``: the partials' lse in the sparse forward's convention (natural log, +inf for a partial that saw no
-    key), taken to base 2 as they are read; and a NaN lse (a NaN row was attended) makes the row's out and lse NaN
-    even where no other partial saw a key, as in the unsplit forward (``max`` drops NaN, so a flag raises ``mx``
-    to at least 0 and the NaN weight reaches every sum).
+    key), taken to base 2 as they are read; and a NaN lse makes the row's out and lse NaN even where no other
+    partial saw a key (``max`` drops NaN, so a flag raises ``mx`` to at least 0 and the NaN weight reaches every
+    sum).  The kernels' partials never carry a NaN lse: a forward writes lse +inf wherever its l is not > 0, NaN
+    included, with out NaN (NaN * 0).  So a NaN row attended by one chunk (outside the contract, which puts NaN
+    only in rows no index selects) gives out NaN when another chunk of the token saw a key (finite lse), but out 0
+    and lse +inf when none did, where the unsplit forward gives out NaN and lse +inf.
     """
     import tilelang.language as T
 

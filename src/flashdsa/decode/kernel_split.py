@@ -67,7 +67,9 @@ def forward_heads(heads: int, fp8: bool) -> int:
     writes fp32 partials (the pair forms at 64 / 128 over either cache; the "mma" forms at H <= 16 over the
     656-byte cache, ``kernel_fwd_fp8cache.writes_f32``), else the next pair form (64 up to 64 heads, else 128): the
     padded heads' q rows are zero and their partials are never read.  (At the few tokens that split, a chunk's
-    CTA is bound by its rows and its fixed cost, not by the heads' products.)"""
+    CTA is bound by its rows and its fixed cost, not by the heads' products.)  A few-head form picked through
+    ``$FLASHDSA_NARROW_CACHE656`` that writes no fp32 partials (e.g. a timing build) therefore splits on the padded
+    64-head pair form: time such forms unsplit (``$FLASHDSA_DECODE_SPLIT=0``)."""
     if fp8:
         from ..sparse import kernel_fwd_fp8cache
 

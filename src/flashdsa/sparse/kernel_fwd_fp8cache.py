@@ -415,7 +415,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
                        dequant_once: bool | None = None, checked: bool = False, out_f32: bool = False):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  ``out_f32`` (split-KV
     partials; the pair and "mma" forms only, no whole-cache copy): out float32, and q may hold one row per token
-    for T = indices' rows = a multiple of q's (row t reads q row t / (T / q rows)).
+    for T = indices' rows = a multiple of q's (row t reads q row t / (T / q rows)); such a q passes only with
+    ``checked=True`` (``kernel_unsupported`` asks q rows = indices rows).
 
     ``pair``: run ``kernel_fwd_pair_cache`` (the warp-specialised pair schedule, H 64 / 128); None: whenever H
     is 64 or 128.  With ``pair``, ``dequant_once`` (None: ``kernel_dequant656.use_dequant_once``'s rule, which

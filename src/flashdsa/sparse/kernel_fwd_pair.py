@@ -369,7 +369,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     """Returns (out [T,H,d_v] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  ``order``: None, or
     [T] int32 on the device, the token each CTA row takes (a permutation of 0..T-1; ``pair_body``'s Order).
     ``out_f32`` (split-KV partials; ``OUT_F32_KW``'s build, no ``order``): out float32, and q may hold one row per
-    token for T = indices' rows = a multiple of q's (row t reads q row t / (T / q rows))."""
+    token for T = indices' rows = a multiple of q's (row t reads q row t / (T / q rows)); such a q passes only with
+    ``checked=True`` (the caller checked the split rows: ``kernel_unsupported`` asks q rows = indices rows)."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
