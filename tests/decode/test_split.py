@@ -161,10 +161,11 @@ def test_split_combine_kernel_tests_its_partials_for_nan():
     assert re.search(r"\(w\[0\] != w\[0\]\)", src), "no NaN test of the partial lse in the lowered combine"
 
 
-@pytest.mark.parametrize("tokens,heads,fp8,split", [(33, 16, False, True), (34, 16, False, False),
+@pytest.mark.parametrize("tokens,heads,fp8,split", [(11, 16, False, True), (12, 16, False, False),
                                                    (34, 16, True, True), (66, 16, True, True), (66, 17, False, True),
                                                    (66, 64, False, True), (67, 64, False, False)])
 def test_split_fill_per_form(tokens, heads, fp8, split):
-    """bf16 H <= 16 splits only where its CTAs fill at most a quarter of the SMs (``split_fill``), others half."""
+    """bf16 H <= 16 splits only up to 11 tokens (``split_fill`` 12), other forms where their CTAs fill at most
+    half of the SMs."""
     n_split, _ = kernel_split.split_plan(tokens, heads, 2048, 132, kernel_split.split_fill(heads, fp8))
     assert (n_split > 1) is split

@@ -46,7 +46,7 @@ def split_plan(tokens: int, heads: int, topk: int, num_sms: int, fill: int = 2) 
     """(n_split, chunk) for a forward over ``tokens`` query rows of ``heads`` heads with ``topk`` slots each:
     (1, topk) where its ``tokens * ceil(heads / 64)`` CTAs fill more than 1 / ``fill`` of the ``num_sms`` SMs, or
     the list is too short to cut; else chunks of ``chunk`` slots (a power of two times 64, at least the minimum)
-    such that about one CTA per SM runs.  (``fill`` 4: where the unsplit form is much cheaper per key than the
+    such that about one CTA per SM runs.  (A larger ``fill`` where the unsplit form is much cheaper per key than the
     split one, ``split_fill``.)"""
     env = os.environ.get(SPLIT_ENV, "")
     if env == "0":
@@ -79,12 +79,12 @@ def forward_heads(heads: int, fp8: bool) -> int:
 
 
 def split_fill(heads: int, fp8: bool) -> int:
-    """``split_plan``'s ``fill`` for this form: 4 for the bf16 cache at H <= 16, else 2.  There the unsplit
-    forward is the per-warp ``mma.sync`` kernel (~1.5 us per 64-key block and token, ~47 us for a CTA over 2048
-    keys), while the split runs the 64-head pair form (~2.6 us per block plus ~10 us per CTA and ~5 us of combine,
-    from session 44's B 8 H 64 / B 1 H 128 timings): with chunks of 16 blocks (fill 2, tokens 34..66) the two tie,
-    with 8 or fewer (fill 4) the split wins.  A model, not yet measured for these forms (ROADMAP)."""
-    return 4 if not fp8 and heads <= 16 else 2
+    """``split_plan``'s ``fill`` for this form: 12 for the bf16 cache at H <= 16 (split up to 11 tokens), else 2.
+    There the unsplit forward is the per-warp ``mma.sync`` kernel, cheap per token, while the split runs the padded
+    64-head pair form, whose cost grows with the tokens.  Measured (session 46, H100, CUDA-graph replay, topk 2048,
+    cache 32768): B 4 split 0.0474 ms against 0.0528 unsplit, B 32 0.0828 against 0.0690; linear in B between
+    them, the two tie near B 12.  (Session 45's rule, fill 4, split up to 33 tokens.)"""
+    return 12 if not fp8 and heads <= 16 else 2
 
 
 def pad_heads(q, heads: int):
