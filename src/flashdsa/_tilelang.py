@@ -28,6 +28,17 @@ def direct_launcher(kernel):
     return get()
 
 
+def pad_heads(x, heads: int, value: float = 0.0):
+    """x [T, H, ...] with dim 1 (heads) padded to ``heads`` >= H with ``value``: x itself where H == heads.  For
+    kernels that tile heads (the backward's 64, the split decode forward's 64 / 128-head pair forms)."""
+    import torch
+
+    if x.shape[1] == heads:
+        return x
+    pad = x.new_full((x.shape[0], heads - x.shape[1], *x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
+
+
 _DUMMIES: dict = {}
 
 

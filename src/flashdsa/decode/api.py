@@ -48,9 +48,9 @@ def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, caus
         from ..sparse import kernel_fwd_fp8cache, kernel_fwd_pair
 
         run = kernel_fwd_fp8cache.run_sparse_mla_fwd if fp8 else kernel_fwd_pair.run_sparse_mla_fwd
-        slots_s, tl_s = kernel_split.split_inputs(slots, tl, n_split, chunk)
-        out_p, lse_p, _ = run(kernel_split.pad_heads(qf, heads_s), flat, slots_s, sm_scale=sm_scale, d_v=d_v,
-                              topk_length=tl_s, checked=True, out_f32=True)
+        q_s, slots_s, tl_s = kernel_split.split_rows(qf, slots, tl, n_split, chunk, heads_s)
+        out_p, lse_p, _ = run(q_s, flat, slots_s, sm_scale=sm_scale, d_v=d_v, topk_length=tl_s, checked=True,
+                              out_f32=True)
         out, lse = kernel_split.combine(out_p, lse_p, attn_sink, n_split, heads=H)
         _dispatch.record_choice(op, "kernel")
     elif fp8:
@@ -179,8 +179,8 @@ class _Cache656Plan:
             tl = topk_length if s_q == 1 else topk_length.view(B, 1).expand(B, s_q).reshape(n)
         qf, idx, sink, Hs = q.view(n, H, KV_DIM), indices.view(n, self.topk), attn_sink, self.heads_s
         if S > 1:
-            idx, tl_s = kernel_split.split_inputs(idx, None if topk_length is None else tl, S, self.chunk)
-            tl, sink, qf = self.tl_dummy if tl_s is None else tl_s, None, kernel_split.pad_heads(qf, Hs)
+            qf, idx, tl_s = kernel_split.split_rows(qf, idx, None if topk_length is None else tl, S, self.chunk, Hs)
+            tl, sink = self.tl_dummy if tl_s is None else tl_s, None
         out = torch.empty((n * S, Hs, self.d_v), dtype=torch.bfloat16 if S == 1 else torch.float32, device=q.device)
         lse = torch.empty((n * S, Hs), dtype=torch.float32, device=q.device)
         mx = torch.empty((n * S, Hs), dtype=torch.float32, device=q.device)
@@ -224,8 +224,7 @@ def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v
     qf, idx = q.view(n, H, KV_DIM), indices.view(n, topk)
     n_split, chunk, heads_s = _split_plan(qf, kv_cache.view(rows, KV_FP8_BYTES), idx, d_v, tl, "kernel")
     if n_split > 1:  # the launch the split rows take (as in _via_sparse_fwd)
-        idx, tl = kernel_split.split_inputs(idx, tl, n_split, chunk)
-        qf = kernel_split.pad_heads(qf, heads_s)
+        qf, idx, tl = kernel_split.split_rows(qf, idx, tl, n_split, chunk, heads_s)
     launch = _dispatch.kernel_module("sparse_mla_fwd_cache656").launcher(
         qf, kv_cache.view(rows, KV_FP8_BYTES), idx, sm_scale=sm_scale, d_v=d_v, topk_length=tl,
         attn_sink=attn_sink if n_split == 1 else None, out_f32=n_split > 1)

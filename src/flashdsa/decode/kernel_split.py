@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from .._tilelang import direct_launcher
+from .._tilelang import direct_launcher, pad_heads  # noqa: F401  (pad_heads: the split forward's q, forward_heads)
 from ._tl_common import D_V, combine_row_macro
 
 SPLIT_ENV = "FLASHDSA_DECODE_SPLIT"
@@ -87,17 +87,6 @@ def split_fill(heads: int, fp8: bool) -> int:
     return 12 if not fp8 and heads <= 16 else 2
 
 
-def pad_heads(q, heads: int):
-    """q [T, H, D] as [T, heads, D] (heads >= H): itself where H == heads, else a copy with zero rows for the heads
-    past H."""
-    T_, H, D = q.shape
-    if H == heads:
-        return q
-    q_p = q.new_zeros((T_, heads, D))
-    q_p[:, :H] = q
-    return q_p
-
-
 def split_inputs(slots, topk_length, n_split: int, chunk: int):
     """The forward's index inputs for the (token, chunk) rows, row ``t * n_split + k`` = chunk k of token t (q keeps
     one row per token: the ``out_f32`` forward builds read q row ``t`` for rows ``t * n_split ..``):
@@ -114,6 +103,13 @@ def split_inputs(slots, topk_length, n_split: int, chunk: int):
         start = torch.arange(n_split, dtype=torch.int32, device=slots.device) * chunk
         tl_s = (topk_length.view(T_, 1) - start).clamp_(0, chunk).reshape(T_ * n_split)
     return slots_s, tl_s
+
+
+def split_rows(q, slots, topk_length, n_split: int, chunk: int, heads: int):
+    """All the split forward's inputs besides the cache: (q [T, heads, D] (``pad_heads``: ``forward_heads``'s
+    count), slots, topk_length of the (token, chunk) rows (``split_inputs``))."""
+    slots_s, tl_s = split_inputs(slots, topk_length, n_split, chunk)
+    return pad_heads(q, heads), slots_s, tl_s
 
 
 def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS, part_heads: int = 0):

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _dispatch
 from .._library import _needs_dispatcher, custom_op
+from .._tilelang import pad_heads
 from .._validate import check_float, check_same_device, check_tensor
 from . import fp8, reference
 
@@ -52,14 +53,6 @@ def _(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, deterministic, back
     return q.new_empty(T, H, d_v), q.new_empty(T, H, dtype=ld), q.new_empty(T, H, dtype=ld)
 
 
-def _pad_heads(x: torch.Tensor, heads: int, value: float = 0.0) -> torch.Tensor:
-    """Pad dim 1 (heads) of x to ``heads`` with ``value`` (the backward kernel tiles 64 heads)."""
-    if x.shape[1] == heads:
-        return x
-    pad = x.new_full((x.shape[0], heads - x.shape[1], *x.shape[2:]), value)
-    return torch.cat([x, pad], dim=1)
-
-
 def _bwd_kernel(q, kv, indices, out, lse, dout, dlse, sm_scale, d_v, attn_sink, topk_length, deterministic,
                 check_only=False):
     """Run (or, with check_only, vet) the backward kernel with H padded to a multiple of 64.
@@ -69,9 +62,9 @@ def _bwd_kernel(q, kv, indices, out, lse, dout, dlse, sm_scale, d_v, attn_sink, 
     """
     heads = q.shape[1]
     hp = -(-heads // 64) * 64
-    args = (_pad_heads(q, hp), kv, indices, _pad_heads(out, hp), _pad_heads(lse, hp), _pad_heads(dout, hp))
+    args = (pad_heads(q, hp), kv, indices, pad_heads(out, hp), pad_heads(lse, hp), pad_heads(dout, hp))
     sink = None if attn_sink is None else torch.cat([attn_sink, attn_sink.new_full((hp - heads,), -math.inf)])
-    dl = None if dlse is None else _pad_heads(dlse, hp)
+    dl = None if dlse is None else pad_heads(dlse, hp)
     mod = _dispatch.kernel_module("sparse_mla_bwd")
     if check_only:
         return mod.kernel_unsupported(*args, d_v=d_v, topk_length=topk_length, attn_sink=sink, dlse=dl)
