@@ -78,6 +78,19 @@ def _patch_torch_cuda():
     c.Event, c.CUDAGraph, c.Stream = Event, CUDAGraph, lambda *a, **k: stream
     c.graph = c.stream = lambda *a, **k: contextlib.nullcontext()
 
+    class Profile:  # torch.profiler with CUDA activity (scripts/bench_overhead.py): runs its body, records nothing
+        def __init__(self, *args, **kwargs):
+            pass
+
+        __enter__ = lambda self: self  # noqa: E731
+        __exit__ = lambda self, *exc: False  # noqa: E731
+        key_averages = events = lambda self, *a, **k: []  # noqa: E731
+        step = lambda self: None  # noqa: E731
+
+    import torch.profiler
+
+    torch.profiler.profile = Profile
+
 
 class _Inert:
     """What ``tilelang.compile`` returns here: the compile has happened (and is cached); a launch does nothing."""
