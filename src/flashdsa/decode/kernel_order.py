@@ -104,10 +104,6 @@ def lengths_and_order(cache_seqlens, L: int, s_q: int, causal: bool):
     return lengths, order
 
 
-def combine_lowering_cases():
-    """(name, prim_func) for the CPU lowering test (no matrix products)."""
-    return [("token_order", build_order_kernel())]
-
-
 def lowering_cases():
-    return []
+    """(name, prim_func) for the CPU lowering test (no matrix products: ``EXPECTS_WGMMA``)."""
+    return [("token_order", build_order_kernel())]
