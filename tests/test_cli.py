@@ -120,10 +120,13 @@ def test_report_renders_and_updates_readme(tmp_path):
     (res / "2026-01-03_cpu_01234567_sparse_mla_fwd.json").write_text(
         json.dumps(_sample_doc(date="2026-01-03", ms=99.0, gpu=None)))
     (res / "junk.json").write_text("{not json")
+    (res / "2026-01-04_h100_01234567_sparse_mla_fwd.json").write_text(  # newer, but not the target GPU
+        json.dumps(_sample_doc(date="2026-01-04", ms=77.0, gpu="NVIDIA H100 80GB HBM3")))
     table = report.render_readme_table(res)
     assert "| sparse_mla_fwd | `V32_S4096_SKV8192_H128_topk2048` | 1.5 | 701 |" in table  # newest GPU run
     assert "skipped: op missing" in table and "2026-01-02_h200_01234567_sparse_mla_fwd.json" in table
     assert "| 99" not in table and "| 9.0 |" not in table
+    assert "| 77" not in table and "| 77" in report.render_readme_table(res, gpu="H100")
     assert "99" in report.render_readme_table(res, include_cpu=True)
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{report.START}\nold\n{report.END}\n\ntail\n")
@@ -133,7 +136,7 @@ def test_report_renders_and_updates_readme(tmp_path):
     assert not report.update_readme(readme, table)  # idempotent
     (tmp_path / "bad.md").write_text("no markers")
     assert report.main(["--results", str(res), "--update-readme", str(tmp_path / "bad.md")]) == 1
-    assert "No GPU benchmark results" in report.render_readme_table(tmp_path / "none")
+    assert "No H200 benchmark results" in report.render_readme_table(tmp_path / "none")
 
 
 def test_report_takes_newer_partial_rows(tmp_path):

@@ -6,7 +6,9 @@ Usage::
     python -m flashdsa.bench.report --update-readme README.md # replace the text between the markers
 
 The README holds the table between ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->``. Only GPU runs
-count (a CPU run measures the reference at shrunk shapes) unless ``--include-cpu`` is given. Every figure links
+count (a CPU run measures the reference at shrunk shapes) unless ``--include-cpu`` is given, and of those only the
+runs on the GPU the issues' targets are set on (``TARGET_GPU``, the H200; ``--gpu`` names another: an H100 run
+compares builds, it is not a README row). Every figure links
 its JSON file ("no figure in prose without its JSON"). Runs made with ``FLASHDSA_*`` kernel-selection switches set
 (``env`` in the JSON) measure a non-default configuration and stay out of the table.
 """
@@ -24,6 +26,7 @@ from .suites import SUITES
 START = "<!-- perf-table:start -->"
 END = "<!-- perf-table:end -->"
 DEFAULT_RESULTS = Path("benchmarks/results")
+TARGET_GPU = "H200"  # the README's rows: runs whose ``gpu`` names this
 
 
 def load_results(results_dir: Path | str = DEFAULT_RESULTS) -> list[tuple[Path, dict]]:
@@ -46,13 +49,24 @@ def _key(p: Path, doc: dict) -> tuple[str, str]:
     return str(doc.get("date", "")), p.name
 
 
-def newest_per_suite(results: Sequence[tuple[Path, dict]], include_cpu: bool = False) -> dict[str, tuple[Path, dict]]:
+def _counts(doc: dict, include_cpu: bool, gpu: str) -> bool:
+    """Whether a run may give README rows: default kernels (no ``env``), on a GPU whose name holds ``gpu`` (or on
+    the CPU where ``include_cpu``)."""
+    if doc.get("env"):
+        return False
+    if not doc.get("gpu"):
+        return include_cpu
+    return gpu.lower() in doc["gpu"].lower()
+
+
+def newest_per_suite(results: Sequence[tuple[Path, dict]], include_cpu: bool = False,
+                     gpu: str = TARGET_GPU) -> dict[str, tuple[Path, dict]]:
     """suite -> (path, doc) of the newest whole-suite run by its ``date`` field (file name breaks ties); runs of
     a subset of the cases (``flashdsa bench --case``: ``case_filter`` in the JSON) are left to
     ``newer_partial_rows``."""
     best: dict[str, tuple[Path, dict]] = {}
     for p, doc in results:
-        if (not include_cpu and not doc.get("gpu")) or doc.get("case_filter") or doc.get("env"):
+        if not _counts(doc, include_cpu, gpu) or doc.get("case_filter"):
             continue
         cur = best.get(doc["suite"])
         if cur is None or _key(p, doc) > _key(*cur):
@@ -61,13 +75,12 @@ def newest_per_suite(results: Sequence[tuple[Path, dict]], include_cpu: bool = F
 
 
 def newer_partial_rows(results: Sequence[tuple[Path, dict]], suite: str, base: tuple[Path, dict],
-                       include_cpu: bool = False) -> dict[str, tuple[Path, dict, dict]]:
+                       include_cpu: bool = False, gpu: str = TARGET_GPU) -> dict[str, tuple[Path, dict, dict]]:
     """case name -> (path, doc, case row) from partial runs of ``suite`` newer than its whole-suite run ``base``
     (the newest such run per case)."""
     rows: dict[str, tuple[Path, dict, dict]] = {}
     for p, doc in results:
-        if (doc["suite"] != suite or not doc.get("case_filter") or doc.get("env")
-                or (not include_cpu and not doc.get("gpu"))):
+        if doc["suite"] != suite or not doc.get("case_filter") or not _counts(doc, include_cpu, gpu):
             continue
         if _key(p, doc) <= _key(*base):
             continue
@@ -102,16 +115,16 @@ def _order(suite: str) -> int:
 
 
 def render_readme_table(results_dir: Path | str = DEFAULT_RESULTS, include_cpu: bool = False,
-                        link_prefix: str = "") -> str:
+                        link_prefix: str = "", gpu: str = TARGET_GPU) -> str:
     """Markdown: one row per case of the newest JSON per suite, then the source of each suite's numbers.
 
     ``link_prefix`` is prepended to the JSON paths in the links (e.g. ``""`` when the README sits at the repo root
     and ``results_dir`` is relative to it).
     """
     results = load_results(results_dir)
-    newest = newest_per_suite(results, include_cpu=include_cpu)
+    newest = newest_per_suite(results, include_cpu=include_cpu, gpu=gpu)
     if not newest:
-        return ("_No GPU benchmark results yet: run `flashdsa bench` on an H200; the JSON lands in "
+        return (f"_No {gpu} benchmark results yet: run `flashdsa bench` on an {gpu}; the JSON lands in "
                 "`benchmarks/results/` and `python -m flashdsa.bench.report --update-readme README.md` fills "
                 "this table._")
     lines = ["| suite | workload | median ms | TFLOP/s | TB/s | target | backend |",
@@ -119,7 +132,7 @@ def render_readme_table(results_dir: Path | str = DEFAULT_RESULTS, include_cpu: 
     sources = []
     for suite in sorted(newest, key=_order):
         path, doc = newest[suite]
-        partial = newer_partial_rows(results, suite, newest[suite], include_cpu)
+        partial = newer_partial_rows(results, suite, newest[suite], include_cpu, gpu)
         partial_docs: list[tuple[Path, dict]] = []
         for c in doc["cases"]:
             mark = ""
@@ -201,8 +214,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--results", default=str(DEFAULT_RESULTS), help="folder of bench JSON (default %(default)s)")
     ap.add_argument("--update-readme", metavar="README", help="replace the perf table between the markers")
     ap.add_argument("--include-cpu", action="store_true", help="also use CPU runs (reference, shrunk shapes)")
+    ap.add_argument("--gpu", default=TARGET_GPU, help="only runs on a GPU whose name holds this (default %(default)s)")
     args = ap.parse_args(argv)
-    table = render_readme_table(args.results, include_cpu=args.include_cpu)
+    table = render_readme_table(args.results, include_cpu=args.include_cpu, gpu=args.gpu)
     if args.update_readme:
         try:
             changed = update_readme(args.update_readme, table)
