@@ -304,6 +304,9 @@ STAGINGS = ("consumer", "converter", "converter_contig")
 # (session 21's default), the sparse FP8 decode rows 10-20% faster
 DEFAULT_STAGING = "converter_contig"
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
+# timing switch (session 48, not dispatched): a positive integer P runs the launch on P persistent CTAs (pair_body's
+# ``persistent``: the producer gathers the next item's rows while the consumers finish an item)
+PERSISTENT_ENV = "FLASHDSA_CACHE656_PERSISTENT"
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # session 27: best of four splits (ptxas: 12 bytes spilled in the converter)
 
@@ -412,20 +415,21 @@ def _dequant_parts(*, topk_dim, ablate=""):
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
-                                    staging: str = DEFAULT_STAGING, out_f32: bool = False):
+                                    staging: str = DEFAULT_STAGING, out_f32: bool = False, persistent: int = 0):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
     ``ABLATIONS`` (``_dequant_parts``); ``overlap_qk``: ``kernel_fwd_pair.pair_body``'s (default; WG0 then
     converts a.L while its remote PV runs); ``staging``: who converts, one of ``STAGINGS`` ("consumer":
     ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``); ``out_f32``: Out float32 (split-KV
-    partials) and Q [n_q, H, 576] with n_q dividing T (``pair_body``'s q_rows)."""
+    partials) and Q [n_q, H, 576] with n_q dividing T (``pair_body``'s q_rows); ``persistent``: ``pair_body``'s
+    (P > 0: P CTAs loop over the items)."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk,
-                  out_f32=out_f32)
+                  out_f32=out_f32, persistent=persistent)
     out_dtype = f32 if out_f32 else bf16
     n_q = n_tok
     if out_f32:  # split-KV: one q row per token, n_tok / n_q chunk rows each (pair_body's q_rows)
@@ -463,10 +467,11 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True, staging: str = DEFAULT_STAGING, out_f32: bool = False):
+              overlap_qk: bool = True, staging: str = DEFAULT_STAGING, out_f32: bool = False, persistent: int = 0):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
-                                           overlap_qk=overlap_qk, staging=staging, out_f32=out_f32)
+                                           overlap_qk=overlap_qk, staging=staging, out_f32=out_f32,
+                                           persistent=persistent)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -482,12 +487,16 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
              overlap_qk: bool = True, staging: str | None = None, out_f32: bool = False):
     """This kernel's launch as ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)``
     (q and indices contiguous; ``kernel_fwd_fp8cache.launcher``'s form).  ``staging``: None reads
-    ``$FLASHDSA_PAIR_CACHE_STAGING`` (``STAGING_ENV``) now; ``out_f32``: out float32."""
+    ``$FLASHDSA_CACHE656_STAGING`` (``STAGING_ENV``) now; ``out_f32``: out float32; ``$FLASHDSA_CACHE656_PERSISTENT``
+    (``PERSISTENT_ENV``, timing only): that many persistent CTAs."""
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
+    persistent = os.environ.get(PERSISTENT_ENV, "")
+    if persistent and not persistent.isdigit():
+        raise ValueError(f"${PERSISTENT_ENV}={persistent!r}: expected a non-negative integer (CTAs)")
     run = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate, overlap_qk,
-                                    staging, out_f32))
+                                    staging, out_f32, int(persistent or 0)))
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
         chunks = fc.cache_chunks(kv)
