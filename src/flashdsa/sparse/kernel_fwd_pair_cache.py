@@ -484,19 +484,22 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-             overlap_qk: bool = True, staging: str | None = None, out_f32: bool = False):
+             overlap_qk: bool = True, staging: str | None = None, out_f32: bool = False,
+             persistent: int | None = None):
     """This kernel's launch as ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)``
     (q and indices contiguous; ``kernel_fwd_fp8cache.launcher``'s form).  ``staging``: None reads
-    ``$FLASHDSA_CACHE656_STAGING`` (``STAGING_ENV``) now; ``out_f32``: out float32; ``$FLASHDSA_CACHE656_PERSISTENT``
-    (``PERSISTENT_ENV``, timing only): that many persistent CTAs."""
+    ``$FLASHDSA_CACHE656_STAGING`` (``STAGING_ENV``) now; ``out_f32``: out float32; ``persistent`` (timing only):
+    that many persistent CTAs (0: one per item), None reads ``$FLASHDSA_CACHE656_PERSISTENT`` (``PERSISTENT_ENV``)."""
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
-    persistent = os.environ.get(PERSISTENT_ENV, "")
-    if persistent and not persistent.isdigit():
-        raise ValueError(f"${PERSISTENT_ENV}={persistent!r}: expected a non-negative integer (CTAs)")
+    if persistent is None:
+        env = os.environ.get(PERSISTENT_ENV, "")
+        if env and not env.isdigit():
+            raise ValueError(f"${PERSISTENT_ENV}={env!r}: expected a non-negative integer (CTAs)")
+        persistent = int(env or 0)
     run = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate, overlap_qk,
-                                    staging, out_f32, int(persistent or 0)))
+                                    staging, out_f32, persistent))
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
         chunks = fc.cache_chunks(kv)
@@ -507,9 +510,10 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
-                       checked: bool = False, ablate: str = "", overlap_qk: bool = True, staging: str | None = None):
+                       checked: bool = False, ablate: str = "", overlap_qk: bool = True, staging: str | None = None,
+                       persistent: int | None = None):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
-    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk``."""
+    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk``, ``persistent``."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
@@ -520,7 +524,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     q = q.contiguous()
     indices = indices.contiguous()
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    launch = launcher(q.shape[1], n_blocks, sm_scale, has_sink, has_tl, ablate, overlap_qk, staging)
+    launch = launcher(q.shape[1], n_blocks, sm_scale, has_sink, has_tl, ablate, overlap_qk, staging,
+                      persistent=persistent)
     launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 
