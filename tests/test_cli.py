@@ -153,10 +153,16 @@ def test_report_takes_newer_partial_rows(tmp_path):
     switched = _sample_doc(date="2026-01-04", ms=3.0)
     switched["case_filter"], switched["env"] = ["V32"], {"FLASHDSA_NARROW_CACHE656": "ring64"}
     (res / "2026-01-04_h200_89abcdef_sparse_mla_fwd.json").write_text(json.dumps(switched))
+    h100 = _sample_doc(date="2026-01-05", ms=4.5, gpu="NVIDIA H100 80GB HBM3")
+    h100["case_filter"] = ["V32"]
+    (res / "2026-01-05_h100_89abcdef_sparse_mla_fwd.json").write_text(json.dumps(h100))
+    gh200 = _sample_doc(date="2026-01-06", ms=5.5, gpu="NVIDIA GH200 480GB")
+    (res / "2026-01-06_gh200_89abcdef_sparse_mla_fwd.json").write_text(json.dumps(gh200))
     table = report.render_readme_table(res)
     assert "| `V32_S4096_SKV8192_H128_topk2048` * | 1.25 |" in table  # the newer partial run's row, marked
     assert "skipped: op missing" in table and "| 7.0 |" not in table  # rows it lacks stay; older partials ignored
     assert "| 3.0 |" not in table  # a run with a kernel-selection switch set is not the default configuration
+    assert "| 4.5 |" not in table and "| 5.5 |" not in table  # newer runs on other GPUs (H100, GH200) give no rows
     assert "rows marked * (a later run of those cases only): [`2026-01-03_h200_89abcdef" in table
     assert "2026-01-02_h200_01234567_sparse_mla_fwd.json" in table
 

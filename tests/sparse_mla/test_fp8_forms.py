@@ -94,3 +94,17 @@ def test_fp8_forms_validation():
         flashdsa.sparse_mla_fwd(q8, k8, idx, q_scale=torch.ones(5, 3, dtype=torch.float64), kv_scale=torch.ones(9))
     with pytest.raises(TypeError, match=r"^kv\b"):
         flashdsa.sparse_mla_fwd(q8, k8.bfloat16(), idx, q_scale=torch.ones(5, 3), kv_scale=torch.ones(9))
+
+
+@pytest.mark.parametrize("persistent,env", [(-1, None), (True, None), (2.0, None), (None, "-3"), (None, "²"),
+                                            (None, "x")])
+def test_pair_cache_persistent_switch_validation(monkeypatch, persistent, env):
+    """The pair-cache kernel's timing switch (argument or ``$FLASHDSA_CACHE656_PERSISTENT``) rejects anything but a
+    non-negative int, naming it, before any build."""
+    pytest.importorskip("tilelang")
+    from flashdsa.sparse import kernel_fwd_pair_cache as kmod
+
+    if env is not None:
+        monkeypatch.setenv(kmod.PERSISTENT_ENV, env)
+    with pytest.raises(ValueError, match="CACHE656_PERSISTENT" if env is not None else "^persistent"):
+        kmod.launcher(64, 2, 0.1, False, False, persistent=persistent)

@@ -1,4 +1,4 @@
-"""Render the README performance table from the newest benchmark JSON of each suite.
+"""Render the README performance table from the newest H200 benchmark JSON of each suite.
 
 Usage::
 
@@ -7,16 +7,17 @@ Usage::
 
 The README holds the table between ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->``. Only GPU runs
 count (a CPU run measures the reference at shrunk shapes) unless ``--include-cpu`` is given, and of those only the
-runs on the GPU the issues' targets are set on (``TARGET_GPU``, the H200; ``--gpu`` names another: an H100 run
-compares builds, it is not a README row). Every figure links
-its JSON file ("no figure in prose without its JSON"). Runs made with ``FLASHDSA_*`` kernel-selection switches set
-(``env`` in the JSON) measure a non-default configuration and stay out of the table.
+runs on the GPU the issues' targets are set on: ``TARGET_GPU``, the H200, matched as a whole word of the JSON's
+``gpu`` name (not GH200); ``--gpu`` names another. An H100 run compares builds; it is not a README row. Every
+figure links its JSON file ("no figure in prose without its JSON"). Runs made with ``FLASHDSA_*`` kernel-selection
+switches set (``env`` in the JSON) measure a non-default configuration and stay out of the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -50,20 +51,20 @@ def _key(p: Path, doc: dict) -> tuple[str, str]:
 
 
 def _counts(doc: dict, include_cpu: bool, gpu: str) -> bool:
-    """Whether a run may give README rows: default kernels (no ``env``), on a GPU whose name holds ``gpu`` (or on
-    the CPU where ``include_cpu``)."""
+    """Whether a run may give README rows: default kernels (no ``env``), on a GPU whose name holds ``gpu`` as a
+    whole word, case-insensitive (or on the CPU where ``include_cpu``)."""
     if doc.get("env"):
         return False
     if not doc.get("gpu"):
         return include_cpu
-    return gpu.lower() in doc["gpu"].lower()
+    return re.search(rf"\b{re.escape(gpu)}\b", doc["gpu"], re.IGNORECASE) is not None
 
 
 def newest_per_suite(results: Sequence[tuple[Path, dict]], include_cpu: bool = False,
                      gpu: str = TARGET_GPU) -> dict[str, tuple[Path, dict]]:
-    """suite -> (path, doc) of the newest whole-suite run by its ``date`` field (file name breaks ties); runs of
-    a subset of the cases (``flashdsa bench --case``: ``case_filter`` in the JSON) are left to
-    ``newer_partial_rows``."""
+    """suite -> (path, doc) of the newest whole-suite run on ``gpu`` (``_counts``) by its ``date`` field (file
+    name breaks ties); runs of a subset of the cases (``flashdsa bench --case``: ``case_filter`` in the JSON) are
+    left to ``newer_partial_rows``."""
     best: dict[str, tuple[Path, dict]] = {}
     for p, doc in results:
         if not _counts(doc, include_cpu, gpu) or doc.get("case_filter"):
@@ -76,8 +77,8 @@ def newest_per_suite(results: Sequence[tuple[Path, dict]], include_cpu: bool = F
 
 def newer_partial_rows(results: Sequence[tuple[Path, dict]], suite: str, base: tuple[Path, dict],
                        include_cpu: bool = False, gpu: str = TARGET_GPU) -> dict[str, tuple[Path, dict, dict]]:
-    """case name -> (path, doc, case row) from partial runs of ``suite`` newer than its whole-suite run ``base``
-    (the newest such run per case)."""
+    """case name -> (path, doc, case row) from partial runs of ``suite`` on ``gpu`` newer than its whole-suite run
+    ``base`` (the newest such run per case)."""
     rows: dict[str, tuple[Path, dict, dict]] = {}
     for p, doc in results:
         if doc["suite"] != suite or not doc.get("case_filter") or not _counts(doc, include_cpu, gpu):
@@ -116,7 +117,8 @@ def _order(suite: str) -> int:
 
 def render_readme_table(results_dir: Path | str = DEFAULT_RESULTS, include_cpu: bool = False,
                         link_prefix: str = "", gpu: str = TARGET_GPU) -> str:
-    """Markdown: one row per case of the newest JSON per suite, then the source of each suite's numbers.
+    """Markdown: one row per case of the newest JSON per suite on ``gpu`` (``_counts``), then the source of each
+    suite's numbers.
 
     ``link_prefix`` is prepended to the JSON paths in the links (e.g. ``""`` when the README sits at the repo root
     and ``results_dir`` is relative to it).

@@ -304,8 +304,9 @@ STAGINGS = ("consumer", "converter", "converter_contig")
 # (session 21's default), the sparse FP8 decode rows 10-20% faster
 DEFAULT_STAGING = "converter_contig"
 STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the caller names no staging
-# timing switch (session 48, not dispatched): a positive integer P runs the launch on P persistent CTAs (pair_body's
-# ``persistent``: the producer gathers the next item's rows while the consumers finish an item)
+# timing switch (session 48; the dispatch never picks it): a positive integer P runs every launch of this kernel,
+# dispatched ones included, on P persistent CTAs (pair_body's ``persistent``: the producer gathers the next item's
+# rows while the consumers finish an item); measured no faster in decode (docs/PERFORMANCE.md 'Session 48')
 PERSISTENT_ENV = "FLASHDSA_CACHE656_PERSISTENT"
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # session 27: best of four splits (ptxas: 12 bytes spilled in the converter)
@@ -494,10 +495,12 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
     if persistent is None:
-        env = os.environ.get(PERSISTENT_ENV, "")
-        if env and not env.isdigit():
+        env = os.environ.get(PERSISTENT_ENV, "").strip()
+        if env and not (env.isascii() and env.isdigit()):
             raise ValueError(f"${PERSISTENT_ENV}={env!r}: expected a non-negative integer (CTAs)")
         persistent = int(env or 0)
+    if isinstance(persistent, bool) or not isinstance(persistent, int) or persistent < 0:
+        raise ValueError(f"persistent: expected a non-negative int (CTAs, 0 for one per item), got {persistent!r}")
     run = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate, overlap_qk,
                                     staging, out_f32, persistent))
 
@@ -513,7 +516,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
                        checked: bool = False, ablate: str = "", overlap_qk: bool = True, staging: str | None = None,
                        persistent: int | None = None):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
-    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk``, ``persistent``."""
+    and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk``; ``persistent``: ``launcher``'s
+    (None reads ``$FLASHDSA_CACHE656_PERSISTENT``, which also reaches the dispatched calls)."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
@@ -538,6 +542,9 @@ def lowering_cases():
             ("pair_cache_h64_topk128_tl_f32",
              build_sparse_mla_fwd_pair_cache(heads=64, topk=128, sm_scale=576**-0.5, has_topk_length=True,
                                              out_f32=True)),
+            ("pair_cache_h64_topk128_tl_f32_persistent5",  # the timing switch with split-KV partials
+             build_sparse_mla_fwd_pair_cache(heads=64, topk=128, sm_scale=576**-0.5, has_topk_length=True,
+                                             out_f32=True, persistent=5)),
             ("pair_cache_h64_topk700_tl_consumer",
              build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_topk_length=True,
                                              staging="consumer")),
