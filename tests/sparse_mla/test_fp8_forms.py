@@ -96,15 +96,16 @@ def test_fp8_forms_validation():
         flashdsa.sparse_mla_fwd(q8, k8.bfloat16(), idx, q_scale=torch.ones(5, 3), kv_scale=torch.ones(9))
 
 
-@pytest.mark.parametrize("persistent,env", [(-1, None), (True, None), (2.0, None), (None, "-3"), (None, "²"),
-                                            (None, "x")])
-def test_pair_cache_persistent_switch_validation(monkeypatch, persistent, env):
+@pytest.mark.parametrize("persistent,env,error", [(-1, None, ValueError), (True, None, TypeError),
+                                                  (2.0, None, TypeError), (None, "-3", ValueError),
+                                                  (None, "²", ValueError), (None, "x", ValueError)])
+def test_pair_cache_persistent_switch_validation(monkeypatch, persistent, env, error):
     """The pair-cache kernel's timing switch (argument or ``$FLASHDSA_CACHE656_PERSISTENT``) rejects anything but a
-    non-negative int, naming it, before any build."""
+    non-negative int, naming it, before any build (``check_positive_int``: TypeError for a non-int)."""
     pytest.importorskip("tilelang")
     from flashdsa.sparse import kernel_fwd_pair_cache as kmod
 
     if env is not None:
         monkeypatch.setenv(kmod.PERSISTENT_ENV, env)
-    with pytest.raises(ValueError, match="CACHE656_PERSISTENT" if env is not None else "^persistent"):
+    with pytest.raises(error, match="CACHE656_PERSISTENT" if env is not None else "^persistent"):
         kmod.launcher(64, 2, 0.1, False, False, persistent=persistent)

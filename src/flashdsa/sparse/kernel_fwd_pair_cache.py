@@ -71,6 +71,7 @@ import tilelang
 import tilelang.language as T
 
 from .._tilelang import direct_launcher
+from .._validate import check_positive_int
 from . import _pair_parts as pp
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
@@ -494,13 +495,14 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
+    name = "persistent"
     if persistent is None:
-        env = os.environ.get(PERSISTENT_ENV, "").strip()
-        if env and not (env.isascii() and env.isdigit()):
-            raise ValueError(f"${PERSISTENT_ENV}={env!r}: expected a non-negative integer (CTAs)")
-        persistent = int(env or 0)
-    if isinstance(persistent, bool) or not isinstance(persistent, int) or persistent < 0:
-        raise ValueError(f"persistent: expected a non-negative int (CTAs, 0 for one per item), got {persistent!r}")
+        name, env = f"${PERSISTENT_ENV}", os.environ.get(PERSISTENT_ENV, "")
+        try:
+            persistent = int(env or 0)
+        except ValueError:
+            raise ValueError(f"{name}={env!r}: expected a non-negative integer (CTAs)") from None
+    check_positive_int(name, persistent, minimum=0)
     run = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate, overlap_qk,
                                     staging, out_f32, persistent))
 
