@@ -109,3 +109,19 @@ def test_pair_cache_persistent_switch_validation(monkeypatch, persistent, env, e
         monkeypatch.setenv(kmod.PERSISTENT_ENV, env)
     with pytest.raises(error, match="CACHE656_PERSISTENT" if env is not None else "^persistent"):
         kmod.launcher(64, 2, 0.1, False, False, persistent=persistent)
+
+
+@pytest.mark.parametrize("kw,env", [(dict(q_gate="x"), None), (dict(q_gate=""), None), (dict(), "al,ar"),
+                                    (dict(q_gate="al", staging="consumer"), None),
+                                    (dict(q_gate="ar", persistent=3), None), (dict(staging="consumer"), "al")])
+def test_pair_cache_q_gate_switch_validation(monkeypatch, kw, env):
+    """The pair-cache kernel's Q gate (argument or ``$FLASHDSA_CACHE656_QGATE``) takes one of ``QGATES`` only, and
+    "al" / "ar" only where a converter stages the tiles and each CTA has one item: a ValueError naming it, before
+    any build."""
+    pytest.importorskip("tilelang")
+    from flashdsa.sparse import kernel_fwd_pair_cache as kmod
+
+    if env is not None:
+        monkeypatch.setenv(kmod.QGATE_ENV, env)
+    with pytest.raises(ValueError, match="CACHE656_QGATE" if env is not None else "^q_gate"):
+        kmod.launcher(64, 2, 0.1, False, False, **kw)

@@ -203,7 +203,8 @@ def _plan_key(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, in
     from ..sparse import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair_cache
 
     env = tuple(os.environ.get(v) for v in (kernel_fwd_fp8cache.NARROW_ENV, kernel_fwd_pair_cache.STAGING_ENV,
-                                            kernel_fwd_pair_cache.PERSISTENT_ENV, kernel_dequant656.DEQUANT_ONCE_ENV,
+                                            kernel_fwd_pair_cache.PERSISTENT_ENV, kernel_fwd_pair_cache.QGATE_ENV,
+                                            kernel_dequant656.DEQUANT_ONCE_ENV,
                                             kernel_split.SPLIT_ENV))
     return _dispatch.call_signature("mla_decode_cache656", q, kv_cache, block_table, cache_seqlens, indices,
                                     topk_length, attn_sink, sm_scale, d_v, causal, backend, env)

@@ -6,7 +6,8 @@ cache)."""
 import tilelang.language as T
 
 from . import _tl_common as tc
-from ._pair_parts import BAR_BOTH, BAR_WG0, BAR_WG1, adopt_max_macro, drain, item_parts, pair_phase
+from ._pair_parts import (BAR_BOTH, BAR_WG0, BAR_WG1, STAMP_SRC, adopt_max_macro, drain, item_parts, pair_phase,
+                          stamper)
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -20,9 +21,9 @@ assert sum(PAIR_REGS) <= 3 * ((65536 // THREADS) // 8 * 8)
 
 def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, topk_dim, producer,
               prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
-              out_f32=False, q_rows=None, cluster=False):
+              out_f32=False, q_rows=None, cluster=False, stamps=False, q_gate=""):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
-    MaxLogits, Order)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
+    MaxLogits, Order, Stamps=None)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
     the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
     Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
     rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)`` in the third warpgroup.  ``kv_src``: whatever the
@@ -63,10 +64,20 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     is then free only when the consumers of both CTAs freed it: each free barrier counts the 128 local consumer
     threads and lane 0 of each of the peer's 4 consumer warps (``T.mbarrier_arrive(bar, peer)``); TileLang syncs
     the cluster after the barriers' initialisation (cluster barriers), and a cluster sync at the end keeps a CTA
-    from exiting while its peer may still arrive on it."""
+    from exiting while its peer may still arrive on it.
+
+    ``stamps`` (timing builds): body's Stamps is an int32 [n_ctas, ``STAMP_WORDS``] buffer and one thread of each
+    role writes clock64 at the points of ``_pair_parts.STAMPS`` (one item per CTA; the producer and the converter
+    get ``st=`` too).  ``q_gate`` (builds with a converter, one item per CTA): "al" / "ar": the consumers load Q only
+    once the first pair's a.L / a.R raw bytes landed (its "landed" barrier), so the first gathers are not queued
+    behind Q's loads (session 49: one wave of CTAs, all starting at once, 5% faster on an H200 at "al")."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert not cluster or (heads == 2 * BLOCK_H and not persistent and converter is None), "cluster: H 128 pairs"
+    assert not (stamps and (persistent or cluster)), "stamps: one item per CTA"
+    assert q_gate in ("", "al", "ar") and not (q_gate and (persistent or converter is None)), q_gate
+    if stamps:
+        prelude = (prelude or "") + STAMP_SRC
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
     assert all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
@@ -87,11 +98,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                                                         c_log2=c_log2, has_sink=has_sink, dtype=bf16)
 
     @T.macro
-    def load_q(Q, Q_half, Q_t, tok, h0, c0):
+    def load_q(Q, Q_half, Q_t, tok, h0, c0, npair, gate=None):
         # one consumer warpgroup loads Q[:, c0:c0+256] (+ the rope tail): 16 B per thread and load.  (Loaded by all
         # 384 threads, the 64 x 256 tile is not a multiple of 384 x 8 elements and lowered to 2-byte loads, which
         # cost ~45 us per CTA: measured on the H200, session 8.)  Both halves are complete after BAR_BOTH.
         q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
+        if gate is not None:  # q_gate: after the first pair's a.L / a.R landed (parity 0: one item per CTA; no
+            if npair[0] > 0:  # pair, no gather: nothing to wait for)
+                T.barrier_wait(gate, 0)
         T.copy(Q[q_tok, h0 : h0 + BH, c0 : c0 + DH], Q_half)
         if Q_t is not None:
             if D_tail > 0:
@@ -260,14 +274,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     @T.macro
     def produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok, h0, Rows0, Rows1, KVa_l, KVa_r,
                       KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar,
-                      pb):
+                      pb, extra):
         # the producer warpgroup (threads 256-383); its arrivals go to ld_* (the ready barriers without a converter)
         T.set_max_nreg(regs[2], 0)
         for it in items(bx):
             if persistent:
                 tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
             producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                     row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb)
+                     row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, *extra)
             if persistent:
                 pb[0] = pb[0] + npair[0]
         if persistent:
@@ -279,8 +293,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         return T.Kernel(n_ctas, threads=threads, prelude=prelude)
 
     @T.macro
-    def body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse, MaxLogits, Order):
+    def body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse, MaxLogits, Order, Stamps=None):
         with kernel_launch() as bx:
+            st = stamper(Stamps, bx)
+            extra = () if Stamps is None else (st,)  # the producer's / converter's st= (stamps builds)
             Q_l = T.alloc_shared([BH, DH], bf16)
             Q_r = T.alloc_shared([BH, DH], bf16)
             KVa_l = T.alloc_shared([BI, DH], bf16)
@@ -320,6 +336,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 rdy_br = T.alloc_barrier(128)
                 rdy_ar = T.alloc_barrier(128)
                 rdy_bl = T.alloc_barrier(128)
+            q_gate_bar = () if not q_gate else (ld_al,) if q_gate == "al" else (ld_ar,)  # load_q's gate
             if cluster:  # the local consumers' 128 threads + lane 0 of the peer's 4 consumer warps
                 fr_al = T.alloc_cluster_barrier(132)
                 fr_bl = T.alloc_cluster_barrier(132)
@@ -381,16 +398,22 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
             if tx < 128:
                 # ---------------------------------------------- WG0: QK of blocks 2j, O[:, 0:256]
+                st("gt_entry", tx == 0)
+                st("smid", tx == 0)
                 T.set_max_nreg(regs[0], 1)
                 for it in items(bx):
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-                    load_q(Q, Q_l, Q_t, tok, h0, 0)
+                    load_q(Q, Q_l, Q_t, tok, h0, 0, npair, *q_gate_bar)
+                    st("wg0_q", tx == 0)
                     reset_acc(O0, l0, m_run0)
                     if npair[0] > 0:
                         qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, 0), tx)
+                        st("wg0_al_ready", tx == 0)
                         qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, 0), tx)
+                        st("wg0_qk0", tx == 0)
                     for j in T.serial(npair[0]):
+                        st("wg0_pair", tx == 0, j)
                         T.copy(m_run0, m_new0)
                         # publish m_a; local PV: O_l += P_a V_a[:, :256], P from registers
                         softmax_local_pv(acc_s0, O0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, p0, KVa_l)
@@ -423,21 +446,29 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                             if j + 1 < npair[0]:
                                 qk_a_left(Q_l, KVa_l, Rows0, acc_s0, rdy_al, pair_phase(pb, j + 1), tx)
                                 qk_a_right(Q_r, Q_t, KVa_r, Ka_t, acc_s0, rdy_ar, pair_phase(pb, j + 1), tx)
+                    st("wg0_loop_end", tx == 0)
                     finish(O0, l0, m_run0, inv0, Ls0, Ls0, Ls1, Sink, Q_l, Out, tok, h0, 0, BAR_WG0)
+                    st("wg0_finish", tx == 0)
                     store_lse(l0, m_run0, Lse, MaxLogits, tok, h0)
+                    st("wg0_lse", tx == 0)
+                    st("gt_end", tx == 0)
                     if persistent:
                         end_item(pb, npair, BAR_WG0)
             elif tx < 256:
                 # ---------------------------------------------- WG1: QK of blocks 2j+1, O[:, 256:512]
+                st("wg1_entry", tx == 128)
                 T.set_max_nreg(regs[1], 1)
                 for it in items(bx):
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-                    load_q(Q, Q_r, None, tok, h0, DH)
+                    load_q(Q, Q_r, None, tok, h0, DH, npair, *q_gate_bar)
+                    st("wg1_q", tx == 128)
                     reset_acc(O1, l1, m_run1)
                     if npair[0] > 0:
                         qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl, pair_phase(pb, 0), tx)
+                        st("wg1_qk0", tx == 128)
                     for j in T.serial(npair[0]):
+                        st("wg1_pair", tx == 128, j)
                         # m_b = max(m_a, rowmax S_b) >= m_a >= the common max of the last pair
                         T.barrier_wait(bar_ma, pair_phase(pb, j))
                         for h in T.Parallel(BH):
@@ -457,19 +488,25 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         if j + 1 < npair[0]:
                             qk_b(Q_l, Q_r, Q_t, KVb_l, KVb_r, Kb_t, Rows1, acc_s1, rdy_br, rdy_bl,
                                  pair_phase(pb, j + 1), tx)
+                    st("wg1_loop_end", tx == 128)
                     finish(O1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
+                    st("wg1_finish", tx == 128)
                     if persistent:
                         end_item(pb, npair, BAR_WG1)
             else:
                 tok0, h00 = (None, None) if persistent else (tok, h0)  # (persistent: set per item by start_item)
+                st("prod_entry", tx == 256)
+                st("conv_entry", tx == 384)
                 if converter is None:
                     produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok0, h00, Rows0, Rows1, KVa_l,
                                   KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al,
-                                  fr_bl, fr_br, fr_ar, pb)
+                                  fr_bl, fr_br, fr_ar, pb, extra)
+                    st("prod_end", tx == 256)
                 elif tx < 384:
                     produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok0, h00, Rows0, Rows1, KVa_l,
                                   KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al,
-                                  fr_bl, fr_br, fr_ar, pb)
+                                  fr_bl, fr_br, fr_ar, pb, extra)
+                    st("prod_end", tx == 256)
                 else:
                     # ------------------------------------------ converter (``converter`` builds)
                     T.set_max_nreg(regs[3], 0)
@@ -477,9 +514,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         if persistent:
                             tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
                         converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br,
-                                  rdy_ar, rdy_bl, pb)
+                                  rdy_ar, rdy_bl, pb, *extra)
                         if persistent:
                             pb[0] = pb[0] + npair[0]
+                    st("conv_end", tx == 384)
             if cluster:
                 T.cluster_sync()  # the peer's last remote arrivals on this CTA's barriers have landed
 

@@ -132,12 +132,15 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
 
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb):
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb, st=None):
+        # st: ``stamper``'s macro (timestamp builds): pair 0's rows published and its four gathers issued
         for j in T.serial(npair[0]):
             if prefetch_rows:  # this pair's rows into registers before the waits
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
+            if st is not None:
+                st("prod_rows0", (tx == 256) & (j == 0))
             T.barrier_arrive(rdy_al)
             gather_l(KVa_l, Rows0, kv_src)
             T.cp_async_barrier_noinc(rdy_al)
@@ -152,6 +155,8 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
             T.barrier_wait(fr_bl, pair_phase(pb, j) ^ 1)
             gather_l(KVb_l, Rows1, kv_src)
             T.cp_async_barrier_noinc(rdy_bl)
+            if st is not None:
+                st("prod_issued0", (tx == 256) & (j == 0))
         if pb is None:
             drain()
 
@@ -179,3 +184,52 @@ def hop_converter():
             hop(ld_bl, rdy_bl, pair_phase(pb, j))
 
     return converter
+
+
+# ---------------------------------------------------------------- per-CTA timestamps (timing builds only)
+# ``pair_body(stamps=True)``: the kernel takes one more argument, Stamps [n_ctas, STAMP_WORDS] int32, and one thread
+# of each role writes the low 32 bits of clock64 (SM cycles) at the points below (scripts/pair_timestamps.py reads
+# them); words 0 / 1 and 27 / 28 hold the globaltimer (ns) at WG0's entry / end, read with words 2 / 29's clocks.
+STAMP_WORDS = 64
+STAMP_PAIRS = 16  # pairs stamped per consumer (the first ones)
+STAMPS = dict(gt_entry=0, wg0_entry=2, wg0_q=3, wg0_al_ready=4, wg0_qk0=5, smid=6, wg0_pair=8, wg0_loop_end=24,
+              wg0_finish=25, wg0_lse=26, gt_end=27, wg0_end=29, wg1_q=30, wg1_qk0=31, wg1_pair=32, wg1_loop_end=48,
+              wg1_finish=49, prod_entry=50, prod_end=51, conv_entry=52, conv_end=53, wg1_entry=54,
+              prod_rows0=55, prod_issued0=56, conv_landed_al=57, conv_landed_br=58, conv_landed_ar=59,
+              conv_landed_bl=60, conv_done_al=61, conv_done_br=62, conv_done_ar=63)  # the last 9: pair 0 only
+STAMP_SRC = r"""
+// timestamps (timing builds): every thread of the warp calls (warp-uniform control flow around the wgmmas), the one
+// with on != 0 stores
+__device__ __forceinline__ void fdsa_stamp(int *p, int on) {
+  const long long c = clock64();
+  if (on) *p = static_cast<int>(c);
+}
+__device__ __forceinline__ void fdsa_stamp_gt(int *p, int on) {  // globaltimer lo / hi, then clock64
+  unsigned long long g;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  const long long c = clock64();
+  if (on) { p[0] = static_cast<int>(g); p[1] = static_cast<int>(g >> 32); p[2] = static_cast<int>(c); }
+}
+__device__ __forceinline__ void fdsa_stamp_smid(int *p, int on) {
+  unsigned s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  if (on) *p = static_cast<int>(s);
+}
+"""
+
+
+def stamper(Stamps, bx):
+    """Macro ``st(name, on, j=None)``: the stamp ``STAMPS[name]`` (+ ``j``, clamped to the ``STAMP_PAIRS`` words:
+    a stamp per pair, only the first ones) into Stamps[bx], stored by the threads with ``on``; with ``Stamps``
+    None it emits nothing (the default builds' kernels are unchanged)."""
+    if Stamps is None:
+        return lambda name, on, j=None: None
+    fns = dict(gt_entry="fdsa_stamp_gt", gt_end="fdsa_stamp_gt", smid="fdsa_stamp_smid")
+
+    @T.macro
+    def st(name, on, j=None):
+        word = STAMPS[name] if j is None else STAMPS[name] + T.min(j, STAMP_PAIRS - 1)
+        ok = on if j is None else on & (j < STAMP_PAIRS)
+        T.call_extern("handle", fns.get(name, "fdsa_stamp"), T.address_of(Stamps[bx, word]), ok)
+
+    return st

@@ -70,13 +70,14 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from .. import _dispatch
 from .._tilelang import direct_launcher
 from .._validate import check_positive_int
 from . import _pair_parts as pp
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
 from . import kernel_fwd_pair as kp
-from ._tl_common import BLOCK_I, D_V
+from ._tl_common import BLOCK_H, BLOCK_I, D_V
 
 SUPPORTED_H = kp.SUPPORTED_H
 _ASYNC = tc.ASYNC_GATHER
@@ -309,6 +310,14 @@ STAGING_ENV = "FLASHDSA_CACHE656_STAGING"  # overrides DEFAULT_STAGING when the 
 # dispatched ones included, on P persistent CTAs (pair_body's ``persistent``: the producer gathers the next item's
 # rows while the consumers finish an item); measured no faster in decode (docs/PERFORMANCE.md 'Session 48')
 PERSISTENT_ENV = "FLASHDSA_CACHE656_PERSISTENT"
+# Q after the first rows (session 49): where one launch's CTAs all fit on the SMs at once (a single wave, e.g. the
+# decode rows at B 128 / H 64), every CTA loads Q and issues its first gathers at the same moment, and the first
+# rows queue behind the Q loads (which also slow the converter while in flight); ``pair_body``'s q_gate "al" lets the
+# consumers load Q only once the first pair's a.L landed: H200, B 128 / H 64 / topk 2048 0.1147 -> 0.1088 ms in
+# graph replay ("ar" 0.1098); at H 128 s_q 2 (four waves, CTAs staggered) 0.3710 -> 0.3732, so only single waves
+# take it.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) that rule, "off" never, "al" / "ar" always (timing).
+QGATE_ENV = "FLASHDSA_CACHE656_QGATE"
+QGATES = ("auto", "off", "al", "ar")
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # session 27: best of four splits (ptxas: 12 bytes spilled in the converter)
 
@@ -344,8 +353,10 @@ def _converter_parts(*, topk_dim, ablate="", contig=False):
         gather_rows(KVr, Kt, 1, Rows, kv_src, DH // 16)
 
     @T.macro
-    def convert_one(Half, tile0, ld, rdy, phase, tx):
+    def convert_one(Half, tile0, ld, rdy, phase, tx, st, half, on):
         T.barrier_wait(ld, phase)
+        if st is not None:
+            st("conv_landed_" + half, on)
         if not ablate:
             if contig:
                 T.call_extern("handle", "fdsa_convert_half_contig", T.address_of(Half[0, 0]), tile0, tx - 384)
@@ -353,15 +364,19 @@ def _converter_parts(*, topk_dim, ablate="", contig=False):
                 T.call_extern("handle", "fdsa_convert_half", T.address_of(Half[0, 0]), tile0, tx - 384)
         T.fence_proxy_async()  # generic-proxy stores -> wgmma (async proxy) reads
         T.barrier_arrive(rdy)
+        if st is not None and half != "bl":
+            st("conv_done_" + half, on)
 
     @T.macro
     def converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
-                  pb):
+                  pb, st=None):
+        # st: ``_pair_parts.stamper``'s macro (timestamp builds): pair 0's halves landed / converted
         for j in T.serial(npair[0]):
-            convert_one(KVa_l, 0, ld_al, rdy_al, pp.pair_phase(pb, j), tx)
-            convert_one(KVb_r, 2, ld_br, rdy_br, pp.pair_phase(pb, j), tx)
-            convert_one(KVa_r, 2, ld_ar, rdy_ar, pp.pair_phase(pb, j), tx)
-            convert_one(KVb_l, 0, ld_bl, rdy_bl, pp.pair_phase(pb, j), tx)
+            on = None if st is None else (tx == 384) & (j == 0)
+            convert_one(KVa_l, 0, ld_al, rdy_al, pp.pair_phase(pb, j), tx, st, "al", on)
+            convert_one(KVb_r, 2, ld_br, rdy_br, pp.pair_phase(pb, j), tx, st, "br", on)
+            convert_one(KVa_r, 2, ld_ar, rdy_ar, pp.pair_phase(pb, j), tx, st, "ar", on)
+            convert_one(KVb_l, 0, ld_bl, rdy_bl, pp.pair_phase(pb, j), tx, st, "bl", on)
 
     producer = pp.gather_producer(topk_dim=topk_dim, row_ok=lambda row, kv_src: (row >= 0) & (row < kv_src[3]),
                                   gather_l=gather_l, gather_r=gather_r)
@@ -417,7 +432,8 @@ def _dequant_parts(*, topk_dim, ablate=""):
 
 def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, has_sink: bool = False,
                                     has_topk_length: bool = False, ablate: str = "", overlap_qk: bool = True,
-                                    staging: str = DEFAULT_STAGING, out_f32: bool = False, persistent: int = 0):
+                                    staging: str = DEFAULT_STAGING, out_f32: bool = False, persistent: int = 0,
+                                    stamps: bool = False, q_gate: str = ""):
     """Return the TileLang prim_func: (Q[T,H,576] bf16, KVf[n_ch,4] f32, KVb[n_ch,8] bf16 (two views of the cache
     as 16-byte chunks), rs16 int32 (row stride in chunks), n_rows int32 (Tkv), Indices[T,topk] i32, TopkLen[n_tl]
     i32, Sink[n_sink] f32, Out[T,H,512] bf16, Lse[T,H] f32, MaxLogits[T,H] f32).  ``ablate``: a timing build of
@@ -425,13 +441,15 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     converts a.L while its remote PV runs); ``staging``: who converts, one of ``STAGINGS`` ("consumer":
     ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``); ``out_f32``: Out float32 (split-KV
     partials) and Q [n_q, H, 576] with n_q dividing T (``pair_body``'s q_rows); ``persistent``: ``pair_body``'s
-    (P > 0: P CTAs loop over the items)."""
+    (P > 0: P CTAs loop over the items); ``stamps`` (timing build): one more argument, Stamps [T * H / 64,
+    ``_pair_parts.STAMP_WORDS``] int32, the CTAs' timestamps (``pair_body``'s); ``q_gate``: ``pair_body``'s
+    (timing builds)."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
     common = dict(heads=heads, dqk=fc.DQK, topk=topk, sm_scale=sm_scale, has_sink=has_sink,
                   has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, overlap_qk=overlap_qk,
-                  out_f32=out_f32, persistent=persistent)
+                  out_f32=out_f32, persistent=persistent, stamps=stamps, q_gate=q_gate)
     out_dtype = f32 if out_f32 else bf16
     n_q = n_tok
     if out_f32:  # split-KV: one q row per token, n_tok / n_q chunk rows each (pair_body's q_rows)
@@ -443,6 +461,27 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     else:
         producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
         body = kp.pair_body(**common, producer=producer, prelude=_DEQUANT_SRC, first_use=first_use)
+
+    if stamps:
+        n_st = T.dynamic("n_st")
+
+        @T.prim_func
+        def sparse_mla_fwd_pair_cache_stamps(
+            Q: T.Tensor([n_q, heads, fc.DQK], bf16),
+            KVf: T.Tensor([n_ch, 4], f32),
+            KVb: T.Tensor([n_ch, 8], bf16),
+            rs16: T.int32,
+            n_rows: T.int32,
+            Indices: T.Tensor([n_tok, topk_dim], i32),
+            TopkLen: T.Tensor([n_tl], i32),
+            Sink: T.Tensor([n_sink], f32),
+            Out: T.Tensor([n_tok, heads, D_V], out_dtype),
+            Lse: T.Tensor([n_tok, heads], f32),
+            MaxLogits: T.Tensor([n_tok, heads], f32),
+            Stamps: T.Tensor([n_st, pp.STAMP_WORDS], i32),
+        ):
+            body(Q, (KVf, KVb, rs16, n_rows), Indices, TopkLen, Sink, Out, Lse, MaxLogits, None, Stamps)
+        return sparse_mla_fwd_pair_cache_stamps
 
     @T.prim_func
     def sparse_mla_fwd_pair_cache(
@@ -469,11 +508,12 @@ def _pass_configs():
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
-              overlap_qk: bool = True, staging: str = DEFAULT_STAGING, out_f32: bool = False, persistent: int = 0):
+              overlap_qk: bool = True, staging: str = DEFAULT_STAGING, out_f32: bool = False, persistent: int = 0,
+              stamps: bool = False, q_gate: str = ""):
     func = build_sparse_mla_fwd_pair_cache(heads=heads, topk=n_blocks * BLOCK_I, sm_scale=sm_scale,
                                            has_sink=has_sink, has_topk_length=has_topk_length, ablate=ablate,
                                            overlap_qk=overlap_qk, staging=staging, out_f32=out_f32,
-                                           persistent=persistent)
+                                           persistent=persistent, stamps=stamps, q_gate=q_gate)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
@@ -487,11 +527,15 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
              overlap_qk: bool = True, staging: str | None = None, out_f32: bool = False,
-             persistent: int | None = None):
+             persistent: int | None = None, stamps: bool = False, q_gate: str | None = None):
     """This kernel's launch as ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)``
     (q and indices contiguous; ``kernel_fwd_fp8cache.launcher``'s form).  ``staging``: None reads
     ``$FLASHDSA_CACHE656_STAGING`` (``STAGING_ENV``) now; ``out_f32``: out float32; ``persistent`` (timing only):
-    that many persistent CTAs (0: one per item), None reads ``$FLASHDSA_CACHE656_PERSISTENT`` (``PERSISTENT_ENV``)."""
+    that many persistent CTAs (0: one per item), None reads ``$FLASHDSA_CACHE656_PERSISTENT`` (``PERSISTENT_ENV``);
+    ``stamps`` (timing build): the launch takes the Stamps buffer as a ninth argument; ``q_gate``: one of
+    ``QGATES`` ("auto": ``pair_body``'s "al" where the launch's CTAs fit on the SMs at once, with a converter
+    staging, one item per CTA and bf16 out; "off": none; "al" / "ar": always), None reads ``$FLASHDSA_CACHE656_QGATE``
+    (``QGATE_ENV``, default "auto") now."""
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
@@ -503,23 +547,46 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
         except ValueError:
             raise ValueError(f"{name}={env!r}: expected a non-negative integer (CTAs)") from None
     check_positive_int(name, persistent, minimum=0)
-    run = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate, overlap_qk,
-                                    staging, out_f32, persistent))
+    name = "q_gate"
+    if q_gate is None:
+        name, q_gate = f"${QGATE_ENV}", os.environ.get(QGATE_ENV) or "auto"
+    if q_gate not in QGATES:
+        raise ValueError(f"{name}={q_gate!r}: expected one of {QGATES}")
+    gateable = staging.startswith("converter") and not persistent
+    if q_gate in ("al", "ar") and not gateable:
+        raise ValueError(f"{name}={q_gate!r}: needs a converter staging and no persistent grid (staging {staging!r}, "
+                         f"persistent {persistent})")
+    auto = q_gate == "auto" and gateable and not out_f32  # (split-KV partials: not measured, left ungated)
+    runs = {}
 
-    def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
+    def run(gate):
+        if gate not in runs:
+            runs[gate] = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate,
+                                                   overlap_qk, staging, out_f32, persistent, stamps, gate))
+        return runs[gate]
+
+    fixed = q_gate if q_gate in ("al", "ar") else ""
+
+    def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits, *stamps_buf):
+        gate = fixed
+        if auto and out.shape[0] * (heads // BLOCK_H) <= _dispatch.sm_count(out.device.index):
+            gate = "al"  # one wave: Q after the first rows
         chunks = fc.cache_chunks(kv)
-        run(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0], indices, tl_arg,
-            sink_arg, out, lse, max_logits)
+        run(gate)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0], indices,
+                  tl_arg, sink_arg, out, lse, max_logits, *stamps_buf)
 
     return launch
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
                        checked: bool = False, ablate: str = "", overlap_qk: bool = True, staging: str | None = None,
-                       persistent: int | None = None):
+                       persistent: int | None = None, stamps: torch.Tensor | None = None,
+                       q_gate: str | None = None):
     """Returns (out [T,H,512] bf16, lse [T,H] f32 (natural log), max_logits [T,H] f32).  Timing builds (``--variants``
     and tests only): ``ablate`` one of ``ABLATIONS`` (wrong results), ``overlap_qk``; ``persistent``: ``launcher``'s
-    (None reads ``$FLASHDSA_CACHE656_PERSISTENT``, which also reaches the dispatched calls)."""
+    (None reads ``$FLASHDSA_CACHE656_PERSISTENT``, which also reaches the dispatched calls); ``stamps``: None, or
+    an int32 [T * H / 64, ``_pair_parts.STAMP_WORDS``] tensor that the timestamp build fills
+    (``scripts/pair_timestamps.py``); ``q_gate``: ``launcher``'s (None reads ``$FLASHDSA_CACHE656_QGATE``)."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
@@ -531,8 +598,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     indices = indices.contiguous()
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     launch = launcher(q.shape[1], n_blocks, sm_scale, has_sink, has_tl, ablate, overlap_qk, staging,
-                      persistent=persistent)
-    launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits)
+                      persistent=persistent, stamps=stamps is not None, q_gate=q_gate)
+    launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits, *(() if stamps is None else (stamps,)))
     return out, lse, max_logits
 
 
@@ -547,6 +614,11 @@ def lowering_cases():
             ("pair_cache_h64_topk128_tl_f32_persistent5",  # the timing switch with split-KV partials
              build_sparse_mla_fwd_pair_cache(heads=64, topk=128, sm_scale=576**-0.5, has_topk_length=True,
                                              out_f32=True, persistent=5)),
+            ("pair_cache_h128_topk256_tl_qgate_al",  # Q after the first rows (one-wave launches)
+             build_sparse_mla_fwd_pair_cache(heads=128, topk=256, sm_scale=576**-0.5, has_topk_length=True,
+                                             q_gate="al")),
+            ("pair_cache_h64_topk2048_stamps",  # the timestamp build
+             build_sparse_mla_fwd_pair_cache(heads=64, topk=2048, sm_scale=576**-0.5, stamps=True)),
             ("pair_cache_h64_topk700_tl_consumer",
              build_sparse_mla_fwd_pair_cache(heads=64, topk=700, sm_scale=576**-0.5, has_topk_length=True,
                                              staging="consumer")),
