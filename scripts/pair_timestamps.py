@@ -1,6 +1,6 @@
 """Where a CTA of the 656-byte-cache pair kernel spends its time in decode: per-CTA clock64 timestamps (GPU host).
 
-    python scripts/pair_timestamps.py [--rows h64_topk2048,...] [--json out.json]
+    python scripts/pair_timestamps.py [--rows h64_topk2048,...] [--gates off,al,off,al] [--reps 20] [--json F]
 
 ``decode_cost_model.py`` fits each sparse FP8 decode row's graph time as fixed + per 64-key block, and finds 12-15%
 fixed (session 48, H100).  This runs the rows' kernel (``kernel_fwd_pair_cache``, B 128, 32768 slots per sequence,
@@ -8,13 +8,14 @@ random unique slots) in its timestamp build (``stamps``: one thread of each role
 ``_pair_parts.STAMPS``) after an L2 flush, and prints per CTA (medians over CTAs, us from WG0's entry): Q loaded,
 the first half tile ready, the first QK retired, each pair's start, the loop's end, the epilogue; the producer's
 and converter's entry / end; and over the grid: CTA entry times (globaltimer) against the first, the span from
-the first entry to the last end, the graph-replay time of the default build and of the timestamp build (which
-must give bitwise the same outputs), and on an SM running several CTAs in turn the gap between one's end and the
-next one's entry.
+the first entry to the last end, the graph-replay time of each ``--gates`` build (``q_gate``: "off", "al", "ar",
+"auto"; a value may repeat, for A / B / A / B) and of its timestamp build (both must give bitwise the outputs of
+the ungated build), and on an SM running several CTAs in turn the gap between one's end and the next one's entry.
 """
 
 import argparse
 import json
+import pathlib
 import sys
 
 import numpy as np
@@ -23,12 +24,10 @@ import torch
 try:
     import flashdsa
 except ImportError:  # run from a checkout without an install: use its src/
-    import pathlib
-
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
     import flashdsa
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_overhead import graph_ms  # noqa: E402
 
 from flashdsa.sparse import _pair_parts as pp  # noqa: E402
@@ -112,7 +111,7 @@ def _row(name, reps, flush, gates):
     sm = 576 ** -0.5
     ref = pc.run_sparse_mla_fwd(q, cache, idx, sm_scale=sm, d_v=512, q_gate="off")
     row = {"row": name, "B": B, "s_q": s_q, "H": H, "topk": topk}
-    for gate in gates:
+    for i, gate in enumerate(gates):
         def plain(gate=gate):
             return pc.run_sparse_mla_fwd(q, cache, idx, sm_scale=sm, d_v=512, q_gate=gate)
 
@@ -131,7 +130,7 @@ def _row(name, reps, flush, gates):
             w = stamps.cpu().numpy()
             assert (w[:, pp.STAMPS["wg0_end"]] != -1).all(), "a CTA wrote no end stamp"
             res["runs"].append(_analyse(w))
-        row["q_gate=" + gate] = res
+        row[f"q_gate={gate}" + (f"#{i}" if gates.count(gate) > 1 else "")] = res  # (#i: a value run again)
     return row
 
 

@@ -113,11 +113,11 @@ def test_pair_cache_persistent_switch_validation(monkeypatch, persistent, env, e
 
 @pytest.mark.parametrize("kw,env", [(dict(q_gate="x"), None), (dict(q_gate=""), None), (dict(), "al,ar"),
                                     (dict(q_gate="al", staging="consumer"), None),
-                                    (dict(q_gate="ar", persistent=3), None), (dict(staging="consumer"), "al")])
+                                    (dict(q_gate="ar", persistent=3), None), (dict(staging="consumer"), "x")])
 def test_pair_cache_q_gate_switch_validation(monkeypatch, kw, env):
     """The pair-cache kernel's Q gate (argument or ``$FLASHDSA_CACHE656_QGATE``) takes one of ``QGATES`` only, and
-    "al" / "ar" only where a converter stages the tiles and each CTA has one item: a ValueError naming it, before
-    any build."""
+    an explicit "al" / "ar" only where a converter stages the tiles and each CTA has one item: a ValueError naming
+    it, before any build."""
     pytest.importorskip("tilelang")
     from flashdsa.sparse import kernel_fwd_pair_cache as kmod
 
@@ -125,3 +125,12 @@ def test_pair_cache_q_gate_switch_validation(monkeypatch, kw, env):
         monkeypatch.setenv(kmod.QGATE_ENV, env)
     with pytest.raises(ValueError, match="CACHE656_QGATE" if env is not None else "^q_gate"):
         kmod.launcher(64, 2, 0.1, False, False, **kw)
+
+
+def test_pair_cache_stamps_validation():
+    """The timestamp build's buffer and grid are checked before any build: a ValueError naming ``stamps``."""
+    pytest.importorskip("tilelang")
+    from flashdsa.sparse import kernel_fwd_pair_cache as kmod
+
+    with pytest.raises(ValueError, match="^stamps"):
+        kmod.launcher(64, 2, 0.1, False, False, persistent=4, stamps=True)

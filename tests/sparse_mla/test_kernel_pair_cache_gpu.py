@@ -114,9 +114,9 @@ def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl
 
 @pytest.mark.parametrize("variant", [dict(overlap_qk=False), dict(staging="consumer"),
                                      dict(staging="converter"), dict(persistent=5), dict(q_gate="off"),
-                                     dict(q_gate="ar"), dict(q_gate="al", staging="converter")],
-                         ids=["no_overlap_qk", "consumer", "converter", "persistent5", "q_gate_off", "q_gate_ar",
-                              "q_gate_al_converter"])
+                                     dict(q_gate="al"), dict(q_gate="ar"), dict(q_gate="al", staging="converter")],
+                         ids=["no_overlap_qk", "consumer", "converter", "persistent5", "q_gate_off", "q_gate_al",
+                              "q_gate_ar", "q_gate_al_converter"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
                          ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
 def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
@@ -124,8 +124,8 @@ def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
     (the consumers retire their remote PV before the next QK); the consumer staging (the default converter
     staging splits each PV by columns: the same products per output column); converter; the persistent grid (5
     CTAs looping over the items, uneven counts: ``$FLASHDSA_CACHE656_PERSISTENT``'s timing builds); the Q gates
-    (every case here is one wave, so the default build is gated at "al": "off" / "ar" against it; the tiny case's
-    empty rows have no pair and must not wait on the gate)."""
+    against the default (gated only in the two 62-token H 128 cases: 124 CTAs; the tiny case's empty rows have no
+    pair and must not wait on the gate)."""
     heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))

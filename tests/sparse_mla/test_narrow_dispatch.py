@@ -239,3 +239,21 @@ def test_cache656_launcher(record, monkeypatch, n_tok, heads, tkv, expect):
                                           torch.zeros(n_tok, 100, dtype=torch.int32), sm_scale=0.1, d_v=512)
     assert (launch is None) == (expect is None)
     assert [name for name, _ in record] == ([] if expect is None else [expect])
+
+
+@pytest.mark.parametrize("heads,n_tok,kw,env,gate", [
+    (64, 3, {}, None, "al"), (64, 4, {}, None, "al"), (64, 5, {}, None, ""), (64, 2, {}, None, ""),
+    (128, 2, {}, None, "al"), (64, 3, dict(out_f32=True), None, ""), (64, 3, dict(staging="consumer"), None, ""),
+    (64, 3, dict(persistent=2), None, ""), (64, 3, {}, "off", ""), (64, 9, {}, "ar", "ar"),
+    (64, 3, dict(staging="consumer"), "al", ""), (64, 9, dict(q_gate="al"), None, "al"), (64, None, {}, None, "")])
+def test_pair_cache_auto_q_gate(record, monkeypatch, heads, n_tok, kw, env, gate):
+    """The pair-cache launcher's Q gate (4 SMs here): "auto" gates a launch whose CTAs (tokens x 64-head groups)
+    fill more than half of the SMs and fit on them at once, with a converter staging, one item per CTA and bf16
+    outputs; the environment's "al" / "ar" reach only launches that can take them, an explicit one always."""
+    monkeypatch.delenv(kernel_fwd_pair_cache.PERSISTENT_ENV, raising=False)
+    if env is None:
+        monkeypatch.delenv(kernel_fwd_pair_cache.QGATE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(kernel_fwd_pair_cache.QGATE_ENV, env)
+    kernel_fwd_pair_cache.launcher(heads, 2, 0.1, False, False, n_tok=n_tok, device_index=0, **kw)
+    assert record[-1][0] == "pair656" and record[-1][1][-1] == gate

@@ -23,10 +23,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
               prelude=None, regs=PAIR_REGS, first_use=None, overlap_qk=True, persistent=0, converter=None,
               out_f32=False, q_rows=None, cluster=False, stamps=False, q_gate=""):
     """The kernel body shared by the KV formats: macro ``body(Q, kv_src, Indices, TopkLen, Sink, Out, Lse,
-    MaxLogits, Order, Stamps=None)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token Order[i], e.g.
-    the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
+    MaxLogits, Order, Stamps=None)`` (one ``T.Kernel``; ``Order``: None, or [T] int32: CTA i * G + g takes token
+    Order[i], e.g. the longest rows first: buffers, barriers, the two consumer roles) that runs ``producer(kv_src,
     Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al,
-    rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar)`` in the third warpgroup.  ``kv_src``: whatever the
+    rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb[, st])`` in the third warpgroup (``st``: stamps builds
+    only).  ``kv_src``: whatever the
     producer reads (a tuple of buffers / scalars).  Ready barriers: rdy_al / rdy_br 256 arrivals per phase (128
     noinc cp.async + 128 ordinary: the producer publishes Rows0 / Rows1 before them), rdy_ar / rdy_bl 128.  ``regs``:
     setmaxnreg of (WG0, WG1, producer), at most 504 in all.  ``first_use(Half, tile0, wg_bar, t)``: run by the
@@ -50,8 +51,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     ``converter`` (the 656-byte cache's converter staging): a fourth warpgroup (threads 384-511, 512 in all) runs
     ``converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
-    pb)`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the ready
-    barriers above), the converter turns each landed half into what the consumers read and arrives on its ready
+    pb[, st])`` per item: the producer's arrivals (rows + cp.async) go to the "landed" barriers ld_* (counts as the
+    ready barriers above), the converter turns each landed half into what the consumers read and arrives on its ready
     barrier (count 128); ``regs`` then has four entries (at most 512 in all), and each PV is two m64n128 wgmmas
     into two O fragments (the bf16 kernel built that way: 3.996 -> 4.112 ms at S 4096 / SKV 8192 / H 128).
 
@@ -68,14 +69,16 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     ``stamps`` (timing builds): body's Stamps is an int32 [n_ctas, ``STAMP_WORDS``] buffer and one thread of each
     role writes clock64 at the points of ``_pair_parts.STAMPS`` (one item per CTA; the producer and the converter
-    get ``st=`` too).  ``q_gate`` (builds with a converter, one item per CTA): "al" / "ar": the consumers load Q only
-    once the first pair's a.L / a.R raw bytes landed (its "landed" barrier), so the first gathers are not queued
-    behind Q's loads (session 49: one wave of CTAs, all starting at once, 5% faster on an H200 at "al")."""
+    get ``st=`` too; ``kernel_fwd_pair_cache``'s do).  ``q_gate`` (builds with a converter, one item per CTA): "al" /
+    "ar": the consumers load Q only once the first pair's a.L / a.R raw bytes landed (its "landed" barrier, parity
+    0: its phase 1 needs fr_al / fr_ar, i.e. a consumer past load_q's BAR_BOTH, so it cannot be passed before the
+    wait), so the first gathers are not queued behind Q's loads (session 49, docs/PERFORMANCE.md)."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert not cluster or (heads == 2 * BLOCK_H and not persistent and converter is None), "cluster: H 128 pairs"
     assert not (stamps and (persistent or cluster)), "stamps: one item per CTA"
     assert q_gate in ("", "al", "ar") and not (q_gate and (persistent or converter is None)), q_gate
+    gated, gate_ar = q_gate != "", q_gate == "ar"  # (bools: a str condition in a macro logs a builder warning)
     if stamps:
         prelude = (prelude or "") + STAMP_SRC
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
@@ -336,7 +339,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 rdy_br = T.alloc_barrier(128)
                 rdy_ar = T.alloc_barrier(128)
                 rdy_bl = T.alloc_barrier(128)
-            q_gate_bar = () if not q_gate else (ld_al,) if q_gate == "al" else (ld_ar,)  # load_q's gate
+            q_gate_bar = ((ld_ar,) if gate_ar else (ld_al,)) if gated else ()  # load_q's gate
             if cluster:  # the local consumers' 128 threads + lane 0 of the peer's 4 consumer warps
                 fr_al = T.alloc_cluster_barrier(132)
                 fr_bl = T.alloc_cluster_barrier(132)

@@ -379,7 +379,8 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     if _use_pair(q, pair, narrow):
         if kernel_dequant656.use_dequant_once(q.shape[0], indices.shape[-1], heads, kv.shape[0], dequant_once):
             return None
-        return kernel_fwd_pair_cache.launcher(heads, n_blocks, float(sm_scale), has_sink, has_tl, out_f32=out_f32)
+        return kernel_fwd_pair_cache.launcher(heads, n_blocks, float(sm_scale), has_sink, has_tl, out_f32=out_f32,
+                                              n_tok=indices.shape[0], device_index=q.device.index)
     if narrow is None:
         narrow = _default_narrow(heads)
     if isinstance(narrow, str) and narrow.startswith("mma"):  # per-warp mma.sync chains (H <= 16)

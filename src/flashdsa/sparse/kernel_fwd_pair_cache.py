@@ -442,8 +442,8 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``); ``out_f32``: Out float32 (split-KV
     partials) and Q [n_q, H, 576] with n_q dividing T (``pair_body``'s q_rows); ``persistent``: ``pair_body``'s
     (P > 0: P CTAs loop over the items); ``stamps`` (timing build): one more argument, Stamps [T * H / 64,
-    ``_pair_parts.STAMP_WORDS``] int32, the CTAs' timestamps (``pair_body``'s); ``q_gate``: ``pair_body``'s
-    (timing builds)."""
+    ``_pair_parts.STAMP_WORDS``] int32, the CTAs' timestamps (``pair_body``'s); ``q_gate``: ``pair_body``'s ("",
+    "al" or "ar"; ``launcher`` picks it)."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
@@ -527,15 +527,16 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool, ablate: str = "",
              overlap_qk: bool = True, staging: str | None = None, out_f32: bool = False,
-             persistent: int | None = None, stamps: bool = False, q_gate: str | None = None):
+             persistent: int | None = None, stamps: bool = False, q_gate: str | None = None,
+             n_tok: int | None = None, device_index: int | None = None):
     """This kernel's launch as ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)``
-    (q and indices contiguous; ``kernel_fwd_fp8cache.launcher``'s form).  ``staging``: None reads
+    (q and indices contiguous; ``kernel_fwd_fp8cache.launcher``'s form), compiled now.  ``staging``: None reads
     ``$FLASHDSA_CACHE656_STAGING`` (``STAGING_ENV``) now; ``out_f32``: out float32; ``persistent`` (timing only):
     that many persistent CTAs (0: one per item), None reads ``$FLASHDSA_CACHE656_PERSISTENT`` (``PERSISTENT_ENV``);
     ``stamps`` (timing build): the launch takes the Stamps buffer as a ninth argument; ``q_gate``: one of
-    ``QGATES`` ("auto": ``pair_body``'s "al" where the launch's CTAs fit on the SMs at once, with a converter
-    staging, one item per CTA and bf16 out; "off": none; "al" / "ar": always), None reads ``$FLASHDSA_CACHE656_QGATE``
-    (``QGATE_ENV``, default "auto") now."""
+    ``QGATES`` (``auto_gate``'s rule for a launch of ``n_tok`` tokens on device ``device_index``; "off": none; "al" /
+    "ar": always, with a converter staging and one item per CTA), None reads ``$FLASHDSA_CACHE656_QGATE``
+    (``QGATE_ENV``, default "auto") now, which names "al" / "ar" only for the launches that can take them."""
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
@@ -547,35 +548,40 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
         except ValueError:
             raise ValueError(f"{name}={env!r}: expected a non-negative integer (CTAs)") from None
     check_positive_int(name, persistent, minimum=0)
+    if stamps and persistent:
+        raise ValueError(f"stamps=True: the timestamp build takes one item per CTA, got {name}={persistent}")
+    gateable = staging.startswith("converter") and not persistent
     name = "q_gate"
     if q_gate is None:
         name, q_gate = f"${QGATE_ENV}", os.environ.get(QGATE_ENV) or "auto"
     if q_gate not in QGATES:
         raise ValueError(f"{name}={q_gate!r}: expected one of {QGATES}")
-    gateable = staging.startswith("converter") and not persistent
     if q_gate in ("al", "ar") and not gateable:
-        raise ValueError(f"{name}={q_gate!r}: needs a converter staging and no persistent grid (staging {staging!r}, "
-                         f"persistent {persistent})")
-    auto = q_gate == "auto" and gateable and not out_f32  # (split-KV partials: not measured, left ungated)
-    runs = {}
-
-    def run(gate):
-        if gate not in runs:
-            runs[gate] = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate,
-                                                   overlap_qk, staging, out_f32, persistent, stamps, gate))
-        return runs[gate]
-
-    fixed = q_gate if q_gate in ("al", "ar") else ""
+        if name == "q_gate":
+            raise ValueError(f"q_gate={q_gate!r}: needs a converter staging and one item per CTA (staging "
+                             f"{staging!r}, persistent {persistent})")
+        q_gate = "off"  # the environment's gate reaches only the launches that can take it
+    if q_gate == "auto":
+        q_gate = auto_gate(heads, n_tok, device_index) if gateable and not out_f32 else "off"
+    run = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate, overlap_qk,
+                                    staging, out_f32, persistent, stamps, "" if q_gate == "off" else q_gate))
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits, *stamps_buf):
-        gate = fixed
-        if auto and out.shape[0] * (heads // BLOCK_H) <= _dispatch.sm_count(out.device.index):
-            gate = "al"  # one wave: Q after the first rows
         chunks = fc.cache_chunks(kv)
-        run(gate)(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0], indices,
-                  tl_arg, sink_arg, out, lse, max_logits, *stamps_buf)
+        run(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0], indices, tl_arg,
+            sink_arg, out, lse, max_logits, *stamps_buf)
 
     return launch
+
+
+def auto_gate(heads: int, n_tok: int | None, device_index: int | None) -> str:
+    """``q_gate`` "auto" for a launch of ``n_tok`` tokens (None: unknown): "al" where its CTAs (one per token and
+    64-head group) fill more than half of the device's SMs and fit on them at once (the measured case: 128 CTAs on
+    132 SMs), else "off" (split-KV partials and smaller grids: not measured, left ungated)."""
+    if n_tok is None:
+        return "off"
+    n_sm = _dispatch.sm_count(0 if device_index is None else device_index)
+    return "al" if n_sm // 2 < n_tok * (heads // BLOCK_H) <= n_sm else "off"
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
@@ -597,8 +603,15 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     q = q.contiguous()
     indices = indices.contiguous()
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
+    if stamps is not None:
+        want = (q.shape[0] * (q.shape[1] // BLOCK_H), pp.STAMP_WORDS)
+        if not (stamps.dtype == torch.int32 and stamps.device == q.device and tuple(stamps.shape) == want
+                and stamps.is_contiguous()):
+            raise ValueError(f"stamps: expected a contiguous int32 tensor of shape {want} on {q.device}, got "
+                             f"{stamps.dtype} {tuple(stamps.shape)} on {stamps.device}")
     launch = launcher(q.shape[1], n_blocks, sm_scale, has_sink, has_tl, ablate, overlap_qk, staging,
-                      persistent=persistent, stamps=stamps is not None, q_gate=q_gate)
+                      persistent=persistent, stamps=stamps is not None, q_gate=q_gate, n_tok=q.shape[0],
+                      device_index=q.device.index)
     launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits, *(() if stamps is None else (stamps,)))
     return out, lse, max_logits
 
@@ -626,86 +639,14 @@ def lowering_cases():
              build_sparse_mla_fwd_pair_cache(heads=128, topk=2048, sm_scale=576**-0.5, staging="converter"))]
 
 
-def _bench_variants(tkvs=(8192, 131072), rows=None, compile_only=False, zero_latent=False, row_stride=None):
-    """Kernel times at S 4096, H 128, topk 2048 (``python -m flashdsa.sparse.kernel_fwd_pair_cache --variants
-    [--skv 8192,...]``): the bf16 pair kernel on the dequantized cache (the reference point), this kernel (default
-    staging, and "consumer"), the whole-cache copy + bf16 pair kernel (``kernel_dequant656``), this kernel's timing
-    builds (``overlap_qk=False``; ``ABLATIONS``: no conversion), the pipelined fp8-cache kernel; checks each against
-    the bf16 pair kernel bitwise
-    (the ablation differs by design); then the copy alone.  ``rows``: labels to run (default all);
-    ``compile_only``: one call each, no timing (warms the TileLang cache: run one process per row in parallel, then
-    time in one process); ``zero_latent`` (``--zero-latent``, a diagnostic, not a benchmark): latent dims 0 in
-    the cache, so the ``no_convert`` ablation's tiles hold zeros where the conversion would write, and every row
-    draws the power of near-zero operands; ``row_stride`` (``--row-stride B``, a diagnostic): the cache rows B bytes
-    apart (e.g. 768: every row 128-byte aligned)."""
-    from ..bench.flops import sparse_fwd_flops
-    from ..bench.harness import time_fn
-    from ..quant import dequantize_kv_fp8, quantize_kv_fp8
-    from . import kernel_dequant656, kernel_fwd, kernel_fwd_pair
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    n_tok, heads, topk, dqk = 4096, 128, 2048, fc.DQK
-    for tkv in tkvs:
-        q = (torch.randn(n_tok, heads, dqk, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
-        kv = torch.randn(tkv, dqk, generator=gen, device="cuda") * 0.1
-        if zero_latent:
-            kv[:, :D_V] = 0
-        kv8 = quantize_kv_fp8(kv.to(torch.bfloat16))
-        if row_stride:
-            kv8 = torch.zeros(tkv, row_stride, dtype=torch.uint8, device="cuda").copy_(
-                torch.nn.functional.pad(kv8, (0, row_stride - fc.ROW_BYTES)))[:, : fc.ROW_BYTES]
-        kv_deq = dequantize_kv_fp8(kv8)
-        idx = torch.argsort(torch.rand(n_tok, tkv, generator=gen, device="cuda"), dim=1)[:, :topk].to(torch.int32)
-        sm = dqk**-0.5
-        flops = sparse_fwd_flops(heads, idx.numel(), dqk, D_V)  # every index is valid here
-        runs = {"bf16_pair": lambda: kernel_fwd_pair.run_sparse_mla_fwd(q, kv_deq, idx, sm_scale=sm, d_v=D_V),
-                "bf16_pair_hop": lambda: kernel_fwd.launch(
-                    lambda *a: kernel_fwd_pair._compiled(*a, (("hop", True), ("row_gather", True))), q, kv_deq, idx,
-                    sm_scale=sm, d_v=D_V),
-                "bf16_pair_no_overlap_qk": lambda: kernel_fwd.launch(
-                    lambda *a: kernel_fwd_pair._compiled(*a, (("overlap_qk", False),)), q, kv_deq, idx, sm_scale=sm,
-                    d_v=D_V),
-                "cache_pair": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V),
-                "cache_dequant_once": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                    dequant_once=True),
-                "cache_pair_no_overlap_qk": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                       overlap_qk=False),
-                "cache_pair_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                    ablate="no_convert"),
-                "cache_pair_contig_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                           ablate="contig_no_convert"),
-                "cache_converter_contig": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                     staging="converter_contig"),
-                "cache_consumer": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, staging="consumer"),
-                "cache_consumer_no_convert": lambda: run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V,
-                                                                        staging="consumer", ablate="no_convert"),
-                "cache_pipelined": lambda: fc.run_sparse_mla_fwd(q, kv8, idx, sm_scale=sm, d_v=D_V, pair=False)}
-        if compile_only:
-            for label in rows or runs:
-                runs[label]()
-            torch.cuda.synchronize()
-            continue
-        ref = runs["bf16_pair"]()
-        base = None
-        for label, fn in runs.items():
-            if rows and label not in rows and label != "bf16_pair":
-                continue
-            same = all(torch.equal(a, b) for a, b in zip(fn(), ref))
-            ms = time_fn(lambda _, f=fn: f(), [None], q.device, reps=10).ms_median
-            base = base or ms
-            print(f"variant SKV {tkv} {label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, {base / ms:.3f}x bf16 pair,"
-                  f" bitwise equal to bf16 pair: {same}", flush=True)
-        ms = time_fn(lambda _: kernel_dequant656.dequantize_cache(kv8), [None], q.device, reps=10).ms_median
-        tbps = tkv * (fc.ROW_BYTES + 2 * fc.DQK) / ms / 1e9
-        print(f"variant SKV {tkv} dequantize_cache alone: {ms * 1e3:.1f} us, {tbps:.2f} TB/s", flush=True)
-
-
 if __name__ == "__main__":
     import sys
 
     args = sys.argv[1:]
     if "--variants" in args:
-        _bench_variants(tuple(int(x) for x in args[args.index("--skv") + 1].split(",")) if "--skv" in args
-                        else (8192, 131072), args[args.index("--rows") + 1].split(",") if "--rows" in args else None,
-                        "--compile-only" in args, "--zero-latent" in args,
-                        int(args[args.index("--row-stride") + 1]) if "--row-stride" in args else None)
+        from ._pair_cache_timing import bench_variants
+
+        bench_variants(tuple(int(x) for x in args[args.index("--skv") + 1].split(",")) if "--skv" in args
+                       else (8192, 131072), args[args.index("--rows") + 1].split(",") if "--rows" in args else None,
+                       "--compile-only" in args, "--zero-latent" in args,
+                       int(args[args.index("--row-stride") + 1]) if "--row-stride" in args else None)
