@@ -60,6 +60,9 @@ Session 22 (docs/PERFORMANCE.md 'Session 22'): "converter_contig" from registers
 0.462 -> 0.386 ms (378 TFLOP/s), H 64 0.120 ms (303).  A producer that loads the next half's raw bytes into
 registers before its free wait (no converter warpgroup, 384 threads; at 66f1528, removed) ran 6.54 / 7.67 ms:
 one half in flight per CTA.
+Session 49 (docs/PERFORMANCE.md 'Session 49'): a timestamp build (``stamps``, ``scripts/pair_timestamps.py``) and
+the Q gate (``QGATE_ENV``): at one wave of CTAs the consumers load Q after the first pair's a.L landed, 2-5% faster
+in graph replay at B 128 / H 64 (dispatched for such launches).
 """
 
 import functools
