@@ -75,7 +75,7 @@ import tilelang.language as T
 
 from .. import _dispatch
 from .._tilelang import direct_launcher
-from .._validate import check_positive_int
+from .._validate import check_choice, check_positive_int, check_tensor
 from . import _pair_parts as pp
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
@@ -316,9 +316,10 @@ PERSISTENT_ENV = "FLASHDSA_CACHE656_PERSISTENT"
 # Q after the first rows (session 49): where one launch's CTAs all fit on the SMs at once (a single wave, e.g. the
 # decode rows at B 128 / H 64), every CTA loads Q and issues its first gathers at the same moment, and the first
 # rows queue behind the Q loads (which also slow the converter while in flight); ``pair_body``'s q_gate "al" lets the
-# consumers load Q only once the first pair's a.L landed: H200, B 128 / H 64 / topk 2048 0.1147 -> 0.1088 ms in
-# graph replay ("ar" 0.1098); at H 128 s_q 2 (four waves, CTAs staggered) 0.3710 -> 0.3732, so only single waves
-# take it.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) that rule, "off" never, "al" / "ar" always (timing).
+# consumers load Q only once the first pair's a.L landed.  B 128 / H 64 / topk 2048 in graph replay: H100 -2 to -3%
+# (three interleaved pairs), H200 -5% (one sample); eager timings within noise; H 128 s_q 2 (four waves) +0.5%, so
+# ``auto_gate`` takes one-wave grids only.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) that rule, "off" never, "al" /
+# "ar" wherever a launch can take them (timing).
 QGATE_ENV = "FLASHDSA_CACHE656_QGATE"
 QGATES = ("auto", "off", "al", "ar")
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
@@ -465,7 +466,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
         producer, first_use = _dequant_parts(topk_dim=topk_dim, ablate=ablate)
         body = kp.pair_body(**common, producer=producer, prelude=_DEQUANT_SRC, first_use=first_use)
 
-    if stamps:
+    if stamps:  # (its own signature: TileLang reads a prim_func's parameters from the Python signature)
         n_st = T.dynamic("n_st")
 
         @T.prim_func
@@ -557,8 +558,7 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
     name = "q_gate"
     if q_gate is None:
         name, q_gate = f"${QGATE_ENV}", os.environ.get(QGATE_ENV) or "auto"
-    if q_gate not in QGATES:
-        raise ValueError(f"{name}={q_gate!r}: expected one of {QGATES}")
+    check_choice(name, q_gate, QGATES)
     if q_gate in ("al", "ar") and not gateable:
         if name == "q_gate":
             raise ValueError(f"q_gate={q_gate!r}: needs a converter staging and one item per CTA (staging "
@@ -607,11 +607,10 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     indices = indices.contiguous()
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     if stamps is not None:
-        want = (q.shape[0] * (q.shape[1] // BLOCK_H), pp.STAMP_WORDS)
-        if not (stamps.dtype == torch.int32 and stamps.device == q.device and tuple(stamps.shape) == want
-                and stamps.is_contiguous()):
-            raise ValueError(f"stamps: expected a contiguous int32 tensor of shape {want} on {q.device}, got "
-                             f"{stamps.dtype} {tuple(stamps.shape)} on {stamps.device}")
+        check_tensor("stamps", stamps, shape=(q.shape[0] * (q.shape[1] // BLOCK_H), pp.STAMP_WORDS),
+                     dtypes=(torch.int32,), device=q.device)
+        if not stamps.is_contiguous():
+            raise ValueError(f"stamps: expected a contiguous tensor, got strides {tuple(stamps.stride())}")
     launch = launcher(q.shape[1], n_blocks, sm_scale, has_sink, has_tl, ablate, overlap_qk, staging,
                       persistent=persistent, stamps=stamps is not None, q_gate=q_gate, n_tok=q.shape[0],
                       device_index=q.device.index)
