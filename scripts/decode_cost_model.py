@@ -1,6 +1,7 @@
 """How much of a decode row is a fixed cost per CTA and how much is per 64-key block (run on the GPU host).
 
     python scripts/decode_cost_model.py [--rows sparse_fp8_h64,...] [--json out.json]
+    python scripts/decode_cost_model.py --ab FLASHDSA_DECODE_PAIR_QTMA=0,1 [--rounds 3] [--rows ...] [--json F]
 
 #6's B 128 rows run one wave of CTAs (or a few): each CTA pays a fixed part (Q load, barrier set-up, the first
 gather's latency, the epilogue's stores) and a part per 64-key block. This times each row's own call in CUDA-graph
@@ -9,10 +10,16 @@ replay (events, L2 flushed, medians) over a range of key counts with everything 
 part takes, i.e. what overlapping it (more CTAs per SM, a persistent prologue under the previous item) could give.
 Rows: the sparse FP8 decode rows (topk 128..2048 of a 32768-slot cache; random unique slots per token) and the
 dense bf16 rows (cache lengths 1024..8192, block 64, s_q 1 / 2 causal).
+
+``--ab VAR=v1,v2,...``: instead of the fit, an A / B of an environment switch (one the row's kernel choice reads
+at each call, e.g. ``$FLASHDSA_CACHE656_QGATE``, ``$FLASHDSA_DECODE_PAIR_QTMA``): each row at its largest key
+count, the values in turn for ``--rounds`` rounds on the same inputs (each value's call captured in its own graph),
+and whether every value gives bitwise the first value's outputs.
 """
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -67,15 +74,46 @@ def fit(blocks, ms):
     return my - slope * mx, slope
 
 
+def ab(name, var, values, rounds, reps, flush):
+    """The row at its largest key count with ``$var`` set to each of ``values`` in turn, ``rounds`` times."""
+    sparse, B, s_q, H, counts = ROWS[name]
+    call = _call(sparse, B, s_q, H, counts[-1], torch.Generator(device="cuda").manual_seed(0))
+    ms = {v: [] for v in values}
+    first, same = None, {}
+    old = os.environ.get(var)
+    try:
+        for _ in range(rounds):
+            for v in values:
+                os.environ[var] = v
+                out = call()
+                out = out if isinstance(out, tuple) else (out,)
+                first = first or [t.clone() for t in out]
+                same[v] = same.get(v, True) and all(torch.equal(a, b) for a, b in zip(out, first))
+                ms[v].append(round(graph_ms(call, reps, flush), 5))
+    finally:
+        os.environ.pop(var) if old is None else os.environ.__setitem__(var, old)
+    return {"row": name, "B": B, "s_q": s_q, "H": H, "keys": counts[-1], "var": var, "graph_ms": ms,
+            "bitwise_equal_to_first": same}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ab", default=None, help="VAR=v1,v2,...: an A / B of an environment switch (see above)")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
     out = []
     for name in args.rows.split(","):
+        if args.ab:
+            var, values = args.ab.split("=", 1)
+            row = ab(name, var, values.split(","), args.rounds, args.reps, flush)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+            torch.cuda.empty_cache()
+            continue
         sparse, B, s_q, H, counts = ROWS[name]
         gen = torch.Generator(device="cuda").manual_seed(0)
         ms = []

@@ -86,3 +86,28 @@ def test_cluster_build_matches_the_paged_kernel(monkeypatch, B, s_q, H, block_si
     monkeypatch.setenv(kernel_pair_paged.CLUSTER_ENV, "0")
     plain = _run(K, q, kv, table, seqlens, causal, attn_sink)
     assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1]), "cluster != paged kernel"
+
+
+@pytest.mark.parametrize("B,s_q,H,block_size,lens,causal,sink,bad", CASES,
+                         ids=[f"B{c[0]}-sq{c[1]}-H{c[2]}-bs{c[3]}" for c in CASES])
+def test_q_tma_build_matches_the_paged_kernel(monkeypatch, B, s_q, H, block_size, lens, causal, sink, bad):
+    """The build loading Q by TMA (``$FLASHDSA_DECODE_PAIR_QTMA=1``, session 50) against the reference and bit
+    for bit against the paged kernel (the same products in the same order; only Q's load differs)."""
+    from flashdsa.decode import kernel_pair_paged
+
+    K = _kernel()
+    lens = [lens[i % len(lens)] for i in range(B)]
+    q, kv, table, seqlens = _make(B, s_q, H, block_size, lens, seed=B * 23 + block_size)
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(H, device="cuda", dtype=torch.float32)
+        attn_sink[0], attn_sink[1] = float("inf"), float("-inf")
+    monkeypatch.delenv(kernel_pair_paged.CLUSTER_ENV, raising=False)
+    monkeypatch.setenv(kernel_pair_paged.QTMA_ENV, "1")
+    assert kernel_pair_paged.use_q_tma(H)
+    out, lse = _run(K, q, kv, table, seqlens, causal, attn_sink)
+    torch.cuda.synchronize()
+    _check(out, lse, *_reference(q, kv, table, seqlens, sm_scale=576 ** -0.5, causal=causal, sink=attn_sink))
+    monkeypatch.setenv(kernel_pair_paged.QTMA_ENV, "0")
+    plain = _run(K, q, kv, table, seqlens, causal, attn_sink)
+    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1]), "Q by TMA != paged kernel"

@@ -114,9 +114,10 @@ def test_sparse_mla_fwd_pair_cache_staging(heads, tkv, topk, n_tok, sink, use_tl
 
 @pytest.mark.parametrize("variant", [dict(overlap_qk=False), dict(staging="consumer"),
                                      dict(staging="converter"), dict(persistent=5), dict(q_gate="off"),
-                                     dict(q_gate="al"), dict(q_gate="ar"), dict(q_gate="al", staging="converter")],
+                                     dict(q_gate="al"), dict(q_gate="ar"), dict(q_gate="al", staging="converter"),
+                                     dict(q_gate="tma"), dict(q_gate="tma_al"), dict(q_gate="tma", staging="consumer")],
                          ids=["no_overlap_qk", "consumer", "converter", "persistent5", "q_gate_off", "q_gate_al",
-                              "q_gate_ar", "q_gate_al_converter"])
+                              "q_gate_ar", "q_gate_al_converter", "q_tma", "q_tma_al", "q_tma_consumer"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]],
                          ids=["tiny", "odd-blocks", "topk>tkv", "headline"])
 def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
@@ -125,13 +126,32 @@ def test_sparse_mla_fwd_pair_cache_same_order_builds(case, variant):
     staging splits each PV by columns: the same products per output column); converter; the persistent grid (5
     CTAs looping over the items, uneven counts: ``$FLASHDSA_CACHE656_PERSISTENT``'s timing builds); the Q gates
     against the default (gated only in the two 62-token H 128 cases: 124 CTAs; the tiny case's empty rows have no
-    pair and must not wait on the gate)."""
+    pair and must not wait on the gate); Q by TMA ("tma*", every case, also without the converter)."""
     heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = case
     q, kv, indices, topk_length, attn_sink, valid = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
     kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
     kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink)
     assert_same_as_default("kernel_fwd_pair_cache", lambda **v: kmod.run_sparse_mla_fwd(q, kv8, indices, **kw, **v),
                            variant, f"H={heads} Tkv={tkv} topk={topk} T={n_tok} rs={row_stride}", HANG_S)
+
+
+@pytest.mark.parametrize("q_gate", ["off", "tma"])
+def test_sparse_mla_fwd_pair_cache_unaligned_q(q_gate):
+    """A contiguous q whose base is not 16-byte aligned (a view 2 bytes into its storage): the launch copies it
+    (Q's 16-byte loads and TMA boxes need the alignment); outputs bitwise those of an aligned copy."""
+    heads, tkv, topk, n_tok, sink, use_tl, layout, row_stride = CASES[1]
+    q, kv, indices, topk_length, attn_sink, _ = _make_inputs(DQK, heads, tkv, topk, n_tok, sink, use_tl, layout)
+    kv8, _ = _fp8_cache(kv, row_stride, torch.Generator(device="cuda").manual_seed(5))
+    store = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    q_odd = store[1:].view(q.shape)
+    q_odd.copy_(q)
+    assert q_odd.is_contiguous() and q_odd.data_ptr() % 16 != 0
+    kw = dict(sm_scale=DQK**-0.5, d_v=D_V, topk_length=topk_length, attn_sink=attn_sink, q_gate=q_gate)
+    got = kmod.run_sparse_mla_fwd(q_odd, kv8, indices, **kw)
+    sync_or_die("kernel_fwd_pair_cache", f"unaligned q, q_gate {q_gate}", HANG_S)
+    want = kmod.run_sparse_mla_fwd(q, kv8, indices, **kw)
+    for name, a, b in zip(("out", "lse", "max_logits"), got, want):
+        assert torch.equal(a, b), f"{name}: the unaligned q gives other outputs (q_gate {q_gate})"
 
 
 @pytest.mark.parametrize("staging", ["converter", "converter_contig", "consumer"])

@@ -44,6 +44,9 @@ TOPK_BOUND = 1 << 30  # the kernel's static block bound; the real bound is TopkL
 # "1": at H 128 the token's two head-group CTAs run as a 2-CTA cluster sharing each full page's TMA load (one L2
 # read per page instead of two; session 45, not yet measured: timing and tests read it, the default is off)
 CLUSTER_ENV = "FLASHDSA_DECODE_PAIR_CLUSTER"
+# "1": Q loaded by TMA (one elected thread, 9 boxes) instead of every consumer thread's 16-byte loads (session 50,
+# timing and tests read it, the default is off)
+QTMA_ENV = "FLASHDSA_DECODE_PAIR_QTMA"
 
 
 def paged_producer(*, s_q, block_size, cluster=False):
@@ -128,13 +131,14 @@ def paged_producer(*, s_q, block_size, cluster=False):
 
 
 def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool,
-                     cluster: bool = False):
+                     cluster: bool = False, q_tma: bool = False):
     """The TileLang prim_func: Q [B * s_q, H, 576] bf16, KV [num_blocks * block_size, 576] bf16 (flat view), KVP
     [num_blocks, block_size, 576] bf16 (the same cache, paged view), BlockTable [B, max_blocks] int32, TopkLen
     [B * s_q] int32 (attended length per token, in [0, max_blocks * block_size]), Sink [n_sink] f32, Order
     [B * s_q] int32 (CTA row -> token; ``pair_body``), Out [B * s_q, H, 512] bf16, Lse [B * s_q, H] f32,
     MaxLogits [B * s_q, H] f32.  H 64 / 128, block_size a multiple of 64; ``cluster`` (H 128): the token's two
-    head-group CTAs as a cluster sharing each full page's TMA load (``paged_producer``)."""
+    head-group CTAs as a cluster sharing each full page's TMA load (``paged_producer``); ``q_tma``: Q loaded by TMA
+    (``pair_body``'s q_gate "tma")."""
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_kv, n_pages, n_seq, maxb, n_sink = tc.dynamic_dims("n_tok", "n_kv", "n_pages", "n_seq", "max_blocks",
                                                                 "n_sink")
@@ -142,7 +146,8 @@ def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, 
     body = pair_body(heads=heads, dqk=DQK, topk=TOPK_BOUND, sm_scale=sm_scale, has_sink=has_sink,
                      has_topk_length=True, n_tok=n_tok, topk_dim=maxb * bs,
                      producer=paged_producer(s_q=s_q, block_size=bs, cluster=cluster),
-                     prelude=tc.ROW_GATHER_PRELUDE, **({"cluster": True} if cluster else {}))
+                     prelude=tc.ROW_GATHER_PRELUDE, **({"cluster": True} if cluster else {}),
+                     **({"q_gate": "tma"} if q_tma else {}))
 
     @T.prim_func
     def mla_decode_pair_paged(
@@ -168,15 +173,22 @@ def _pass_configs():
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, cluster: bool = False):
+def _compiled(heads: int, s_q: int, block_size: int, sm_scale: float, has_sink: bool, cluster: bool = False,
+              q_tma: bool = False):
     func = build_pair_paged(heads=heads, s_q=s_q, block_size=block_size, sm_scale=sm_scale, has_sink=has_sink,
-                            cluster=cluster)
+                            cluster=cluster, q_tma=q_tma)
     return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
 def use_cluster(heads: int) -> bool:
     """Whether ``run`` launches the cluster build: H 128 and ``$FLASHDSA_DECODE_PAIR_CLUSTER`` = "1"."""
     return heads == 128 and os.environ.get(CLUSTER_ENV, "") == "1"
+
+
+def use_q_tma(heads: int) -> bool:
+    """Whether ``run`` launches the build loading Q by TMA: ``$FLASHDSA_DECODE_PAIR_QTMA`` = "1" and not the
+    cluster build (timing, session 50)."""
+    return os.environ.get(QTMA_ENV, "") == "1" and not use_cluster(heads)
 
 
 def supports(block_size: int) -> bool:
@@ -196,7 +208,9 @@ def run(q, kv_cache, block_table, lengths, order, *, sm_scale: float, attn_sink=
     (out, lse, max_logits), done = tc.fwd_outputs(q, flat, sm_scale=sm_scale, d_v=D_V)
     if done:
         return out, lse
-    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, use_cluster(H))
+    kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, use_cluster(H), use_q_tma(H))
+    if q.data_ptr() % 16 != 0:  # Q's 16-byte loads and TMA boxes need a 16-byte aligned base
+        q = q.clone()
     sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, q.device)
     direct_launcher(kernel)(q, flat, kv_cache, block_table.contiguous(), lengths, sink, order, out, lse, max_logits)
     return out, lse
@@ -209,6 +223,8 @@ def lowering_cases():
                                                       has_sink=False)),
         ("pair_paged_h64_sq2_bs256_sink", build_pair_paged(heads=64, s_q=2, block_size=256, sm_scale=0.04,
                                                            has_sink=True)),
+        ("pair_paged_h64_sq1_bs64_qtma", build_pair_paged(heads=64, s_q=1, block_size=64, sm_scale=0.04,
+                                                          has_sink=False, q_tma=True)),
         ("pair_paged_h128_sq2_bs64_sink_cluster", build_pair_paged(heads=128, s_q=2, block_size=64, sm_scale=0.04,
                                                                    has_sink=True, cluster=True)),
     ]

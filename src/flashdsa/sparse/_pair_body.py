@@ -12,6 +12,9 @@ from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 SUPPORTED_H = (64, 128)
+# how the consumers load Q (``pair_body``'s q_gate): "" at entry by 16-byte loads; "al" / "ar" the same after the
+# first pair's a.L / a.R landed; "tma" by TMA at entry; "tma_al" by TMA after a.L landed
+Q_LOADS = ("", "al", "ar", "tma", "tma_al")
 THREADS = 384
 # setmaxnreg (WG0, WG1, producer): the sum must stay within the launch pool of __launch_bounds__(384, 1),
 # 3 x 168 = 504 (setmaxnreg.inc waits forever for registers the pool cannot give)
@@ -77,8 +80,12 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     threads = 128 * n_wg
     assert not cluster or (heads == 2 * BLOCK_H and not persistent and converter is None), "cluster: H 128 pairs"
     assert not (stamps and (persistent or cluster)), "stamps: one item per CTA"
-    assert q_gate in ("", "al", "ar") and not (q_gate and (persistent or converter is None)), q_gate
-    gated, gate_ar = q_gate != "", q_gate == "ar"  # (bools: a str condition in a macro logs a builder warning)
+    assert q_gate in Q_LOADS, q_gate
+    q_tma = q_gate.startswith("tma")  # (bools: a str condition in a macro logs a builder warning)
+    gate = q_gate.removeprefix("tma").removeprefix("_")
+    assert not (q_tma and (persistent or cluster)), "q_gate tma: one item per CTA (its barrier's parity 0)"
+    assert not (gate and (persistent or converter is None)), q_gate
+    gated, gate_ar = gate != "", gate == "ar"
     if stamps:
         prelude = (prelude or "") + STAMP_SRC
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
@@ -115,6 +122,24 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t)
         T.fence_proxy_async()
         T.sync_threads(BAR_BOTH, 256)
+
+    @T.macro
+    def load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, issuer, gate=None):
+        # q_gate "tma*": WG0 (``issuer``) loads all of Q by TMA (9 boxes of 64 heads x 64 dims, 128B-swizzled as
+        # the wgmma reads them) on q_bar; both consumers wait for its bytes.  The copies occupy no thread and no
+        # load / store slot, so the producer's index loads and the converter's shared-memory traffic do not queue
+        # behind them (session 50).
+        q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
+        if issuer:
+            if gate is not None:
+                if npair[0] > 0:
+                    T.barrier_wait(gate, 0)
+            T.tma_copy(Q[q_tok, h0 : h0 + BH, 0:DH], Q_l, barrier=q_bar, leader_scope_threads=128)
+            T.tma_copy(Q[q_tok, h0 : h0 + BH, DH:D], Q_r, barrier=q_bar, leader_scope_threads=128)
+            if D_tail > 0:
+                T.tma_copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t, barrier=q_bar, leader_scope_threads=128)
+            T.barrier_arrive(q_bar)
+        T.barrier_wait(q_bar, 0)
 
     # ------------------------------------------------------------------ consumer pieces
     @T.macro
@@ -340,6 +365,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 rdy_ar = T.alloc_barrier(128)
                 rdy_bl = T.alloc_barrier(128)
             q_gate_bar = ((ld_ar,) if gate_ar else (ld_al,)) if gated else ()  # load_q's gate
+            if q_tma:
+                q_bar = T.alloc_barrier(128)
             if cluster:  # the local consumers' 128 threads + lane 0 of the peer's 4 consumer warps
                 fr_al = T.alloc_cluster_barrier(132)
                 fr_bl = T.alloc_cluster_barrier(132)
@@ -407,7 +434,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 for it in items(bx):
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-                    load_q(Q, Q_l, Q_t, tok, h0, 0, npair, *q_gate_bar)
+                    if q_tma:
+                        load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, True, *q_gate_bar)
+                    else:
+                        load_q(Q, Q_l, Q_t, tok, h0, 0, npair, *q_gate_bar)
                     st("wg0_q", tx == 0)
                     reset_acc(O0, l0, m_run0)
                     if npair[0] > 0:
@@ -464,7 +494,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 for it in items(bx):
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-                    load_q(Q, Q_r, None, tok, h0, DH, npair, *q_gate_bar)
+                    if q_tma:
+                        load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, False)
+                    else:
+                        load_q(Q, Q_r, None, tok, h0, DH, npair, *q_gate_bar)
                     st("wg1_q", tx == 128)
                     reset_acc(O1, l1, m_run1)
                     if npair[0] > 0:

@@ -37,7 +37,8 @@ def bench_variants(rows=None, compile_only=False, topks=()):
                           ("half_gather", dict(ablate="half_gather")), ("l2_prefetch", dict(l2_prefetch=True)),
                           ("persistent", dict(persistent=n_sm)),
                           ("row_gather", dict(row_gather=True)),
-                          ("row_gather_persistent", dict(row_gather=True, persistent=n_sm))):
+                          ("row_gather_persistent", dict(row_gather=True, persistent=n_sm)),
+                          ("row_gather_q_tma", dict(row_gather=True, q_gate="tma"))):
             key = tuple(sorted(kw.items()))
             runs.append((label, lambda k=key: kernel_fwd.launch(lambda *a: _compiled(*a, k), q, kv, idx,
                                                                  sm_scale=dqk**-0.5, d_v=D_V)))

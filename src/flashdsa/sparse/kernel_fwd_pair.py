@@ -173,6 +173,7 @@ def build_sparse_mla_fwd(
     batched: bool = False,
     evict_first: bool = False,
     out_f32: bool = False,
+    q_gate: str = "",
 ):
     """Return the TileLang prim_func; signature as ``kernel_fwd.build_sparse_mla_fwd`` (Q[T,H,Dqk] bf16,
     KV[Tkv,Dqk] bf16, Indices[T,topk] i32, TopkLen[n_tl] i32, Sink[n_sink] f32, Out[T,H,d_v] bf16, Lse[T,H] f32,
@@ -198,7 +199,7 @@ def build_sparse_mla_fwd(
     (``_tl_common.EVICT_FIRST_PRELUDE``), for calls that read each KV row about once (``_persistent_kw``).
     ``out_f32`` (split-KV partials, ``decode/kernel_split.py``; the plain form): Out float32 and Q [n_q, H, Dqk]
     with n_q dividing T, row t reading q row t / (T / n_q) (``pair_body``'s q_rows: a token's chunks share its q
-    row)."""
+    row).  ``q_gate`` (timing build, one item per CTA): "tma" loads Q by TMA (``pair_body``'s)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert not (batched and has_order), "batched: no ordered build"
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
@@ -215,6 +216,7 @@ def build_sparse_mla_fwd(
                      has_topk_length=has_topk_length, n_tok=n_tok, topk_dim=topk_dim, producer=producer,
                      overlap_qk=overlap_qk, persistent=persistent,
                      **(dict(out_f32=True, q_rows=n_q) if out_f32 else {}),
+                     **(dict(q_gate=q_gate) if q_gate else {}),
                      **(dict(converter=hop_converter(), regs=HOP_REGS) if hop else {}),
                      prelude=(tc.L2_PREFETCH_PRELUDE if l2_prefetch else tc.EVICT_FIRST_PRELUDE if evict_first
                               else tc.ROW_GATHER_PRELUDE if row_gather else None))

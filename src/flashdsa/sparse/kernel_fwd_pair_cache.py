@@ -321,7 +321,7 @@ PERSISTENT_ENV = "FLASHDSA_CACHE656_PERSISTENT"
 # ``auto_gate`` takes one-wave grids only.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) that rule, "off" never, "al" /
 # "ar" wherever a launch can take them (timing).
 QGATE_ENV = "FLASHDSA_CACHE656_QGATE"
-QGATES = ("auto", "off", "al", "ar")
+QGATES = ("auto", "off", "al", "ar", "tma", "tma_al")  # "tma*": Q by TMA (``pair_body``'s Q_LOADS; session 50)
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # session 27: best of four splits (ptxas: 12 bytes spilled in the converter)
 
@@ -559,7 +559,7 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
     if q_gate is None:
         name, q_gate = f"${QGATE_ENV}", os.environ.get(QGATE_ENV) or "auto"
     check_choice(name, q_gate, QGATES)
-    if q_gate in ("al", "ar") and not gateable:
+    if q_gate not in ("auto", "off") and not (gateable or (q_gate == "tma" and not persistent)):
         if name == "q_gate":
             raise ValueError(f"q_gate={q_gate!r}: needs a converter staging and one item per CTA (staging "
                              f"{staging!r}, persistent {persistent})")
@@ -570,6 +570,8 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
                                     staging, out_f32, persistent, stamps, "" if q_gate == "off" else q_gate))
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits, *stamps_buf):
+        if q.data_ptr() % fc.CHUNK != 0:  # Q's 16-byte loads and its TMA boxes need a 16-byte aligned base
+            q = q.clone()
         chunks = fc.cache_chunks(kv)
         run(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0], indices, tl_arg,
             sink_arg, out, lse, max_logits, *stamps_buf)
