@@ -197,15 +197,20 @@ def test_cache656_few_head_forms_reject_wide_heads(record, form):
 
 
 _ROWS = (("row_gather", True),)
+_TMA = (("q_gate", "tma"),)
 
 
 @pytest.mark.parametrize("n_blocks,n_sm,expect", [(10, 132, (("persistent", 132),) + _ROWS),
                                                    (1, 78, (("persistent", 78),) + _ROWS),
-                                                   (11, 132, _ROWS), (32, 132, _ROWS), (5, 0, _ROWS)])
-def test_pair_grid_rule(n_blocks, n_sm, expect):
+                                                   (11, 132, _ROWS + _TMA), (32, 132, _ROWS + _TMA),
+                                                   (5, 0, _ROWS + _TMA)])
+def test_pair_grid_rule(monkeypatch, n_blocks, n_sm, expect):
     """The pair kernel's grid: persistent (one CTA per SM looping over the items) up to 10 blocks of 64 slots, else
-    one CTA per item; both gather by rows."""
+    one CTA per item loading Q by TMA (``$FLASHDSA_PAIR_QTMA=0``: by 16-byte loads); both gather by rows."""
+    monkeypatch.delenv(kernel_fwd_pair.QTMA_ENV, raising=False)
     assert kernel_fwd_pair._persistent_kw(n_blocks, n_sm) == expect
+    monkeypatch.setenv(kernel_fwd_pair.QTMA_ENV, "0")
+    assert kernel_fwd_pair._persistent_kw(n_blocks, n_sm) == tuple(kv for kv in expect if kv not in _TMA)
 
 
 @pytest.mark.parametrize("n_tok,heads,n_blocks,kv_rows,single_use", [
@@ -242,14 +247,20 @@ def test_cache656_launcher(record, monkeypatch, n_tok, heads, tkv, expect):
 
 
 @pytest.mark.parametrize("heads,n_tok,kw,env,gate", [
-    (64, 3, {}, None, "al"), (64, 4, {}, None, "al"), (64, 5, {}, None, ""), (64, 2, {}, None, ""),
-    (128, 2, {}, None, "al"), (64, 3, dict(out_f32=True), None, ""), (64, 3, dict(staging="consumer"), None, ""),
-    (64, 3, dict(persistent=2), None, ""), (64, 3, {}, "off", ""), (64, 9, {}, "ar", "ar"),
-    (64, 3, dict(staging="consumer"), "al", ""), (64, 9, dict(q_gate="al"), None, "al"), (64, None, {}, None, "")])
+    (64, 3, {}, None, "al"), (64, 4, {}, None, "al"), (64, 5, {}, None, "tma"), (64, 2, {}, None, ""),
+    (128, 2, {}, None, "al"), (128, 3, {}, None, "tma"), (64, 3, dict(out_f32=True), None, ""),
+    (64, 9, dict(out_f32=True), None, ""), (64, 3, dict(staging="consumer"), None, ""),
+    (64, 9, dict(staging="consumer"), None, ""), (64, 3, dict(persistent=2), None, ""),
+    (64, 9, dict(persistent=2), None, ""), (64, 3, {}, "off", ""), (64, 9, {}, "off", ""), (64, 9, {}, "ar", "ar"),
+    (64, 3, dict(staging="consumer"), "al", ""), (64, 3, dict(staging="consumer"), "tma", "tma"),
+    (64, 3, dict(staging="consumer"), "tma_al", ""), (64, 3, dict(persistent=2), "tma", ""),
+    (64, 9, dict(q_gate="al"), None, "al"), (64, 3, dict(q_gate="tma"), None, "tma"), (64, None, {}, None, "")])
 def test_pair_cache_auto_q_gate(record, monkeypatch, heads, n_tok, kw, env, gate):
-    """The pair-cache launcher's Q gate (4 SMs here): "auto" gates a launch whose CTAs (tokens x 64-head groups)
-    fill more than half of the SMs and fit on them at once, with a converter staging, one item per CTA and bf16
-    outputs; the environment's "al" / "ar" reach only launches that can take them, an explicit one always."""
+    """The pair-cache launcher's Q load (4 SMs here): "auto" gates a launch whose CTAs (tokens x 64-head groups)
+    fill more than half of the SMs and fit on them at once ("al") and loads Q by TMA where they take more than one
+    wave ("tma"), with a converter staging, one item per CTA and bf16 outputs; the environment's values reach only
+    launches that can take them ("tma": one item per CTA; the gated ones also a converter), an explicit one
+    always."""
     monkeypatch.delenv(kernel_fwd_pair_cache.PERSISTENT_ENV, raising=False)
     if env is None:
         monkeypatch.delenv(kernel_fwd_pair_cache.QGATE_ENV, raising=False)

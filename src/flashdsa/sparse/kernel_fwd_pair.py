@@ -297,19 +297,23 @@ PERSISTENT_MAX_BLOCKS = 10
 # 4.163 (one CTA per item; persistent + rows 2.155 / 4.242); V4 topk 640 0.875 (persistent) -> 0.733 (persistent +
 # rows; one CTA per item + rows 0.740)
 ROW_GATHER_KW = (("row_gather", True),)
-# "1": the one-item-per-CTA grids load Q by TMA (``pair_body``'s q_gate "tma"; session 50, being measured: H100
-# prefill S 4096 topk 2048 H 64 2.138 -> 2.109 ms, H 128 4.121 -> 4.010, one sample each); read at each call
+# The dispatched one-item-per-CTA grid (prefill above ``PERSISTENT_MAX_BLOCKS`` blocks) loads Q by TMA
+# (``pair_body``'s q_gate "tma": one elected thread, nine 64 x 64 boxes, instead of 16-byte loads by every consumer
+# thread).  Session 50 (H100, the suite's eager timing, two interleaved rounds; S 4096 / topk 2048): H 128 4.285 /
+# 4.287 -> 4.148 / 4.192 ms, H 64 2.259 / 2.235 -> 2.194 / 2.189, SKV 131072 4.764 / 4.815 -> 4.737 / 4.642;
+# outputs bitwise equal.  The ordered build (decode) and the split-KV partials keep the loads (the dense paged
+# decode kernel measured 2-5% slower with Q by TMA).  $FLASHDSA_PAIR_QTMA = "0" turns it off (read at each call).
 QTMA_ENV = "FLASHDSA_PAIR_QTMA"
 
 
 def _q_tma_kw() -> tuple:
-    return (("q_gate", "tma"),) if os.environ.get(QTMA_ENV, "0") == "1" else ()
+    return () if os.environ.get(QTMA_ENV, "1") == "0" else (("q_gate", "tma"),)
 
 
 def _persistent_kw(n_blocks: int, n_sm: int, single_use: bool = False) -> tuple:
     """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``PERSISTENT_MAX_BLOCKS`` blocks, else
-    one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item); both gather by rows (``ROW_GATHER_KW``);
-    ``single_use`` (``reads_per_row`` <= 1): the gather with the evict_first policy."""
+    one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item) loading Q by TMA (``QTMA_ENV``); both gather by
+    rows (``ROW_GATHER_KW``); ``single_use`` (``reads_per_row`` <= 1): the gather with the evict_first policy."""
     persistent = 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0
     return (((("persistent", n_sm),) if persistent else ()) + ROW_GATHER_KW
             + ((("evict_first", True),) if single_use else ()) + (() if persistent else _q_tma_kw()))
@@ -338,7 +342,7 @@ def dispatched(q, kv_rows: int, order=None):
     persistent grid up to ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; all gather
     by rows (the ordered build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
     if order is not None:
-        return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW + _q_tma_kw())
+        return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
     return lambda *a: _compiled(*a, dispatched_kw(q, a[3], kv_rows))
 
 
@@ -389,8 +393,8 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     if out_f32:
         if order is not None:
             raise ValueError("out_f32: no ordered build")
-        return kernel_fwd.launch(lambda *a: _compiled(*a, OUT_F32_KW + _q_tma_kw()), q, kv, indices,
-                                 sm_scale=sm_scale, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink, out_f32=True)
+        return kernel_fwd.launch(lambda *a: _compiled(*a, OUT_F32_KW), q, kv, indices, sm_scale=sm_scale, d_v=d_v,
+                                 topk_length=topk_length, attn_sink=attn_sink, out_f32=True)
     return kernel_fwd.launch(dispatched(q, kv.shape[0], order), q, kv, indices, sm_scale=sm_scale, d_v=d_v,
                              topk_length=topk_length, attn_sink=attn_sink, extra=() if order is None else (order,))
 

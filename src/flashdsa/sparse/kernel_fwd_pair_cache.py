@@ -318,8 +318,11 @@ PERSISTENT_ENV = "FLASHDSA_CACHE656_PERSISTENT"
 # rows queue behind the Q loads (which also slow the converter while in flight); ``pair_body``'s q_gate "al" lets the
 # consumers load Q only once the first pair's a.L landed.  B 128 / H 64 / topk 2048 in graph replay: H100 -2 to -3%
 # (three interleaved pairs), H200 -5% (one sample); eager timings within noise; H 128 s_q 2 (four waves) +0.5%, so
-# ``auto_gate`` takes one-wave grids only.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) that rule, "off" never, "al" /
-# "ar" wherever a launch can take them (timing).
+# ``auto_gate`` gates one-wave grids only.  Q by TMA ("tma": ``pair_body``'s, session 50): H100, graph replay, six
+# interleaved pairs: H 128 s_q 2 (four waves) 0.3746 -> 0.3681 ms mean (-1.7%), where the bf16 pair kernel's prefill
+# gained 2-3%; at H 64 (one wave, six-round means) TMA alone 0.1241 ms against the gate's 0.1206 ("tma_al" 0.1198,
+# no load 0.1278 over three): "auto" takes "tma" for grids of more than one wave.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) those rules, "off" never, "al" / "ar" /
+# "tma" / "tma_al" wherever a launch can take them (timing).
 QGATE_ENV = "FLASHDSA_CACHE656_QGATE"
 QGATES = ("auto", "off", "al", "ar", "tma", "tma_al")  # "tma*": Q by TMA (``pair_body``'s Q_LOADS; session 50)
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
@@ -582,11 +585,13 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
 def auto_gate(heads: int, n_tok: int | None, device_index: int | None) -> str:
     """``q_gate`` "auto" for a launch of ``n_tok`` tokens (None: unknown): "al" where its CTAs (one per token and
     64-head group) fill more than half of the device's SMs and fit on them at once (the measured case: 128 CTAs on
-    132 SMs), else "off" (split-KV partials and smaller grids: not measured, left ungated)."""
+    132 SMs), "tma" where they take more than one wave (measured: 512 CTAs), else "off" (smaller grids: not
+    measured)."""
     if n_tok is None:
         return "off"
     n_sm = _dispatch.sm_count(0 if device_index is None else device_index)
-    return "al" if n_sm // 2 < n_tok * (heads // BLOCK_H) <= n_sm else "off"
+    ctas = n_tok * (heads // BLOCK_H)
+    return "al" if n_sm // 2 < ctas <= n_sm else "tma" if ctas > n_sm else "off"
 
 
 def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None,
