@@ -44,8 +44,9 @@ TOPK_BOUND = 1 << 30  # the kernel's static block bound; the real bound is TopkL
 # "1": at H 128 the token's two head-group CTAs run as a 2-CTA cluster sharing each full page's TMA load (one L2
 # read per page instead of two; session 45, not yet measured: timing and tests read it, the default is off)
 CLUSTER_ENV = "FLASHDSA_DECODE_PAIR_CLUSTER"
-# "1": Q loaded by TMA (one elected thread, 9 boxes) instead of every consumer thread's 16-byte loads (session 50,
-# timing and tests read it, the default is off)
+# "1": Q loaded by TMA (one elected thread, 9 boxes) instead of every consumer thread's 16-byte loads (session 50:
+# slower, H100 graph replay B 128 H 128 s_q 1 0.5277 -> 0.5392 ms, s_q 2 causal 0.928 -> 0.963; Q's boxes queue in
+# the TMA unit ahead of the page loads; timing and tests read it, the default is off)
 QTMA_ENV = "FLASHDSA_DECODE_PAIR_QTMA"
 
 

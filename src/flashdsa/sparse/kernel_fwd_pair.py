@@ -300,9 +300,11 @@ ROW_GATHER_KW = (("row_gather", True),)
 # The dispatched one-item-per-CTA grid (prefill above ``PERSISTENT_MAX_BLOCKS`` blocks) loads Q by TMA
 # (``pair_body``'s q_gate "tma": one elected thread, nine 64 x 64 boxes, instead of 16-byte loads by every consumer
 # thread).  Session 50 (H100, the suite's eager timing, two interleaved rounds; S 4096 / topk 2048): H 128 4.285 /
-# 4.287 -> 4.148 / 4.192 ms, H 64 2.259 / 2.235 -> 2.194 / 2.189, SKV 131072 4.764 / 4.815 -> 4.737 / 4.642;
-# outputs bitwise equal.  The ordered build (decode) and the split-KV partials keep the loads (the dense paged
-# decode kernel measured 2-5% slower with Q by TMA).  $FLASHDSA_PAIR_QTMA = "0" turns it off (read at each call).
+# 4.287 -> 4.148 / 4.192 ms, H 64 2.259 / 2.235 -> 2.194 / 2.189, SKV 131072 4.764 / 4.815 -> 4.737 / 4.642; H200,
+# the same, one machine: H 128 4.196 / 4.199 -> 4.127 / 4.136, H 64 2.150 / 2.150 -> 2.114 / 2.114, SKV 131072
+# 4.746 / 4.711 -> 4.680 / 4.686; outputs bitwise equal.  The ordered build (decode) and the split-KV partials keep
+# the loads (the dense paged decode kernel measured 2-4% slower with Q by TMA).  $FLASHDSA_PAIR_QTMA = "0" turns it
+# off (read at each call).
 QTMA_ENV = "FLASHDSA_PAIR_QTMA"
 
 

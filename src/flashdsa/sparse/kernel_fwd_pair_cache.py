@@ -63,6 +63,9 @@ one half in flight per CTA.
 Session 49 (docs/PERFORMANCE.md 'Session 49'): a timestamp build (``stamps``, ``scripts/pair_timestamps.py``) and
 the Q gate (``QGATE_ENV``): at one wave of CTAs the consumers load Q after the first pair's a.L landed, 2-5% faster
 in graph replay at B 128 / H 64 (dispatched for such launches).
+Session 50 (docs/PERFORMANCE.md 'Session 50'): Q by TMA (q_gate "tma" / "tma_al"): at one wave it arrives no
+sooner (the prologue waits on the memory system, not on the load path), so "al" stays; grids of more than one wave
+take "tma" (H 128 s_q 2 -1.7% on an H100, -2.1% on an H200, graph replay).
 """
 
 import functools
@@ -321,7 +324,9 @@ PERSISTENT_ENV = "FLASHDSA_CACHE656_PERSISTENT"
 # ``auto_gate`` gates one-wave grids only.  Q by TMA ("tma": ``pair_body``'s, session 50): H100, graph replay, six
 # interleaved pairs: H 128 s_q 2 (four waves) 0.3746 -> 0.3681 ms mean (-1.7%), where the bf16 pair kernel's prefill
 # gained 2-3%; at H 64 (one wave, six-round means) TMA alone 0.1241 ms against the gate's 0.1206 ("tma_al" 0.1198,
-# no load 0.1278 over three): "auto" takes "tma" for grids of more than one wave.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) those rules, "off" never, "al" / "ar" /
+# no gate 0.1278 over three); on an H200 (three rounds, one machine) H 128 s_q 2 0.3758 -> 0.3678 (-2.1%), H 64
+# "al" 0.1094, "tma" 0.1141, "tma_al" 0.1088, no gate 0.1139 (0.1109 in its last two rounds): "auto" takes "tma"
+# for grids of more than one wave.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) those rules, "off" never, "al" / "ar" /
 # "tma" / "tma_al" wherever a launch can take them (timing).
 QGATE_ENV = "FLASHDSA_CACHE656_QGATE"
 QGATES = ("auto", "off", "al", "ar", "tma", "tma_al")  # "tma*": Q by TMA (``pair_body``'s Q_LOADS; session 50)
