@@ -12,7 +12,8 @@ Rows: the sparse FP8 decode rows (topk 128..2048 of a 32768-slot cache; random u
 dense bf16 rows (cache lengths 1024..8192, block 64, s_q 1 / 2 causal).
 
 ``--ab VAR=v1,v2,...``: instead of the fit, an A / B of an environment switch (one the row's kernel choice reads
-at each call, e.g. ``$FLASHDSA_CACHE656_QGATE``, ``$FLASHDSA_DECODE_PAIR_QTMA``): each row at its largest key
+at each call or keys its plans on, e.g. ``$FLASHDSA_CACHE656_QGATE``, ``$FLASHDSA_DECODE_PAIR_QTMA``; a switch
+neither does would time one kernel under every value): each row at its largest key
 count, the values in turn for ``--rounds`` rounds on the same inputs (each value's call captured in its own graph),
 and whether every value gives bitwise the first value's outputs.
 """
@@ -91,7 +92,10 @@ def ab(name, var, values, rounds, reps, flush):
                 same[v] = same.get(v, True) and all(torch.equal(a, b) for a, b in zip(out, first))
                 ms[v].append(round(graph_ms(call, reps, flush), 5))
     finally:
-        os.environ.pop(var) if old is None else os.environ.__setitem__(var, old)
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
     return {"row": name, "B": B, "s_q": s_q, "H": H, "keys": counts[-1], "var": var, "graph_ms": ms,
             "bitwise_equal_to_first": same}
 
@@ -104,12 +108,16 @@ def main(argv=None):
     ap.add_argument("--ab", default=None, help="VAR=v1,v2,...: an A / B of an environment switch (see above)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.ab:
+        var, _, values = args.ab.partition("=")
+        values = values.split(",")
+        if not var or not all(values) or len(set(values)) != len(values):
+            ap.error(f"--ab {args.ab!r}: expected VAR=v1,v2,... with distinct, non-empty values")
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
     out = []
     for name in args.rows.split(","):
         if args.ab:
-            var, values = args.ab.split("=", 1)
-            row = ab(name, var, values.split(","), args.rounds, args.reps, flush)
+            row = ab(name, var, values, args.rounds, args.reps, flush)
             print(json.dumps(row), flush=True)
             out.append(row)
             torch.cuda.empty_cache()

@@ -183,3 +183,9 @@ def test_stored_plan_is_replayed_with_the_lead_dims(monkeypatch):
     with torch.enable_grad():
         flashdsa.sparse_attn(q.clone().requires_grad_(), kv, sink, idx)  # needs autograd: the plain path
     assert miss.calls == 0
+    # a kernel-choice switch set after the plan was stored: another signature (the plain path, which reads it)
+    from flashdsa.sparse import kernel_fwd_pair
+
+    monkeypatch.setenv(kernel_fwd_pair.QTMA_ENV, "0")
+    flashdsa.sparse_attn(q, kv, sink, idx)
+    assert miss.calls == 0

@@ -91,8 +91,9 @@ def test_cluster_build_matches_the_paged_kernel(monkeypatch, B, s_q, H, block_si
 @pytest.mark.parametrize("B,s_q,H,block_size,lens,causal,sink,bad", CASES,
                          ids=[f"B{c[0]}-sq{c[1]}-H{c[2]}-bs{c[3]}" for c in CASES])
 def test_q_tma_build_matches_the_paged_kernel(monkeypatch, B, s_q, H, block_size, lens, causal, sink, bad):
-    """The build loading Q by TMA (``$FLASHDSA_DECODE_PAIR_QTMA=1``, session 50) against the reference and bit
-    for bit against the paged kernel (the same products in the same order; only Q's load differs)."""
+    """The build loading Q by TMA (``$FLASHDSA_DECODE_PAIR_QTMA=1``, session 50; the launch is checked to use it)
+    against the reference and bit for bit against the paged kernel (the same products in the same order; only Q's
+    load differs).  ``bad`` (bad page ids) is the other tests' concern."""
     from flashdsa.decode import kernel_pair_paged
 
     K = _kernel()
@@ -102,11 +103,18 @@ def test_q_tma_build_matches_the_paged_kernel(monkeypatch, B, s_q, H, block_size
     if sink:
         attn_sink = torch.randn(H, device="cuda", dtype=torch.float32)
         attn_sink[0], attn_sink[1] = float("inf"), float("-inf")
+    from flashdsa.decode import _pair_path
+
+    monkeypatch.delenv(_pair_path.PAGED_ENV, raising=False)
     monkeypatch.delenv(kernel_pair_paged.CLUSTER_ENV, raising=False)
     monkeypatch.setenv(kernel_pair_paged.QTMA_ENV, "1")
-    assert kernel_pair_paged.use_q_tma(H)
+    assert kernel_pair_paged.use_q_tma(H) and _pair_path.paged(block_size)
+    built = []
+    compiled = kernel_pair_paged._compiled
+    monkeypatch.setattr(kernel_pair_paged, "_compiled", lambda *a: built.append(a) or compiled(*a))
     out, lse = _run(K, q, kv, table, seqlens, causal, attn_sink)
     torch.cuda.synchronize()
+    assert built and built[-1][-1] is True, f"the TMA build was not launched: {built}"
     _check(out, lse, *_reference(q, kv, table, seqlens, sm_scale=576 ** -0.5, causal=causal, sink=attn_sink))
     monkeypatch.setenv(kernel_pair_paged.QTMA_ENV, "0")
     plain = _run(K, q, kv, table, seqlens, causal, attn_sink)

@@ -229,6 +229,21 @@ def test_pair_evict_first_rule(n_tok, heads, n_blocks, kv_rows, single_use):
         kw = kernel_fwd_pair.dispatched_kw(q, n_blocks, kv_rows)
         assert (("evict_first", True) in kw) == (single_use and heads == 64 and dqk == 512)
         assert ("row_gather", True) in kw
+        assert (("q_gate", "tma") in kw) == (("evict_first", True) not in kw)  # Q by TMA: prefill grids only
+
+
+@pytest.mark.parametrize("value", ["yes", "off", "2"])
+def test_q_tma_switches_reject_other_values(monkeypatch, value):
+    """``$FLASHDSA_PAIR_QTMA`` / ``$FLASHDSA_DECODE_PAIR_QTMA`` take "0" or "1" (unset: the default); any other value
+    is a ValueError naming the variable, not a silent default."""
+    from flashdsa.decode import kernel_pair_paged
+
+    monkeypatch.setenv(kernel_fwd_pair.QTMA_ENV, value)
+    with pytest.raises(ValueError, match="FLASHDSA_PAIR_QTMA"):
+        kernel_fwd_pair._persistent_kw(32, 132)
+    monkeypatch.setenv(kernel_pair_paged.QTMA_ENV, value)
+    with pytest.raises(ValueError, match="FLASHDSA_DECODE_PAIR_QTMA"):
+        kernel_pair_paged.use_q_tma(64)
 
 
 @pytest.mark.parametrize("n_tok,heads,tkv,expect", [

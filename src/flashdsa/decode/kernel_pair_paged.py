@@ -32,6 +32,7 @@ import tilelang
 import tilelang.language as T
 
 from .._tilelang import direct_launcher, dummy
+from .._validate import check_choice
 from ..sparse import _tl_common as tc
 from ..sparse._pair_body import pair_body
 from ..sparse._pair_parts import BAR_PROD, drain, pair_phase
@@ -189,7 +190,8 @@ def use_cluster(heads: int) -> bool:
 def use_q_tma(heads: int) -> bool:
     """Whether ``run`` launches the build loading Q by TMA: ``$FLASHDSA_DECODE_PAIR_QTMA`` = "1" and not the
     cluster build (timing, session 50)."""
-    return os.environ.get(QTMA_ENV, "") == "1" and not use_cluster(heads)
+    on = check_choice(f"${QTMA_ENV}", os.environ.get(QTMA_ENV, ""), ("", "0", "1")) == "1"
+    return on and not use_cluster(heads)
 
 
 def supports(block_size: int) -> bool:

@@ -72,10 +72,12 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     ``stamps`` (timing builds): body's Stamps is an int32 [n_ctas, ``STAMP_WORDS``] buffer and one thread of each
     role writes clock64 at the points of ``_pair_parts.STAMPS`` (one item per CTA; the producer and the converter
-    get ``st=`` too; ``kernel_fwd_pair_cache``'s do).  ``q_gate`` (builds with a converter, one item per CTA): "al" /
-    "ar": the consumers load Q only once the first pair's a.L / a.R raw bytes landed (its "landed" barrier, parity
-    0: its phase 1 needs fr_al / fr_ar, i.e. a consumer past load_q's BAR_BOTH, so it cannot be passed before the
-    wait), so the first gathers are not queued behind Q's loads (session 49, docs/PERFORMANCE.md)."""
+    get ``st=`` too; ``kernel_fwd_pair_cache``'s do).  ``q_gate``, how the consumers load Q (``Q_LOADS``): ""
+    16-byte loads at entry; "al" / "ar" (builds with a converter, one item per CTA): the consumers load Q only once
+    the first pair's a.L / a.R raw bytes landed (its "landed" barrier, parity 0: its phase 1 needs fr_al / fr_ar,
+    i.e. a consumer past load_q's BAR_BOTH, so it cannot be passed before the wait), so the first gathers are not
+    queued behind Q's loads (session 49); "tma" (one item per CTA, no cluster): Q by TMA at entry (``load_q_tma``);
+    "tma_al": by TMA after a.L landed (converter builds); session 50, docs/PERFORMANCE.md."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert not cluster or (heads == 2 * BLOCK_H and not persistent and converter is None), "cluster: H 128 pairs"
@@ -125,10 +127,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     @T.macro
     def load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, issuer, gate=None):
-        # q_gate "tma*": WG0 (``issuer``) loads all of Q by TMA (9 boxes of 64 heads x 64 dims, 128B-swizzled as
-        # the wgmma reads them) on q_bar; both consumers wait for its bytes.  The copies occupy no thread and no
-        # load / store slot, so the producer's index loads and the converter's shared-memory traffic do not queue
-        # behind them (session 50).
+        # q_gate "tma*": WG0 (``issuer``) loads all of Q by TMA (9 boxes of 64 heads x 64 dims, 8 at Dqk 512,
+        # 128B-swizzled as the wgmma reads them) on q_bar; both consumers wait for its bytes.  The copies occupy no
+        # thread and no load / store slot, so the producer's index loads and the converter do not queue behind them
+        # (session 50: measured; at one wave the first QK still comes no sooner, the memory system is the wait).
         q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
         if issuer:
             if gate is not None:

@@ -7,6 +7,7 @@ All three reduce to one flat custom op ``flashdsa::sparse_mla_fwd`` (q `[T, H, D
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -227,11 +228,27 @@ class _FwdPlan:
 
 def _plan_key(form, q, kv, indices, topk_length, attn_sink, *scalars):
     """``_dispatch.call_signature`` of a forward call, or None where the plain path must run (tracing, fake
-    tensors, an input that needs a gradient)."""
+    tensors, an input that needs a gradient).  The environment switches the kernel choice reads are part of it."""
     tensors = (q, kv, indices, topk_length, attn_sink)
     if not all(isinstance(t, torch.Tensor) for t in tensors[:3]) or _needs_dispatcher(tensors):
         return None
-    return _dispatch.call_signature(form, q, kv, indices, topk_length, attn_sink, *scalars)
+    return _dispatch.call_signature(form, q, kv, indices, topk_length, attn_sink, *scalars,
+                                    tuple(map(os.environ.get, _switches())))
+
+
+_SWITCHES: tuple = ()
+
+
+def _switches() -> tuple:
+    """The environment switches the forward kernels' choices read (names; imported once)."""
+    global _SWITCHES
+    if not _SWITCHES:
+        from . import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair, kernel_fwd_pair_cache
+
+        _SWITCHES = (kernel_fwd_pair.QTMA_ENV, kernel_fwd_fp8cache.NARROW_ENV, kernel_fwd_pair_cache.STAGING_ENV,
+                     kernel_fwd_pair_cache.PERSISTENT_ENV, kernel_fwd_pair_cache.QGATE_ENV,
+                     kernel_dequant656.DEQUANT_ONCE_ENV)
+    return _SWITCHES
 
 
 def _replay(form, q, kv, indices, topk_length, attn_sink, *scalars):

@@ -73,6 +73,7 @@ import tilelang.language as T
 
 from .. import _dispatch
 from .._tilelang import direct_launcher
+from .._validate import check_choice
 from . import _tl_common as tc
 from . import kernel_fwd
 from ._pair_body import SUPPORTED_H, pair_body
@@ -297,28 +298,32 @@ PERSISTENT_MAX_BLOCKS = 10
 # 4.163 (one CTA per item; persistent + rows 2.155 / 4.242); V4 topk 640 0.875 (persistent) -> 0.733 (persistent +
 # rows; one CTA per item + rows 0.740)
 ROW_GATHER_KW = (("row_gather", True),)
-# The dispatched one-item-per-CTA grid (prefill above ``PERSISTENT_MAX_BLOCKS`` blocks) loads Q by TMA
-# (``pair_body``'s q_gate "tma": one elected thread, nine 64 x 64 boxes, instead of 16-byte loads by every consumer
-# thread).  Session 50 (H100, the suite's eager timing, two interleaved rounds; S 4096 / topk 2048): H 128 4.285 /
-# 4.287 -> 4.148 / 4.192 ms, H 64 2.259 / 2.235 -> 2.194 / 2.189, SKV 131072 4.764 / 4.815 -> 4.737 / 4.642; H200,
-# the same, one machine: H 128 4.196 / 4.199 -> 4.127 / 4.136, H 64 2.150 / 2.150 -> 2.114 / 2.114, SKV 131072
-# 4.746 / 4.711 -> 4.680 / 4.686; outputs bitwise equal.  The ordered build (decode) and the split-KV partials keep
-# the loads (the dense paged decode kernel measured 2-4% slower with Q by TMA).  $FLASHDSA_PAIR_QTMA = "0" turns it
-# off (read at each call).
+# The dispatched one-item-per-CTA grid (prefill: above ``PERSISTENT_MAX_BLOCKS`` blocks, rows read more than once)
+# loads Q by TMA (``pair_body``'s q_gate "tma": one elected thread, eight or nine 64 x 64 boxes, instead of 16-byte
+# loads by every consumer thread).  Session 50, S 4096 / topk 2048, the suite's eager timing, two interleaved
+# rounds: H100 H 128 4.285 / 4.287 -> 4.148 / 4.192 ms, H 64 2.259 / 2.235 -> 2.194 / 2.189, SKV 131072 4.764 /
+# 4.815 -> 4.737 / 4.642; H200 (one machine) H 128 4.196 / 4.199 -> 4.127 / 4.136, H 64 2.150 / 2.150 -> 2.114 /
+# 2.114, SKV 131072 4.746 / 4.711 -> 4.680 / 4.686; outputs bitwise equal.  The ordered build (decode) and the
+# split-KV partials keep the loads, and so does the grid that reads each row about once (decode shapes, the
+# evict_first gather): not measured, and the dense paged decode kernel ran 2-4% slower with Q by TMA.
+# $FLASHDSA_PAIR_QTMA = "0" turns it off, "1" (unset) on (read when a call is dispatched; part of ``sparse.api``'s
+# plan key).
 QTMA_ENV = "FLASHDSA_PAIR_QTMA"
 
 
 def _q_tma_kw() -> tuple:
-    return () if os.environ.get(QTMA_ENV, "1") == "0" else (("q_gate", "tma"),)
+    on = check_choice(f"${QTMA_ENV}", os.environ.get(QTMA_ENV) or "1", ("0", "1")) == "1"
+    return (("q_gate", "tma"),) if on else ()
 
 
 def _persistent_kw(n_blocks: int, n_sm: int, single_use: bool = False) -> tuple:
     """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``PERSISTENT_MAX_BLOCKS`` blocks, else
-    one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item) loading Q by TMA (``QTMA_ENV``); both gather by
-    rows (``ROW_GATHER_KW``); ``single_use`` (``reads_per_row`` <= 1): the gather with the evict_first policy."""
+    one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item) loading Q by TMA (``QTMA_ENV``) unless
+    ``single_use``; both gather by rows (``ROW_GATHER_KW``); ``single_use`` (``reads_per_row`` <= 1): the gather
+    with the evict_first policy."""
     persistent = 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0
     return (((("persistent", n_sm),) if persistent else ()) + ROW_GATHER_KW
-            + ((("evict_first", True),) if single_use else ()) + (() if persistent else _q_tma_kw()))
+            + ((("evict_first", True),) if single_use else ()) + (() if persistent or single_use else _q_tma_kw()))
 
 
 def reads_per_row(n_tok: int, heads: int, n_blocks: int, kv_rows: int) -> float:
@@ -341,8 +346,9 @@ def reads_per_row(n_tok: int, heads: int, n_blocks: int, kv_rows: int) -> float:
 def dispatched(q, kv_rows: int, order=None):
     """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the build this module runs
     for ``q``'s device and a KV of ``kv_rows`` rows: with ``order``, the ordered one-item-per-CTA build; else the
-    persistent grid up to ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above; all gather
-    by rows (the ordered build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
+    persistent grid up to ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above (Q by TMA
+    where rows are read more than once: ``QTMA_ENV``); all gather by rows (the ordered build since session 23:
+    dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
     if order is not None:
         return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
     return lambda *a: _compiled(*a, dispatched_kw(q, a[3], kv_rows))
@@ -413,7 +419,9 @@ def lowering_cases():
         ("pair_h64_d576_topk2048_no_overlap_qk", build_sparse_mla_fwd(heads=64, dqk=576, topk=2048, sm_scale=0.04,
                                                                       overlap_qk=False)),  # timing build
         ("pair_h128_d576_topk2048_row_gather", build_sparse_mla_fwd(heads=128, dqk=576, topk=2048, sm_scale=0.04,
-                                                                    row_gather=True)),  # dispatched above 10 blocks
+                                                                    row_gather=True)),  # with QTMA_ENV=0
+        ("pair_h64_d512_topk2048_row_gather_qtma",  # dispatched above 10 blocks (prefill)
+         build_sparse_mla_fwd(heads=64, dqk=512, topk=2048, sm_scale=0.04, row_gather=True, q_gate="tma")),
         ("pair_h64_d512_topk640_sink_tl_persistent132_row_gather",  # the dispatched grid at V4's topk
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
                               persistent=132, row_gather=True)),

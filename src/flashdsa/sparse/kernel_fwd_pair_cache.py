@@ -83,6 +83,7 @@ from . import _pair_parts as pp
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
 from . import kernel_fwd_pair as kp
+from ._pair_body import Q_LOADS
 from ._tl_common import BLOCK_H, BLOCK_I, D_V
 
 SUPPORTED_H = kp.SUPPORTED_H
@@ -322,14 +323,14 @@ PERSISTENT_ENV = "FLASHDSA_CACHE656_PERSISTENT"
 # consumers load Q only once the first pair's a.L landed.  B 128 / H 64 / topk 2048 in graph replay: H100 -2 to -3%
 # (three interleaved pairs), H200 -5% (one sample); eager timings within noise; H 128 s_q 2 (four waves) +0.5%, so
 # ``auto_gate`` gates one-wave grids only.  Q by TMA ("tma": ``pair_body``'s, session 50): H100, graph replay, six
-# interleaved pairs: H 128 s_q 2 (four waves) 0.3746 -> 0.3681 ms mean (-1.7%), where the bf16 pair kernel's prefill
+# interleaved pairs: H 128 s_q 2 (four waves) 0.3745 -> 0.3680 ms mean (-1.7%), where the bf16 pair kernel's prefill
 # gained 2-3%; at H 64 (one wave, six-round means) TMA alone 0.1241 ms against the gate's 0.1206 ("tma_al" 0.1198,
-# no gate 0.1278 over three); on an H200 (three rounds, one machine) H 128 s_q 2 0.3758 -> 0.3678 (-2.1%), H 64
+# no gate 0.1278 over three); on an H200 (three rounds, one machine) H 128 s_q 2 0.3757 -> 0.3678 (-2.1%), H 64
 # "al" 0.1094, "tma" 0.1141, "tma_al" 0.1088, no gate 0.1139 (0.1109 in its last two rounds): "auto" takes "tma"
 # for grids of more than one wave.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) those rules, "off" never, "al" / "ar" /
 # "tma" / "tma_al" wherever a launch can take them (timing).
 QGATE_ENV = "FLASHDSA_CACHE656_QGATE"
-QGATES = ("auto", "off", "al", "ar", "tma", "tma_al")  # "tma*": Q by TMA (``pair_body``'s Q_LOADS; session 50)
+QGATES = ("auto", "off") + Q_LOADS[1:]  # pair_body's Q loads ("off" = ""; "tma*": Q by TMA, session 50)
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # session 27: best of four splits (ptxas: 12 bytes spilled in the converter)
 
@@ -454,8 +455,8 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     ``_dequant_parts``; "converter": a fourth warpgroup, ``_converter_parts``); ``out_f32``: Out float32 (split-KV
     partials) and Q [n_q, H, 576] with n_q dividing T (``pair_body``'s q_rows); ``persistent``: ``pair_body``'s
     (P > 0: P CTAs loop over the items); ``stamps`` (timing build): one more argument, Stamps [T * H / 64,
-    ``_pair_parts.STAMP_WORDS``] int32, the CTAs' timestamps (``pair_body``'s); ``q_gate``: ``pair_body``'s ("",
-    "al" or "ar"; ``launcher`` picks it)."""
+    ``_pair_parts.STAMP_WORDS``] int32, the CTAs' timestamps (``pair_body``'s); ``q_gate``: one of ``pair_body``'s
+    ``Q_LOADS`` ("" the 16-byte loads at entry; ``launcher`` picks it)."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
@@ -546,9 +547,10 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
     ``$FLASHDSA_CACHE656_STAGING`` (``STAGING_ENV``) now; ``out_f32``: out float32; ``persistent`` (timing only):
     that many persistent CTAs (0: one per item), None reads ``$FLASHDSA_CACHE656_PERSISTENT`` (``PERSISTENT_ENV``);
     ``stamps`` (timing build): the launch takes the Stamps buffer as a ninth argument; ``q_gate``: one of
-    ``QGATES`` (``auto_gate``'s rule for a launch of ``n_tok`` tokens on device ``device_index``; "off": none; "al" /
-    "ar": always, with a converter staging and one item per CTA), None reads ``$FLASHDSA_CACHE656_QGATE``
-    (``QGATE_ENV``, default "auto") now, which names "al" / "ar" only for the launches that can take them."""
+    ``QGATES`` ("auto": ``auto_gate``'s rule for a launch of ``n_tok`` tokens on device ``device_index``; "off":
+    Q's 16-byte loads at entry; "tma": Q by TMA, one item per CTA; "al" / "ar" / "tma_al": gated, with a converter
+    staging and one item per CTA), None reads ``$FLASHDSA_CACHE656_QGATE`` (``QGATE_ENV``, default "auto") now,
+    whose values other than "auto" / "off" reach only the launches that can take them."""
     staging = staging or os.environ.get(STAGING_ENV, DEFAULT_STAGING)
     if staging not in STAGINGS:
         raise ValueError(f"${STAGING_ENV}={staging!r}: expected one of {STAGINGS}")
@@ -569,10 +571,10 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
     check_choice(name, q_gate, QGATES)
     if q_gate not in ("auto", "off") and not (gateable or (q_gate == "tma" and not persistent)):
         if name == "q_gate":
-            raise ValueError(f"q_gate={q_gate!r}: needs a converter staging and one item per CTA (staging "
-                             f"{staging!r}, persistent {persistent})")
+            need = "one item per CTA" if q_gate == "tma" else "a converter staging and one item per CTA"
+            raise ValueError(f"q_gate={q_gate!r}: needs {need} (staging {staging!r}, persistent {persistent})")
         q_gate = "off"  # the environment's gate reaches only the launches that can take it
-    if q_gate == "auto":
+    if q_gate == "auto":  # (converter stagings only: the consumer staging keeps the loads, not measured)
         q_gate = auto_gate(heads, n_tok, device_index) if gateable and not out_f32 else "off"
     run = direct_launcher(_compiled(heads, n_blocks, float(sm_scale), has_sink, has_topk_length, ablate, overlap_qk,
                                     staging, out_f32, persistent, stamps, "" if q_gate == "off" else q_gate))
@@ -641,6 +643,8 @@ def lowering_cases():
             ("pair_cache_h64_topk128_tl_f32_persistent5",  # the timing switch with split-KV partials
              build_sparse_mla_fwd_pair_cache(heads=64, topk=128, sm_scale=576**-0.5, has_topk_length=True,
                                              out_f32=True, persistent=5)),
+            ("pair_cache_h64_topk2048_qgate_tma_al",  # Q by TMA after the first rows (timing)
+             build_sparse_mla_fwd_pair_cache(heads=64, topk=2048, sm_scale=576**-0.5, q_gate="tma_al")),
             ("pair_cache_h128_topk256_tl_qgate_al",  # Q after the first rows (one-wave launches)
              build_sparse_mla_fwd_pair_cache(heads=128, topk=256, sm_scale=576**-0.5, has_topk_length=True,
                                              q_gate="al")),
