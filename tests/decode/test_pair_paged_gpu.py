@@ -21,6 +21,13 @@ CASES = [
 ]
 
 
+def _sink(H):
+    """A random attn_sink [H] float32 with +inf and -inf in heads 0 and 1."""
+    attn_sink = torch.randn(H, device="cuda", dtype=torch.float32)
+    attn_sink[0], attn_sink[1] = float("inf"), float("-inf")
+    return attn_sink
+
+
 def _run(K, q, kv, table, seqlens, causal, sink):
     return K.run_mla_decode_dense(q, kv, table, seqlens, sm_scale=576 ** -0.5, d_v=512, causal=causal,
                                   attn_sink=sink, variant="pair")
@@ -43,10 +50,7 @@ def test_paged_matches_reference_and_slot_lists(monkeypatch, B, s_q, H, block_si
     wide = torch.full((B, table.shape[1] + 3), -7, dtype=torch.int32, device="cuda")
     wide[:, 1:1 + table.shape[1]] = table
     table_s = wide[:, 1:1 + table.shape[1]]
-    attn_sink = None
-    if sink:
-        attn_sink = torch.randn(H, device="cuda", dtype=torch.float32)
-        attn_sink[0], attn_sink[1] = float("inf"), float("-inf")
+    attn_sink = _sink(H) if sink else None
     assert _pair_path.paged(block_size)
     out, lse = _run(K, q, kv, table_s, seqlens, causal, attn_sink)
     torch.cuda.synchronize()
@@ -74,10 +78,7 @@ def test_cluster_build_matches_the_paged_kernel(monkeypatch, B, s_q, H, block_si
         for b, n in enumerate(lens):
             if n > 2 * block_size:
                 table[b, 1] = -1
-    attn_sink = None
-    if sink:
-        attn_sink = torch.randn(H, device="cuda", dtype=torch.float32)
-        attn_sink[0], attn_sink[1] = float("inf"), float("-inf")
+    attn_sink = _sink(H) if sink else None
     monkeypatch.setenv(kernel_pair_paged.CLUSTER_ENV, "1")
     assert kernel_pair_paged.use_cluster(H)
     out, lse = _run(K, q, kv, table, seqlens, causal, attn_sink)
@@ -99,10 +100,7 @@ def test_q_tma_build_matches_the_paged_kernel(monkeypatch, B, s_q, H, block_size
     K = _kernel()
     lens = [lens[i % len(lens)] for i in range(B)]
     q, kv, table, seqlens = _make(B, s_q, H, block_size, lens, seed=B * 23 + block_size)
-    attn_sink = None
-    if sink:
-        attn_sink = torch.randn(H, device="cuda", dtype=torch.float32)
-        attn_sink[0], attn_sink[1] = float("inf"), float("-inf")
+    attn_sink = _sink(H) if sink else None
     from flashdsa.decode import _pair_path
 
     monkeypatch.delenv(_pair_path.PAGED_ENV, raising=False)

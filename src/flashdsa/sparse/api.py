@@ -6,6 +6,7 @@ All three reduce to one flat custom op ``flashdsa::sparse_mla_fwd`` (q `[T, H, D
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -236,19 +237,13 @@ def _plan_key(form, q, kv, indices, topk_length, attn_sink, *scalars):
                                     tuple(map(os.environ.get, _switches())))
 
 
-_SWITCHES: tuple = ()
-
-
+@functools.cache
 def _switches() -> tuple:
-    """The environment switches the forward kernels' choices read (names; imported once)."""
-    global _SWITCHES
-    if not _SWITCHES:
-        from . import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair, kernel_fwd_pair_cache
+    """The environment switches the forward kernels' choices read (names; the kernel modules imported once)."""
+    from . import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair, kernel_fwd_pair_cache
 
-        _SWITCHES = (kernel_fwd_pair.QTMA_ENV, kernel_fwd_fp8cache.NARROW_ENV, kernel_fwd_pair_cache.STAGING_ENV,
-                     kernel_fwd_pair_cache.PERSISTENT_ENV, kernel_fwd_pair_cache.QGATE_ENV,
-                     kernel_dequant656.DEQUANT_ONCE_ENV)
-    return _SWITCHES
+    return (kernel_fwd_pair.QTMA_ENV, kernel_fwd_fp8cache.NARROW_ENV, kernel_fwd_pair_cache.STAGING_ENV,
+            kernel_fwd_pair_cache.PERSISTENT_ENV, kernel_fwd_pair_cache.QGATE_ENV, kernel_dequant656.DEQUANT_ONCE_ENV)
 
 
 def _replay(form, q, kv, indices, topk_length, attn_sink, *scalars):
