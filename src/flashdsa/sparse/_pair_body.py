@@ -13,8 +13,9 @@ from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 SUPPORTED_H = (64, 128)
 # how the consumers load Q (``pair_body``'s q_gate): "" at entry by 16-byte loads; "al" / "ar" the same after the
-# first pair's a.L / a.R landed; "tma" by TMA at entry; "tma_al" by TMA after a.L landed
-Q_LOADS = ("", "al", "ar", "tma", "tma_al")
+# first pair's a.L / a.R landed; "tma" by TMA at entry; "tma_al" by TMA after a.L landed; "next" (persistent grids)
+# by TMA from the producer, each item's Q as soon as the previous item's last QK retired
+Q_LOADS = ("", "al", "ar", "tma", "tma_al", "next")
 THREADS = 384
 # setmaxnreg (WG0, WG1, producer): the sum must stay within the launch pool of __launch_bounds__(384, 1),
 # 3 x 168 = 504 (setmaxnreg.inc waits forever for registers the pool cannot give)
@@ -77,15 +78,21 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     the first pair's a.L / a.R raw bytes landed (its "landed" barrier, parity 0: its phase 1 needs fr_al / fr_ar,
     i.e. a consumer past load_q's BAR_BOTH, so it cannot be passed before the wait), so the first gathers are not
     queued behind Q's loads (session 49); "tma" (one item per CTA, no cluster): Q by TMA at entry (``load_q_tma``);
-    "tma_al": by TMA after a.L landed (converter builds); session 50, docs/PERFORMANCE.md."""
+    "tma_al": by TMA after a.L landed (converter builds); session 50, docs/PERFORMANCE.md.  "next" (``persistent``
+    grids): the producer loads each item's Q by TMA (``load_q_next``) once both consumers retired the previous
+    item's last QK (the q_dead barrier, 256 arrivals at the top of an item's last pair, or at its start when it has
+    no pair), so the load overlaps that item's last pair and epilogue instead of following them; O then goes from
+    the fragments straight to Out (the Q halves are no longer dead at ``finish``: no staging); session 51."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert not cluster or (heads == 2 * BLOCK_H and not persistent and converter is None), "cluster: H 128 pairs"
     assert not (stamps and (persistent or cluster)), "stamps: one item per CTA"
     assert q_gate in Q_LOADS, q_gate
     q_tma = q_gate.startswith("tma")  # (bools: a str condition in a macro logs a builder warning)
-    gate = q_gate.removeprefix("tma").removeprefix("_")
+    gate = "" if q_gate == "next" else q_gate.removeprefix("tma").removeprefix("_")
     assert not (q_tma and (persistent or cluster)), "q_gate tma: one item per CTA (its barrier's parity 0)"
+    q_next = q_gate == "next"
+    assert not q_next or (persistent and not stamps), "q_gate next: a persistent grid"
     assert not (gate and (persistent or converter is None)), q_gate
     gated, gate_ar = gate != "", gate == "ar"
     if stamps:
@@ -142,6 +149,36 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.tma_copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t, barrier=q_bar, leader_scope_threads=128)
             T.barrier_arrive(q_bar)
         T.barrier_wait(q_bar, 0)
+
+    @T.macro
+    def load_q_next(Q, Q_l, Q_r, Q_t, tok, h0, it, q_bar, q_dead):
+        # q_gate "next", the producer warpgroup at item ``it``'s start: once both consumers retired item it - 1's
+        # last QK (q_dead, phase it - 1), every Q tile is dead and this item's Q goes in by TMA on q_bar (phase it).
+        # At most one Q is in flight: q_dead's phase it - 1 needs the consumers past q_bar's phase it - 1.
+        q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
+        if it > 0:
+            T.barrier_wait(q_dead, (it + 1) & 1)
+        T.tma_copy(Q[q_tok, h0 : h0 + BH, 0:DH], Q_l, barrier=q_bar, leader_scope_threads=128)
+        T.tma_copy(Q[q_tok, h0 : h0 + BH, DH:D], Q_r, barrier=q_bar, leader_scope_threads=128)
+        if D_tail > 0:
+            T.tma_copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t, barrier=q_bar, leader_scope_threads=128)
+        T.barrier_arrive(q_bar)
+
+    @T.macro
+    def wait_q_next(it, q_bar, q_dead, npair):
+        # a consumer at item ``it``'s start (q_gate "next"): its Q landed; BAR_BOTH as load_q's (Ls0 / Ls1: the
+        # peer read them before the writer's next finish); an item without pairs reads no Q
+        T.barrier_wait(q_bar, it & 1)
+        T.sync_threads(BAR_BOTH, 256)
+        if npair[0] == 0:
+            T.barrier_arrive(q_dead)
+
+    @T.macro
+    def q_dead_at(j, npair, q_dead):
+        # q_gate "next": at the top of the item's last pair this consumer's QKs have all retired (each QK ends
+        # with wait_wgmma(0)): nothing of it reads Q any more
+        if j == npair[0] - 1:
+            T.barrier_arrive(q_dead)
 
     # ------------------------------------------------------------------ consumer pieces
     @T.macro
@@ -268,7 +305,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             l_acc[h] = Ls0[h] + Ls1[h]
         normaliser(inv, l_acc, m_run, Sink, h0)
         o_mul(acc_o, inv)
-        if out_f32:  # fp32 partials: from the fragments to global memory
+        if out_f32 or q_next:  # fp32 partials, or Q may be landing in Stage: from the fragments to global memory
             if n_o == 1:
                 T.copy(acc_o[0], Out[tok, h0 : h0 + BH, c0 : c0 + DH])
             else:
@@ -304,12 +341,14 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     @T.macro
     def produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok, h0, Rows0, Rows1, KVa_l, KVa_r,
                       KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar,
-                      pb, extra):
+                      pb, extra, q_next_args):
         # the producer warpgroup (threads 256-383); its arrivals go to ld_* (the ready barriers without a converter)
         T.set_max_nreg(regs[2], 0)
         for it in items(bx):
             if persistent:
                 tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
+            if q_next:
+                load_q_next(*q_next_args[:4], tok, h0, it, *q_next_args[4:])
             producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                      row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, *extra)
             if persistent:
@@ -367,8 +406,13 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 rdy_ar = T.alloc_barrier(128)
                 rdy_bl = T.alloc_barrier(128)
             q_gate_bar = ((ld_ar,) if gate_ar else (ld_al,)) if gated else ()  # load_q's gate
-            if q_tma:
+            if q_tma or q_next:
                 q_bar = T.alloc_barrier(128)
+            if q_next:
+                q_dead = T.alloc_barrier(256)
+                q_next_args = (Q, Q_l, Q_r, Q_t, q_bar, q_dead)
+            else:
+                q_next_args = ()
             if cluster:  # the local consumers' 128 threads + lane 0 of the peer's 4 consumer warps
                 fr_al = T.alloc_cluster_barrier(132)
                 fr_bl = T.alloc_cluster_barrier(132)
@@ -436,7 +480,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 for it in items(bx):
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-                    if q_tma:
+                    if q_next:
+                        wait_q_next(it, q_bar, q_dead, npair)
+                    elif q_tma:
                         load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, True, *q_gate_bar)
                     else:
                         load_q(Q, Q_l, Q_t, tok, h0, 0, npair, *q_gate_bar)
@@ -449,6 +495,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         st("wg0_qk0", tx == 0)
                     for j in T.serial(npair[0]):
                         st("wg0_pair", tx == 0, j)
+                        if q_next:
+                            q_dead_at(j, npair, q_dead)
                         T.copy(m_run0, m_new0)
                         # publish m_a; local PV: O_l += P_a V_a[:, :256], P from registers
                         softmax_local_pv(acc_s0, O0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, p0, KVa_l)
@@ -496,7 +544,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 for it in items(bx):
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-                    if q_tma:
+                    if q_next:
+                        wait_q_next(it, q_bar, q_dead, npair)
+                    elif q_tma:
                         load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, False)
                     else:
                         load_q(Q, Q_r, None, tok, h0, DH, npair, *q_gate_bar)
@@ -507,6 +557,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         st("wg1_qk0", tx == 128)
                     for j in T.serial(npair[0]):
                         st("wg1_pair", tx == 128, j)
+                        if q_next:
+                            q_dead_at(j, npair, q_dead)
                         # m_b = max(m_a, rowmax S_b) >= m_a >= the common max of the last pair
                         T.barrier_wait(bar_ma, pair_phase(pb, j))
                         for h in T.Parallel(BH):
@@ -538,12 +590,12 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 if converter is None:
                     produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok0, h00, Rows0, Rows1, KVa_l,
                                   KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al,
-                                  fr_bl, fr_br, fr_ar, pb, extra)
+                                  fr_bl, fr_br, fr_ar, pb, extra, q_next_args)
                     st("prod_end", tx == 256)
                 elif tx < 384:
                     produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok0, h00, Rows0, Rows1, KVa_l,
                                   KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al,
-                                  fr_bl, fr_br, fr_ar, pb, extra)
+                                  fr_bl, fr_br, fr_ar, pb, extra, q_next_args)
                     st("prod_end", tx == 256)
                 else:
                     # ------------------------------------------ converter (``converter`` builds)

@@ -330,7 +330,8 @@ PERSISTENT_ENV = "FLASHDSA_CACHE656_PERSISTENT"
 # for grids of more than one wave.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) those rules, "off" never, "al" / "ar" /
 # "tma" / "tma_al" wherever a launch can take them (timing).
 QGATE_ENV = "FLASHDSA_CACHE656_QGATE"
-QGATES = ("auto", "off") + Q_LOADS[1:]  # pair_body's Q loads ("off" = ""; "tma*": Q by TMA, session 50)
+# pair_body's Q loads ("off" = ""; "tma*": Q by TMA, session 50); not "next" (persistent grids: the bf16 kernel's)
+QGATES = ("auto", "off") + tuple(g for g in Q_LOADS[1:] if g != "next")
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # session 27: best of four splits (ptxas: 12 bytes spilled in the converter)
 
