@@ -7,7 +7,7 @@ import tilelang.language as T
 
 from . import _tl_common as tc
 from ._pair_parts import (BAR_BOTH, BAR_WG0, BAR_WG1, STAMP_SRC, adopt_max_macro, drain, item_parts, pair_phase,
-                          stamper)
+                          q_dead_parity, q_load_parity, stamper)
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
@@ -157,7 +157,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         # At most one Q is in flight: q_dead's phase it - 1 needs the consumers past q_bar's phase it - 1.
         q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
         if it > 0:
-            T.barrier_wait(q_dead, (it + 1) & 1)
+            T.barrier_wait(q_dead, q_dead_parity(it))
         T.tma_copy(Q[q_tok, h0 : h0 + BH, 0:DH], Q_l, barrier=q_bar, leader_scope_threads=128)
         T.tma_copy(Q[q_tok, h0 : h0 + BH, DH:D], Q_r, barrier=q_bar, leader_scope_threads=128)
         if D_tail > 0:
@@ -168,7 +168,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     def wait_q_next(it, q_bar, q_dead, npair):
         # a consumer at item ``it``'s start (q_gate "next"): its Q landed; BAR_BOTH as load_q's (Ls0 / Ls1: the
         # peer read them before the writer's next finish); an item without pairs reads no Q
-        T.barrier_wait(q_bar, it & 1)
+        T.barrier_wait(q_bar, q_load_parity(it))
         T.sync_threads(BAR_BOTH, 256)
         if npair[0] == 0:
             T.barrier_arrive(q_dead)

@@ -18,6 +18,18 @@ def pair_phase(pb, j):
     return j & 1 if pb is None else (pb[0] + j) & 1
 
 
+def q_load_parity(it):
+    """q_gate "next": the q_bar phase parity of item ``it``'s Q (one phase per item: the producer's 128 arrivals
+    and the TMA bytes).  Works on ints (the CPU model, tests/sparse_mla/test_q_next_protocol.py) and TIR vars."""
+    return it & 1
+
+
+def q_dead_parity(it):
+    """q_gate "next": the q_dead phase parity the producer waits before item ``it``'s Q (``it`` >= 1): item
+    ``it`` - 1's phase (256 consumer arrivals), written ``(it + 1) & 1`` to stay non-negative."""
+    return (it + 1) & 1
+
+
 def item_parts(*, G, NI, n_tok, persistent, set_lim):
     """The items of ``pair_body`` (item i: token i // G, or Order[i // G]; head group i % G): one per CTA, or with
     ``persistent`` = P > 0 CTA bx takes bx, bx + P, ... < n_tok * G.  Returns (n_ctas, ``items(bx)``: the loop over
