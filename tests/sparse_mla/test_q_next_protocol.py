@@ -1,4 +1,5 @@
-"""CPU: ``pair_body``'s q_gate "next" (the persistent grid's producer loads each item's Q ahead) as a discrete-event model.
+"""CPU: ``pair_body``'s q_gate "next" (the persistent grid's producer loads each item's Q ahead), as a discrete-event
+model.
 
 One CTA's items (each with 0..3 pairs) run through three actors and the TMA engine: the producer waits q_dead for
 the previous item (parity ``_pair_parts.q_dead_parity``), issues the item's Q copy on q_bar and arrives, then issues
