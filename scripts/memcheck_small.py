@@ -12,7 +12,8 @@ B 132: the pair path), sparse_cache656_<form> (kernel_fwd_mma656's builds mma / 
 H 16), sparse_*_extras (with attn_sink and topk_length), sparse_bf16_512 (Dqk 512), sparse_bf16_h48 (padded
 heads), indexer_prefill / indexer_prefill_bf16, decode_split656 (split-KV decode over the FP8 cache: sparse H 16 /
 64 / 128 and dense), decode_split_padded (split-KV at H 32 / 100 over the FP8 cache and H 9 / 64 / 128 over a bf16
-one: the padded pair forms and the bf16 pair kernel's fp32 build).
+one: the padded pair forms and the bf16 pair kernel's fp32 build), sparse_bf16_qnext (the persistent pair grid with
+Q loaded ahead, ``$FLASHDSA_PAIR_QNEXT=1``: 600 tokens, several items per CTA).
 """
 
 import math
@@ -87,28 +88,31 @@ def _sparse_inputs(T_, H, Tkv, topk, dqk=576, seed=2, scale=0.1):
     return q, kv, idx
 
 
-def _sink_and_lengths(n_tok, H, topk, seed=4):
-    """attn_sink with +-inf (finite for H < 3) and topk_length with 0, > topk and negative entries."""
+def _sink_and_lengths(n_tok, H, topk, seed=4, zero_at=()):
+    """attn_sink with +-inf (finite for H < 3) and topk_length with 0, > topk and negative entries (and 0 at the
+    token positions ``zero_at``)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     sink = torch.randn(H, device=DEV, generator=g)
     if H >= 3:
         sink[0], sink[1] = float("inf"), float("-inf")
     tl = torch.randint(0, topk + 1, (n_tok,), device=DEV, generator=g, dtype=torch.int32)
     tl[:3] = torch.tensor([0, topk + 5, -3], device=DEV, dtype=torch.int32)[:n_tok]
+    tl[list(zero_at)] = 0
     return dict(attn_sink=sink, topk_length=tl)
 
 
-def sparse(form, n_tok=37, cases=((16, 100), (32, 100), (128, 256), (128, 700)), dqk=576, extras=False):
+def sparse(form, n_tok=37, cases=((16, 100), (32, 100), (128, 256), (128, 700)), dqk=576, extras=False,
+           zero_at=()):
     """The dispatched sparse MLA forward on bf16 (H 16 / 32 / 128), the 656-byte FP8 cache, and FP8 compute
     (``cases``: (H, topk); topk 700: the one-CTA-per-item pair grid); ``dqk`` 512: the K = V form (bf16 only);
-    ``extras``: with attn_sink and topk_length."""
+    ``extras``: with attn_sink and topk_length (0 at the tokens ``zero_at`` too)."""
     import flashdsa
     from flashdsa.quant import quantize_fp8, quantize_kv_fp8
 
     ok = True
     for H, topk in cases:
         q, kv, idx = _sparse_inputs(n_tok, H, 600, topk, dqk=dqk)
-        opt = _sink_and_lengths(n_tok, H, topk) if extras else {}
+        opt = _sink_and_lengths(n_tok, H, topk, zero_at=zero_at) if extras else {}
         if form == "bf16":
             args, kw, tol = (q, kv, idx), {}, (8e-4, 3 / 128)
         elif form == "cache656":
@@ -315,10 +319,16 @@ for _form in ("mma", "mma_par", "mma_ws", "mma_ws_par"):
 def sparse_q_next():
     """The bf16 pair kernel's persistent grid with Q loaded ahead by the producer (``$FLASHDSA_PAIR_QNEXT=1``):
     600 tokens, so each of the 132 CTAs takes 4-10 items (sink with +-inf, topk_length with 0 / > topk / negative
-    entries: items without pairs between others)."""
+    entries, and 0 at tokens 140, 300 and 599: items without pairs after others, and a CTA's last item)."""
+    from flashdsa.sparse import kernel_fwd_pair
+
     with mock.patch.dict(os.environ, {"FLASHDSA_PAIR_QNEXT": "1"}):
-        return all([sparse("bf16", 600, ((64, 640),), dqk=512, extras=True),
-                    sparse("bf16", 600, ((128, 256),), extras=True)])
+        for n_blocks in (10, 4):  # the two cases' grids (topk 640 and 256): persistent, Q loaded ahead
+            kw = kernel_fwd_pair._persistent_kw(n_blocks, 132)
+            assert ("q_gate", "next") in kw, f"the grid at {n_blocks} blocks is not the q_gate 'next' build: {kw}"
+        zero = (140, 300, 599)
+        return all([sparse("bf16", 600, ((64, 640),), dqk=512, extras=True, zero_at=zero),
+                    sparse("bf16", 600, ((128, 256),), extras=True, zero_at=zero)])
 
 
 TARGETS["sparse_bf16_qnext"] = sparse_q_next

@@ -51,7 +51,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     pb the role's count of the pairs of its earlier items, pair j waits parity (pb + j) & 1 (the producer's free
     waits ((pb + j) & 1) ^ 1).  Between items, the next load_q rewrites the Q halves only after both consumers
     retired every wgmma (finish's BAR_BOTH) and its own warpgroup read the staged O out (``end_item``'s barrier);
-    see the comment above ``item_parts``'s call for each buffer.
+    with q_gate "next" the producer's TMA rewrites them once both consumers retired the item's last QK (q_dead) and
+    no O is staged; see the comment above ``item_parts``'s call for each buffer.
 
     ``converter`` (the 656-byte cache's converter staging): a fourth warpgroup (threads 384-511, 512 in all) runs
     ``converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
@@ -298,9 +299,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     @T.macro
     def finish(acc_o, l_acc, m_run, inv, Ls_own, Ls0, Ls1, Sink, Stage, Out, tok, h0, c0, own_bar):
         # total l = l_0 + l_1 (same operand order in both roles: bit-identical factors), O staged through
-        # the dead Q half, written to Out[:, c0:c0+256]
+        # the dead Q half (not with out_f32 or q_gate "next"), written to Out[:, c0:c0+256]
         T.copy(l_acc, Ls_own)
-        T.sync_threads(BAR_BOTH, 256)  # both l halves written; both consumers past every wgmma (Q is dead)
+        T.sync_threads(BAR_BOTH, 256)  # both l halves written; both consumers past every wgmma (this item's Q
+        #                                 is dead; with q_gate "next" the next item's may be landing)
         for h in T.Parallel(BH):
             l_acc[h] = Ls0[h] + Ls1[h]
         normaliser(inv, l_acc, m_run, Sink, h0)
@@ -311,7 +313,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             else:
                 T.copy(acc_o[0], Out[tok, h0 : h0 + BH, c0 : c0 + DO])
                 T.copy(acc_o[1], Out[tok, h0 : h0 + BH, c0 + DO : c0 + DH])
-            T.sync_threads(own_bar, 128)
+            if not q_next:  # (no shared buffer read here: kept for out_f32, whose build it is part of)
+                T.sync_threads(own_bar, 128)
         else:
             if n_o == 1:
                 T.copy(acc_o[0], Stage)
@@ -328,6 +331,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     #   Q_t, Q_l) retired before either warpgroup arrived at finish's BAR_BOTH; the Stage copy-out (Q_l in WG0, Q_r
     #   in WG1) is read by every thread of that warpgroup only, ordered before the next load_q by ``end_item``'s
     #   warpgroup barrier.  The new Q is read only after load_q's BAR_BOTH, i.e. once both halves are rewritten.
+    #   With q_gate "next": Q_l, Q_r, Q_t are rewritten only by the producer's TMA for the next item, issued once
+    #   q_dead completed, i.e. once both consumers retired this item's last QK (each QK ends with wait_wgmma(0));
+    #   no O is staged (finish writes it from the fragments), so ``end_item`` needs no warpgroup barrier; the new Q
+    #   is read after its q_bar phase (``wait_q_next``), whose BAR_BOTH also orders the Ls0 / Ls1 reads below.
     #   Ls0 / Ls1 (finish): the peer reads them before it arrives at the next item's load_q BAR_BOTH, which the
     #   writer passes before its next finish.
     #   Ma, Mb, P0, P1, Rows0 / Rows1, the KV halves: as within an item (the pair protocol of the module notes does
@@ -536,7 +543,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     st("wg0_lse", tx == 0)
                     st("gt_end", tx == 0)
                     if persistent:
-                        end_item(pb, npair, BAR_WG0)
+                        end_item(pb, npair, BAR_WG0, not q_next)
             elif tx < 256:
                 # ---------------------------------------------- WG1: QK of blocks 2j+1, O[:, 256:512]
                 st("wg1_entry", tx == 128)
@@ -582,7 +589,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     finish(O1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
                     st("wg1_finish", tx == 128)
                     if persistent:
-                        end_item(pb, npair, BAR_WG1)
+                        end_item(pb, npair, BAR_WG1, not q_next)
             else:
                 tok0, h00 = (None, None) if persistent else (tok, h0)  # (persistent: set per item by start_item)
                 st("prod_entry", tx == 256)

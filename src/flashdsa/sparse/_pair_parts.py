@@ -36,7 +36,8 @@ def item_parts(*, G, NI, n_tok, persistent, set_lim):
     CTA bx's items, a Python 1-tuple with one item per CTA (no loop), ``item_tok(Order, item)``,
     ``n_pairs(lim)``: the pair count at topk_eff lim[0], macro ``start_item(Order, TopkLen, lim, npair, item)`` ->
     (tok, h0): an item's token, head offset, topk_eff and pair count, macro ``end_item(pb, npair, own_bar)``: a
-    consumer's item end (warpgroup barrier: its Stage read out before the next load_q; pb += npair))."""
+    consumer's item end (warpgroup barrier: its Stage read out before the next load_q, unless ``sync`` is False:
+    no Stage; pb += npair))."""
     BH, BI = tc.BLOCK_H, BLOCK_I
 
     def items(bx):
@@ -56,8 +57,9 @@ def item_parts(*, G, NI, n_tok, persistent, set_lim):
         return tok, (item % G) * BH
 
     @T.macro
-    def end_item(pb, npair, own_bar):
-        T.sync_threads(own_bar, 128)
+    def end_item(pb, npair, own_bar, sync=True):
+        if sync:
+            T.sync_threads(own_bar, 128)
         pb[0] = pb[0] + npair[0]
 
     return persistent if persistent else n_tok * G, items, item_tok, n_pairs, start_item, end_item

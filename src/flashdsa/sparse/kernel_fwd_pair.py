@@ -314,7 +314,8 @@ ROW_GATHER_KW = (("row_gather", True),)
 QTMA_ENV = "FLASHDSA_PAIR_QTMA"
 # The persistent grid (up to ``PERSISTENT_MAX_BLOCKS``) with $FLASHDSA_PAIR_QNEXT = "1": the producer loads each
 # item's Q by TMA once the previous item's last QK retired (``pair_body``'s q_gate "next"), instead of the consumers
-# loading it after the previous item's epilogue.  "0" (unset): off.  Session 51: built, measured by A / B.
+# loading it after the previous item's epilogue.  "0" (unset): off.  Session 51: built, to be measured by A / B.
+# It reaches every persistent grid this module dispatches, the batched forms' and the dense decode pair path's too.
 QNEXT_ENV = "FLASHDSA_PAIR_QNEXT"
 
 
@@ -333,16 +334,16 @@ def persistent_max_blocks() -> int:
     env = os.environ.get(PERSISTENT_MAX_ENV) or ""
     if not env:
         return PERSISTENT_MAX_BLOCKS
-    if not env.isdigit():
+    if not (env.isascii() and env.isdecimal()):
         raise ValueError(f"${PERSISTENT_MAX_ENV}: expected a non-negative int, got {env!r}")
     return int(env)
 
 
 def _persistent_kw(n_blocks: int, n_sm: int, single_use: bool = False) -> tuple:
-    """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``PERSISTENT_MAX_BLOCKS`` blocks, else
-    one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item) loading Q by TMA (``QTMA_ENV``) unless
-    ``single_use``; both gather by rows (``ROW_GATHER_KW``); ``single_use`` (``reads_per_row`` <= 1): the gather
-    with the evict_first policy."""
+    """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``persistent_max_blocks()`` blocks
+    (Q loaded ahead where ``QNEXT_ENV`` says so), else one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item)
+    loading Q by TMA (``QTMA_ENV``); neither Q form where ``single_use``; both gather by rows (``ROW_GATHER_KW``);
+    ``single_use`` (``reads_per_row`` <= 1): the gather with the evict_first policy."""
     persistent = 0 < n_blocks <= persistent_max_blocks() and n_sm > 0
     q_kw = (_q_next_kw() if persistent else _q_tma_kw()) if not single_use else ()
     return (((("persistent", n_sm),) if persistent else ()) + ROW_GATHER_KW
@@ -369,8 +370,8 @@ def reads_per_row(n_tok: int, heads: int, n_blocks: int, kv_rows: int) -> float:
 def dispatched(q, kv_rows: int, order=None):
     """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the build this module runs
     for ``q``'s device and a KV of ``kv_rows`` rows: with ``order``, the ordered one-item-per-CTA build; else the
-    persistent grid up to ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above (Q by TMA
-    where rows are read more than once: ``QTMA_ENV``); all gather by rows (the ordered build since session 23:
+    persistent grid up to ``persistent_max_blocks()`` blocks (``_persistent_kw``; Q loaded ahead with ``QNEXT_ENV``),
+    one CTA per item above (Q by TMA where rows are read more than once: ``QTMA_ENV``); all gather by rows (the ordered build since session 23:
     dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
     if order is not None:
         return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
