@@ -371,8 +371,8 @@ def dispatched(q, kv_rows: int, order=None):
     """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the build this module runs
     for ``q``'s device and a KV of ``kv_rows`` rows: with ``order``, the ordered one-item-per-CTA build; else the
     persistent grid up to ``persistent_max_blocks()`` blocks (``_persistent_kw``; Q loaded ahead with ``QNEXT_ENV``),
-    one CTA per item above (Q by TMA where rows are read more than once: ``QTMA_ENV``); all gather by rows (the ordered build since session 23:
-    dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
+    one CTA per item above (Q by TMA where rows are read more than once: ``QTMA_ENV``); all gather by rows (the
+    ordered build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
     if order is not None:
         return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
     return lambda *a: _compiled(*a, dispatched_kw(q, a[3], kv_rows))
