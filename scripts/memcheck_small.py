@@ -97,7 +97,8 @@ def _sink_and_lengths(n_tok, H, topk, seed=4, zero_at=()):
         sink[0], sink[1] = float("inf"), float("-inf")
     tl = torch.randint(0, topk + 1, (n_tok,), device=DEV, generator=g, dtype=torch.int32)
     tl[:3] = torch.tensor([0, topk + 5, -3], device=DEV, dtype=torch.int32)[:n_tok]
-    tl[list(zero_at)] = 0
+    if zero_at:
+        tl[torch.tensor(zero_at, device=DEV)] = 0
     return dict(attn_sink=sink, topk_length=tl)
 
 
