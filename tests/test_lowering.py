@@ -58,6 +58,7 @@ def test_pair_q_next_build_loads_q_ahead():
 
     kw = dict(heads=64, dqk=512, topk=128, sm_scale=0.04, persistent=132, row_gather=True)
     ahead, default = (_lower(k, k.build_sparse_mla_fwd(**kw, **extra)) for extra in (dict(q_gate="next"), {}))
-    assert "q_dead[0].wait" in ahead and ahead.count("tma_load(Q_desc") == 2  # the two 256-dim halves
+    # the two 256-dim halves, at two call sites (an item's first pair; an item without pairs)
+    assert "q_dead[0].wait" in ahead and ahead.count("tma_load(Q_desc") == 4
     assert "Out_local_cast" in ahead  # bf16 pairs from the fp32 fragments
     assert "q_dead" not in default and "tma_load(Q_desc" not in default and "Out_local_cast" not in default

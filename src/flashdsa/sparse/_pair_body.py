@@ -354,10 +354,13 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         for it in items(bx):
             if persistent:
                 tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-            if q_next:
-                load_q_next(*q_next_args[:4], tok, h0, it, *q_next_args[4:])
-            producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                     row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, *extra)
+            if q_next:  # the producer runs the Q load once the item's first index loads are issued
+                hook = (load_q_next, (*q_next_args[:4], tok, h0, it, *q_next_args[4:]))
+                producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                         row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, q_hook=hook)
+            else:
+                producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                         row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, *extra)
             if persistent:
                 pb[0] = pb[0] + npair[0]
         if persistent:

@@ -120,7 +120,9 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
     arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists; ``row_base``: as in
     ``row_select``.  ``pb``: None, or the pairs of this CTA's earlier items (``pair_phase``; the caller then drains
-    the cp.async after its item loop)."""
+    the cp.async after its item loop).  ``q_hook`` (``pair_body``'s q_gate "next"): (macro, args), run once per
+    item: after pair 0's index loads are issued (``prefetch_rows``) and before its first free wait, or at once for
+    an item without pairs, so those loads' latency overlaps the hook's q_dead wait."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
     select = row_select(row_ok, row_base)
@@ -146,11 +148,14 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
 
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb, st=None):
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb, st=None, q_hook=None):
         # st: ``stamper``'s macro (timestamp builds): pair 0's rows published and its four gathers issued
         for j in T.serial(npair[0]):
             if prefetch_rows:  # this pair's rows into registers before the waits
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
+            if q_hook is not None:
+                if j == 0:
+                    q_hook[0](*q_hook[1])
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
             if st is not None:
@@ -171,6 +176,9 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
             T.cp_async_barrier_noinc(rdy_bl)
             if st is not None:
                 st("prod_issued0", (tx == 256) & (j == 0))
+        if q_hook is not None:
+            if npair[0] == 0:
+                q_hook[0](*q_hook[1])
         if pb is None:
             drain()
 
