@@ -74,8 +74,9 @@ def _close(got, ref, atol, rtol):
 
 def _sparse_inputs(T_, H, Tkv, topk, dqk=576, seed=2, scale=0.1):
     # q, kv ~ N(0, 0.1^2): the distribution the forward's tolerances (abs 8e-4 or rel 3/128) are set for (the GPU
-    # tests' and FlashMLA's); at 0.5 (before session 51) rows with a few keys put P near 1 on V values near 1, and
-    # P's bf16 rounding for the PV product alone gave errors up to 0.0039 (MISMATCH on correct kernels, session 49)
+    # tests' and FlashMLA's); at 0.5 (before session 51) rows with a few keys put P in [0.5, 1) on V values up to ~2,
+    # where P's bf16 rounding alone can err by up to 2^-9 x 2 ~ 0.004: the likely cause of session 49's MISMATCH on
+    # kernels the GPU tests pass (not yet verified).  The backward target keeps 0.5 (its gradient tolerances)
     g = torch.Generator(device=DEV).manual_seed(seed)
     q = (torch.randn(T_, H, dqk, device=DEV, generator=g) * scale).to(torch.bfloat16)
     kv = (torch.randn(Tkv, dqk, device=DEV, generator=g) * scale).to(torch.bfloat16)
@@ -141,7 +142,7 @@ def sparse_bwd(deterministic, dqk=576):
     exactly 0), a sink with +-inf."""
     import flashdsa
 
-    q, kv, idx = _sparse_inputs(37, 64, 600, 200, dqk=dqk)
+    q, kv, idx = _sparse_inputs(37, 64, 600, 200, dqk=dqk, scale=0.5)
     g = torch.Generator(device=DEV).manual_seed(5)
     dout = (torch.randn(37, 64, 512, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
     sink = torch.randn(64, device=DEV, generator=g)

@@ -43,7 +43,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     the same order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697
     -> 2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  (Freeing b.R before WG1 waits for
     P_a did not help: H 64 2.638 -> 2.623 ms, V4 0.880 -> 0.879, H 128 5.185 -> 5.223; removed, session 16.)
-    ``persistent`` = P > 0 (``dispatched`` up to ``PERSISTENT_MAX_BLOCKS``; session 16, P 132: V4 prefill 0.880 ->
+    ``persistent`` = P > 0 (``dispatched`` up to ``persistent_max_blocks()``; session 16, P 132: V4 prefill 0.880 ->
     0.854 ms, H 64 / Dqk 576 at topk 640 0.942 -> 0.916, topk 1024 1.390 -> 1.386, topk 2048 2.615 -> 2.712, H 128
     5.185 -> 5.357): P CTAs, CTA bx takes the items (token, head group) bx, bx + P, ... in order, each role looping
     over them after its ``setmaxnreg``, so the producer gathers the next item's first tiles during the consumers'
@@ -74,7 +74,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     ``stamps`` (timing builds): body's Stamps is an int32 [n_ctas, ``STAMP_WORDS``] buffer and one thread of each
     role writes clock64 at the points of ``_pair_parts.STAMPS`` (one item per CTA; the producer and the converter
-    get ``st=`` too; ``kernel_fwd_pair_cache``'s do).  ``q_gate``, how the consumers load Q (``Q_LOADS``): ""
+    get ``st=`` too; ``kernel_fwd_pair_cache``'s do).  ``q_gate``, how Q is loaded (``Q_LOADS``): ""
     16-byte loads at entry; "al" / "ar" (builds with a converter, one item per CTA): the consumers load Q only once
     the first pair's a.L / a.R raw bytes landed (its "landed" barrier, parity 0: its phase 1 needs fr_al / fr_ar,
     i.e. a consumer past load_q's BAR_BOTH, so it cannot be passed before the wait), so the first gathers are not
@@ -94,6 +94,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     assert not (q_tma and (persistent or cluster)), "q_gate tma: one item per CTA (its barrier's parity 0)"
     q_next = q_gate == "next"
     assert not q_next or (persistent and not stamps), "q_gate next: a persistent grid"
+    assert not q_next or converter is None, "q_gate next: the bf16 kernel's build (not measured with a converter)"
     assert not (gate and (persistent or converter is None)), q_gate
     gated, gate_ar = gate != "", gate == "ar"
     if stamps:
@@ -153,7 +154,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     @T.macro
     def load_q_next(Q, Q_l, Q_r, Q_t, tok, h0, it, q_bar, q_dead):
-        # q_gate "next", the producer warpgroup at item ``it``'s start: once both consumers retired item it - 1's
+        # q_gate "next", the producer warpgroup in item ``it`` (``gather_producer``'s q_hook: after pair 0's index
+        # loads are issued, or at once for an item without pairs): once both consumers retired item it - 1's
         # last QK (q_dead, phase it - 1), every Q tile is dead and this item's Q goes in by TMA on q_bar (phase it).
         # At most one Q is in flight: q_dead's phase it - 1 needs the consumers past q_bar's phase it - 1.
         q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
@@ -354,7 +356,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         for it in items(bx):
             if persistent:
                 tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-            if q_next:  # the producer runs the Q load once the item's first index loads are issued
+            if q_next:  # the producer runs the Q load once the item's first index loads are issued (no ``extra``:
+                #         "next" is persistent, stamps builds are not, so extra is empty here)
                 hook = (load_q_next, (*q_next_args[:4], tok, h0, it, *q_next_args[4:]))
                 producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
                          row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, q_hook=hook)

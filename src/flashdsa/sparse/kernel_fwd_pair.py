@@ -315,7 +315,8 @@ QTMA_ENV = "FLASHDSA_PAIR_QTMA"
 # The persistent grid (up to ``PERSISTENT_MAX_BLOCKS``) with $FLASHDSA_PAIR_QNEXT = "1": the producer loads each
 # item's Q by TMA once the previous item's last QK retired (``pair_body``'s q_gate "next"), instead of the consumers
 # loading it after the previous item's epilogue.  "0" (unset): off.  Session 51: built, to be measured by A / B.
-# It reaches every persistent grid this module dispatches, the batched forms' and the dense decode pair path's too.
+# It reaches every persistent grid this module dispatches except the single-use evict_first one (``reads_per_row``
+# <= 1), the batched forms' and the dense decode pair path's included.
 QNEXT_ENV = "FLASHDSA_PAIR_QNEXT"
 
 

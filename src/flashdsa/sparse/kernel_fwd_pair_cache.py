@@ -457,7 +457,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     partials) and Q [n_q, H, 576] with n_q dividing T (``pair_body``'s q_rows); ``persistent``: ``pair_body``'s
     (P > 0: P CTAs loop over the items); ``stamps`` (timing build): one more argument, Stamps [T * H / 64,
     ``_pair_parts.STAMP_WORDS``] int32, the CTAs' timestamps (``pair_body``'s); ``q_gate``: one of ``pair_body``'s
-    ``Q_LOADS`` ("" the 16-byte loads at entry; ``launcher`` picks it)."""
+    ``Q_LOADS`` but "next" ("" the 16-byte loads at entry; ``launcher`` picks it)."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
