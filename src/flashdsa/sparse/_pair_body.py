@@ -118,12 +118,27 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     _, normaliser, _, store_lse = tc.padded_head_macros(BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads,
                                                         c_log2=c_log2, has_sink=has_sink, dtype=bf16)
 
+    def q_row(tok):
+        # Q's row for token ``tok`` (split-KV: a token's chunks share its q row)
+        return tok if q_rows is None else tok // (n_tok // q_rows)
+
+    @T.macro
+    def issue_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, q_bar):
+        # all of Q by TMA (8 or 9 boxes of 64 heads x 64 dims, 128B-swizzled as the wgmma reads them) on q_bar, from
+        # one elected thread of the calling warpgroup, whose 128 threads then arrive
+        q_tok = q_row(tok)
+        T.tma_copy(Q[q_tok, h0 : h0 + BH, 0:DH], Q_l, barrier=q_bar, leader_scope_threads=128)
+        T.tma_copy(Q[q_tok, h0 : h0 + BH, DH:D], Q_r, barrier=q_bar, leader_scope_threads=128)
+        if D_tail > 0:
+            T.tma_copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t, barrier=q_bar, leader_scope_threads=128)
+        T.barrier_arrive(q_bar)
+
     @T.macro
     def load_q(Q, Q_half, Q_t, tok, h0, c0, npair, gate=None):
         # one consumer warpgroup loads Q[:, c0:c0+256] (+ the rope tail): 16 B per thread and load.  (Loaded by all
         # 384 threads, the 64 x 256 tile is not a multiple of 384 x 8 elements and lowered to 2-byte loads, which
         # cost ~45 us per CTA: measured on the H200, session 8.)  Both halves are complete after BAR_BOTH.
-        q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
+        q_tok = q_row(tok)
         if gate is not None:  # q_gate: after the first pair's a.L / a.R landed (parity 0: one item per CTA; no
             if npair[0] > 0:  # pair, no gather: nothing to wait for)
                 T.barrier_wait(gate, 0)
@@ -140,16 +155,11 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         # 128B-swizzled as the wgmma reads them) on q_bar; both consumers wait for its bytes.  The copies occupy no
         # thread and no load / store slot, so the producer's index loads and the converter do not queue behind them
         # (session 50: measured; at one wave the first QK still comes no sooner, the memory system is the wait).
-        q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
         if issuer:
             if gate is not None:
                 if npair[0] > 0:
                     T.barrier_wait(gate, 0)
-            T.tma_copy(Q[q_tok, h0 : h0 + BH, 0:DH], Q_l, barrier=q_bar, leader_scope_threads=128)
-            T.tma_copy(Q[q_tok, h0 : h0 + BH, DH:D], Q_r, barrier=q_bar, leader_scope_threads=128)
-            if D_tail > 0:
-                T.tma_copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t, barrier=q_bar, leader_scope_threads=128)
-            T.barrier_arrive(q_bar)
+            issue_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, q_bar)
         T.barrier_wait(q_bar, 0)
 
     @T.macro
@@ -158,14 +168,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         # loads are issued, or at once for an item without pairs): once both consumers retired item it - 1's
         # last QK (q_dead, phase it - 1), every Q tile is dead and this item's Q goes in by TMA on q_bar (phase it).
         # At most one Q is in flight: q_dead's phase it - 1 needs the consumers past q_bar's phase it - 1.
-        q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
         if it > 0:
             T.barrier_wait(q_dead, q_dead_parity(it))
-        T.tma_copy(Q[q_tok, h0 : h0 + BH, 0:DH], Q_l, barrier=q_bar, leader_scope_threads=128)
-        T.tma_copy(Q[q_tok, h0 : h0 + BH, DH:D], Q_r, barrier=q_bar, leader_scope_threads=128)
-        if D_tail > 0:
-            T.tma_copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t, barrier=q_bar, leader_scope_threads=128)
-        T.barrier_arrive(q_bar)
+        issue_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, q_bar)
 
     @T.macro
     def wait_q_next(it, q_bar, q_dead, npair):
@@ -356,14 +361,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         for it in items(bx):
             if persistent:
                 tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-            if q_next:  # the producer runs the Q load once the item's first index loads are issued (no ``extra``:
-                #         "next" is persistent, stamps builds are not, so extra is empty here)
-                hook = (load_q_next, (*q_next_args[:4], tok, h0, it, *q_next_args[4:]))
-                producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                         row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, q_hook=hook)
-            else:
-                producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                         row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, *extra)
+            # q_gate "next": the producer runs the Q load once the item's first index loads are issued
+            hook = {"q_hook": (load_q_next, (*q_next_args[:4], tok, h0, it, *q_next_args[4:]))} if q_next else {}
+            producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
+                     row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, *extra, **hook)
             if persistent:
                 pb[0] = pb[0] + npair[0]
         if persistent:
