@@ -3,18 +3,21 @@ around S 4096 (H 64: 4096 items = 31 rounds of 132 CTAs + 4).
 
     python scripts/tail_probe.py [--json out.json]     # on the GPU host, after ``source .gpu/env.sh``
 
-For each shape it times ``S`` in ``TOKENS`` (whole rounds 3960 / 4092 / 4224 and the suite's 4096) in two interleaved
-rounds, as ``flashdsa bench`` times (``bench.harness.time_fn``: events, L2 flushed, median), and prints ms per item
-against the whole-round fit: if 4096 costs about 4092's time plus 4 / 132 of a round, the partial round is smeared
-over the SMs and splitting its items (ROADMAP idea) would gain little; if it costs about 4224's, the 4 items run
-alone for a whole item's time and splitting them would gain up to that item's time.
+Times ``S`` in ``TOKENS`` (whole rounds 3960 / 4092 / 4224 and the suite's 4096) in two interleaved passes, with
+``bench.harness.time_fn`` (events, L2 flushed, median; 30 reps), and prints us per token (= per item here), then
+per shape the faster pass's one-round time ((t 4224 - t 3960) / 2) and 4096's excess over 4092 next to a whole
+extra round and a smeared one (4 / 132 of a round).  H 64 topk 2048 runs the one-CTA-per-item grid, whose
+scheduler hands out CTAs as SMs free up: if 4096 costs about 4092 plus the smeared part, splitting the last items
+(ROADMAP idea) would gain little; if it costs about 4224, the 4 items run alone for a whole item's time.  The V4
+row (topk 640) runs the persistent grid, where CTA b takes items b, b + 132, ...: its last 4 items run alone by
+construction, so that row is the control (a whole item's time expected).
 """
 
 import json
 import sys
 
 TOKENS = (3960, 4092, 4096, 4224)
-ROUNDS = 2
+PASSES = 2
 
 
 def _cases():
@@ -26,6 +29,12 @@ def _cases():
         yield "V4_h64_topk640_sink", s, suites._v4_fwd(f"m{s}", 1, s, 8192, 64, 640, "")
 
 
+def _write(argv: list[str], rows: list[dict]) -> None:
+    if "--json" in argv:
+        with open(argv[argv.index("--json") + 1], "w") as f:
+            json.dump({"tokens": TOKENS, "rows": rows}, f, indent=1)
+
+
 def main(argv: list[str]) -> int:
     import torch
 
@@ -34,23 +43,22 @@ def main(argv: list[str]) -> int:
     dev = torch.device("cuda")
     cases = list(_cases())
     rows = []
-    for r in range(ROUNDS):
+    for r in range(PASSES):
         for shape, s, case in cases:
             inputs = case.build(dev, torch.Generator(device=dev).manual_seed(0))
             t = time_fn(lambda i: case.run(i, "auto"), [inputs], dev, reps=30, max_seconds=10)
-            rows.append(dict(shape=shape, tokens=s, round=r, ms=t.ms_median, p10_ms=t.ms_p10))
-            print(f"{shape} S {s} round {r}: {t.ms_median:.4f} ms (p10 {t.ms_p10:.4f}), "
+            rows.append({"shape": shape, "tokens": s, "pass": r, "ms": t.ms_median, "p10_ms": t.ms_p10})
+            print(f"{shape} S {s} pass {r}: {t.ms_median:.4f} ms (p10 {t.ms_p10:.4f}), "
                   f"{1000 * t.ms_median / s:.2f} us per token", flush=True)
             del inputs
+            _write(argv, rows)  # after every row: a run killed by its time limit keeps what it measured
     for shape in dict.fromkeys(row["shape"] for row in rows):
         ms = {s: sorted(x["ms"] for x in rows if x["shape"] == shape and x["tokens"] == s) for s in TOKENS}
-        med = {s: v[0] for s, v in ms.items()}  # the faster of the rounds
-        per_round = (med[4224] - med[3960]) / 2
-        print(f"{shape}: one round {per_round:.4f} ms; 4096 - 4092 = {med[4096] - med[4092]:+.4f} ms "
-              f"(a whole extra round would be {med[4224] - med[4092]:+.4f}, a smeared one {per_round * 4 / 132:+.4f})")
-    if "--json" in argv:
-        with open(argv[argv.index("--json") + 1], "w") as f:
-            json.dump(dict(tokens=TOKENS, rows=rows), f, indent=1)
+        best = {s: v[0] for s, v in ms.items()}  # the faster pass
+        per_round = (best[4224] - best[3960]) / 2
+        print(f"{shape}: one round {per_round:.4f} ms; 4096 - 4092 = {best[4096] - best[4092]:+.4f} ms "
+              f"(a whole extra round would be {best[4224] - best[4092]:+.4f}, "
+              f"a smeared one {per_round * 4 / 132:+.4f})")
     return 0
 
 
