@@ -29,18 +29,19 @@ def _cases():
         yield "V4_h64_topk640_sink", s, suites._v4_fwd(f"m{s}", 1, s, 8192, 64, 640, "")
 
 
-def _write(argv: list[str], rows: list[dict]) -> None:
-    if "--json" in argv:
+def _write(argv: list[str], env: dict, rows: list[dict]) -> None:
+    if "--json" in argv:  # environment(): GPU, versions, commit, date, FLASHDSA_* switches
         with open(argv[argv.index("--json") + 1], "w") as f:
-            json.dump({"tokens": TOKENS, "rows": rows}, f, indent=1)
+            json.dump(dict(env, tokens=TOKENS, results=rows), f, indent=1)
 
 
 def main(argv: list[str]) -> int:
     import torch
 
-    from flashdsa.bench.harness import time_fn
+    from flashdsa.bench.harness import environment, time_fn
 
     dev = torch.device("cuda")
+    env = environment(dev)
     cases = list(_cases())
     rows = []
     for r in range(PASSES):
@@ -51,10 +52,9 @@ def main(argv: list[str]) -> int:
             print(f"{shape} S {s} pass {r}: {t.ms_median:.4f} ms (p10 {t.ms_p10:.4f}), "
                   f"{1000 * t.ms_median / s:.2f} us per token", flush=True)
             del inputs
-            _write(argv, rows)  # after every row: a run killed by its time limit keeps what it measured
+            _write(argv, env, rows)  # after every row: a run killed by its time limit keeps what it measured
     for shape in dict.fromkeys(row["shape"] for row in rows):
-        ms = {s: sorted(x["ms"] for x in rows if x["shape"] == shape and x["tokens"] == s) for s in TOKENS}
-        best = {s: v[0] for s, v in ms.items()}  # the faster pass
+        best = {s: min(x["ms"] for x in rows if x["shape"] == shape and x["tokens"] == s) for s in TOKENS}
         per_round = (best[4224] - best[3960]) / 2
         print(f"{shape}: one round {per_round:.4f} ms; 4096 - 4092 = {best[4096] - best[4092]:+.4f} ms "
               f"(a whole extra round would be {best[4224] - best[4092]:+.4f}, "
