@@ -49,3 +49,16 @@ def test_lowers_to_sm90a_cuda(mod, func, wgmma):
     assert "__global__" in src
     if wgmma:  # matrix kernels must be on the Hopper wgmma path
         assert "wgmma" in src, "the Hopper path must issue wgmma"
+
+
+def test_pair_q_next_build_loads_q_ahead():
+    """The pair kernel's q_gate "next" build (persistent grid): the producer waits q_dead and loads Q by TMA, and O
+    goes from the fragments to Out (no staging through the Q halves); the default persistent build has neither."""
+    from flashdsa.sparse import kernel_fwd_pair as k
+
+    kw = dict(heads=64, dqk=512, topk=128, sm_scale=0.04, persistent=132, row_gather=True)
+    ahead, default = (_lower(k, k.build_sparse_mla_fwd(**kw, **extra)) for extra in (dict(q_gate="next"), {}))
+    # the two 256-dim halves, at two call sites (an item's first pair; an item without pairs)
+    assert "q_dead[0].wait" in ahead and ahead.count("tma_load(Q_desc") == 4
+    assert "Out_local_cast" in ahead  # bf16 pairs from the fp32 fragments
+    assert "q_dead" not in default and "tma_load(Q_desc" not in default and "Out_local_cast" not in default

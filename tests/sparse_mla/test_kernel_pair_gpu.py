@@ -81,7 +81,9 @@ SAME_ORDER_BUILDS = [(("overlap_qk", False),), (("l2_prefetch", True),), (("pers
                      (("persistent", 7),), (("row_gather", True),), (("persistent", 132), ("row_gather", True)),
                      (("row_gather", True), ("evict_first", True)),
                      (("persistent", 132), ("row_gather", True), ("evict_first", True)),
-                     (("row_gather", True), ("q_gate", "tma"))]
+                     (("row_gather", True), ("q_gate", "tma")),
+                     (("persistent", 132), ("row_gather", True), ("q_gate", "next")),
+                     (("persistent", 7), ("row_gather", True), ("q_gate", "next"))]
 # the evict_first gather at Dqk 576 raised "illegal instruction" (session 31): it is built and dispatched for Dqk 512
 _DQK512_ONLY = ("evict_first",)
 
@@ -98,8 +100,9 @@ def test_sparse_mla_fwd_pair_same_order_builds(case, build_kw):
     before it issues the next QK; ``l2_prefetch``: cp.async with the L2 hint; ``persistent``: P CTAs looping over
     the items, 132 = the H200's SM count, 7: many items per CTA, the phase carry and an uneven last round;
     ``row_gather``: the producer's gather by rows, same bytes and layout; ``evict_first``: its copies with an L2
-    eviction policy, Dqk 512 cases only; ``q_gate`` "tma": Q loaded by TMA): against the reference and bitwise equal
-    to the default build."""
+    eviction policy, Dqk 512 cases only; ``q_gate`` "tma": Q loaded by TMA; "next": the persistent grid's producer
+    loading each item's Q by TMA once the previous item's last QK retired, O written from the fragments): against
+    the reference and bitwise equal to the default build."""
     _same_as_default(case, build_kw)
 
 

@@ -200,6 +200,17 @@ _ROWS = (("row_gather", True),)
 _TMA = (("q_gate", "tma"),)
 
 
+@pytest.fixture(autouse=True)
+def _no_grid_switches(monkeypatch):
+    """The grid rules below are the defaults: the A / B switches of the pair grid (and the paged kernel's) set in
+    the calling shell must not leak in."""
+    from flashdsa.decode import kernel_pair_paged
+
+    for var in (kernel_fwd_pair.QTMA_ENV, kernel_fwd_pair.QNEXT_ENV, kernel_fwd_pair.PERSISTENT_MAX_ENV,
+                kernel_pair_paged.QTMA_ENV):
+        monkeypatch.delenv(var, raising=False)
+
+
 @pytest.mark.parametrize("n_blocks,n_sm,expect", [(10, 132, (("persistent", 132),) + _ROWS),
                                                    (1, 78, (("persistent", 78),) + _ROWS),
                                                    (11, 132, _ROWS + _TMA), (32, 132, _ROWS + _TMA),
@@ -211,6 +222,32 @@ def test_pair_grid_rule(monkeypatch, n_blocks, n_sm, expect):
     assert kernel_fwd_pair._persistent_kw(n_blocks, n_sm) == expect
     monkeypatch.setenv(kernel_fwd_pair.QTMA_ENV, "0")
     assert kernel_fwd_pair._persistent_kw(n_blocks, n_sm) == tuple(kv for kv in expect if kv not in _TMA)
+
+
+def test_pair_grid_q_next_and_persistent_bound(monkeypatch):
+    """``$FLASHDSA_PAIR_QNEXT=1`` gives the persistent grid Q loaded ahead by the producer ("next"; unset or "0":
+    the consumers' loads), and only the persistent grid; ``$FLASHDSA_PAIR_PERSISTENT_MAX`` moves the block count up
+    to which the grid is persistent (A / B runs)."""
+    persistent = (("persistent", 132),) + _ROWS
+    assert kernel_fwd_pair._persistent_kw(10, 132) == persistent
+    monkeypatch.setenv(kernel_fwd_pair.QNEXT_ENV, "1")
+    assert kernel_fwd_pair._persistent_kw(10, 132) == persistent + (("q_gate", "next"),)
+    assert kernel_fwd_pair._persistent_kw(11, 132) == _ROWS + _TMA
+    assert kernel_fwd_pair._persistent_kw(10, 132, single_use=True) == persistent + (("evict_first", True),)
+    monkeypatch.setenv(kernel_fwd_pair.PERSISTENT_MAX_ENV, "32")
+    assert kernel_fwd_pair._persistent_kw(32, 132) == persistent + (("q_gate", "next"),)
+    monkeypatch.setenv(kernel_fwd_pair.PERSISTENT_MAX_ENV, "0")
+    assert kernel_fwd_pair._persistent_kw(1, 132) == _ROWS + _TMA
+
+
+@pytest.mark.parametrize("var,value", [("QNEXT_ENV", "yes"), ("QNEXT_ENV", "2"), ("PERSISTENT_MAX_ENV", "-1"),
+                                       ("PERSISTENT_MAX_ENV", "ten"), ("PERSISTENT_MAX_ENV", "\u00b2")])
+def test_pair_grid_switches_reject_other_values(monkeypatch, var, value):
+    """The grid switches' other values are a ValueError naming the variable, not a silent default."""
+    name = getattr(kernel_fwd_pair, var)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        kernel_fwd_pair._persistent_kw(10, 132)
 
 
 @pytest.mark.parametrize("n_tok,heads,n_blocks,kv_rows,single_use", [

@@ -7,14 +7,15 @@ import tilelang.language as T
 
 from . import _tl_common as tc
 from ._pair_parts import (BAR_BOTH, BAR_WG0, BAR_WG1, STAMP_SRC, adopt_max_macro, drain, item_parts, pair_phase,
-                          stamper)
+                          q_dead_parity, q_load_parity, stamper)
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LOG2E
 
 _SUPPORTED_DQK = tc.SUPPORTED_DQK
 SUPPORTED_H = (64, 128)
 # how the consumers load Q (``pair_body``'s q_gate): "" at entry by 16-byte loads; "al" / "ar" the same after the
-# first pair's a.L / a.R landed; "tma" by TMA at entry; "tma_al" by TMA after a.L landed
-Q_LOADS = ("", "al", "ar", "tma", "tma_al")
+# first pair's a.L / a.R landed; "tma" by TMA at entry; "tma_al" by TMA after a.L landed; "next" (persistent grids)
+# by TMA from the producer, each item's Q as soon as the previous item's last QK retired
+Q_LOADS = ("", "al", "ar", "tma", "tma_al", "next")
 THREADS = 384
 # setmaxnreg (WG0, WG1, producer): the sum must stay within the launch pool of __launch_bounds__(384, 1),
 # 3 x 168 = 504 (setmaxnreg.inc waits forever for registers the pool cannot give)
@@ -42,7 +43,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     the same order (bitwise equal to ``overlap_qk=False``, which retires the PV first; S 4096 / SKV 8192: H 64 2.697
     -> 2.664 ms, H 128 5.147 -> 5.129, the 656-byte cache kernel 6.685 -> 6.617).  (Freeing b.R before WG1 waits for
     P_a did not help: H 64 2.638 -> 2.623 ms, V4 0.880 -> 0.879, H 128 5.185 -> 5.223; removed, session 16.)
-    ``persistent`` = P > 0 (``dispatched`` up to ``PERSISTENT_MAX_BLOCKS``; session 16, P 132: V4 prefill 0.880 ->
+    ``persistent`` = P > 0 (``dispatched`` up to ``persistent_max_blocks()``; session 16, P 132: V4 prefill 0.880 ->
     0.854 ms, H 64 / Dqk 576 at topk 640 0.942 -> 0.916, topk 1024 1.390 -> 1.386, topk 2048 2.615 -> 2.712, H 128
     5.185 -> 5.357): P CTAs, CTA bx takes the items (token, head group) bx, bx + P, ... in order, each role looping
     over them after its ``setmaxnreg``, so the producer gathers the next item's first tiles during the consumers'
@@ -50,7 +51,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     pb the role's count of the pairs of its earlier items, pair j waits parity (pb + j) & 1 (the producer's free
     waits ((pb + j) & 1) ^ 1).  Between items, the next load_q rewrites the Q halves only after both consumers
     retired every wgmma (finish's BAR_BOTH) and its own warpgroup read the staged O out (``end_item``'s barrier);
-    see the comment above ``item_parts``'s call for each buffer.
+    with q_gate "next" the producer's TMA rewrites them once both consumers retired the item's last QK (q_dead) and
+    no O is staged; see the comment above ``item_parts``'s call for each buffer.
 
     ``converter`` (the 656-byte cache's converter staging): a fourth warpgroup (threads 384-511, 512 in all) runs
     ``converter(npair, tx, KVa_l, KVa_r, KVb_l, KVb_r, ld_al, ld_br, ld_ar, ld_bl, rdy_al, rdy_br, rdy_ar, rdy_bl,
@@ -72,20 +74,27 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
 
     ``stamps`` (timing builds): body's Stamps is an int32 [n_ctas, ``STAMP_WORDS``] buffer and one thread of each
     role writes clock64 at the points of ``_pair_parts.STAMPS`` (one item per CTA; the producer and the converter
-    get ``st=`` too; ``kernel_fwd_pair_cache``'s do).  ``q_gate``, how the consumers load Q (``Q_LOADS``): ""
+    get ``st=`` too; ``kernel_fwd_pair_cache``'s do).  ``q_gate``, how Q is loaded (``Q_LOADS``): ""
     16-byte loads at entry; "al" / "ar" (builds with a converter, one item per CTA): the consumers load Q only once
     the first pair's a.L / a.R raw bytes landed (its "landed" barrier, parity 0: its phase 1 needs fr_al / fr_ar,
     i.e. a consumer past load_q's BAR_BOTH, so it cannot be passed before the wait), so the first gathers are not
     queued behind Q's loads (session 49); "tma" (one item per CTA, no cluster): Q by TMA at entry (``load_q_tma``);
-    "tma_al": by TMA after a.L landed (converter builds); session 50, docs/PERFORMANCE.md."""
+    "tma_al": by TMA after a.L landed (converter builds); session 50, docs/PERFORMANCE.md.  "next" (``persistent``
+    grids): the producer loads each item's Q by TMA (``load_q_next``) once both consumers retired the previous
+    item's last QK (the q_dead barrier, 256 arrivals at the top of an item's last pair, or at its start when it has
+    no pair), so the load overlaps that item's last pair and epilogue instead of following them; O then goes from
+    the fragments straight to Out (the Q halves are no longer dead at ``finish``: no staging); session 51."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert not cluster or (heads == 2 * BLOCK_H and not persistent and converter is None), "cluster: H 128 pairs"
     assert not (stamps and (persistent or cluster)), "stamps: one item per CTA"
     assert q_gate in Q_LOADS, q_gate
     q_tma = q_gate.startswith("tma")  # (bools: a str condition in a macro logs a builder warning)
-    gate = q_gate.removeprefix("tma").removeprefix("_")
+    gate = "" if q_gate == "next" else q_gate.removeprefix("tma").removeprefix("_")
     assert not (q_tma and (persistent or cluster)), "q_gate tma: one item per CTA (its barrier's parity 0)"
+    q_next = q_gate == "next"
+    assert not q_next or (persistent and not stamps), "q_gate next: a persistent grid"
+    assert not q_next or converter is None, "q_gate next: the bf16 kernel's build (not measured with a converter)"
     assert not (gate and (persistent or converter is None)), q_gate
     gated, gate_ar = gate != "", gate == "ar"
     if stamps:
@@ -109,12 +118,27 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     _, normaliser, _, store_lse = tc.padded_head_macros(BH=BH, D=D, D_tail=D_tail, dqk=dqk, heads=heads,
                                                         c_log2=c_log2, has_sink=has_sink, dtype=bf16)
 
+    def q_row(tok):
+        # Q's row for token ``tok`` (split-KV: a token's chunks share its q row)
+        return tok if q_rows is None else tok // (n_tok // q_rows)
+
+    @T.macro
+    def issue_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, q_bar):
+        # all of Q by TMA (8 or 9 boxes of 64 heads x 64 dims, 128B-swizzled as the wgmma reads them) on q_bar, from
+        # one elected thread of the calling warpgroup, whose 128 threads then arrive
+        q_tok = q_row(tok)
+        T.tma_copy(Q[q_tok, h0 : h0 + BH, 0:DH], Q_l, barrier=q_bar, leader_scope_threads=128)
+        T.tma_copy(Q[q_tok, h0 : h0 + BH, DH:D], Q_r, barrier=q_bar, leader_scope_threads=128)
+        if D_tail > 0:
+            T.tma_copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t, barrier=q_bar, leader_scope_threads=128)
+        T.barrier_arrive(q_bar)
+
     @T.macro
     def load_q(Q, Q_half, Q_t, tok, h0, c0, npair, gate=None):
         # one consumer warpgroup loads Q[:, c0:c0+256] (+ the rope tail): 16 B per thread and load.  (Loaded by all
         # 384 threads, the 64 x 256 tile is not a multiple of 384 x 8 elements and lowered to 2-byte loads, which
         # cost ~45 us per CTA: measured on the H200, session 8.)  Both halves are complete after BAR_BOTH.
-        q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
+        q_tok = q_row(tok)
         if gate is not None:  # q_gate: after the first pair's a.L / a.R landed (parity 0: one item per CTA; no
             if npair[0] > 0:  # pair, no gather: nothing to wait for)
                 T.barrier_wait(gate, 0)
@@ -131,17 +155,38 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         # 128B-swizzled as the wgmma reads them) on q_bar; both consumers wait for its bytes.  The copies occupy no
         # thread and no load / store slot, so the producer's index loads and the converter do not queue behind them
         # (session 50: measured; at one wave the first QK still comes no sooner, the memory system is the wait).
-        q_tok = tok if q_rows is None else tok // (n_tok // q_rows)
         if issuer:
             if gate is not None:
                 if npair[0] > 0:
                     T.barrier_wait(gate, 0)
-            T.tma_copy(Q[q_tok, h0 : h0 + BH, 0:DH], Q_l, barrier=q_bar, leader_scope_threads=128)
-            T.tma_copy(Q[q_tok, h0 : h0 + BH, DH:D], Q_r, barrier=q_bar, leader_scope_threads=128)
-            if D_tail > 0:
-                T.tma_copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t, barrier=q_bar, leader_scope_threads=128)
-            T.barrier_arrive(q_bar)
+            issue_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, q_bar)
         T.barrier_wait(q_bar, 0)
+
+    @T.macro
+    def load_q_next(Q, Q_l, Q_r, Q_t, tok, h0, it, q_bar, q_dead):
+        # q_gate "next", the producer warpgroup in item ``it`` (``gather_producer``'s q_hook: after pair 0's index
+        # loads are issued, or at once for an item without pairs): once both consumers retired item it - 1's
+        # last QK (q_dead, phase it - 1), every Q tile is dead and this item's Q goes in by TMA on q_bar (phase it).
+        # At most one Q is in flight: q_dead's phase it - 1 needs the consumers past q_bar's phase it - 1.
+        if it > 0:
+            T.barrier_wait(q_dead, q_dead_parity(it))
+        issue_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, q_bar)
+
+    @T.macro
+    def wait_q_next(it, q_bar, q_dead, npair):
+        # a consumer at item ``it``'s start (q_gate "next"): its Q landed; BAR_BOTH as load_q's (Ls0 / Ls1: the
+        # peer read them before the writer's next finish); an item without pairs reads no Q
+        T.barrier_wait(q_bar, q_load_parity(it))
+        T.sync_threads(BAR_BOTH, 256)
+        if npair[0] == 0:
+            T.barrier_arrive(q_dead)
+
+    @T.macro
+    def q_dead_at(j, npair, q_dead):
+        # q_gate "next": at the top of the item's last pair this consumer's QKs have all retired (each QK ends
+        # with wait_wgmma(0)): nothing of it reads Q any more
+        if j == npair[0] - 1:
+            T.barrier_arrive(q_dead)
 
     # ------------------------------------------------------------------ consumer pieces
     @T.macro
@@ -261,20 +306,22 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     @T.macro
     def finish(acc_o, l_acc, m_run, inv, Ls_own, Ls0, Ls1, Sink, Stage, Out, tok, h0, c0, own_bar):
         # total l = l_0 + l_1 (same operand order in both roles: bit-identical factors), O staged through
-        # the dead Q half, written to Out[:, c0:c0+256]
+        # the dead Q half (not with out_f32 or q_gate "next"), written to Out[:, c0:c0+256]
         T.copy(l_acc, Ls_own)
-        T.sync_threads(BAR_BOTH, 256)  # both l halves written; both consumers past every wgmma (Q is dead)
+        T.sync_threads(BAR_BOTH, 256)  # both l halves written; both consumers past every wgmma (this item's Q
+        #                                 is dead; with q_gate "next" the next item's may be landing)
         for h in T.Parallel(BH):
             l_acc[h] = Ls0[h] + Ls1[h]
         normaliser(inv, l_acc, m_run, Sink, h0)
         o_mul(acc_o, inv)
-        if out_f32:  # fp32 partials: from the fragments to global memory
+        if out_f32 or q_next:  # fp32 partials, or Q may be landing in Stage: from the fragments to global memory
             if n_o == 1:
                 T.copy(acc_o[0], Out[tok, h0 : h0 + BH, c0 : c0 + DH])
             else:
                 T.copy(acc_o[0], Out[tok, h0 : h0 + BH, c0 : c0 + DO])
                 T.copy(acc_o[1], Out[tok, h0 : h0 + BH, c0 + DO : c0 + DH])
-            T.sync_threads(own_bar, 128)
+            if not q_next:  # (no shared buffer read here: kept for out_f32, whose build it is part of)
+                T.sync_threads(own_bar, 128)
         else:
             if n_o == 1:
                 T.copy(acc_o[0], Stage)
@@ -291,6 +338,10 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     #   Q_t, Q_l) retired before either warpgroup arrived at finish's BAR_BOTH; the Stage copy-out (Q_l in WG0, Q_r
     #   in WG1) is read by every thread of that warpgroup only, ordered before the next load_q by ``end_item``'s
     #   warpgroup barrier.  The new Q is read only after load_q's BAR_BOTH, i.e. once both halves are rewritten.
+    #   With q_gate "next": Q_l, Q_r, Q_t are rewritten only by the producer's TMA for the next item, issued once
+    #   q_dead completed, i.e. once both consumers retired this item's last QK (each QK ends with wait_wgmma(0));
+    #   no O is staged (finish writes it from the fragments), so ``end_item`` needs no warpgroup barrier; the new Q
+    #   is read after its q_bar phase (``wait_q_next``), whose BAR_BOTH also orders the Ls0 / Ls1 reads below.
     #   Ls0 / Ls1 (finish): the peer reads them before it arrives at the next item's load_q BAR_BOTH, which the
     #   writer passes before its next finish.
     #   Ma, Mb, P0, P1, Rows0 / Rows1, the KV halves: as within an item (the pair protocol of the module notes does
@@ -304,14 +355,16 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     @T.macro
     def produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok, h0, Rows0, Rows1, KVa_l, KVa_r,
                       KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar,
-                      pb, extra):
+                      pb, extra, q_next_args):
         # the producer warpgroup (threads 256-383); its arrivals go to ld_* (the ready barriers without a converter)
         T.set_max_nreg(regs[2], 0)
         for it in items(bx):
             if persistent:
                 tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
+            # q_gate "next": the producer runs the Q load once the item's first index loads are issued
+            hook = {"q_hook": (load_q_next, (*q_next_args[:4], tok, h0, it, *q_next_args[4:]))} if q_next else {}
             producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                     row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, *extra)
+                     row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al, fr_bl, fr_br, fr_ar, pb, *extra, **hook)
             if persistent:
                 pb[0] = pb[0] + npair[0]
         if persistent:
@@ -367,8 +420,13 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 rdy_ar = T.alloc_barrier(128)
                 rdy_bl = T.alloc_barrier(128)
             q_gate_bar = ((ld_ar,) if gate_ar else (ld_al,)) if gated else ()  # load_q's gate
-            if q_tma:
+            if q_tma or q_next:
                 q_bar = T.alloc_barrier(128)
+            if q_next:
+                q_dead = T.alloc_barrier(256)
+                q_next_args = (Q, Q_l, Q_r, Q_t, q_bar, q_dead)
+            else:
+                q_next_args = ()
             if cluster:  # the local consumers' 128 threads + lane 0 of the peer's 4 consumer warps
                 fr_al = T.alloc_cluster_barrier(132)
                 fr_bl = T.alloc_cluster_barrier(132)
@@ -436,7 +494,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 for it in items(bx):
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-                    if q_tma:
+                    if q_next:
+                        wait_q_next(it, q_bar, q_dead, npair)
+                    elif q_tma:
                         load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, True, *q_gate_bar)
                     else:
                         load_q(Q, Q_l, Q_t, tok, h0, 0, npair, *q_gate_bar)
@@ -449,6 +509,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         st("wg0_qk0", tx == 0)
                     for j in T.serial(npair[0]):
                         st("wg0_pair", tx == 0, j)
+                        if q_next:
+                            q_dead_at(j, npair, q_dead)
                         T.copy(m_run0, m_new0)
                         # publish m_a; local PV: O_l += P_a V_a[:, :256], P from registers
                         softmax_local_pv(acc_s0, O0, m_run0, m_new0, alpha0, l0, lb0, Ma, bar_ma, p0, KVa_l)
@@ -488,7 +550,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     st("wg0_lse", tx == 0)
                     st("gt_end", tx == 0)
                     if persistent:
-                        end_item(pb, npair, BAR_WG0)
+                        end_item(pb, npair, BAR_WG0, not q_next)
             elif tx < 256:
                 # ---------------------------------------------- WG1: QK of blocks 2j+1, O[:, 256:512]
                 st("wg1_entry", tx == 128)
@@ -496,7 +558,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 for it in items(bx):
                     if persistent:
                         tok, h0 = start_item(Order, TopkLen, lim, npair, bx + it * persistent)
-                    if q_tma:
+                    if q_next:
+                        wait_q_next(it, q_bar, q_dead, npair)
+                    elif q_tma:
                         load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, False)
                     else:
                         load_q(Q, Q_r, None, tok, h0, DH, npair, *q_gate_bar)
@@ -507,6 +571,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                         st("wg1_qk0", tx == 128)
                     for j in T.serial(npair[0]):
                         st("wg1_pair", tx == 128, j)
+                        if q_next:
+                            q_dead_at(j, npair, q_dead)
                         # m_b = max(m_a, rowmax S_b) >= m_a >= the common max of the last pair
                         T.barrier_wait(bar_ma, pair_phase(pb, j))
                         for h in T.Parallel(BH):
@@ -530,7 +596,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                     finish(O1, l1, m_run1, inv1, Ls1, Ls0, Ls1, Sink, Q_r, Out, tok, h0, DH, BAR_WG1)
                     st("wg1_finish", tx == 128)
                     if persistent:
-                        end_item(pb, npair, BAR_WG1)
+                        end_item(pb, npair, BAR_WG1, not q_next)
             else:
                 tok0, h00 = (None, None) if persistent else (tok, h0)  # (persistent: set per item by start_item)
                 st("prod_entry", tx == 256)
@@ -538,12 +604,12 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 if converter is None:
                     produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok0, h00, Rows0, Rows1, KVa_l,
                                   KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al,
-                                  fr_bl, fr_br, fr_ar, pb, extra)
+                                  fr_bl, fr_br, fr_ar, pb, extra, q_next_args)
                     st("prod_end", tx == 256)
                 elif tx < 384:
                     produce_items(kv_src, Indices, TopkLen, Order, lim, npair, tx, bx, tok0, h00, Rows0, Rows1, KVa_l,
                                   KVa_r, KVb_l, KVb_r, Ka_t, Kb_t, row_a, row_b, ld_al, ld_br, ld_ar, ld_bl, fr_al,
-                                  fr_bl, fr_br, fr_ar, pb, extra)
+                                  fr_bl, fr_br, fr_ar, pb, extra, q_next_args)
                     st("prod_end", tx == 256)
                 else:
                     # ------------------------------------------ converter (``converter`` builds)

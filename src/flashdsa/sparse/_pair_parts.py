@@ -18,13 +18,26 @@ def pair_phase(pb, j):
     return j & 1 if pb is None else (pb[0] + j) & 1
 
 
+def q_load_parity(it):
+    """q_gate "next": the q_bar phase parity of item ``it``'s Q (one phase per item: the producer's 128 arrivals
+    and the TMA bytes).  Works on ints (the CPU model, tests/sparse_mla/test_q_next_protocol.py) and TIR vars."""
+    return it & 1
+
+
+def q_dead_parity(it):
+    """q_gate "next": the q_dead phase parity the producer waits before item ``it``'s Q (``it`` >= 1): item
+    ``it`` - 1's phase (256 consumer arrivals), written ``(it + 1) & 1`` to stay non-negative."""
+    return (it + 1) & 1
+
+
 def item_parts(*, G, NI, n_tok, persistent, set_lim):
     """The items of ``pair_body`` (item i: token i // G, or Order[i // G]; head group i % G): one per CTA, or with
     ``persistent`` = P > 0 CTA bx takes bx, bx + P, ... < n_tok * G.  Returns (n_ctas, ``items(bx)``: the loop over
     CTA bx's items, a Python 1-tuple with one item per CTA (no loop), ``item_tok(Order, item)``,
     ``n_pairs(lim)``: the pair count at topk_eff lim[0], macro ``start_item(Order, TopkLen, lim, npair, item)`` ->
     (tok, h0): an item's token, head offset, topk_eff and pair count, macro ``end_item(pb, npair, own_bar)``: a
-    consumer's item end (warpgroup barrier: its Stage read out before the next load_q; pb += npair))."""
+    consumer's item end (warpgroup barrier: its Stage read out before the next load_q, unless ``sync`` is False:
+    no Stage; pb += npair))."""
     BH, BI = tc.BLOCK_H, BLOCK_I
 
     def items(bx):
@@ -44,8 +57,9 @@ def item_parts(*, G, NI, n_tok, persistent, set_lim):
         return tok, (item % G) * BH
 
     @T.macro
-    def end_item(pb, npair, own_bar):
-        T.sync_threads(own_bar, 128)
+    def end_item(pb, npair, own_bar, sync=True):
+        if sync:
+            T.sync_threads(own_bar, 128)
         pb[0] = pb[0] + npair[0]
 
     return persistent if persistent else n_tok * G, items, item_tok, n_pairs, start_item, end_item
@@ -106,7 +120,9 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
     ``gather_r(KVr, Kt, Rows, kv_src)`` issue one half tile's cp.async (no commit, no wait); their completion
     arrives on the half's ready barrier (noinc).  ``row_ok(row, kv_src)``: the row exists; ``row_base``: as in
     ``row_select``.  ``pb``: None, or the pairs of this CTA's earlier items (``pair_phase``; the caller then drains
-    the cp.async after its item loop)."""
+    the cp.async after its item loop).  ``q_hook`` (``pair_body``'s q_gate "next"): (macro, args), run once per
+    item: after pair 0's index loads are issued (``prefetch_rows``) and before its first free wait, or at once for
+    an item without pairs, so those loads' latency overlaps the hook's q_dead wait."""
     BI = BLOCK_I
     _row = tc.make_slot_row(topk_dim)
     select = row_select(row_ok, row_base)
@@ -132,11 +148,14 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
 
     @T.macro
     def producer(kv_src, Indices, tok, lim, npair, tx, Rows0, Rows1, KVa_l, KVa_r, KVb_l, KVb_r, Ka_t, Kb_t,
-                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb, st=None):
+                 row_a, row_b, rdy_al, rdy_br, rdy_ar, rdy_bl, fr_al, fr_bl, fr_br, fr_ar, pb, st=None, q_hook=None):
         # st: ``stamper``'s macro (timestamp builds): pair 0's rows published and its four gathers issued
         for j in T.serial(npair[0]):
             if prefetch_rows:  # this pair's rows into registers before the waits
                 pair_rows(Indices, tok, lim, j, tx - 256, row_a, row_b, kv_src)
+            if q_hook is not None:
+                if j == 0:
+                    q_hook[0](*q_hook[1])
             T.barrier_wait(fr_al, pair_phase(pb, j) ^ 1)
             set_rows(Rows0, row_a, Indices, tok, lim, j * 2, kv_src, tx)
             if st is not None:
@@ -157,6 +176,9 @@ def gather_producer(*, topk_dim, row_ok, gather_l, gather_r, prefetch_rows=True,
             T.cp_async_barrier_noinc(rdy_bl)
             if st is not None:
                 st("prod_issued0", (tx == 256) & (j == 0))
+        if q_hook is not None:
+            if npair[0] == 0:
+                q_hook[0](*q_hook[1])
         if pb is None:
             drain()
 

@@ -242,7 +242,8 @@ def _switches() -> tuple:
     """The environment switches the forward kernels' choices read (names; the kernel modules imported once)."""
     from . import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair, kernel_fwd_pair_cache
 
-    return (kernel_fwd_pair.QTMA_ENV, kernel_fwd_fp8cache.NARROW_ENV, kernel_fwd_pair_cache.STAGING_ENV,
+    return (kernel_fwd_pair.QTMA_ENV, kernel_fwd_pair.QNEXT_ENV, kernel_fwd_pair.PERSISTENT_MAX_ENV,
+            kernel_fwd_fp8cache.NARROW_ENV, kernel_fwd_pair_cache.STAGING_ENV,
             kernel_fwd_pair_cache.PERSISTENT_ENV, kernel_fwd_pair_cache.QGATE_ENV, kernel_dequant656.DEQUANT_ONCE_ENV)
 
 

@@ -201,7 +201,8 @@ def build_sparse_mla_fwd(
     (``_tl_common.EVICT_FIRST_PRELUDE``), for calls that read each KV row about once (``_persistent_kw``).
     ``out_f32`` (split-KV partials, ``decode/kernel_split.py``; the plain form): Out float32 and Q [n_q, H, Dqk]
     with n_q dividing T, row t reading q row t / (T / n_q) (``pair_body``'s q_rows: a token's chunks share its q
-    row).  ``q_gate`` (timing build, one item per CTA): "tma" loads Q by TMA (``pair_body``'s)."""
+    row).  ``q_gate``: "tma" (one item per CTA) loads Q by TMA, "next" (``persistent``) has the producer load each
+    item's Q by TMA ahead (``pair_body``'s)."""
     assert ablate in ("", "no_gather", "half_gather"), ablate
     assert not (batched and has_order), "batched: no ordered build"
     assert dqk in tc.SUPPORTED_DQK and d_v == D_V, (dqk, d_v)
@@ -289,8 +290,10 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
 
 
 # topk <= 640 (V4's): one CTA per SM looping over the items beats one CTA per item (session 16, V4 prefill 0.880
-# -> 0.854 ms; topk 1024 equal, 2048 3-4% slower)
+# -> 0.854 ms; topk 1024 equal, 2048 3-4% slower).  $FLASHDSA_PAIR_PERSISTENT_MAX (blocks, default 10) moves the
+# bound for A / B runs (session 51: with Q loaded ahead, "next").
 PERSISTENT_MAX_BLOCKS = 10
+PERSISTENT_MAX_ENV = "FLASHDSA_PAIR_PERSISTENT_MAX"
 
 
 # every dispatched grid gathers by rows (``row_gather``; outputs bitwise equal to the T.Parallel gather).  Session 19
@@ -309,6 +312,12 @@ ROW_GATHER_KW = (("row_gather", True),)
 # $FLASHDSA_PAIR_QTMA = "0" turns it off, "1" (unset) on (read when a call is dispatched; part of ``sparse.api``'s
 # plan key).
 QTMA_ENV = "FLASHDSA_PAIR_QTMA"
+# The persistent grid (up to ``PERSISTENT_MAX_BLOCKS``) with $FLASHDSA_PAIR_QNEXT = "1": the producer loads each
+# item's Q by TMA once the previous item's last QK retired (``pair_body``'s q_gate "next"), instead of the consumers
+# loading it after the previous item's epilogue.  "0" (unset): off.  Session 51: built, to be measured by A / B.
+# It reaches every persistent grid this module dispatches except the single-use evict_first one (``reads_per_row``
+# <= 1), the batched forms' and the dense decode pair path's included.
+QNEXT_ENV = "FLASHDSA_PAIR_QNEXT"
 
 
 def _q_tma_kw() -> tuple:
@@ -316,14 +325,30 @@ def _q_tma_kw() -> tuple:
     return (("q_gate", "tma"),) if on else ()
 
 
+def _q_next_kw() -> tuple:
+    on = check_choice(f"${QNEXT_ENV}", os.environ.get(QNEXT_ENV) or "0", ("0", "1")) == "1"
+    return (("q_gate", "next"),) if on else ()
+
+
+def persistent_max_blocks() -> int:
+    """``PERSISTENT_MAX_BLOCKS``, or ``$FLASHDSA_PAIR_PERSISTENT_MAX`` (a non-negative int) where set."""
+    env = os.environ.get(PERSISTENT_MAX_ENV) or ""
+    if not env:
+        return PERSISTENT_MAX_BLOCKS
+    if not (env.isascii() and env.isdecimal()):
+        raise ValueError(f"${PERSISTENT_MAX_ENV}: expected a non-negative int, got {env!r}")
+    return int(env)
+
+
 def _persistent_kw(n_blocks: int, n_sm: int, single_use: bool = False) -> tuple:
-    """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``PERSISTENT_MAX_BLOCKS`` blocks, else
-    one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item) loading Q by TMA (``QTMA_ENV``) unless
-    ``single_use``; both gather by rows (``ROW_GATHER_KW``); ``single_use`` (``reads_per_row`` <= 1): the gather
-    with the evict_first policy."""
-    persistent = 0 < n_blocks <= PERSISTENT_MAX_BLOCKS and n_sm > 0
+    """The build keywords of the dispatched grid: ``persistent = n_sm`` up to ``persistent_max_blocks()`` blocks
+    (Q loaded ahead where ``QNEXT_ENV`` says so), else one CTA per item (``n_sm`` 0: not on a GPU, one CTA per item)
+    loading Q by TMA (``QTMA_ENV``); neither Q form where ``single_use``; both gather by rows (``ROW_GATHER_KW``);
+    ``single_use`` (``reads_per_row`` <= 1): the gather with the evict_first policy."""
+    persistent = 0 < n_blocks <= persistent_max_blocks() and n_sm > 0
+    q_kw = (_q_next_kw() if persistent else _q_tma_kw()) if not single_use else ()
     return (((("persistent", n_sm),) if persistent else ()) + ROW_GATHER_KW
-            + ((("evict_first", True),) if single_use else ()) + (() if persistent or single_use else _q_tma_kw()))
+            + ((("evict_first", True),) if single_use else ()) + q_kw)
 
 
 def reads_per_row(n_tok: int, heads: int, n_blocks: int, kv_rows: int) -> float:
@@ -346,9 +371,9 @@ def reads_per_row(n_tok: int, heads: int, n_blocks: int, kv_rows: int) -> float:
 def dispatched(q, kv_rows: int, order=None):
     """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the build this module runs
     for ``q``'s device and a KV of ``kv_rows`` rows: with ``order``, the ordered one-item-per-CTA build; else the
-    persistent grid up to ``PERSISTENT_MAX_BLOCKS`` blocks (``_persistent_kw``), one CTA per item above (Q by TMA
-    where rows are read more than once: ``QTMA_ENV``); all gather by rows (the ordered build since session 23:
-    dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
+    persistent grid up to ``persistent_max_blocks()`` blocks (``_persistent_kw``; Q loaded ahead with ``QNEXT_ENV``),
+    one CTA per item above (Q by TMA where rows are read more than once: ``QTMA_ENV``); all gather by rows (the
+    ordered build since session 23: dense decode B 128 H 128 s_q 2 causal 425 -> 520 TFLOP/s)."""
     if order is not None:
         return lambda *a: _compiled(*a, (("has_order", True),) + ROW_GATHER_KW)
     return lambda *a: _compiled(*a, dispatched_kw(q, a[3], kv_rows))
@@ -425,6 +450,9 @@ def lowering_cases():
         ("pair_h64_d512_topk640_sink_tl_persistent132_row_gather",  # the dispatched grid at V4's topk
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, has_topk_length=True,
                               persistent=132, row_gather=True)),
+        ("pair_h128_d576_topk640_tl_persistent132_row_gather_qnext",  # $FLASHDSA_PAIR_QNEXT=1: Q loaded ahead
+         build_sparse_mla_fwd(heads=128, dqk=576, topk=640, sm_scale=0.04, has_topk_length=True, persistent=132,
+                              row_gather=True, q_gate="next")),
         ("pair_h64_d512_topk640_sink_persistent132_row_gather_batched_evict_first",  # sparse_attn's decode plan
          build_sparse_mla_fwd(heads=64, dqk=512, topk=640, sm_scale=512**-0.5, has_sink=True, persistent=132,
                               row_gather=True, batched=True, evict_first=True)),

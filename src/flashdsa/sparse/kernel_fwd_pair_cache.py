@@ -330,7 +330,8 @@ PERSISTENT_ENV = "FLASHDSA_CACHE656_PERSISTENT"
 # for grids of more than one wave.  $FLASHDSA_CACHE656_QGATE: "auto" (unset) those rules, "off" never, "al" / "ar" /
 # "tma" / "tma_al" wherever a launch can take them (timing).
 QGATE_ENV = "FLASHDSA_CACHE656_QGATE"
-QGATES = ("auto", "off") + Q_LOADS[1:]  # pair_body's Q loads ("off" = ""; "tma*": Q by TMA, session 50)
+# pair_body's Q loads ("off" = ""; "tma*": Q by TMA, session 50); not "next" (persistent grids: the bf16 kernel's)
+QGATES = ("auto", "off") + tuple(g for g in Q_LOADS[1:] if g != "next")
 # setmaxnreg (WG0, WG1, producer, converter) of the converter staging: 512 threads, a pool of 4 x 128
 CONVERTER_REGS = (216, 216, 24, 56)  # session 27: best of four splits (ptxas: 12 bytes spilled in the converter)
 
@@ -456,7 +457,7 @@ def build_sparse_mla_fwd_pair_cache(*, heads: int, topk: int, sm_scale: float, h
     partials) and Q [n_q, H, 576] with n_q dividing T (``pair_body``'s q_rows); ``persistent``: ``pair_body``'s
     (P > 0: P CTAs loop over the items); ``stamps`` (timing build): one more argument, Stamps [T * H / 64,
     ``_pair_parts.STAMP_WORDS``] int32, the CTAs' timestamps (``pair_body``'s); ``q_gate``: one of ``pair_body``'s
-    ``Q_LOADS`` ("" the 16-byte loads at entry; ``launcher`` picks it)."""
+    ``Q_LOADS`` but "next" ("" the 16-byte loads at entry; ``launcher`` picks it)."""
     assert staging in STAGINGS, staging
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     n_tok, n_ch, n_tl, n_sink, topk_dim = tc.dynamic_dims("n_tok", "n_ch", "n_tl", "n_sink", "topk")
