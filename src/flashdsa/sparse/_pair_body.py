@@ -83,7 +83,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     grids): the producer loads each item's Q by TMA (``load_q_next``) once both consumers retired the previous
     item's last QK (the q_dead barrier, 256 arrivals at the top of an item's last pair, or at its start when it has
     no pair), so the load overlaps that item's last pair and epilogue instead of following them; O then goes from
-    the fragments straight to Out (the Q halves are no longer dead at ``finish``: no staging); session 51."""
+    the fragments straight to Out (the Q halves are no longer dead at ``finish``: no staging); session 51, measured
+    8-9% slower on the V4 row in session 53 (off by default)."""
     n_wg = 3 if converter is None else 4
     threads = 128 * n_wg
     assert not cluster or (heads == 2 * BLOCK_H and not persistent and converter is None), "cluster: H 128 pairs"

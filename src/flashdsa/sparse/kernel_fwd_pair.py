@@ -291,7 +291,8 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
 
 # topk <= 640 (V4's): one CTA per SM looping over the items beats one CTA per item (session 16, V4 prefill 0.880
 # -> 0.854 ms; topk 1024 equal, 2048 3-4% slower).  $FLASHDSA_PAIR_PERSISTENT_MAX (blocks, default 10) moves the
-# bound for A / B runs (session 51: with Q loaded ahead, "next").
+# bound for A / B runs (session 53, H100, with "next": topk 2048 H 128 4.102 / 4.102 ms at 10 -> 4.236 / 4.212 at 32,
+# H 64 2.175 / 2.151 -> 2.235 / 2.214: the one-CTA-per-item grid stays above 10 blocks).
 PERSISTENT_MAX_BLOCKS = 10
 PERSISTENT_MAX_ENV = "FLASHDSA_PAIR_PERSISTENT_MAX"
 
@@ -314,7 +315,9 @@ ROW_GATHER_KW = (("row_gather", True),)
 QTMA_ENV = "FLASHDSA_PAIR_QTMA"
 # The persistent grid (up to ``PERSISTENT_MAX_BLOCKS``) with $FLASHDSA_PAIR_QNEXT = "1": the producer loads each
 # item's Q by TMA once the previous item's last QK retired (``pair_body``'s q_gate "next"), instead of the consumers
-# loading it after the previous item's epilogue.  "0" (unset): off.  Session 51: built, to be measured by A / B.
+# loading it after the previous item's epilogue.  "0" (unset): off.  Session 51 built it; session 53 measured it
+# slower (H100, suite timing, two interleaved rounds, outputs bitwise equal): V4 (topk 640) 0.7645 / 0.7713 ->
+# 0.8312 / 0.8341 ms; H 64 topk 2048 on the persistent grid 2.237 / 2.236 -> 2.253 / 2.186.
 # It reaches every persistent grid this module dispatches except the single-use evict_first one (``reads_per_row``
 # <= 1), the batched forms' and the dense decode pair path's included.
 QNEXT_ENV = "FLASHDSA_PAIR_QNEXT"
