@@ -1,7 +1,7 @@
 """How much of a prefill forward is its last, partial round of CTAs: the suite's shapes timed at token counts
 around S 4096 (H 64: 4096 items = 31 rounds of 132 CTAs + 4).
 
-    python scripts/tail_probe.py [--json out.json]     # on the GPU host, after ``source .gpu/env.sh``
+    python scripts/tail_probe.py [--passes N] [--shape V32_H64_topk2048] [--json out.json]   # on the GPU host
 
 Times ``S`` in ``TOKENS`` (whole rounds 3960 / 4092 / 4224 and the suite's 4096) in two interleaved passes, with
 ``bench.harness.time_fn`` (events, L2 flushed, median; 30 reps), and prints us per token (= per item here), then
@@ -42,9 +42,11 @@ def main(argv: list[str]) -> int:
 
     dev = torch.device("cuda")
     env = environment(dev)
-    cases = list(_cases())
+    passes = int(argv[argv.index("--passes") + 1]) if "--passes" in argv else PASSES
+    only = argv[argv.index("--shape") + 1] if "--shape" in argv else None
+    cases = [c for c in _cases() if only is None or c[0] == only]
     rows = []
-    for r in range(PASSES):
+    for r in range(passes):
         for shape, s, case in cases:
             inputs = case.build(dev, torch.Generator(device=dev).manual_seed(0))
             t = time_fn(lambda i: case.run(i, "auto"), [inputs], dev, reps=30, max_seconds=10)
@@ -54,6 +56,10 @@ def main(argv: list[str]) -> int:
             del inputs
             _write(argv, env, rows)  # after every row: a run killed by its time limit keeps what it measured
     for shape in dict.fromkeys(row["shape"] for row in rows):
+        for r in range(passes):  # each pass's own differences: their spread is the probe's noise
+            t = {x["tokens"]: x["ms"] for x in rows if x["shape"] == shape and x["pass"] == r}
+            print(f"{shape} pass {r}: 4096 - 4092 = {t[4096] - t[4092]:+.4f} ms, 4224 - 4092 = "
+                  f"{t[4224] - t[4092]:+.4f}, (4224 - 3960) / 2 = {(t[4224] - t[3960]) / 2:+.4f}")
         best = {s: min(x["ms"] for x in rows if x["shape"] == shape and x["tokens"] == s) for s in TOKENS}
         per_round = (best[4224] - best[3960]) / 2
         print(f"{shape}: one round {per_round:.4f} ms; 4096 - 4092 = {best[4096] - best[4092]:+.4f} ms "
