@@ -292,7 +292,7 @@ def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, ha
 # topk <= 640 (V4's): one CTA per SM looping over the items beats one CTA per item (session 16, V4 prefill 0.880
 # -> 0.854 ms; topk 1024 equal, 2048 3-4% slower).  $FLASHDSA_PAIR_PERSISTENT_MAX (blocks, default 10) moves the
 # bound for A / B runs (session 53, H100, with "next": topk 2048 H 128 4.102 / 4.102 ms at 10 -> 4.236 / 4.212 at 32,
-# H 64 2.175 / 2.151 -> 2.235 / 2.214: the one-CTA-per-item grid stays above 10 blocks).
+# H 64 2.175 / 2.151 -> 2.235 / 2.214: one CTA per item at 32 blocks; the bound stays 10).
 PERSISTENT_MAX_BLOCKS = 10
 PERSISTENT_MAX_ENV = "FLASHDSA_PAIR_PERSISTENT_MAX"
 
