@@ -12,6 +12,10 @@ CTAs as SMs free up: if 4096 costs about 4092 plus the smeared part, splitting t
 gain little; if it costs about 4224, the 4 items run alone for a whole item's time (session 53: the latter).  The
 V4 row (topk 640) runs the persistent grid, where CTA b takes items b, b + 132, ...: its last 4 items run alone by
 construction, so that row is the control (a whole item's time expected).
+
+``--ab``: the counts ``AB_TOKENS`` (and ``--more``) each timed with the last round split (``$FLASHDSA_PAIR_TAIL``
+"1", ``sparse/_tail_split.py``) and unsplit ("0"), interleaved, and per count the medians over passes and the
+split's gain printed.
 """
 
 import argparse
@@ -19,7 +23,9 @@ import json
 import sys
 
 TOKENS = (3960, 4092, 4096, 4224)
-SHAPES = ("V32_H64_topk2048", "V4_h64_topk640_sink")
+AB_TOKENS = (4092, 4096, 4100)  # whole rounds (nothing to split), + 4 items, + 8 items at H 64
+SHAPES = ("V32_H64_topk2048", "V4_h64_topk640_sink", "V32_H128_topk2048")
+TAIL_ENV = "FLASHDSA_PAIR_TAIL"
 
 
 def _cases(tokens):
@@ -29,6 +35,8 @@ def _cases(tokens):
         yield SHAPES[0], s, suites._mla_fwd(f"S{s}", s, 8192, 64, 2048, "")
     for s in tokens:
         yield SHAPES[1], s, suites._v4_fwd(f"m{s}", 1, s, 8192, 64, 640, "")
+    for s in tokens:
+        yield SHAPES[2], s, suites._mla_fwd(f"S{s}", s, 8192, 128, 2048, "")
 
 
 def _differences(t: dict, more=()) -> str:
@@ -46,7 +54,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--more", type=lambda v: tuple(int(x) for x in v.split(",")), default=(),
                     help="token counts timed besides TOKENS, e.g. 4100,4180 (31 rounds + 8 / + 88 items)")
     ap.add_argument("--json", help="write the environment and every row here, after each row")
+    ap.add_argument("--ab", action="store_true", help="each count with the last round split and unsplit")
     args = ap.parse_args(argv)
+
+    import os
 
     import torch
 
@@ -54,21 +65,29 @@ def main(argv: list[str]) -> int:
 
     dev = torch.device("cuda")
     env = environment(dev)
-    more = tuple(m for m in args.more if m not in TOKENS)
-    tokens = tuple(sorted(TOKENS + more))
+    base = AB_TOKENS if args.ab else TOKENS
+    more = tuple(m for m in args.more if m not in base)
+    tokens = tuple(sorted(base + more))
     cases = [c for c in _cases(tokens) if args.shape in (None, c[0])]
     rows = []
+    tails = ("0", "1") if args.ab else (os.environ.get(TAIL_ENV, ""),)
     for r in range(args.passes):
         for shape, s, case in cases:
             inputs = case.build(dev, torch.Generator(device=dev).manual_seed(0))
-            t = time_fn(lambda i: case.run(i, "auto"), [inputs], dev, reps=30, max_seconds=10)
-            rows.append({"shape": shape, "tokens": s, "pass": r, "ms": t.ms_median, "p10_ms": t.ms_p10})
-            print(f"{shape} S {s} pass {r}: {t.ms_median:.4f} ms (p10 {t.ms_p10:.4f}), "
-                  f"{1000 * t.ms_median / s:.2f} us per token", flush=True)
+            for tail in tails:
+                os.environ[TAIL_ENV] = tail  # read per call (part of the eager plan's key)
+                t = time_fn(lambda i: case.run(i, "auto"), [inputs], dev, reps=30, max_seconds=10)
+                rows.append({"shape": shape, "tokens": s, "pass": r, "tail": tail, "ms": t.ms_median,
+                             "p10_ms": t.ms_p10})
+                print(f"{shape} S {s} tail {tail or '-'} pass {r}: {t.ms_median:.4f} ms (p10 {t.ms_p10:.4f}), "
+                      f"{1000 * t.ms_median / s:.2f} us per token", flush=True)
             del inputs
             if args.json:  # after every row: a run killed by its time limit keeps what it measured
                 with open(args.json, "w") as f:  # environment(): GPU, versions, commit, date, FLASHDSA_* switches
                     json.dump(dict(env, tokens=tokens, results=rows), f, indent=1)
+    if args.ab:
+        _print_ab(rows, tokens)
+        return 0
     for shape in dict.fromkeys(row["shape"] for row in rows):
         for r in range(args.passes):
             print(f"{shape} pass {r}: "
@@ -78,6 +97,18 @@ def main(argv: list[str]) -> int:
         print(f"{shape}, the faster pass per count: {_differences(best, more)}; a smeared last round would be "
               f"{per_round * 4 / 132:+.4f}")
     return 0
+
+
+def _print_ab(rows, tokens):
+    """Per shape and count: the medians over passes unsplit / split and the split's gain."""
+    import statistics
+
+    for shape in dict.fromkeys(row["shape"] for row in rows):
+        for s in tokens:
+            med = {t: statistics.median(x["ms"] for x in rows if (x["shape"], x["tokens"], x["tail"]) == (shape, s, t))
+                   for t in ("0", "1")}
+            print(f"{shape} S {s}: unsplit {med['0']:.4f} ms, split {med['1']:.4f} ms, "
+                  f"gain {100 * (med['0'] / med['1'] - 1):+.2f}%")
 
 
 if __name__ == "__main__":

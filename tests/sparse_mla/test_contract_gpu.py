@@ -218,6 +218,9 @@ GRAPH_CASES = [  # (op, dqk, heads, tkv, topk, n_tok, sink, topk_length, batch)
     ("sparse_mla_fwd", 512, 64, 592, 100, 213, True, True, 1),
     ("sparse_attn", 512, 64, 1840, 256, 62, True, False, 2),  # DeepSeek-V4 form: batched, no topk_length
     ("sparse_attn", 512, 64, 1840, 1024, 62, True, False, 2),  # 16 blocks: one CTA per item, Q by TMA
+    # 132 SMs + 4 items: the last round as split-KV chunks (sparse/_tail_split.py; sparse_attn: the batched build)
+    ("sparse_mla_fwd", 512, 64, 1840, 640, 136, True, True, 1),
+    ("sparse_attn", 512, 64, 1840, 640, 136, True, False, 2),
 ]
 
 
