@@ -13,14 +13,18 @@ gain little; if it costs about 4224, the 4 items run alone for a whole item's ti
 V4 row (topk 640) runs the persistent grid, where CTA b takes items b, b + 132, ...: its last 4 items run alone by
 construction, so that row is the control (a whole item's time expected).
 
-``--ab``: the counts ``AB_TOKENS`` (and ``--more``) each timed with the last round split (``$FLASHDSA_PAIR_TAIL``
-"1", ``sparse/_tail_split.py``) and unsplit ("0"), interleaved, and per count the medians over passes and the
-split's gain printed.
+``--ab``: the counts ``AB_TOKENS`` (and ``--more``) each timed unsplit (``$FLASHDSA_PAIR_TAIL`` "0") and with the
+last round split ("1", ``sparse/_tail_split.py``) call by call (A B A B ..., 2 x 40 calls, L2 flushed before each:
+``harness._timed_calls`` over the two settings), so clock drift between passes cancels (session 54's first A / B,
+pass against pass, drifted up to 4% on a count where both settings run the same launch); per pass the medians and
+the median of the 40 paired differences (B - A), then over passes the median gain.  At 4092 nothing is split:
+the control (a paired difference about 0).
 """
 
 import argparse
 import json
 import sys
+import time
 
 TOKENS = (3960, 4092, 4096, 4224)
 AB_TOKENS = (4092, 4096, 4100)  # whole rounds (nothing to split), + 4 items, + 8 items at H 64
@@ -55,9 +59,9 @@ def main(argv: list[str]) -> int:
                     help="token counts timed besides TOKENS, e.g. 4100,4180 (31 rounds + 8 / + 88 items)")
     ap.add_argument("--json", help="write the environment and every row here, after each row")
     ap.add_argument("--ab", action="store_true", help="each count with the last round split and unsplit")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timing, each shape's kernels at S 4096 split (torch.profiler, 5 calls)")
     args = ap.parse_args(argv)
-
-    import os
 
     import torch
 
@@ -70,21 +74,22 @@ def main(argv: list[str]) -> int:
     tokens = tuple(sorted(base + more))
     cases = [c for c in _cases(tokens) if args.shape in (None, c[0])]
     rows = []
-    tails = ("0", "1") if args.ab else (os.environ.get(TAIL_ENV, ""),)
     for r in range(args.passes):
         for shape, s, case in cases:
             inputs = case.build(dev, torch.Generator(device=dev).manual_seed(0))
-            for tail in tails:
-                os.environ[TAIL_ENV] = tail  # read per call (part of the eager plan's key)
+            if args.ab:
+                rows.append(_paired(case, inputs, dev, shape, s, r))
+            else:
                 t = time_fn(lambda i: case.run(i, "auto"), [inputs], dev, reps=30, max_seconds=10)
-                rows.append({"shape": shape, "tokens": s, "pass": r, "tail": tail, "ms": t.ms_median,
-                             "p10_ms": t.ms_p10})
-                print(f"{shape} S {s} tail {tail or '-'} pass {r}: {t.ms_median:.4f} ms (p10 {t.ms_p10:.4f}), "
+                rows.append({"shape": shape, "tokens": s, "pass": r, "ms": t.ms_median, "p10_ms": t.ms_p10})
+                print(f"{shape} S {s} pass {r}: {t.ms_median:.4f} ms (p10 {t.ms_p10:.4f}), "
                       f"{1000 * t.ms_median / s:.2f} us per token", flush=True)
             del inputs
             if args.json:  # after every row: a run killed by its time limit keeps what it measured
                 with open(args.json, "w") as f:  # environment(): GPU, versions, commit, date, FLASHDSA_* switches
                     json.dump(dict(env, tokens=tokens, results=rows), f, indent=1)
+    if args.profile:
+        _profile([c for c in cases if c[1] == 4096], dev)
     if args.ab:
         _print_ab(rows, tokens)
         return 0
@@ -99,16 +104,70 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _paired(case, inputs, dev, shape, s, r, calls=40):
+    """One pass of ``--ab`` at one count: unsplit and split call by call (module docstring); returns its row."""
+    import os
+    import statistics
+
+    from flashdsa.bench.harness import _sync, _timed_calls
+
+    def run(tail):
+        os.environ[TAIL_ENV] = tail  # read per call (part of the eager plan's key)
+        return case.run(inputs, "auto")
+
+    for tail in ("0", "1", "0", "1"):  # compile, store both plans
+        run(tail)
+    _sync(dev)
+    t_end = time.perf_counter() + 0.2  # clocks up from idle
+    while time.perf_counter() < t_end:
+        run("0"), run("1")
+        _sync(dev)
+    times = _timed_calls(run, ("0", "1"), dev, 2 * calls, True)
+    a, b = times[0::2], times[1::2]
+    diff = sorted(y - x for x, y in zip(a, b))
+    row = {"shape": shape, "tokens": s, "pass": r, "unsplit_ms": statistics.median(a),
+           "split_ms": statistics.median(b), "diff_ms_median": statistics.median(diff),
+           "diff_ms_p10": diff[len(diff) // 10], "diff_ms_p90": diff[(9 * len(diff)) // 10], "calls": calls}
+    print(f"{shape} S {s} pass {r}: unsplit {row['unsplit_ms']:.4f} ms, split {row['split_ms']:.4f} ms, "
+          f"split - unsplit {row['diff_ms_median']:+.4f} ms (p10 {row['diff_ms_p10']:+.4f}, "
+          f"p90 {row['diff_ms_p90']:+.4f})", flush=True)
+    return row
+
+
+def _profile(cases, dev):
+    """Each case's CUDA kernels (name, calls, mean us) over 5 split calls: the main grid, the chunks, the merge."""
+    import os
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ[TAIL_ENV] = "1"
+    for shape, s, case in cases:
+        inputs = case.build(dev, torch.Generator(device=dev).manual_seed(0))
+        case.run(inputs, "auto")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                case.run(inputs, "auto")
+            torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            if ev.device_type.name == "CUDA" and ev.count:
+                t = getattr(ev, "device_time_total", None) or ev.cuda_time_total
+                print(f"profile {shape} S {s}: {ev.key[:60]} x{ev.count}: {t / ev.count:.1f} us", flush=True)
+        del inputs
+
+
 def _print_ab(rows, tokens):
-    """Per shape and count: the medians over passes unsplit / split and the split's gain."""
+    """Per shape and count: over passes, the medians of the paired differences and the split's gain."""
     import statistics
 
     for shape in dict.fromkeys(row["shape"] for row in rows):
         for s in tokens:
-            med = {t: statistics.median(x["ms"] for x in rows if (x["shape"], x["tokens"], x["tail"]) == (shape, s, t))
-                   for t in ("0", "1")}
-            print(f"{shape} S {s}: unsplit {med['0']:.4f} ms, split {med['1']:.4f} ms, "
-                  f"gain {100 * (med['0'] / med['1'] - 1):+.2f}%")
+            sel = [x for x in rows if (x["shape"], x["tokens"]) == (shape, s)]
+            d = statistics.median(x["diff_ms_median"] for x in sel)
+            a = statistics.median(x["unsplit_ms"] for x in sel)
+            print(f"{shape} S {s}: unsplit {a:.4f} ms, split - unsplit {d:+.4f} ms (passes: "
+                  + ", ".join(f"{x['diff_ms_median']:+.4f}" for x in sel) + f"), gain {-100 * d / a:+.2f}%")
 
 
 if __name__ == "__main__":
