@@ -88,10 +88,11 @@ def main(argv: list[str]) -> int:
             if args.json:  # after every row: a run killed by its time limit keeps what it measured
                 with open(args.json, "w") as f:  # environment(): GPU, versions, commit, date, FLASHDSA_* switches
                     json.dump(dict(env, tokens=tokens, results=rows), f, indent=1)
+    if args.ab:
+        _print_ab(rows, tokens)
     if args.profile:
         _profile([c for c in cases if c[1] == 4096], dev)
     if args.ab:
-        _print_ab(rows, tokens)
         return 0
     for shape in dict.fromkeys(row["shape"] for row in rows):
         for r in range(args.passes):
@@ -151,7 +152,7 @@ def _profile(cases, dev):
                 case.run(inputs, "auto")
             torch.cuda.synchronize()
         for ev in prof.key_averages():
-            if ev.device_type.name == "CUDA" and ev.count:
+            if str(ev.device_type).endswith("CUDA") and ev.count:
                 t = getattr(ev, "device_time_total", None) or ev.cuda_time_total
                 print(f"profile {shape} S {s}: {ev.key[:60]} x{ev.count}: {t / ev.count:.1f} us", flush=True)
         del inputs
