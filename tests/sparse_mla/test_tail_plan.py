@@ -27,12 +27,16 @@ from flashdsa.sparse.reference import sparse_mla_fwd_reference
     (4096, 64, 2048, 114, None),  # 114 SMs: 35 rounds + 106 items
 ])
 def test_tail_plan(tokens, heads, topk, n_sm, want, monkeypatch):
-    monkeypatch.delenv(_tail_split.TAIL_ENV, raising=False)
+    monkeypatch.setenv(_tail_split.TAIL_ENV, "1")
     monkeypatch.delenv(kernel_split.SPLIT_ENV, raising=False)
     assert _tail_split.tail_plan(tokens, heads, topk, n_sm) == want
 
 
 def test_tail_plan_switches(monkeypatch):
+    monkeypatch.delenv(kernel_split.SPLIT_ENV, raising=False)
+    monkeypatch.delenv(_tail_split.TAIL_ENV, raising=False)
+    default = _tail_split.tail_plan(4096, 64, 2048, 132)
+    assert default == ((4092, 16, 128) if _tail_split.TAIL_DEFAULT == "1" else None)
     monkeypatch.setenv(_tail_split.TAIL_ENV, "0")
     assert _tail_split.tail_plan(4096, 64, 2048, 132) is None
     monkeypatch.setenv(_tail_split.TAIL_ENV, "1")
@@ -88,6 +92,7 @@ def test_tail_launcher_composes(batched, monkeypatch):
     heads, dqk, d_v, topk, sm_scale = 64, 96, 32, 640, 0.2
     b, s, s_kv = (2, 68, 300) if batched else (1, 136, 600)
     n = b * s
+    monkeypatch.setenv(_tail_split.TAIL_ENV, "1")
     plan = _tail_split.tail_plan(n, heads, topk, 132)
     assert plan == (132, 5, 128)
     gen = torch.Generator().manual_seed(0)

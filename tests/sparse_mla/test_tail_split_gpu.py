@@ -56,7 +56,8 @@ def _tail_rows(indices, topk_length, tkv):
 
 @pytest.fixture
 def tail_calls(monkeypatch):
-    """How often ``_tail_split.tail_launcher`` built a launch."""
+    """How often ``_tail_split.tail_launcher`` built a launch (the split switched on, whatever its default)."""
+    monkeypatch.setenv(_tail_split.TAIL_ENV, "1")
     calls = []
     real = _tail_split.tail_launcher
 

@@ -28,6 +28,7 @@ from ..decode import kernel_split
 from ._tl_common import BLOCK_H, BLOCK_I
 
 TAIL_ENV = "FLASHDSA_PAIR_TAIL"
+TAIL_DEFAULT = "1"  # where $FLASHDSA_PAIR_TAIL is unset
 # the last round is split where it holds at most 1 / TAIL_MAX_SHARE of the SMs' items (its chunks then fit in
 # about one round of chunk CTAs of at least ``kernel_split.MIN_SPLIT_BLOCKS`` blocks)
 TAIL_MAX_SHARE = 8
@@ -38,7 +39,7 @@ TAIL_MIN_BLOCKS = 8
 
 
 def tail_on() -> bool:
-    return check_choice(f"${TAIL_ENV}", os.environ.get(TAIL_ENV) or "1", ("0", "1")) == "1"
+    return check_choice(f"${TAIL_ENV}", os.environ.get(TAIL_ENV) or TAIL_DEFAULT, ("0", "1")) == "1"
 
 
 def tail_plan(tokens: int, heads: int, topk: int, n_sm: int) -> tuple[int, int, int] | None:
