@@ -14,11 +14,11 @@ V4 row (topk 640) runs the persistent grid, where CTA b takes items b, b + 132, 
 construction, so that row is the control (a whole item's time expected).
 
 ``--ab``: the counts ``AB_TOKENS`` (and ``--more``) each timed unsplit (``$FLASHDSA_PAIR_TAIL`` "0") and with the
-last round split ("1", ``sparse/_tail_split.py``) call by call (A B A B ..., 2 x 40 calls, L2 flushed before each:
-``harness._timed_calls`` over the two settings), so clock drift between passes cancels (session 54's first A / B,
-pass against pass, drifted up to 4% on a count where both settings run the same launch); per pass the medians and
-the median of the 40 paired differences (B - A), then over passes the median gain.  At 4092 nothing is split:
-the control (a paired difference about 0).
+last round split (``AB_MODES``: "1", chunks beside the main grid; "serial", after it; ``sparse/_tail_split.py``)
+call by call (A B C A B C ..., 40 calls each, L2 flushed before each: ``harness._timed_calls`` over the settings),
+so clock drift between passes cancels (session 54's first A / B, pass against pass, drifted up to 4% on a count
+where both settings run the same launch); per pass the medians and the median of the 40 paired differences
+against unsplit, then over passes the median gain.  At 4092 nothing is split: the control (differences about 0).
 """
 
 import argparse
@@ -105,8 +105,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+AB_MODES = ("0", "1", "serial")  # $FLASHDSA_PAIR_TAIL: unsplit (A), then each split form
+
+
 def _paired(case, inputs, dev, shape, s, r, calls=40):
-    """One pass of ``--ab`` at one count: unsplit and split call by call (module docstring); returns its row."""
+    """One pass of ``--ab`` at one count: unsplit and each split form call by call (module docstring); returns
+    its row (per form: the median ms and the paired differences against unsplit)."""
     import os
     import statistics
 
@@ -116,22 +120,28 @@ def _paired(case, inputs, dev, shape, s, r, calls=40):
         os.environ[TAIL_ENV] = tail  # read per call (part of the eager plan's key)
         return case.run(inputs, "auto")
 
-    for tail in ("0", "1", "0", "1"):  # compile, store both plans
+    for tail in AB_MODES * 2:  # compile, store the plans
         run(tail)
     _sync(dev)
     t_end = time.perf_counter() + 0.2  # clocks up from idle
     while time.perf_counter() < t_end:
-        run("0"), run("1")
+        for tail in AB_MODES:
+            run(tail)
         _sync(dev)
-    times = _timed_calls(run, ("0", "1"), dev, 2 * calls, True)
-    a, b = times[0::2], times[1::2]
-    diff = sorted(y - x for x, y in zip(a, b))
-    row = {"shape": shape, "tokens": s, "pass": r, "unsplit_ms": statistics.median(a),
-           "split_ms": statistics.median(b), "diff_ms_median": statistics.median(diff),
-           "diff_ms_p10": diff[len(diff) // 10], "diff_ms_p90": diff[(9 * len(diff)) // 10], "calls": calls}
-    print(f"{shape} S {s} pass {r}: unsplit {row['unsplit_ms']:.4f} ms, split {row['split_ms']:.4f} ms, "
-          f"split - unsplit {row['diff_ms_median']:+.4f} ms (p10 {row['diff_ms_p10']:+.4f}, "
-          f"p90 {row['diff_ms_p90']:+.4f})", flush=True)
+    n = len(AB_MODES)
+    times = _timed_calls(run, AB_MODES, dev, n * calls, True)
+    base = times[0::n]
+    row = {"shape": shape, "tokens": s, "pass": r, "calls": calls, "ms_0": statistics.median(base)}
+    text = f"{shape} S {s} pass {r}: unsplit {row['ms_0']:.4f} ms"
+    for k, mode in enumerate(AB_MODES[1:], 1):
+        mine = times[k::n]
+        diff = sorted(y - x for x, y in zip(base, mine))
+        p10, p90 = diff[len(diff) // 10], diff[(9 * len(diff)) // 10]
+        row.update({f"ms_{mode}": statistics.median(mine), f"diff_ms_{mode}": statistics.median(diff),
+                    f"diff_ms_{mode}_p10_p90": (p10, p90)})
+        text += (f"; {mode} {row[f'ms_{mode}']:.4f} ms, - unsplit {row[f'diff_ms_{mode}']:+.4f} "
+                 f"(p10 {p10:+.4f}, p90 {p90:+.4f})")
+    print(text, flush=True)
     return row
 
 
@@ -142,7 +152,7 @@ def _profile(cases, dev):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    os.environ[TAIL_ENV] = "1"
+    os.environ[TAIL_ENV] = "1"  # the chunks beside the main grid
     for shape, s, case in cases:
         inputs = case.build(dev, torch.Generator(device=dev).manual_seed(0))
         case.run(inputs, "auto")
@@ -159,16 +169,17 @@ def _profile(cases, dev):
 
 
 def _print_ab(rows, tokens):
-    """Per shape and count: over passes, the medians of the paired differences and the split's gain."""
+    """Per shape, count and split form: over passes, the medians of the paired differences and the gain."""
     import statistics
 
     for shape in dict.fromkeys(row["shape"] for row in rows):
         for s in tokens:
             sel = [x for x in rows if (x["shape"], x["tokens"]) == (shape, s)]
-            d = statistics.median(x["diff_ms_median"] for x in sel)
-            a = statistics.median(x["unsplit_ms"] for x in sel)
-            print(f"{shape} S {s}: unsplit {a:.4f} ms, split - unsplit {d:+.4f} ms (passes: "
-                  + ", ".join(f"{x['diff_ms_median']:+.4f}" for x in sel) + f"), gain {-100 * d / a:+.2f}%")
+            a = statistics.median(x["ms_0"] for x in sel)
+            for mode in AB_MODES[1:]:
+                d = statistics.median(x[f"diff_ms_{mode}"] for x in sel)
+                print(f"{shape} S {s} {mode}: unsplit {a:.4f} ms, split - unsplit {d:+.4f} ms (passes: "
+                      + ", ".join(f"{x[f'diff_ms_{mode}']:+.4f}" for x in sel) + f"), gain {-100 * d / a:+.2f}%")
 
 
 if __name__ == "__main__":

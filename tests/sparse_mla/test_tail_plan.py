@@ -35,8 +35,17 @@ def test_tail_plan(tokens, heads, topk, n_sm, want, monkeypatch):
 def test_tail_plan_switches(monkeypatch):
     monkeypatch.delenv(kernel_split.SPLIT_ENV, raising=False)
     monkeypatch.delenv(_tail_split.TAIL_ENV, raising=False)
-    default = _tail_split.tail_plan(4096, 64, 2048, 132)
-    assert default == ((4092, 16, 128) if _tail_split.TAIL_DEFAULT == "1" else None)
+    assert _tail_split.TAIL_DEFAULT == "auto"
+    # auto: the one-CTA-per-item grid only (more blocks than the persistent grid's bound, 10)
+    assert _tail_split.tail_plan(4096, 64, 2048, 132) == (4092, 16, 128)
+    assert _tail_split.tail_plan(4096, 64, 704, 132) == (4092, 6, 128)  # 11 blocks
+    assert _tail_split.tail_plan(4096, 64, 640, 132) is None  # 10 blocks: the persistent grid
+    monkeypatch.setenv("FLASHDSA_PAIR_PERSISTENT_MAX", "32")
+    assert _tail_split.tail_plan(4096, 64, 2048, 132) is None
+    monkeypatch.delenv("FLASHDSA_PAIR_PERSISTENT_MAX")
+    for mode in ("1", "serial"):  # any grid with TAIL_MIN_BLOCKS blocks
+        monkeypatch.setenv(_tail_split.TAIL_ENV, mode)
+        assert _tail_split.tail_plan(4096, 64, 640, 132) == (4092, 5, 128)
     monkeypatch.setenv(_tail_split.TAIL_ENV, "0")
     assert _tail_split.tail_plan(4096, 64, 2048, 132) is None
     monkeypatch.setenv(_tail_split.TAIL_ENV, "1")
@@ -92,7 +101,7 @@ def test_tail_launcher_composes(batched, monkeypatch):
     heads, dqk, d_v, topk, sm_scale = 64, 96, 32, 640, 0.2
     b, s, s_kv = (2, 68, 300) if batched else (1, 136, 600)
     n = b * s
-    monkeypatch.setenv(_tail_split.TAIL_ENV, "1")
+    monkeypatch.setenv(_tail_split.TAIL_ENV, "serial")  # the chunks after the main launch: no CUDA stream here
     plan = _tail_split.tail_plan(n, heads, topk, 132)
     assert plan == (132, 5, 128)
     gen = torch.Generator().manual_seed(0)
@@ -129,6 +138,7 @@ def test_tail_launcher_composes(batched, monkeypatch):
 
 def test_tail_launcher_batched_tail_across_batches(monkeypatch):
     """Tail tokens in two batches (S smaller than the tail): the main launch runs over every token, unsplit."""
+    monkeypatch.setenv(_tail_split.TAIL_ENV, "serial")
     calls = []
     monkeypatch.setattr(kernel_fwd_pair, "_compiled", lambda *a: _reference_launch(0.2, 32, False, a[6], calls, "p"))
     monkeypatch.setattr(kernel_split, "_compiled_combine", lambda *a: _reference_merge(calls))
