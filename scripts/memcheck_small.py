@@ -336,6 +336,24 @@ def sparse_q_next():
 TARGETS["sparse_bf16_qnext"] = sparse_q_next
 
 
+def sparse_tail():
+    """The pair forward with its last partial round as split-KV chunks (``sparse/_tail_split.py``): one whole round
+    of the SMs plus 4 items at H 64 (Dqk 512, topk 640: the persistent grid) and H 128 (topk 576: chunks padded),
+    with sink and topk_length (0 at two of the tail tokens)."""
+    from flashdsa import _dispatch
+    from flashdsa.sparse import _tail_split
+
+    n_sm = _dispatch.sm_count(0) if DEV == "cuda" else 132
+    n64, n128 = n_sm + 4, (n_sm + 4) // 2
+    with mock.patch.dict(os.environ, {_tail_split.TAIL_ENV: "1"}):
+        assert _tail_split.tail_plan(n64, 64, 640, n_sm) and _tail_split.tail_plan(n128, 128, 576, n_sm)
+        return all([sparse("bf16", n64, ((64, 640),), dqk=512, extras=True, zero_at=(n64 - 3, n64 - 1)),
+                    sparse("bf16", n128, ((128, 576),), extras=True, zero_at=(n128 - 1,))])
+
+
+TARGETS["sparse_bf16_tail"] = sparse_tail
+
+
 def main():
     ok = True
     for name in sys.argv[1:]:

@@ -218,6 +218,9 @@ GRAPH_CASES = [  # (op, dqk, heads, tkv, topk, n_tok, sink, topk_length, batch)
     ("sparse_mla_fwd", 512, 64, 592, 100, 213, True, True, 1),
     ("sparse_attn", 512, 64, 1840, 256, 62, True, False, 2),  # DeepSeek-V4 form: batched, no topk_length
     ("sparse_attn", 512, 64, 1840, 1024, 62, True, False, 2),  # 16 blocks: one CTA per item, Q by TMA
+    # 132 SMs + 4 items: the last round as split-KV chunks (sparse/_tail_split.py; sparse_attn: the batched build)
+    ("sparse_mla_fwd", 512, 64, 1840, 640, 136, True, True, 1),
+    ("sparse_attn", 512, 64, 1840, 640, 136, True, False, 2),
 ]
 
 
@@ -233,9 +236,11 @@ def _graph_call(op, x, batch, device):
 @on_devices
 @pytest.mark.parametrize("case", GRAPH_CASES, ids=[f"{c[0]}-d{c[1]}-h{c[2]}-kv{c[3]}-k{c[4]}-t{c[5]}"
                                                     for c in GRAPH_CASES])
-def test_cuda_graph_replay_new_indices(device, case):
+def test_cuda_graph_replay_new_indices(device, case, monkeypatch):
     """Captured once; new q / kv / indices / topk_length written into the captured buffers; the replay gives the
-    reference's result on the new inputs and equals an eager call (cpu: the same inputs, no capture)."""
+    reference's result on the new inputs and equals an eager call (cpu: the same inputs, no capture).  The last
+    round split on (``$FLASHDSA_PAIR_TAIL``; the t136 cases split it)."""
+    monkeypatch.setenv("FLASHDSA_PAIR_TAIL", "1")
     op, dqk, heads, tkv, topk, n_tok, sink, use_tl, batch = case
     kw = dict(sink=sink, use_tl=use_tl, batch=batch)
     x = _inputs(device, dqk, heads, tkv, topk, n_tok, seed=1, **kw)

@@ -112,7 +112,8 @@ def split_rows(q, slots, topk_length, n_split: int, chunk: int, heads: int):
     return pad_heads(q, heads), slots_s, tl_s
 
 
-def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS, part_heads: int = 0):
+def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_THREADS, part_heads: int = 0,
+                         with_max: bool = False):
     """Merge the chunks of each (token, head) (module docstring) with the dense decode's merge
     (``_tl_common.combine_row_macro``) in the forward's lse convention (``natural``: natural log, +inf for a chunk
     with no key, a NaN partial kept).
@@ -120,7 +121,9 @@ def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_
     Signature: (OPart [T * n_split, Hp, 512] f32 (row t * n_split + k: chunk k of token t), LsePart [T * n_split,
     Hp] f32, Sink [n_sink] f32, Out [T, H, 512] bf16, Lse [T, H] f32, n_split int32) with Hp = ``part_heads``
     (0: H; more where the forward ran padded heads, ``forward_heads``: heads H.. of the partials are not read);
-    grid (H, T), ``threads`` x 512 / threads columns.
+    grid (H, T), ``threads`` x 512 / threads columns.  ``with_max`` (the prefill's last round split,
+    ``sparse/kernel_fwd_tail.py``): MaxPart [T * n_split, Hp] f32 after LsePart and MaxLogits [T, H] f32 after Lse,
+    the chunks' largest max logit (-inf where none saw a key).
     """
     import tilelang.language as T
 
@@ -133,6 +136,16 @@ def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_
     combine_row = combine_row_macro(heads=heads, has_sink=has_sink, vpt=VPT, col=lambda t, v: t * VPT + v,
                                     natural=True)
 
+    @T.macro
+    def merge(OPart, LsePart, Sink, Out, Lse, n_split, h, t):
+        tx = T.get_thread_binding()
+        mx = T.alloc_local([1], f32)
+        tot = T.alloc_local([1], f32)
+        w = T.alloc_local([1], f32)
+        scl = T.alloc_local([1], f32)
+        acc = T.alloc_local([VPT], f32)
+        combine_row(Sink, OPart, LsePart, Out, Lse, t, h, t * n_split, n_split, tx == 0, tx, (mx, tot, w, scl, acc))
+
     @T.prim_func
     def mla_decode_split_combine(
         OPart: T.Tensor([nrow, hp, D], f32),
@@ -143,24 +156,38 @@ def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_
         n_split: T.int32,
     ):
         with T.Kernel(heads, ntok, threads=threads) as (h, t):
-            tx = T.get_thread_binding()
-            mx = T.alloc_local([1], f32)
-            tot = T.alloc_local([1], f32)
-            w = T.alloc_local([1], f32)
-            scl = T.alloc_local([1], f32)
-            acc = T.alloc_local([VPT], f32)
-            combine_row(Sink, OPart, LsePart, Out, Lse, t, h, t * n_split, n_split, tx == 0, tx,
-                        (mx, tot, w, scl, acc))
+            merge(OPart, LsePart, Sink, Out, Lse, n_split, h, t)
 
-    return mla_decode_split_combine
+    @T.prim_func
+    def mla_split_combine_max(
+        OPart: T.Tensor([nrow, hp, D], f32),
+        LsePart: T.Tensor([nrow, hp], f32),
+        MaxPart: T.Tensor([nrow, hp], f32),
+        Sink: T.Tensor([n_sink], f32),
+        Out: T.Tensor([ntok, heads, D], bf16),
+        Lse: T.Tensor([ntok, heads], f32),
+        MaxLogits: T.Tensor([ntok, heads], f32),
+        n_split: T.int32,
+    ):
+        with T.Kernel(heads, ntok, threads=threads) as (h, t):
+            merge(OPart, LsePart, Sink, Out, Lse, n_split, h, t)
+            if T.get_thread_binding() == 0:
+                ml = T.alloc_local([1], f32)
+                ml[0] = -T.infinity(f32)
+                for k in T.serial(n_split):
+                    ml[0] = T.max(ml[0], MaxPart[t * n_split + k, h])
+                MaxLogits[t, h] = ml[0]
+
+    return mla_split_combine_max if with_max else mla_decode_split_combine
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_combine(heads: int, has_sink: bool, part_heads: int = 0):
+def _compiled_combine(heads: int, has_sink: bool, part_heads: int = 0, with_max: bool = False):
     import tilelang
 
     return direct_launcher(tilelang.compile(build_combine_kernel(heads=heads, has_sink=has_sink,
-                                                                 part_heads=part_heads), target="cuda"))
+                                                                 part_heads=part_heads, with_max=with_max),
+                                            target="cuda"))
 
 
 def combine(out_p, lse_p, attn_sink, n_split: int, heads: int | None = None):
@@ -181,6 +208,7 @@ def combine(out_p, lse_p, attn_sink, n_split: int, heads: int | None = None):
 
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
-    return [(f"split_combine_h{h}" + ("_sink" if s else "") + (f"_of{p}" if p else ""),
-             build_combine_kernel(heads=h, has_sink=s, part_heads=p))
-            for h, s, p in ((128, True, 0), (16, False, 0), (32, True, 64))]
+    return [(f"split_combine_h{h}" + ("_sink" if s else "") + (f"_of{p}" if p else "") + ("_max" if m else ""),
+             build_combine_kernel(heads=h, has_sink=s, part_heads=p, with_max=m))
+            for h, s, p, m in ((128, True, 0, False), (16, False, 0, False), (32, True, 64, False),
+                               (64, True, 0, True))]

@@ -240,9 +240,11 @@ def _plan_key(form, q, kv, indices, topk_length, attn_sink, *scalars):
 @functools.cache
 def _switches() -> tuple:
     """The environment switches the forward kernels' choices read (names; the kernel modules imported once)."""
-    from . import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair, kernel_fwd_pair_cache
+    from ..decode import kernel_split
+    from . import _tail_split, kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair, kernel_fwd_pair_cache
 
     return (kernel_fwd_pair.QTMA_ENV, kernel_fwd_pair.QNEXT_ENV, kernel_fwd_pair.PERSISTENT_MAX_ENV,
+            _tail_split.TAIL_ENV, kernel_split.SPLIT_ENV,
             kernel_fwd_fp8cache.NARROW_ENV, kernel_fwd_pair_cache.STAGING_ENV,
             kernel_fwd_pair_cache.PERSISTENT_ENV, kernel_fwd_pair_cache.QGATE_ENV, kernel_dequant656.DEQUANT_ONCE_ENV)
 

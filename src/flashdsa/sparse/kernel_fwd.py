@@ -273,33 +273,52 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     and ``kernel_fwd_narrow`` for the other H it takes; True runs ``kernel_fwd_narrow`` (rows on the wgmma M side,
     H <= its MAX_HEADS).  Otherwise ``pair`` runs ``kernel_fwd_pair`` (warp-specialised, H in
     {64, 128}); None picks it for every H it takes.  Else this module's padded 64-head-tile kernel.
+    The pair grid's last partial round runs as split-KV chunks where ``_tail_split.tail_plan`` says so.
     ``checked``: ``kernel_unsupported`` has already accepted these arguments (the dispatcher ran it), so it is
     not run twice."""
     if not checked:
         reason = kernel_unsupported(q, kv, indices, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink)
         if reason is not None:
             raise ValueError(f"sparse_mla fwd kernel: {reason}")
-    return launch(_select(q, kv, narrow, pair), q, kv, indices, sm_scale=sm_scale, d_v=d_v,
-                  topk_length=topk_length, attn_sink=attn_sink)
+    compiled, is_pair = _select(q, kv, narrow, pair)
+    wrap = _tail_wrap(q, indices, sm_scale=sm_scale, d_v=d_v, has_sink=attn_sink is not None,
+                      has_topk_length=topk_length is not None) if is_pair else None
+    return launch(compiled, q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length,
+                  attn_sink=attn_sink, wrap=wrap)
 
 
 def _select(q, kv, narrow=None, pair=None):
-    """``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the kernel
-    ``run_sparse_mla_fwd`` picks for ``q``'s head count (its docstring) and ``kv``'s row count."""
+    """(``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)`` of the kernel
+    ``run_sparse_mla_fwd`` picks for ``q``'s head count (its docstring) and ``kv``'s row count, whether it is the
+    pair grid)."""
     from . import kernel_fwd_mma, kernel_fwd_narrow, kernel_fwd_pair
 
     heads = q.shape[1]
     if narrow is None:
         if heads <= FEW_HEAD_MMA:
-            return kernel_fwd_mma.dispatched(q.shape[0], q.device.index or 0, heads)
+            return kernel_fwd_mma.dispatched(q.shape[0], q.device.index or 0, heads), False
         narrow = heads <= kernel_fwd_narrow.MAX_HEADS
     if pair is None:
         pair = heads in kernel_fwd_pair.SUPPORTED_H
     if narrow:
-        return kernel_fwd_narrow._compiled
+        return kernel_fwd_narrow._compiled, False
     if pair:
-        return kernel_fwd_pair.dispatched(q, kv.shape[0])
-    return _compiled
+        return kernel_fwd_pair.dispatched(q, kv.shape[0]), True
+    return _compiled, False
+
+
+def _tail_wrap(q, indices, *, sm_scale: float, d_v: int, has_sink: bool, has_topk_length: bool):
+    """None, or where ``_tail_split.tail_plan`` splits this pair-grid call's last round, a function taking the
+    grid's launch to the launch with its last tokens as split-KV chunks (``_tail_split.tail_launcher``)."""
+    from . import _tail_split
+
+    n_sm = _dispatch.sm_count(q.device.index or 0) if q.is_cuda else 0
+    plan = _tail_split.tail_plan(q.shape[0], q.shape[1], indices.shape[1], n_sm)
+    if plan is None:
+        return None
+    return lambda main: _tail_split.tail_launcher(main, plan, heads=q.shape[1], dqk=q.shape[2], d_v=d_v,
+                                                  sm_scale=sm_scale, has_sink=has_sink,
+                                                  has_topk_length=has_topk_length)
 
 
 def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None, batched=False):
@@ -308,25 +327,31 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     public API's eager fast path stores per call signature (``_dispatch.PlanCache``).  Returns (launch, fused):
     with ``batched`` and the pair kernel selected, the launch is its ``batched`` build, which takes the batched
     forms' per-batch positions as indices and two more arguments (S, S_kv) (``fused`` True); else fused is
-    False and indices are flat kv rows."""
+    False and indices are flat kv rows.  Either pair launch runs its last partial round as split-KV chunks where
+    ``_tail_split.tail_plan`` says so (``_tail_wrap``)."""
     from . import kernel_fwd_pair
 
     n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
     has_sink, has_tl = attn_sink is not None, topk_length is not None
-    compiled = _select(q, kv)
-    if batched and compiled is not _compiled and q.shape[1] in kernel_fwd_pair.SUPPORTED_H:
-        return kernel_fwd_pair.batched_launcher(q, kv.shape[0], n_blocks, sm_scale=sm_scale, d_v=d_v,
-                                                has_sink=has_sink, has_topk_length=has_tl), True
-    kernel = compiled(q.shape[1], q.shape[2], d_v, n_blocks, float(sm_scale), has_sink, has_tl)
-    return direct_launcher(kernel), False
+    compiled, is_pair = _select(q, kv)
+    fused = batched and is_pair
+    if fused:
+        run = kernel_fwd_pair.batched_launcher(q, kv.shape[0], n_blocks, sm_scale=sm_scale, d_v=d_v,
+                                               has_sink=has_sink, has_topk_length=has_tl)
+    else:
+        run = direct_launcher(compiled(q.shape[1], q.shape[2], d_v, n_blocks, float(sm_scale), has_sink, has_tl))
+    wrap = _tail_wrap(q, indices, sm_scale=sm_scale, d_v=d_v, has_sink=has_sink,
+                      has_topk_length=has_tl) if is_pair else None
+    return (run if wrap is None else wrap(run)), fused
 
 
 def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, attn_sink=None, extra=(),
-           out_f32: bool = False):
+           out_f32: bool = False, wrap=None):
     """Host side shared by the forward variants: outputs, empty inputs, layouts, dummy optional args, then
     ``compiled(heads, dqk, d_v, n_blocks, sm_scale, has_sink, has_topk_length)(...)``; ``extra``: more kernel
     inputs, passed after Sink (e.g. the pair kernel's Order). Arguments already checked.  ``out_f32``: a build
-    writing float32 out over indices' rows (split-KV partials; q one row per token)."""
+    writing float32 out over indices' rows (split-KV partials; q one row per token).  ``wrap``: None, or a
+    function of the kernel's launch giving the launch to make instead (``_tail_wrap``; no ``extra``)."""
     (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v, n_tok=indices.shape[0],
                                                   out_dtype=torch.float32 if out_f32 else torch.bfloat16)
     if done:
@@ -336,8 +361,8 @@ def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=N
     q, kv, indices = (x.clone() if x.is_contiguous() and x.data_ptr() % 16 else x.contiguous()
                       for x in (q, kv, indices))
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
-    kernel = compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl)
-    direct_launcher(kernel)(q, kv, indices, tl_arg, sink_arg, *extra, out, lse, max_logits)
+    run = direct_launcher(compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl))
+    (run if wrap is None else wrap(run))(q, kv, indices, tl_arg, sink_arg, *extra, out, lse, max_logits)
     return out, lse, max_logits
 
 
