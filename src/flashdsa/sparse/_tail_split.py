@@ -10,20 +10,21 @@ What: with ``tail_plan``'s (t_main, n_split, chunk), the forward runs its dispat
 ``t_main`` tokens (whole rounds); the last ``T - t_main = ceil(r / G)`` tokens run as the split-KV decode's
 (token, chunk) rows (``decode/kernel_split.py``: ``split_inputs``, the pair kernel's fp32-partial build
 ``kernel_fwd_pair.OUT_F32_KW``), about one chunk CTA per SM, merged by the split combine (``with_max``: the
-max logits too) straight into the last rows of out / lse / max_logits, the sink applied there. Three launches on
-the stream, no host sync: the plan depends on shapes only, so a forward keeps capturing in a CUDA graph.
+max logits too) straight into the last rows of out / lse / max_logits, the sink applied there. Three launches, no
+host sync: the plan depends on shapes only, so a forward keeps capturing in a CUDA graph (the side stream's fork
+and join included).
 Numerics: the tail tokens' out is the fp32 merge of fp32 partials (as split decode; not bitwise equal to the
 unsplit forward), lse and max_logits as the forward's contract (empty rows: out 0, lse +inf, max_logits -inf).
 
 Where: the chunks run first, on a side stream (forked from and joined back into the caller's stream), so the
 block scheduler places their CTAs on some SMs while the main grid's CTAs fill the others and then the SMs the
-chunks free: the chunks' time overlaps the main grid's. Run after the main grid instead ("serial"), session 54
-measured on an H100 (paired calls, ``scripts/tail_probe.py --ab``) H 64 topk 2048 18 / 10 / 6 us faster at S 4096
-/ 4100 / 4108 (0.3-0.8%), H 128 within 7 us, and the V4 row (topk 640, persistent grid) 15-20 us slower: a chunk
-CTA's fixed part (~27 us for 20 chunk CTAs of 2 blocks at d 512) is about a whole V4 item (~23 us) and a third of
-a topk 2048 one (~68 us).  The persistent grid (``kernel_fwd_pair.persistent_max_blocks``) gains nothing from the
-overlap either (its CTAs have fixed items, so one delayed by a chunk ends late), so by default only the
-one-CTA-per-item grid splits.
+chunks free: the chunks' time overlaps the main grid's. Session 54, H100, paired calls (``scripts/tail_probe.py
+--ab``), split minus unsplit at S 4096 / 4100: H 64 topk 2048 -15.6 / -17.6 us (+0.7-0.8%), H 128 -9.0 / -17.1
+(+0.2-0.4%), the V4 row (topk 640, persistent grid) -1.1 / -3.3 (even); run after the main grid instead
+("serial"): H 64 about the same, H 128 within 7 us, V4 +22..+25 us slower.  A chunk CTA's fixed part is most of
+its time (~27 us for V4's 20 chunk CTAs of 2 blocks, about a whole V4 item), so the split gives back only part
+of the last round.  The persistent grid's CTAs have fixed items (one delayed by a chunk ends late), and it gained
+nothing measurable, so by default (``TAIL_DEFAULT``) only the one-CTA-per-item grid splits.
 
 ``$FLASHDSA_PAIR_TAIL`` (``TAIL_ENV``): unset = "auto" (the one-CTA-per-item grid, topk above the persistent
 bound), "1" wherever ``tail_plan``'s shape rules allow (at least ``TAIL_MIN_BLOCKS`` blocks), "serial" as "1" with
@@ -47,8 +48,7 @@ TAIL_MODES = ("auto", "1", "serial", "0")
 # about one round of chunk CTAs of at least ``kernel_split.MIN_SPLIT_BLOCKS`` blocks)
 TAIL_MAX_SHARE = 8
 # and where a token's list has at least this many 64-slot blocks: a chunk CTA's fixed part (Q, prologue, partial
-# store; ~10 us in session 48's fit) and the merge must stay well under the item time it saves (a guess: not
-# measured below topk 2048)
+# store) and the merge must stay under the item time it saves (at 10 blocks, the V4 row, the split came out even)
 TAIL_MIN_BLOCKS = 8
 
 
