@@ -16,8 +16,8 @@ construction, so that row is the control (a whole item's time expected).
 ``--ab``: the counts ``AB_TOKENS`` (and ``--more``) each timed unsplit (``$FLASHDSA_PAIR_TAIL`` "0") and with the
 last round split (``AB_MODES``: "1", chunks beside the main grid; "serial", after it; ``sparse/_tail_split.py``)
 call by call (A B C A B C ..., 40 calls each, L2 flushed before each: ``harness._timed_calls`` over the settings),
-so clock drift between passes cancels (session 54's first A / B, pass against pass, drifted up to 4% on a count
-where both settings run the same launch); per pass the medians and the median of the 40 paired differences
+so clock drift between passes cancels (session 54's first A / B, pass against pass, drifted up to 6.3% on a
+count where both settings run the same launch); per pass the medians and the median of the 40 paired differences
 against unsplit, then over passes the median gain.  At 4092 nothing is split: the control (differences about 0).
 """
 

@@ -242,6 +242,10 @@ def test_cuda_graph_replay_new_indices(device, case, monkeypatch):
     round split on (``$FLASHDSA_PAIR_TAIL``; the t136 cases split it)."""
     monkeypatch.setenv("FLASHDSA_PAIR_TAIL", "1")
     op, dqk, heads, tkv, topk, n_tok, sink, use_tl, batch = case
+    if device == "cuda" and n_tok == 136 and torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        from flashdsa.sparse import _tail_split
+
+        assert _tail_split.tail_plan(n_tok, heads, topk, 132) is not None  # these cases split on 132 SMs
     kw = dict(sink=sink, use_tl=use_tl, batch=batch)
     x = _inputs(device, dqk, heads, tkv, topk, n_tok, seed=1, **kw)
     eager = _graph_call(op, x, batch, device)  # compiles (and stores the eager plan) outside the capture

@@ -18,6 +18,7 @@ pytest.importorskip("tilelang")
 
 import flashdsa  # noqa: E402
 from flashdsa import _dispatch  # noqa: E402
+from flashdsa.decode import kernel_split  # noqa: E402
 from flashdsa.sparse import _tail_split, kernel_fwd  # noqa: E402
 
 from ._hang import sync_or_die  # noqa: E402
@@ -56,17 +57,28 @@ def _tail_rows(indices, topk_length, tkv):
 
 @pytest.fixture
 def tail_calls(monkeypatch):
-    """How often ``_tail_split.tail_launcher`` built a launch (the split switched on, whatever its default)."""
+    """The plans ``_tail_split.tail_launcher`` built launches for, and (``tail_calls.runs``) how many split launches
+    ran their chunks (``kernel_split.split_inputs`` is called per split launch, never on the unsplit fallback); the
+    split switched on, whatever its default."""
     monkeypatch.setenv(_tail_split.TAIL_ENV, "1")
-    calls = []
-    real = _tail_split.tail_launcher
+    calls = _Calls()
+    real, real_inputs = _tail_split.tail_launcher, kernel_split.split_inputs
 
     def spy(*a, **k):
         calls.append(a[1])
         return real(*a, **k)
 
+    def spy_inputs(*a, **k):
+        calls.runs += 1
+        return real_inputs(*a, **k)
+
     monkeypatch.setattr(_tail_split, "tail_launcher", spy)
+    monkeypatch.setattr(kernel_split, "split_inputs", spy_inputs)
     return calls
+
+
+class _Calls(list):
+    runs = 0
 
 
 @pytest.mark.parametrize("dqk,heads,tkv,topk,sink,use_tl,layout", CASES,
@@ -84,14 +96,13 @@ def test_tail_split_forward(dqk, heads, tkv, topk, sink, use_tl, layout, tail_ca
                                                 topk_length=topk_length, attn_sink=attn_sink)
     got = run()
     sync_or_die("tail split", f"dqk={dqk} H={heads} topk={topk}", HANG_S)
-    assert tail_calls == [plan]
+    assert tail_calls == [plan] and tail_calls.runs == 1
     check_against_reference(*got, q, kv, indices, sm_scale, topk_length, attn_sink, valid)
 
     monkeypatch.setenv(_tail_split.TAIL_ENV, "0")
-    assert _tail_split.tail_plan(n_tok, heads, topk, 132) is None
     base = run()
     sync_or_die("unsplit", f"dqk={dqk} H={heads} topk={topk}", HANG_S)
-    assert len(tail_calls) == 1
+    assert len(tail_calls) == 1 and tail_calls.runs == 1
     t0 = plan[0]
     for name, a, b in zip(("out", "lse", "max_logits"), got, base):
         assert torch.equal(a[:t0], b[:t0]), f"{name}: the main grid's rows differ from the unsplit forward"
@@ -119,6 +130,7 @@ def test_tail_split_sparse_attn_batched(tail_calls):
     again = flashdsa.sparse_attn(q, kv, sink, idx)
     sync_or_die("tail split", "sparse_attn batched", HANG_S)
     assert len(tail_calls) == 2, tail_calls  # the plain path's launch, then the plan's
+    assert tail_calls.runs == 2  # both ran their chunks (the tail is in the last batch)
     ref = flashdsa.sparse_attn(q.double(), kv.double(), sink, idx, backend="reference")
     for got in (first, again):
         err = (got.double() - ref).abs().max().item()

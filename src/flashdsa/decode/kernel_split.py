@@ -122,7 +122,7 @@ def build_combine_kernel(*, heads: int, has_sink: bool, threads: int = _COMBINE_
     Hp] f32, Sink [n_sink] f32, Out [T, H, 512] bf16, Lse [T, H] f32, n_split int32) with Hp = ``part_heads``
     (0: H; more where the forward ran padded heads, ``forward_heads``: heads H.. of the partials are not read);
     grid (H, T), ``threads`` x 512 / threads columns.  ``with_max`` (the prefill's last round split,
-    ``sparse/kernel_fwd_tail.py``): MaxPart [T * n_split, Hp] f32 after LsePart and MaxLogits [T, H] f32 after Lse,
+    ``sparse/_tail_split.py``): MaxPart [T * n_split, Hp] f32 after LsePart and MaxLogits [T, H] f32 after Lse,
     the chunks' largest max logit (-inf where none saw a key).
     """
     import tilelang.language as T

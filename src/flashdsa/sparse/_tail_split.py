@@ -10,9 +10,10 @@ What: with ``tail_plan``'s (t_main, n_split, chunk), the forward runs its dispat
 ``t_main`` tokens (whole rounds); the last ``T - t_main = ceil(r / G)`` tokens run as the split-KV decode's
 (token, chunk) rows (``decode/kernel_split.py``: ``split_inputs``, the pair kernel's fp32-partial build
 ``kernel_fwd_pair.OUT_F32_KW``), about one chunk CTA per SM, merged by the split combine (``with_max``: the
-max logits too) straight into the last rows of out / lse / max_logits, the sink applied there. Three launches, no
-host sync: the plan depends on shapes only, so a forward keeps capturing in a CUDA graph (the side stream's fork
-and join included).
+max logits too) straight into the last rows of out / lse / max_logits, the sink applied there. Three kernels
+(and ``split_inputs``' few element-wise ops where it pads or cuts ``topk_length``), no host sync: the plan depends
+on shapes only, so a forward keeps capturing in a CUDA graph (the side stream's
+fork and join included).
 Numerics: the tail tokens' out is the fp32 merge of fp32 partials (as split decode; not bitwise equal to the
 unsplit forward), lse and max_logits as the forward's contract (empty rows: out 0, lse +inf, max_logits -inf).
 
@@ -22,9 +23,11 @@ chunks free: the chunks' time overlaps the main grid's. Session 54, H100, paired
 --ab``), split minus unsplit at S 4096 / 4100: H 64 topk 2048 -15.6 / -17.6 us (+0.7-0.8%), H 128 -9.0 / -17.1
 (+0.2-0.4%), the V4 row (topk 640, persistent grid) -1.1 / -3.3 (even); run after the main grid instead
 ("serial"): H 64 about the same, H 128 within 7 us, V4 +22..+25 us slower.  A chunk CTA's fixed part is most of
-its time (~27 us for V4's 20 chunk CTAs of 2 blocks, about a whole V4 item), so the split gives back only part
-of the last round.  The persistent grid's CTAs have fixed items (one delayed by a chunk ends late), and it gained
-nothing measurable, so by default (``TAIL_DEFAULT``) only the one-CTA-per-item grid splits.
+its time (V4's chunk grid, 20 CTAs of 2 blocks, took 26.8 us in torch.profiler, about a whole V4 item), so the
+split gives back only part of the last round.  Not split: the 656-byte cache's dequantize-once path
+(``kernel_fwd_fp8cache``), which launches ``kernel_fwd_pair`` directly.  The persistent grid's CTAs have fixed items
+(one delayed by a chunk ends late), and it
+gained nothing measurable, so by default (``TAIL_DEFAULT``) only the one-CTA-per-item grid splits.
 
 ``$FLASHDSA_PAIR_TAIL`` (``TAIL_ENV``): unset = "auto" (the one-CTA-per-item grid, topk above the persistent
 bound), "1" wherever ``tail_plan``'s shape rules allow (at least ``TAIL_MIN_BLOCKS`` blocks), "serial" as "1" with
@@ -134,10 +137,12 @@ def tail_launcher(main, plan: tuple[int, int, int], *, heads: int, dqk: int, d_v
             caller = torch.cuda.current_stream(q.device)
             side = _side_stream(q.device.index)
             side.wait_stream(caller)  # the inputs (and split_inputs' tensors) are written on the caller's stream
-            with torch.cuda.stream(side):
-                part(*args)  # queued first: its CTAs are placed before the main grid's
-            run_main()
-            caller.wait_stream(side)
+            try:
+                with torch.cuda.stream(side):
+                    part(*args)  # queued first: its CTAs are placed before the main grid's
+                run_main()
+            finally:  # joined even if a launch raised (a capture must not end with the side stream forked)
+                caller.wait_stream(side)
         merge(out_p, lse_p, max_p, attn_sink, out[t0:], lse[t0:], max_logits[t0:], n_split)
 
     return run

@@ -352,6 +352,7 @@ def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=N
     inputs, passed after Sink (e.g. the pair kernel's Order). Arguments already checked.  ``out_f32``: a build
     writing float32 out over indices' rows (split-KV partials; q one row per token).  ``wrap``: None, or a
     function of the kernel's launch giving the launch to make instead (``_tail_wrap``; no ``extra``)."""
+    assert wrap is None or not extra, "wrap: a launch without extra inputs before out"
     (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v, n_tok=indices.shape[0],
                                                   out_dtype=torch.float32 if out_f32 else torch.bfloat16)
     if done:
