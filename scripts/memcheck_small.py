@@ -13,7 +13,9 @@ H 16), sparse_*_extras (with attn_sink and topk_length), sparse_bf16_512 (Dqk 51
 heads), indexer_prefill / indexer_prefill_bf16, decode_split656 (split-KV decode over the FP8 cache: sparse H 16 /
 64 / 128 and dense), decode_split_padded (split-KV at H 32 / 100 over the FP8 cache and H 9 / 64 / 128 over a bf16
 one: the padded pair forms and the bf16 pair kernel's fp32 build), sparse_bf16_qnext (the persistent pair grid with
-Q loaded ahead, ``$FLASHDSA_PAIR_QNEXT=1``: 600 tokens, several items per CTA).
+Q loaded ahead, ``$FLASHDSA_PAIR_QNEXT=1``: 600 tokens, several items per CTA), sparse_bf16_tail (the last round
+as split-KV chunks), sparse_cache656_padded (H 48 / 100 over the FP8 cache: heads padded to 64),
+sparse_attn_batched (the DeepSeek-V4 op at b 2).
 """
 
 import math
@@ -352,6 +354,35 @@ def sparse_tail():
 
 
 TARGETS["sparse_bf16_tail"] = sparse_tail
+# H 33..63 / 65..127 over the 656-byte cache: kernel_fwd_fp8cache's own kernel (heads padded to 64)
+TARGETS["sparse_cache656_padded"] = lambda: sparse("cache656", cases=((48, 100), (100, 256)), extras=True)
+
+
+def sparse_attn_batched():
+    """``sparse_attn`` (DeepSeek-V4 form: K = V, d 512) at b 2, h 64, topk 640 (the batched pair build: each
+    batch's indices offset into one flat kv inside the kernel path), sink with +-inf, invalid indices of every
+    kind, an all-invalid row, NaN in unselected kv rows."""
+    import flashdsa
+
+    b, m, n, h, topk = 2, 40, 600, 64, 640
+    g = torch.Generator(device=DEV).manual_seed(8)
+    q = (torch.randn(b, m, h, 512, device=DEV, generator=g) * 0.1).to(torch.bfloat16)
+    kv = (torch.randn(b, n, 512, device=DEV, generator=g) * 0.1).to(torch.bfloat16)
+    kv[:, n - 50:] = float("nan")  # rows no index selects
+    idx = torch.randint(0, n - 50, (b, m, topk), device=DEV, generator=g, dtype=torch.int32)
+    bad = torch.tensor([-2**31, -123456, -1, n, n + b * n, 2**31 - 1], device=DEV, dtype=torch.int32)
+    pos = torch.rand(b, m, topk, device=DEV, generator=g) < 0.1
+    idx[pos] = bad[torch.randint(0, 6, (int(pos.sum()),), device=DEV, generator=g)]
+    idx[0, 1] = -1  # an all-invalid row
+    sink = _sink_and_lengths(b * m, h, topk)["attn_sink"]
+    out = flashdsa.sparse_attn(q, kv, sink, idx, backend="kernel" if DEV == "cuda" else "reference")
+    ref = flashdsa.sparse_attn(q.cpu(), kv.cpu(), sink.cpu(), idx.cpu(), backend="reference")
+    good = _close(out, ref, 8e-4, 3 / 128)
+    print(f"  sparse_attn batched b {b} h {h} topk {topk}: {'ok' if good else 'MISMATCH'}")
+    return good
+
+
+TARGETS["sparse_attn_batched"] = sparse_attn_batched
 
 
 def main():

@@ -28,6 +28,14 @@ def direct_launcher(kernel):
     return get()
 
 
+def aligned(x):
+    """``x`` contiguous with a 16-byte aligned base address: ``x`` itself where it already is, else a copy.  The
+    kernels read their inputs in 16-byte pieces (cp.async, vector loads, TMA boxes), which a contiguous view
+    starting at another offset would fault on."""
+    x = x.contiguous()
+    return x.clone() if x.data_ptr() % 16 else x
+
+
 def pad_heads(x, heads: int, value: float = 0.0):
     """x [T, H, ...] with dim 1 (heads) padded to ``heads`` >= H with ``value``: x itself where H == heads.  For
     kernels that tile heads (the backward's 64, the split decode forward's 64 / 128-head pair forms)."""

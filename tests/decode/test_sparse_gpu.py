@@ -118,6 +118,33 @@ def test_sparse_decode_cuda_graph_replay(H, fp8):
         _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
 
 
+@pytest.mark.parametrize("H", [16, 64])
+def test_dense_decode_fp8_cuda_graph_replay(H):
+    """Capture one dense decode step over the FP8 cache (the slots are derived from the block table and lengths
+    on the GPU), replay it with new q and shorter lengths written in place."""
+    B, s_q, bs = 8, 2, 64
+    lens = [4096, 140, 20, 0, 4096, 1000, 77, 512]
+    q, kv, table, seqlens = _make(B, s_q, H, bs, lens, seed=13)
+    cache = flashdsa.quantize_kv_fp8(kv)
+    flashdsa.mla_decode(q, cache, table, seqlens, backend="kernel")  # compile, warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashdsa.mla_decode(q, cache, table, seqlens, backend="kernel")
+    g = torch.Generator(device="cuda").manual_seed(14)
+    for _ in range(2):
+        q.copy_((torch.randn(q.shape, generator=g, device="cuda") * 0.1).to(q.dtype))
+        new = (torch.rand(B, generator=g, device="cuda") * (seqlens.float() + 1)).to(torch.int32)
+        new[0] = seqlens[0]
+        seqlens.copy_(new)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), table, seqlens,
+                                               backend="reference")
+        _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
+
+
 # (B, s_q, H, block_size, lens, topk, fp8): few query tokens, so split-KV runs (decode.kernel_split)
 SPLIT = [
     (1, 1, 128, 64, (32768,), 2048, True),

@@ -109,6 +109,24 @@ def test_dtype_heads_dims(dtype, H, D, kind):
     _check(out, indexer_logits_reference(q, k, w, ks, kst, ken))
 
 
+# the dtype / H / D combinations test_dtype_heads_dims leaves out (the contract file runs them causal only)
+_HD_REST = [(FP8, 16, 64), (FP8, 8, 128)] + [(BF16, h, d) for h, d in
+                                             [(64, 64), (32, 64), (32, 128), (16, 128), (8, 64), (8, 128)]]
+
+
+@pytest.mark.parametrize("dtype,H,D", _HD_REST,
+                         ids=[f"{'fp8' if t == FP8 else 'bf16'}-h{h}-d{d}" for t, h, d in _HD_REST])
+@pytest.mark.parametrize("kind", ["full", "cp", "varlen", "empty_mix"])
+def test_rest_dtype_heads_dims(dtype, H, D, kind):
+    kp = _kernel()
+    M, N = 300, 1000
+    q, k, w, ks = _inputs(M, N, H, D, dtype, seed=H + D + 1)
+    kst, ken = _ranges(kind, M, N)
+    assert kp.kernel_unsupported(q, k, w, ks, kst, ken) is None
+    out = _run(kp, q, k, w, ks, kst, ken)
+    _check(out, indexer_logits_reference(q, k, w, ks, kst, ken))
+
+
 @pytest.mark.parametrize("M,N", [(1, 1), (1, 4097), (63, 129), (257, 127), (1000, 128), (4, 8192)],
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("kind", ["full", "causal", "empty_mix", "all_empty"])

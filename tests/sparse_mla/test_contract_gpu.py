@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import flashdsa
+from flashdsa import _dispatch
 from devices import backend_for as _backend, on_devices
 from oracles import INT32_MAX, INT32_MIN, sparse_mla_oracle
 
@@ -242,7 +243,7 @@ def test_cuda_graph_replay_new_indices(device, case, monkeypatch):
     round split on (``$FLASHDSA_PAIR_TAIL``; the t136 cases split it)."""
     monkeypatch.setenv("FLASHDSA_PAIR_TAIL", "1")
     op, dqk, heads, tkv, topk, n_tok, sink, use_tl, batch = case
-    if device == "cuda" and n_tok == 136 and torch.cuda.get_device_properties(0).multi_processor_count == 132:
+    if device == "cuda" and n_tok == 136 and _dispatch.sm_count(0) == 132:
         from flashdsa.sparse import _tail_split
 
         assert _tail_split.tail_plan(n_tok, heads, topk, 132) is not None  # these cases split on 132 SMs

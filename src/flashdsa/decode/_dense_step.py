@@ -9,7 +9,7 @@ import torch
 from . import _pair_path
 from . import kernel_dense as _kd
 from ._tl_common import D_V, DQK
-from .._tilelang import direct_launcher, dummy
+from .._tilelang import aligned, direct_launcher, dummy
 
 
 class DenseStep:
@@ -43,13 +43,13 @@ class DenseStep:
             # in scripts/bench_decode.py); its merge counters are per (device, stream), fresh inside a capture
             from . import kernel_dense_fused as fused
 
-            fused.run_fused(q.reshape(B, M, DQK).contiguous(), kv_cache.contiguous(), self.block_table,
+            fused.run_fused(aligned(q.reshape(B, M, DQK)), aligned(kv_cache), self.block_table,
                             self.cache_seqlens, attn_sink, out, lse, heads=H, s_q=s_q, causal=self.causal,
                             sm_scale=self.sm_scale, num_sms=self.num_sms, workspace=self.workspace)
         elif path == "split":
             plan, seq_plan, o_part, lse_part = self.workspace
             sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, dev)
-            direct_launcher(self.partial)(q.reshape(B, M, DQK).contiguous(), kv_cache.contiguous(), self.block_table,
+            direct_launcher(self.partial)(aligned(q.reshape(B, M, DQK)), aligned(kv_cache), self.block_table,
                                           self.cache_seqlens, plan, sink, out, lse, o_part, lse_part)
             combine = _kd._compiled_combine(H, s_q, attn_sink is not None)
             direct_launcher(combine)(seq_plan, sink, o_part, lse_part, out, lse)

@@ -31,7 +31,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
-from .._tilelang import direct_launcher, dummy
+from .._tilelang import aligned, direct_launcher, dummy
 from .._validate import check_choice
 from ..sparse import _tl_common as tc
 from ..sparse._pair_body import pair_body
@@ -205,15 +205,13 @@ def run(q, kv_cache, block_table, lengths, order, *, sm_scale: float, attn_sink=
     H, 512] bf16, lse [B * s_q, H] f32).  Arguments already checked."""
     B, s_q, H, _ = q.shape
     nb, bs, _ = kv_cache.shape
-    q = q.reshape(B * s_q, H, DQK).contiguous()
-    kv_cache = kv_cache.contiguous()
+    q = aligned(q.reshape(B * s_q, H, DQK))  # Q's 16-byte loads and TMA boxes need a 16-byte aligned base
+    kv_cache = aligned(kv_cache)
     flat = kv_cache.view(nb * bs, DQK)
     (out, lse, max_logits), done = tc.fwd_outputs(q, flat, sm_scale=sm_scale, d_v=D_V)
     if done:
         return out, lse
     kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, use_cluster(H), use_q_tma(H))
-    if q.data_ptr() % 16 != 0:  # Q's 16-byte loads and TMA boxes need a 16-byte aligned base
-        q = q.clone()
     sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, q.device)
     direct_launcher(kernel)(q, flat, kv_cache, block_table.contiguous(), lengths, sink, order, out, lse, max_logits)
     return out, lse

@@ -86,6 +86,8 @@ import types
 
 import torch
 
+from .._tilelang import aligned
+
 try:
     import tilelang
     import tilelang.language as T
@@ -524,11 +526,6 @@ def kernel_unsupported(q, k_cache, weights, context_lens, block_table, k_scale_c
     return None
 
 
-def _aligned(x):
-    x = x.contiguous()
-    return x.clone() if x.data_ptr() % 16 else x
-
-
 def resolve_variant(variant: str | None, heads: int, next_n: int) -> str:
     """The variant that runs: ``variant``, else ``$FLASHDSA_PAGED_VARIANT`` (read per call), else ``VARIANT``;
     "pipelined_async" becomes "pipelined" when next_n*H > ``ASYNC_MAX_COLS``."""
@@ -556,10 +553,10 @@ def run_indexer_logits_paged(q, k_cache, weights, context_lens, block_table, k_s
         return out
     if nb == 0 or block_table.shape[1] == 0:  # no key can be valid
         return out.fill_(float("-inf"))
-    ksc = _aligned(k_scale_cache) if k_scale_cache is not None else torch.ones((nb, bs), dtype=torch.float32,
+    ksc = aligned(k_scale_cache) if k_scale_cache is not None else torch.ones((nb, bs), dtype=torch.float32,
                                                                                  device=dev)
     kernel = _compiled(H, D, NN, bs, _TL_DTYPES[q.dtype], variant)
-    kernel(_aligned(q).view(B * NN * H, D), _aligned(k_cache), ksc, weights.contiguous().view(-1),
+    kernel(aligned(q).view(B * NN * H, D), aligned(k_cache), ksc, weights.contiguous().view(-1),
            context_lens.contiguous(), block_table.contiguous(), out)
     return out
 

@@ -99,6 +99,8 @@ import functools
 
 import torch
 
+from .._tilelang import aligned
+
 try:  # the package must import without tilelang (CPU CI); kernels are built lazily
     import tilelang
     import tilelang.language as T
@@ -343,14 +345,6 @@ def kernel_unsupported(q, k, weights, k_scale=None, k_start=None, k_end=None) ->
     return None
 
 
-def _tma_ready(x: torch.Tensor) -> torch.Tensor:
-    """Contiguous with a 16-byte aligned base address (TMA descriptors require it)."""
-    x = x.contiguous()
-    if x.data_ptr() % 16 != 0:
-        x = x.clone()
-    return x
-
-
 def run_indexer_logits(q, k, weights, k_scale, k_start=None, k_end=None) -> torch.Tensor:
     """``[M, N]`` float32 logits (see module notes). CUDA tensors; no host sync; every element written."""
     reason = kernel_unsupported(q, k, weights, k_scale, k_start, k_end)
@@ -362,10 +356,10 @@ def run_indexer_logits(q, k, weights, k_scale, k_start=None, k_end=None) -> torc
     out = torch.empty((M, N), dtype=torch.float32, device=dev)
     if M == 0 or N == 0:
         return out
-    q2 = _tma_ready(q).view(M * H, D)
-    k2 = _tma_ready(k)
+    q2 = aligned(q).view(M * H, D)  # (TMA descriptors need a 16-byte aligned base)
+    k2 = aligned(k)
     w = weights.contiguous().view(M * H)
-    ks = _tma_ready(k_scale) if k_scale is not None else torch.ones(N, dtype=torch.float32, device=dev)
+    ks = aligned(k_scale) if k_scale is not None else torch.ones(N, dtype=torch.float32, device=dev)
     ks0 = k_start.contiguous() if k_start is not None else torch.zeros(M, dtype=torch.int32, device=dev)
     ke0 = k_end.contiguous() if k_end is not None else torch.full((M,), N, dtype=torch.int32, device=dev)
     kernel = _compiled(H, D, _TL_DTYPES[q.dtype], SCHEDULE, HEAD_MAJOR)

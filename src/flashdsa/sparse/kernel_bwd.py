@@ -92,6 +92,7 @@ import tilelang
 import tilelang.language as T
 
 from .. import _dispatch
+from .._tilelang import aligned
 from . import _tl_common as tc
 from . import kernel_fwd
 from ._bwd_parts import RED_V4_PRELUDE, build_segment_reduce
@@ -520,8 +521,7 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     if n_tok == 0 or n_kv == 0:
         dq.zero_()
         return dq, acc.to(kv.dtype), (dsink_rows.new_zeros(heads) if has_sink else None)
-    q, kv, dout, out, indices = (x.contiguous() for x in (q, kv, dout, out, indices))
-    lse = lse.contiguous()
+    q, kv, dout, out, indices, lse = (aligned(x) for x in (q, kv, dout, out, indices, lse))
     _, _, tl_arg, sink, n_blocks = tc.optional_args(indices, topk_length,
                                                     attn_sink.float() if has_sink else None, dev)
     dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))

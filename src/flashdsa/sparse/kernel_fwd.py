@@ -70,7 +70,7 @@ import tilelang
 import tilelang.language as T
 
 from .. import _dispatch
-from .._tilelang import direct_launcher
+from .._tilelang import aligned, direct_launcher
 from . import _tl_common as tc
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401  (re-exported: LN2, LOG2E)
 
@@ -358,9 +358,7 @@ def launch(compiled, q, kv, indices, *, sm_scale: float, d_v: int, topk_length=N
     if done:
         return out, lse, max_logits
     n_tok, heads, dqk = q.shape
-    # the kernels copy 16-byte pieces: a contiguous view at an odd offset is copied to a fresh (aligned) tensor
-    q, kv, indices = (x.clone() if x.is_contiguous() and x.data_ptr() % 16 else x.contiguous()
-                      for x in (q, kv, indices))
+    q, kv, indices = aligned(q), aligned(kv), aligned(indices)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     run = direct_launcher(compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl))
     (run if wrap is None else wrap(run))(q, kv, indices, tl_arg, sink_arg, *extra, out, lse, max_logits)

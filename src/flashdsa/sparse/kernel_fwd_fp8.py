@@ -59,6 +59,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from .._tilelang import aligned
 from . import _tl_common as tc
 from ._tl_common import LOG2E, BLOCK_H, BLOCK_I, D_V
 
@@ -378,7 +379,7 @@ def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float
     _, heads, dqk = q.shape
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     kernel = _compiled(heads, dqk, d_v, n_blocks, float(sm_scale), has_sink, has_tl, bool(p_split))
-    kernel(q.contiguous(), q_scale.contiguous(), kv.contiguous(), kv_scale.contiguous(), indices.contiguous(),
+    kernel(aligned(q), aligned(q_scale), aligned(kv), aligned(kv_scale), aligned(indices),
            tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 

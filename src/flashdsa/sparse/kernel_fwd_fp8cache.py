@@ -65,7 +65,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
-from .._tilelang import direct_launcher
+from .._tilelang import aligned, direct_launcher
 from . import _tl_common as tc
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401  (re-exported: LN2)
 
@@ -450,8 +450,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
                                                   n_tok=indices.shape[0])
     if done:
         return out, lse, max_logits
-    q = q.contiguous()
-    indices = indices.contiguous()
+    q, indices = aligned(q), aligned(indices)
     launch = launcher(q, kv, indices, sm_scale=sm_scale, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink,
                       narrow=narrow, pair=pair, narrow_stages=narrow_stages, dequant_once=False, out_f32=out_f32)
     _, _, tl_arg, sink_arg, _ = tc.optional_args(indices, topk_length, attn_sink, q.device)

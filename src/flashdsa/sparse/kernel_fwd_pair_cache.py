@@ -77,7 +77,7 @@ import tilelang
 import tilelang.language as T
 
 from .. import _dispatch
-from .._tilelang import direct_launcher
+from .._tilelang import aligned, direct_launcher
 from .._validate import check_choice, check_positive_int, check_tensor
 from . import _pair_parts as pp
 from . import _tl_common as tc
@@ -618,8 +618,7 @@ def run_sparse_mla_fwd(q, kv, indices, *, sm_scale: float, d_v: int, topk_length
     (out, lse, max_logits), done = tc.fwd_outputs(q, kv, sm_scale=sm_scale, d_v=d_v)
     if done:
         return out, lse, max_logits
-    q = q.contiguous()
-    indices = indices.contiguous()
+    q, indices = aligned(q), aligned(indices)
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     if stamps is not None:
         check_tensor("stamps", stamps, shape=(q.shape[0] * (q.shape[1] // BLOCK_H), pp.STAMP_WORDS),
