@@ -556,8 +556,8 @@ def run_indexer_logits_paged(q, k_cache, weights, context_lens, block_table, k_s
     ksc = aligned(k_scale_cache) if k_scale_cache is not None else torch.ones((nb, bs), dtype=torch.float32,
                                                                                  device=dev)
     kernel = _compiled(H, D, NN, bs, _TL_DTYPES[q.dtype], variant)
-    kernel(aligned(q).view(B * NN * H, D), aligned(k_cache), ksc, weights.contiguous().view(-1),
-           context_lens.contiguous(), block_table.contiguous(), out)
+    kernel(aligned(q).view(B * NN * H, D), aligned(k_cache), ksc, aligned(weights).view(-1), aligned(context_lens),
+           aligned(block_table), out)
     return out
 
 

@@ -358,10 +358,10 @@ def run_indexer_logits(q, k, weights, k_scale, k_start=None, k_end=None) -> torc
         return out
     q2 = aligned(q).view(M * H, D)  # (TMA descriptors need a 16-byte aligned base)
     k2 = aligned(k)
-    w = weights.contiguous().view(M * H)
+    w = aligned(weights).view(M * H)
     ks = aligned(k_scale) if k_scale is not None else torch.ones(N, dtype=torch.float32, device=dev)
-    ks0 = k_start.contiguous() if k_start is not None else torch.zeros(M, dtype=torch.int32, device=dev)
-    ke0 = k_end.contiguous() if k_end is not None else torch.full((M,), N, dtype=torch.int32, device=dev)
+    ks0 = aligned(k_start) if k_start is not None else torch.zeros(M, dtype=torch.int32, device=dev)
+    ke0 = aligned(k_end) if k_end is not None else torch.full((M,), N, dtype=torch.int32, device=dev)
     kernel = _compiled(H, D, _TL_DTYPES[q.dtype], SCHEDULE, HEAD_MAJOR)
     kernel(q2, k2, w, ks, ks0, ke0, out)
     return out

@@ -19,7 +19,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from .._tilelang import dummy
+from .._tilelang import aligned, dummy
 
 LOG2E = 1.4426950408889634
 # f16 products over the 656-byte cache: each head's largest |q * token tile scale| is scaled into [2^13, 2^14)
@@ -337,8 +337,8 @@ def optional_args(indices, topk_length, attn_sink, dev):
     inputs the kernel does not read; n_blocks = ceil(topk / BLOCK_I), the kernels' static trip count."""
     has_sink = attn_sink is not None
     has_tl = topk_length is not None
-    tl_arg = topk_length.contiguous() if has_tl else dummy(torch.int32, dev)
-    sink_arg = attn_sink.contiguous() if has_sink else dummy(torch.float32, dev)
+    tl_arg = aligned(topk_length) if has_tl else dummy(torch.int32, dev)
+    sink_arg = aligned(attn_sink) if has_sink else dummy(torch.float32, dev)
     n_blocks = (indices.shape[1] + BLOCK_I - 1) // BLOCK_I
     return has_sink, has_tl, tl_arg, sink_arg, n_blocks
 
