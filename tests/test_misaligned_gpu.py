@@ -1,9 +1,14 @@
-"""GPU: every public op given contiguous inputs whose base address is not 16-byte aligned (a view that starts one
-element past an aligned buffer) gives exactly what it gives on the same values at an aligned address.
+"""GPU: the kernel-backed public ops given contiguous inputs whose base address is not 16-byte aligned (a view that
+starts one element past an aligned buffer) give exactly what they give on the same values at an aligned address:
+indexer_logits, indexer_logits_paged, topk_indices, sparse_mla_fwd (bf16, FP8 compute, the 656-byte cache's q /
+indices), sparse_mla's backward, sparse_attn, mla_decode (dense: the fused, split and pair paths; sparse over the
+656-byte cache).
 
 The kernels read their inputs in 16-byte pieces (cp.async, vector loads, TMA boxes); the launch paths realign such
 views with ``flashdsa._tilelang.aligned`` (a copy) instead of faulting.  Each op is called twice on the misaligned
-inputs: the second call takes the ops' stored-plan paths where they have one.
+inputs, so a plan stored by the first call (``_dispatch.PlanCache``) would serve the second: the plan caches refuse
+misaligned inputs, whose replayed launch would not realign them; ``test_sparse_mla_fwd_optional_misaligned`` has only
+topk_length / sink misaligned, which the kernels read per row.
 """
 
 import pytest
@@ -112,6 +117,25 @@ def test_sparse_mla_fwd_bf16_misaligned(heads):
            (q, kv, idx, tl, sink), f"sparse_mla_fwd bf16 H {heads}", "sparse_mla_fwd")
 
 
+def test_sparse_mla_fwd_optional_misaligned():
+    """q / kv / indices aligned (the plan cache would take them), topk_length and attn_sink misaligned."""
+    q, kv, idx, tl, sink = _sparse_inputs(64, seed=15)
+    fn = lambda tl, sink: flashdsa.sparse_mla_fwd(q, kv, idx, topk_length=tl, attn_sink=sink)  # noqa: E731
+    _twice(fn, (tl, sink), "sparse_mla_fwd bf16, topk_length / sink misaligned", "sparse_mla_fwd")
+
+
+def test_sparse_attn_misaligned():
+    """The DeepSeek-V4 op (K = V, d 512, batched kv) at b 2, h 64, topk 640, with a sink."""
+    g = _gen(16)
+    b, m, n, h, topk = 2, 40, 600, 64, 640
+    q = (torch.randn(b, m, h, 512, generator=g, device="cuda") * 0.1).to(torch.bfloat16)
+    kv = (torch.randn(b, n, 512, generator=g, device="cuda") * 0.1).to(torch.bfloat16)
+    idx = torch.randint(-2, n + 2, (b, m, topk), generator=g, device="cuda", dtype=torch.int32)
+    sink = torch.randn(h, generator=g, device="cuda")
+    _twice(lambda q, kv, sink, idx: flashdsa.sparse_attn(q, kv, sink, idx), (q, kv, sink, idx), "sparse_attn",
+           "sparse_mla_fwd")
+
+
 @pytest.mark.parametrize("heads", [16, 128])
 def test_sparse_mla_fwd_fp8_compute_misaligned(heads):
     q, kv, idx, tl, sink = _sparse_inputs(heads, seed=5)
@@ -155,7 +179,7 @@ def test_sparse_mla_bwd_misaligned():
     _assert_same(got, want, "sparse_mla backward")
 
 
-@pytest.mark.parametrize("B,s_q,H", [(4, 2, 16), (64, 1, 64)])
+@pytest.mark.parametrize("B,s_q,H", [(4, 2, 16), (64, 1, 64), (128, 1, 64)])  # the fused, split, pair paths
 def test_mla_decode_dense_misaligned(B, s_q, H):
     lens = [300 + 37 * b for b in range(B)]
     q, kv_cache, table, seqlens = make_paged(B, s_q, H, 64, lens, seed=10, device="cuda")

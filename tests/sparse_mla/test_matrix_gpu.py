@@ -3,8 +3,9 @@
 Every cell of Dqk {512, 576} x H {1, 16, 64, 128} x (SKV, topk) {(128, 128), (592, 128), (1840, 256), (4096, 100),
 (8192, 2048)} x S {1, 62, 213} runs twice: once with and once without the sink, once with and once without
 topk_length.  Which two of the four (sink, topk_length) pairs a cell gets depends on (Dqk, H, ceil(topk / 64))
-only, the kernels' compile key, so the matrix compiles two builds per key instead of four; across keys all four
-pairs run at every H.  q's layout (contiguous, row-padded, transposed) rotates over the cells.
+only, the kernels' compile key, so the matrix compiles two builds per key instead of four; the block counts 2, 4
+and 32 alternate the two choices, so all four pairs run at every (Dqk, H).  q's layout (contiguous, row-padded,
+transposed) rotates over the cells, across S and across the cells' other factors.
 
 Inputs and checks are the per-kernel files' (``_make_inputs``: duplicates, ~10% invalid indices of every kind,
 ~2% all-invalid rows, NaN in unreferenced kv rows, sinks with +-inf; the issues' tolerances), through
@@ -36,15 +37,16 @@ TOKENS = (1, 62, 213)
 LAYOUTS = ("contig", "sliced", "transposed")
 # two (sink, topk_length) pairs per cell: each cell runs with and without either
 PAIRS = (((False, False), (True, True)), ((True, False), (False, True)))
+BLOCK_COUNTS = sorted({(topk + 63) // 64 for _, topk in SKV_TOPK})  # 2, 4, 32
 
 
 def _cells(dqks):
     """(dqk, heads, tkv, topk, n_tok, sink, use_tl, layout) for every cell of the matrix and both its runs."""
     cells = []
     for n, (dqk, heads, (tkv, topk), n_tok) in enumerate(itertools.product(dqks, HEADS, SKV_TOPK, TOKENS)):
-        parity = (DQKS.index(dqk) + HEADS.index(heads) + (topk + 63) // 64) % 2
+        parity = (DQKS.index(dqk) + HEADS.index(heads) + BLOCK_COUNTS.index((topk + 63) // 64)) % 2
         for sink, use_tl in PAIRS[parity]:
-            cells.append((dqk, heads, tkv, topk, n_tok, sink, use_tl, LAYOUTS[n % 3]))
+            cells.append((dqk, heads, tkv, topk, n_tok, sink, use_tl, LAYOUTS[(n + n // 3) % 3]))
     return cells
 
 

@@ -48,7 +48,7 @@ class DenseStep:
                             sm_scale=self.sm_scale, num_sms=self.num_sms, workspace=self.workspace)
         elif path == "split":
             plan, seq_plan, o_part, lse_part = self.workspace
-            sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, dev)
+            sink = aligned(attn_sink) if attn_sink is not None else dummy(torch.float32, dev)
             direct_launcher(self.partial)(aligned(q.reshape(B, M, DQK)), aligned(kv_cache), self.block_table,
                                           self.cache_seqlens, plan, sink, out, lse, o_part, lse_part)
             combine = _kd._compiled_combine(H, s_q, attn_sink is not None)

@@ -50,7 +50,7 @@ import tilelang.language as T
 from . import kernel_dense as _kd
 from . import kernel_dense_narrow as _kn
 from ._tl_common import D_V, DQK, combine_row_macro, partial_sizes
-from .._tilelang import direct_launcher, dummy
+from .._tilelang import aligned, direct_launcher, dummy
 
 EXPECTS_WGMMA = True
 MAX_ROWS = _kn.MAX_ROWS  # s_q * H handled here (kernel_dense runs "ws" above)
@@ -307,7 +307,7 @@ def run_fused(qf, kv_cache, block_table, cache_seqlens, attn_sink, out, lse, *, 
     plan_sms = num_sms * _kn.ctas_per_sm(M)
     _, _, o_part, lse_part = workspace if workspace is not None else make_workspace(B, M, num_sms, dev)
     has_sink = attn_sink is not None
-    sink = attn_sink.contiguous() if has_sink else dummy(torch.float32, dev)
+    sink = aligned(attn_sink) if has_sink else dummy(torch.float32, dev)
     kern = _compiled(heads, s_q, bs, bool(causal), float(sm_scale), has_sink, plan_sms, _kn.THREADS, _kn.STAGES,
                      _kn.LOADER)
     direct_launcher(kern)(qf, kv_cache, block_table, cache_seqlens, sink, out, lse, o_part, lse_part,

@@ -212,7 +212,7 @@ def run(q, kv_cache, block_table, lengths, order, *, sm_scale: float, attn_sink=
     if done:
         return out, lse
     kernel = _compiled(H, s_q, bs, float(sm_scale), attn_sink is not None, use_cluster(H), use_q_tma(H))
-    sink = attn_sink.contiguous() if attn_sink is not None else dummy(torch.float32, q.device)
+    sink = aligned(attn_sink) if attn_sink is not None else dummy(torch.float32, q.device)
     direct_launcher(kernel)(q, flat, kv_cache, block_table.contiguous(), lengths, sink, order, out, lse, max_logits)
     return out, lse
 

@@ -32,7 +32,8 @@ import os
 
 import torch
 
-from .._tilelang import direct_launcher, pad_heads  # noqa: F401  (pad_heads: the split forward's q, forward_heads)
+# pad_heads: the split forward's q, forward_heads
+from .._tilelang import aligned, direct_launcher, pad_heads  # noqa: F401
 from ._tl_common import D_V, combine_row_macro
 
 SPLIT_ENV = "FLASHDSA_DECODE_SPLIT"
@@ -201,7 +202,7 @@ def combine(out_p, lse_p, attn_sink, n_split: int, heads: int | None = None):
     T_ = n // n_split
     out = torch.empty((T_, H, D), dtype=torch.bfloat16, device=out_p.device)
     lse = torch.empty((T_, H), dtype=torch.float32, device=out_p.device)
-    sink = dummy(torch.float32, out_p.device) if attn_sink is None else attn_sink.float().contiguous()
+    sink = dummy(torch.float32, out_p.device) if attn_sink is None else aligned(attn_sink.float())
     _compiled_combine(H, attn_sink is not None, 0 if Hp == H else Hp)(out_p, lse_p, sink, out, lse, n_split)
     return out, lse
 

@@ -524,7 +524,7 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
     q, kv, dout, out, indices, lse = (aligned(x) for x in (q, kv, dout, out, indices, lse))
     _, _, tl_arg, sink, n_blocks = tc.optional_args(indices, topk_length,
                                                     attn_sink.float() if has_sink else None, dev)
-    dl = dlse.float().contiguous() if has_dlse else lse.new_empty((1, heads))
+    dl = aligned(dlse.float()) if has_dlse else lse.new_empty((1, heads))
     topk = indices.shape[1]
     reducer = dqk == d_v and not deterministic
     red = (RED if red is None else red) if not reducer else "frag2"
@@ -552,8 +552,10 @@ def run_sparse_mla_bwd(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: 
             skeys, order = torch.sort(keys, stable=True)
             start = torch.searchsorted(skeys, rows).to(torch.int32)
             pc = part[: n_hblk * n_c * topk]
-            kernel(q[a:b], kv, dout[a:b], out[a:b], idx, tl_arg[a:b] if has_tl else tl_arg, lse[a:b], sink,
-                   dl[a:b] if has_dlse else dl, dq[a:b], pc, dsink_rows[a:b] if has_sink else dsink_rows)
+            # (a chunk's rows of indices / topk_length start off 16 bytes where topk or a is not a multiple of 4)
+            tl_c = aligned(tl_arg[a:b]) if has_tl else tl_arg
+            kernel(q[a:b], kv, dout[a:b], out[a:b], aligned(idx), tl_c, lse[a:b], sink, dl[a:b] if has_dlse else dl,
+                   dq[a:b], pc, dsink_rows[a:b] if has_sink else dsink_rows)
             reduce(pc, order.to(torch.int32), start, acc)
     return dq, acc.to(kv.dtype), (dsink_rows.sum(0) if has_sink else None)
 

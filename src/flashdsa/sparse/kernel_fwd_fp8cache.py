@@ -402,8 +402,8 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     aligned_q = isinstance(narrow, str) and narrow.startswith("mma")  # its Q loads are 16-byte vectors
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
-        if aligned_q and q.data_ptr() % CHUNK != 0:
-            q = q.clone()
+        if aligned_q:
+            q = aligned(q)
         chunks = cache_chunks(kv)
         run(q, chunks.view(torch.float8_e4m3fn), chunks.view(torch.float32), chunks.view(torch.bfloat16), _rs16(kv),
             kv.shape[0], indices, tl_arg, sink_arg, out, lse, max_logits)

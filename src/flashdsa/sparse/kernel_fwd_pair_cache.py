@@ -581,8 +581,7 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
                                     staging, out_f32, persistent, stamps, "" if q_gate == "off" else q_gate))
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits, *stamps_buf):
-        if q.data_ptr() % fc.CHUNK != 0:  # Q's 16-byte loads and its TMA boxes need a 16-byte aligned base
-            q = q.clone()
+        q = aligned(q)  # Q's 16-byte loads and its TMA boxes need a 16-byte aligned base
         chunks = fc.cache_chunks(kv)
         run(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0], indices, tl_arg,
             sink_arg, out, lse, max_logits, *stamps_buf)

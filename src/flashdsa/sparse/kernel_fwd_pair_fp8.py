@@ -473,7 +473,8 @@ def run_sparse_mla_fwd_fp8(q, kv, indices, *, q_scale, kv_scale, sm_scale: float
     _, heads, dqk = q.shape
     has_sink, has_tl, tl_arg, sink_arg, n_blocks = tc.optional_args(indices, topk_length, attn_sink, q.device)
     kernel = _compiled(heads, dqk, n_blocks, float(sm_scale), has_sink, has_tl, ablate, tuple(regs))
-    direct_launcher(kernel)(aligned(q), aligned(q_scale), aligned(kv), aligned(kv_scale), aligned(indices), tl_arg, sink_arg, out, lse, max_logits)
+    direct_launcher(kernel)(aligned(q), aligned(q_scale), aligned(kv), aligned(kv_scale), aligned(indices),
+                            tl_arg, sink_arg, out, lse, max_logits)
     return out, lse, max_logits
 
 
