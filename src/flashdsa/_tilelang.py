@@ -36,6 +36,12 @@ def aligned(x):
     return x.clone() if x.data_ptr() % 16 else x
 
 
+def any_misaligned(*tensors) -> bool:
+    """Whether a given tensor (None skipped) starts off a 16-byte boundary: a stored launch plan, which passes its
+    inputs on as they are, must not take such a call (``aligned`` copies them on the plain path)."""
+    return any(t is not None and t.data_ptr() % 16 for t in tensors)
+
+
 def pad_heads(x, heads: int, value: float = 0.0):
     """x [T, H, ...] with dim 1 (heads) padded to ``heads`` >= H with ``value``: x itself where H == heads.  For
     kernels that tile heads (the backward's 64, the split decode forward's 64 / 128-head pair forms)."""

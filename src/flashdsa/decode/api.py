@@ -218,10 +218,10 @@ def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v
         return
     if not all(t is None or t.is_contiguous() for t in (q, kv_cache, indices, topk_length, attn_sink)):
         return
-    # the kernels read 16-byte pieces: the plain path realigns a misaligned input (a copy), a plan's launch would not
-    if any(t is not None and t.data_ptr() % 16 for t in (q, kv_cache, indices, topk_length, attn_sink)):
+    from .._tilelang import any_misaligned, dummy
+
+    if any_misaligned(q, kv_cache, indices, topk_length, attn_sink):
         return
-    from .._tilelang import dummy
 
     B, s_q, H, _ = q.shape
     n, topk, rows = B * s_q, indices.shape[-1], kv_cache.shape[0] * kv_cache.shape[1]

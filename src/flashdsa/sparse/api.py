@@ -266,13 +266,13 @@ def _store_plan(key, q, kv, indices, topk_length, attn_sink, flat, d_v, backend)
         return
     if not all(t is None or t.is_contiguous() for t in (q, kv, indices, topk_length, attn_sink)):
         return
-    # the kernels read 16-byte pieces: the plain path realigns a misaligned input (a copy), a plan's launch would not
-    if any(t is not None and t.data_ptr() % 16 for t in (qf, kvf, idx, topk_length, attn_sink)):
+    from .._tilelang import any_misaligned, dummy
+
+    if any_misaligned(qf, kvf, idx, topk_length, attn_sink):
         return
     if _dispatch.resolve_backend("sparse_mla_fwd", backend, qf.device,
                                  _kernel_check(qf, kvf, idx, d_v, tl, attn_sink)) != "kernel":
         return
-    from .._tilelang import dummy
     from . import kernel_index
 
     batched = q.dim() == 4

@@ -368,8 +368,9 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
              dequant_once: bool | None = None, out_f32: bool = False):
     """The one kernel launch ``run_sparse_mla_fwd`` makes for these accepted arguments (T > 0, Tkv > 0), as a
     callable ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)`` (q and indices
-    contiguous); None where the call takes the whole-cache bf16 copy (``dequant_once``: two launches).  What
-    ``mla_decode``'s eager plans store per call signature.  Arguments: as ``run_sparse_mla_fwd``."""
+    contiguous and 16-byte aligned: ``_tilelang.aligned``; the "mma" forms' Q loads are 16-byte vectors); None
+    where the call takes the whole-cache bf16 copy (``dequant_once``: two launches).  What ``mla_decode``'s eager
+    plans store per call signature.  Arguments: as ``run_sparse_mla_fwd``."""
     from . import (kernel_dequant656, kernel_fwd_mma656, kernel_fwd_narrow656, kernel_fwd_narrow656_dual,
                    kernel_fwd_pair_cache)
 
@@ -399,11 +400,8 @@ def launcher(q, kv, indices, *, sm_scale: float, d_v: int, topk_length=None, att
     else:
         kernel = _compiled(heads, n_blocks, float(sm_scale), has_sink, has_tl)
     run = direct_launcher(kernel)
-    aligned_q = isinstance(narrow, str) and narrow.startswith("mma")  # its Q loads are 16-byte vectors
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits):
-        if aligned_q:
-            q = aligned(q)
         chunks = cache_chunks(kv)
         run(q, chunks.view(torch.float8_e4m3fn), chunks.view(torch.float32), chunks.view(torch.bfloat16), _rs16(kv),
             kv.shape[0], indices, tl_arg, sink_arg, out, lse, max_logits)

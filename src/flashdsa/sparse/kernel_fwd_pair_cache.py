@@ -544,7 +544,8 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
              persistent: int | None = None, stamps: bool = False, q_gate: str | None = None,
              n_tok: int | None = None, device_index: int | None = None):
     """This kernel's launch as ``(q, kv, indices, topk_length or dummy, attn_sink or dummy, out, lse, max_logits)``
-    (q and indices contiguous; ``kernel_fwd_fp8cache.launcher``'s form), compiled now.  ``staging``: None reads
+    (q and indices contiguous and 16-byte aligned, for Q's 16-byte loads and TMA boxes;
+    ``kernel_fwd_fp8cache.launcher``'s form), compiled now.  ``staging``: None reads
     ``$FLASHDSA_CACHE656_STAGING`` (``STAGING_ENV``) now; ``out_f32``: out float32; ``persistent`` (timing only):
     that many persistent CTAs (0: one per item), None reads ``$FLASHDSA_CACHE656_PERSISTENT`` (``PERSISTENT_ENV``);
     ``stamps`` (timing build): the launch takes the Stamps buffer as a ninth argument; ``q_gate``: one of
@@ -581,7 +582,6 @@ def launcher(heads: int, n_blocks: int, sm_scale: float, has_sink: bool, has_top
                                     staging, out_f32, persistent, stamps, "" if q_gate == "off" else q_gate))
 
     def launch(q, kv, indices, tl_arg, sink_arg, out, lse, max_logits, *stamps_buf):
-        q = aligned(q)  # Q's 16-byte loads and its TMA boxes need a 16-byte aligned base
         chunks = fc.cache_chunks(kv)
         run(q, chunks.view(torch.float32), chunks.view(torch.bfloat16), fc._rs16(kv), kv.shape[0], indices, tl_arg,
             sink_arg, out, lse, max_logits, *stamps_buf)
