@@ -430,7 +430,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=THREADS, prelude=_SRC + _DUAL_SRC) as bx:
+        with T.Kernel(n_tok, threads=THREADS, prelude=_SRC + _DUAL_SRC + tc.ROLE_BARRIER_PRELUDE) as bx:
             tx = T.get_thread_binding()
             Q_s = T.alloc_shared([BR, D], kdt)
             Qt_s = T.alloc_shared([BR, DT], bf16)
@@ -488,12 +488,12 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 chain0(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st0, raw, Raw, bars, sc, nb, ph, tx,
                        Qsc_s)
                 if ring:
-                    T.sync_threads(BAR_ALL, 256)  # warpgroup 1 may overwrite the ring only after our last block
+                    tc.role_barrier(BAR_ALL, 256)  # warpgroup 1 may overwrite the ring only after our last block
             else:
                 chain1(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st1, raw, Raw, bars, sc, nb, ph, tx,
                        Qsc_s)
                 if ring:
-                    T.sync_threads(BAR_ALL, 256)
+                    tc.role_barrier(BAR_ALL, 256)
                 T.copy(acc_ot1, Mrg_s[0:D, :])
                 for n in T.Parallel(BR):
                     Ml_s[0, n] = m_i1[n]
