@@ -213,11 +213,17 @@ def indexer_prefill(dtype_name="fp8"):
                                       backend="kernel" if DEV == "cuda" else "reference")
         ref = flashdsa.indexer_logits(q.cpu(), k.cpu(), w.cpu(), None if ks is None else ks.cpu(), k_start=start.cpu(),
                                       k_end=end.cpu(), backend="reference")
+        # issue #4's criterion (tests/indexer/checks.py): the -inf mask exactly, 1 - 2<x,y>/(<x,x>+<y,y>) < 5e-6 on
+        # the rest.  Not elementwise: the e4m3 wgmma's products of values up to 448 reach |logits| ~ 1e4, where
+        # heads of both signs cancel (an elementwise 1e-3 test failed here with or without a sanitizer, session 56)
         o, r = out.cpu(), ref
-        same_mask = bool(torch.equal(torch.isinf(o), torch.isinf(r)))
+        same_mask = bool(torch.equal(torch.isinf(o), torch.isinf(r))) and bool((o[torch.isinf(r)] < 0).all())
         fin = ~torch.isinf(r)
-        good = same_mask and _close(o[fin], r[fin], 1e-3, 1e-3)
-        print(f"  indexer prefill {dtype_name} H {H} D {D}: {'ok' if good else 'MISMATCH'}")
+        x, y = o[fin].double(), r[fin].double()
+        err = float(1 - 2 * (x * y).sum() / ((x * x).sum() + (y * y).sum()))
+        good = same_mask and bool(torch.isfinite(x).all()) and err < 5e-6
+        print(f"  indexer prefill {dtype_name} H {H} D {D}: {'ok' if good else 'MISMATCH'} (mask "
+              f"{'equal' if same_mask else 'DIFFERS'}, rel err {err:.2e}, max |diff| {float((x - y).abs().max()):.3g})")
         ok &= good
     return ok
 
