@@ -15,7 +15,8 @@ heads), indexer_prefill / indexer_prefill_bf16, decode_split656 (split-KV decode
 one: the padded pair forms and the bf16 pair kernel's fp32 build), sparse_bf16_qnext (the persistent pair grid with
 Q loaded ahead, ``$FLASHDSA_PAIR_QNEXT=1``: 600 tokens, several items per CTA), sparse_bf16_tail (the last round
 as split-KV chunks), sparse_cache656_padded (H 48 / 100 over the FP8 cache: heads padded to 64),
-sparse_attn_batched (the DeepSeek-V4 op at b 2).
+sparse_attn_batched (the DeepSeek-V4 op at b 2).  ``scripts/sanitize.sh`` runs the same targets under racecheck,
+synccheck and initcheck.
 """
 
 import math
