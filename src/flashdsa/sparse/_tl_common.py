@@ -364,7 +364,9 @@ def ex2(x):
 # i.e. ``barrier.sync.aligned``, which promises that every thread of a barrier generation executes the same static
 # instruction; two warpgroups arriving from their own branches break that promise (undefined in PTX, reported by
 # compute-sanitizer synccheck as "Divergent thread(s) in block": scripts/sanitize.sh).  TileLang does not see this
-# extern as a sync, so it serves only kernels built with TL_DISABLE_THREAD_STORAGE_SYNC.
+# extern as a sync: kernels built with TL_DISABLE_THREAD_STORAGE_SYNC, or whose lowering was compared
+# (kernel_fwd_narrow656_dual: its sync pass then only swaps two warpgroups' private buffers; docs/PERFORMANCE.md
+# "Session 56").
 ROLE_BARRIER_PRELUDE = r"""
 __device__ __forceinline__ void fdsa_role_barrier(int id, int n) {
   asm volatile("barrier.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
