@@ -2,21 +2,21 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/memcheck_small.py topk_regs paged_pipelined
 
-Each target runs its kernel on a small input with edge cases (ranges, short rows, NaN/-inf, invalid block ids)
-and compares with the reference, so a wrong result also fails (exit 1).  Targets: topk_regs, topk_single,
-paged_pipelined, sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_bf16_ws (600) / sparse_cache656 / sparse_fp8
-(the dispatched sparse MLA forwards, with invalid indices of every kind, an all-invalid row and NaN in unselected
-KV rows), sparse_bwd / sparse_bwd_det (the dispatched backward, fast and deterministic), decode / decode_bs16
-(narrow dense decode, TMA / cp.async loads), decode_ws (the warp-specialised dense decode), decode_pair (H 128,
-B 132: the pair path), sparse_cache656_<form> (kernel_fwd_mma656's builds mma / mma_par / mma_ws / mma_ws_par at
-H 16), sparse_*_extras (with attn_sink and topk_length), sparse_bf16_512 (Dqk 512), sparse_bf16_h48 (padded
-heads), indexer_prefill / indexer_prefill_bf16, decode_split656 (split-KV decode over the FP8 cache: sparse H 16 /
-64 / 128 and dense), decode_split_padded (split-KV at H 32 / 100 over the FP8 cache and H 9 / 64 / 128 over a bf16
-one: the padded pair forms and the bf16 pair kernel's fp32 build), sparse_bf16_qnext (the persistent pair grid with
-Q loaded ahead, ``$FLASHDSA_PAIR_QNEXT=1``: 600 tokens, several items per CTA), sparse_bf16_tail (the last round
-as split-KV chunks), sparse_cache656_padded (H 48 / 100 over the FP8 cache: heads padded to 64),
-sparse_attn_batched (the DeepSeek-V4 op at b 2).  ``scripts/sanitize.sh`` runs the same targets under racecheck,
-synccheck and initcheck.
+Each target runs its kernel on a small input with edge cases (ranges, short rows, NaN/-inf, invalid block ids) and
+compares with the reference, so a wrong result also fails (exit 1). Targets: topk_regs, topk_single, paged_pipelined,
+sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_bf16_ws (600) / sparse_cache656 / sparse_fp8 (the dispatched
+sparse MLA forwards, with invalid indices of every kind, an all-invalid row and NaN in unselected KV rows), sparse_bwd
+/ sparse_bwd_det (the dispatched backward, fast and deterministic), decode / decode_bs16 (narrow dense decode, TMA /
+cp.async loads), decode_ws (the warp-specialised dense decode), decode_pair (H 128, B 132: the pair path),
+sparse_cache656_<form> (kernel_fwd_mma656's builds mma / mma_par / mma_ws / mma_ws_par at H 16;
+kernel_fwd_narrow656_dual's opt-in forms ring_er_f16 / ring / ringx), sparse_*_extras (with attn_sink and
+topk_length), sparse_bf16_512 (Dqk 512), sparse_bf16_h48 (padded heads), indexer_prefill / indexer_prefill_bf16,
+decode_split656 (split-KV decode over the FP8 cache: sparse H 16 / 64 / 128 and dense), decode_split_padded (split-KV
+at H 32 / 100 over the FP8 cache and H 9 / 64 / 128 over a bf16 one: the padded pair forms and the bf16 pair kernel's
+fp32 build), sparse_bf16_qnext (the persistent pair grid with Q loaded ahead, ``$FLASHDSA_PAIR_QNEXT=1``: 600 tokens,
+several items per CTA), sparse_bf16_tail (the last round as split-KV chunks), sparse_cache656_padded (H 48 / 100 over
+the FP8 cache: heads padded to 64), sparse_attn_batched (the DeepSeek-V4 op at b 2). ``scripts/sanitize.sh`` runs the
+same targets under racecheck, synccheck and initcheck.
 """
 
 import math
@@ -221,10 +221,12 @@ def indexer_prefill(dtype_name="fp8"):
         same_mask = bool(torch.equal(torch.isinf(o), torch.isinf(r))) and bool((o[torch.isinf(r)] < 0).all())
         fin = ~torch.isinf(r)
         x, y = o[fin].double(), r[fin].double()
-        err = float(1 - 2 * (x * y).sum() / ((x * x).sum() + (y * y).sum()))
+        den = float((x * x).sum() + (y * y).sum())
+        err = 0.0 if den == 0 else float(1 - 2 * (x * y).sum() / den)
         good = same_mask and bool(torch.isfinite(x).all()) and err < 5e-6
+        dmax = float((x - y).abs().max()) if x.numel() else 0.0
         print(f"  indexer prefill {dtype_name} H {H} D {D}: {'ok' if good else 'MISMATCH'} (mask "
-              f"{'equal' if same_mask else 'DIFFERS'}, rel err {err:.2e}, max |diff| {float((x - y).abs().max()):.3g})")
+              f"{'equal' if same_mask else 'DIFFERS'}, rel err {err:.2e}, max |diff| {dmax:.3g})")
         ok &= good
     return ok
 
@@ -317,13 +319,13 @@ TARGETS["decode_split_padded"] = lambda: all([decode_split(True, (32, 100), dens
 
 
 def sparse_cache656_mma(form="mma"):
-    """The 656-byte cache forward with H <= 16 on kernel_fwd_mma656's build ``form`` (the form switch read at
-    dispatch time)."""
+    """The 656-byte cache forward with H <= 16 on kernel_fwd_mma656's build ``form``, or on one of
+    kernel_fwd_narrow656_dual's prefetch forms (opt-in; the form switch read at dispatch time)."""
     with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": form}):
         return sparse("cache656")
 
 
-for _form in ("mma", "mma_par", "mma_ws", "mma_ws_par"):
+for _form in ("mma", "mma_par", "mma_ws", "mma_ws_par", "ring_er_f16", "ring", "ringx"):
     TARGETS[f"sparse_cache656_{_form}"] = lambda f=_form: sparse_cache656_mma(f)
 
 

@@ -4,6 +4,7 @@
 // correctly, so any hazard racecheck reports for it is a limit of the tool's model, not a race.
 //   nvcc -arch=sm_90a -o /tmp/rc_probe scripts/racecheck_probe.cu
 //   compute-sanitizer --tool racecheck --racecheck-report analysis /tmp/rc_probe CASE
+//   compute-sanitizer --tool synccheck /tmp/rc_probe CASE
 // CASE: syncthreads (one __syncthreads), named_same (bar.sync 1, 256 at one site), named_split (bar.sync 1, 256
 // from each warpgroup's own branch: the pair kernels' BAR_BOTH before session 56), unaligned_split (the same with
 // barrier.sync, session 56's form), ldmatrix (ldmatrix reads, __syncthreads, then other threads write the rows).
@@ -13,8 +14,14 @@
 __device__ __forceinline__ void bar_sync(int id, int n) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
+__device__ __forceinline__ void bar_sync_b(int id, int n) {  // the same, as a second asm text: never merged
+  asm volatile("bar.sync %0, %1; // warpgroup 1" ::"r"(id), "r"(n) : "memory");
+}
 __device__ __forceinline__ void bar_sync_unaligned(int id, int n) {
   asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_sync_unaligned_b(int id, int n) {
+  asm volatile("barrier.sync %0, %1; // warpgroup 1" ::"r"(id), "r"(n) : "memory");
 }
 
 __global__ void probe(int mode, float *out) {
@@ -42,8 +49,8 @@ __global__ void probe(int mode, float *out) {
     if (mode == 2) bar_sync(1, 256);
     if (mode == 3) bar_sync_unaligned(1, 256);
   } else {
-    if (mode == 2) bar_sync(1, 256);
-    if (mode == 3) bar_sync_unaligned(1, 256);
+    if (mode == 2) bar_sync_b(1, 256);
+    if (mode == 3) bar_sync_unaligned_b(1, 256);
   }
   if (mode == 0) __syncthreads();
   if (mode == 1) bar_sync(1, 256);

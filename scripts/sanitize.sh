@@ -35,19 +35,21 @@ for spec in $tools; do
     run=("$cs" --tool "$tool" "${opts[@]}" --error-exitcode 3 --print-limit 50)
     [ "$tool" = plain ] && run=()  # no sanitizer: compiles the kernels for the tools after it, plain results
     { echo "targets: ${part[*]}"
-      timeout -s KILL "$budget" "${run[@]}" python scripts/memcheck_small.py "${part[@]}"; } \
-      > "$OUT/sanitize_${tool}_$g.log" 2>&1 &
+      timeout -s KILL "$budget" "${run[@]}" python scripts/memcheck_small.py "${part[@]}"
+      echo "rc=$?"; } > "$OUT/sanitize_${tool}_$g.log" 2>&1 &  # rc 137: past the budget
   done
   wait
 done
+# per log: targets that passed / mismatched (the target lines, not the per-case ones), exit status, tool summary
 for f in "$OUT"/sanitize_*.log; do
-  echo "$(basename "$f") [$(head -1 "$f" | cut -c10-)]: $(grep -cE ' OK$' "$f") OK, $(grep -cE 'MISMATCH$' "$f") mismatch;" \
+  ok=$(grep -cE '^[a-z0-9_]+ OK$' "$f"); bad=$(grep -cE '^[a-z0-9_]+ MISMATCH$' "$f")
+  echo "$(basename "$f") [$(head -1 "$f" | cut -c10-)]: $ok OK, $bad mismatch, $(grep -E '^rc=' "$f");" \
     "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tr '\n' ' ')"
 done
-# the distinct places the errors point at (kernel frame and source line), per log
+# the distinct places the errors point at (kernel frame, source line), per log with errors or hazards
 for f in "$OUT"/sanitize_*.log; do
-  grep -qE "Error:|error detected" "$f" || continue
+  grep -qE 'ERROR SUMMARY: [1-9]|\([1-9][0-9]* errors|hazard detected' "$f" || continue
   echo "== $(basename "$f"):"
-  grep -E "^=========     (Device Frame|Read Thread|Write Thread|at )" "$f" | sed -E 's/\([0-9,]+\)//g; s/\+0x[0-9a-f]+//' \
-    | cut -c1-230 | sort | uniq -c | sort -rn | head -8
+  grep -E '^=========[[:space:]]+(Device Frame|Read Thread|Write Thread|at |and Read access|and Write access)' "$f" \
+    | sed -E 's/ +/ /g; s/\([0-9,]+\)//g; s/\+0x[0-9a-f]+//g' | cut -c1-230 | sort | uniq -c | sort -rn | head -8
 done
