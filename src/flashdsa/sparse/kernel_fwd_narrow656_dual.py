@@ -165,7 +165,9 @@ __device__ __forceinline__ float fdsa_pow2_floor(float x) { return __int_as_floa
 
 THREADS = 256
 BAR_WG = (1, 2)  # named barriers of warpgroups 0 / 1 (0 is __syncthreads)
-BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLang numbers its own from 3 up)
+# all 256 threads, reached from both warpgroups' branches: through _tl_common.role_barrier, the unaligned
+# barrier.sync (TileLang numbers its own barriers from 3 up)
+BAR_ALL = 15
 # "ring16" / "ring64": the ring in 16- / 64-row stages (default 32); "_er": the next block's row numbers loaded early;
 # "ringx": RINGX_STAGES stages of 16 rows, not tied to blocks (more than one block's worth of raw rows in flight);
 # "_f16": f16 products (module notes)
