@@ -2,20 +2,21 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/memcheck_small.py topk_regs paged_pipelined
 
-Each target runs its kernel on a small input with edge cases (ranges, short rows, NaN/-inf, invalid block ids)
-and compares with the reference, so a wrong result also fails (exit 1).  Targets: topk_regs, topk_single,
-paged_pipelined, sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_bf16_ws (600) / sparse_cache656 / sparse_fp8
-(the dispatched sparse MLA forwards, with invalid indices of every kind, an all-invalid row and NaN in unselected
-KV rows), sparse_bwd / sparse_bwd_det (the dispatched backward, fast and deterministic), decode / decode_bs16
-(narrow dense decode, TMA / cp.async loads), decode_ws (the warp-specialised dense decode), decode_pair (H 128,
-B 132: the pair path), sparse_cache656_<form> (kernel_fwd_mma656's builds mma / mma_par / mma_ws / mma_ws_par at
-H 16), sparse_*_extras (with attn_sink and topk_length), sparse_bf16_512 (Dqk 512), sparse_bf16_h48 (padded
-heads), indexer_prefill / indexer_prefill_bf16, decode_split656 (split-KV decode over the FP8 cache: sparse H 16 /
-64 / 128 and dense), decode_split_padded (split-KV at H 32 / 100 over the FP8 cache and H 9 / 64 / 128 over a bf16
-one: the padded pair forms and the bf16 pair kernel's fp32 build), sparse_bf16_qnext (the persistent pair grid with
-Q loaded ahead, ``$FLASHDSA_PAIR_QNEXT=1``: 600 tokens, several items per CTA), sparse_bf16_tail (the last round
-as split-KV chunks), sparse_cache656_padded (H 48 / 100 over the FP8 cache: heads padded to 64),
-sparse_attn_batched (the DeepSeek-V4 op at b 2).
+Each target runs its kernel on a small input with edge cases (ranges, short rows, NaN/-inf, invalid block ids) and
+compares with the reference, so a wrong result also fails (exit 1). Targets: topk_regs, topk_single, paged_pipelined,
+sparse_bf16 / sparse_bf16_many (300 tokens) / sparse_bf16_ws (600) / sparse_cache656 / sparse_fp8 (the dispatched
+sparse MLA forwards, with invalid indices of every kind, an all-invalid row and NaN in unselected KV rows), sparse_bwd
+/ sparse_bwd_det (the dispatched backward, fast and deterministic), decode / decode_bs16 (narrow dense decode, TMA /
+cp.async loads), decode_ws (the warp-specialised dense decode), decode_pair (H 128, B 132: the pair path),
+sparse_cache656_<form> (kernel_fwd_mma656's builds mma / mma_par / mma_ws / mma_ws_par at H 16;
+kernel_fwd_narrow656_dual's opt-in forms ring_er_f16 / ring / ringx), sparse_*_extras (with attn_sink and
+topk_length), sparse_bf16_512 (Dqk 512), sparse_bf16_h48 (padded heads), indexer_prefill / indexer_prefill_bf16,
+decode_split656 (split-KV decode over the FP8 cache: sparse H 16 / 64 / 128 and dense), decode_split_padded (split-KV
+at H 32 / 100 over the FP8 cache and H 9 / 64 / 128 over a bf16 one: the padded pair forms and the bf16 pair kernel's
+fp32 build), sparse_bf16_qnext (the persistent pair grid with Q loaded ahead, ``$FLASHDSA_PAIR_QNEXT=1``: 600 tokens,
+several items per CTA), sparse_bf16_tail (the last round as split-KV chunks), sparse_cache656_padded (H 48 / 100 over
+the FP8 cache: heads padded to 64), sparse_attn_batched (the DeepSeek-V4 op at b 2). ``scripts/sanitize.sh`` runs the
+same targets under racecheck, synccheck and initcheck.
 """
 
 import math
@@ -138,6 +139,28 @@ def sparse(form, n_tok=37, cases=((16, 100), (32, 100), (128, 256), (128, 700)),
     return ok
 
 
+def _bwd_rounding_emulation(q, kv, idx, dout, sink):
+    """(dq, dkv) in float64 on the CPU with P and sm_scale * dS rounded to bf16 as the kernel's wgmma operands
+    (``sparse_mla_bwd_reference(..., bf16_operands=True)``), from the reference forward's out / lse."""
+    import flashdsa
+    from flashdsa.sparse.reference import sparse_mla_bwd_reference
+
+    q, kv, idx, dout, sink = (t.cpu() for t in (q, kv, idx, dout, sink))
+    out, lse = flashdsa.sparse_mla_fwd(q, kv, idx, attn_sink=sink, backend="reference")
+    f = torch.float64
+    dq, dkv, _ = sparse_mla_bwd_reference(q.to(f), kv.to(f), idx, out, lse, dout.to(f), sm_scale=q.shape[-1] ** -0.5,
+                                          d_v=512, attn_sink=sink.to(f), bf16_operands=True)
+    return dq, dkv
+
+
+def _grad_close(got, ref, emu):
+    """Per element: |got - ref| <= 1e-3 + 8/128 |ref|, or <= 2 |emu - ref| + 3e-4 (emu: the rounding emulation)."""
+    got, ref, emu = got.double().cpu(), ref.double().cpu(), emu.double().cpu()
+    err = (got - ref).abs()
+    ok = (err <= 1e-3 + (8 / 128) * ref.abs()) | (err <= 2 * (emu - ref).abs() + 3e-4)
+    return bool(torch.isfinite(got).all()) and bool(ok.all())
+
+
 def sparse_bwd(deterministic, dqk=576):
     """The dispatched sparse MLA backward (fast atomics path / deterministic path; Dqk 512: the reducer warpgroup),
     H 64, invalid indices of every kind, an all-invalid row, NaN in unselected KV rows (their gradient must be
@@ -157,8 +180,12 @@ def sparse_bwd(deterministic, dqk=576):
         out = flashdsa.sparse_mla(qq, kk, idx.to(dev), attn_sink=ss, deterministic=deterministic, backend=backend)
         grads.append(torch.autograd.grad(out, [qq, kk, ss], dout.to(dev)))
     (dq, dkv, ds), (rq, rkv, rs) = grads
-    # each side runs its own forward (out rounded to bf16 differently), so the issue's dq / dkv tolerances for all
-    checks = {"dq": _close(dq, rq, 1e-3, 8 / 128), "dkv": _close(dkv[:300], rkv[:300], 1e-3, 8 / 128),
+    # each side runs its own forward (out rounded to bf16 differently), so the issue's dq / dkv tolerances for all;
+    # an element also passes within 2x the error of a race-free emulation of the kernel's bf16 operands + 3e-4, as
+    # in tests/sparse_mla/test_kernel_bwd_gpu.py (at this input scale the per-element bound alone fails on rounding:
+    # scripts/bwd_target_margin.py); a lost or doubled atomic still fails
+    eq, ekv = _bwd_rounding_emulation(q, kv, idx, dout, sink)
+    checks = {"dq": _grad_close(dq, rq, eq), "dkv": _grad_close(dkv[:300], rkv[:300], ekv[:300]),
               "d_sink": _close(ds, rs, 1e-3, 8 / 128), "unreferenced dkv = 0": bool((dkv[300:].float() == 0).all())}
     good = all(checks.values())
     err = (ds.float().cpu() - rs.float()).abs().max().item()
@@ -213,11 +240,19 @@ def indexer_prefill(dtype_name="fp8"):
                                       backend="kernel" if DEV == "cuda" else "reference")
         ref = flashdsa.indexer_logits(q.cpu(), k.cpu(), w.cpu(), None if ks is None else ks.cpu(), k_start=start.cpu(),
                                       k_end=end.cpu(), backend="reference")
+        # issue #4's criterion (tests/indexer/checks.py): the -inf mask exactly, 1 - 2<x,y>/(<x,x>+<y,y>) < 5e-6 on
+        # the rest.  Not elementwise: the e4m3 wgmma's products of values up to 448 reach |logits| ~ 1e4, where
+        # heads of both signs cancel (an elementwise 1e-3 test failed here with or without a sanitizer, session 56)
         o, r = out.cpu(), ref
-        same_mask = bool(torch.equal(torch.isinf(o), torch.isinf(r)))
+        same_mask = bool(torch.equal(torch.isinf(o), torch.isinf(r))) and bool((o[torch.isinf(r)] < 0).all())
         fin = ~torch.isinf(r)
-        good = same_mask and _close(o[fin], r[fin], 1e-3, 1e-3)
-        print(f"  indexer prefill {dtype_name} H {H} D {D}: {'ok' if good else 'MISMATCH'}")
+        x, y = o[fin].double(), r[fin].double()
+        den = float((x * x).sum() + (y * y).sum())
+        err = 0.0 if den == 0 else float(1 - 2 * (x * y).sum() / den)
+        good = same_mask and bool(torch.isfinite(x).all()) and err < 5e-6
+        dmax = float((x - y).abs().max()) if x.numel() else 0.0
+        print(f"  indexer prefill {dtype_name} H {H} D {D}: {'ok' if good else 'MISMATCH'} (mask "
+              f"{'equal' if same_mask else 'DIFFERS'}, rel err {err:.2e}, max |diff| {dmax:.3g})")
         ok &= good
     return ok
 
@@ -310,13 +345,13 @@ TARGETS["decode_split_padded"] = lambda: all([decode_split(True, (32, 100), dens
 
 
 def sparse_cache656_mma(form="mma"):
-    """The 656-byte cache forward with H <= 16 on kernel_fwd_mma656's build ``form`` (the form switch read at
-    dispatch time)."""
+    """The 656-byte cache forward with H <= 16 on kernel_fwd_mma656's build ``form``, or on one of
+    kernel_fwd_narrow656_dual's prefetch forms (opt-in; the form switch read at dispatch time)."""
     with mock.patch.dict(os.environ, {"FLASHDSA_NARROW_CACHE656": form}):
         return sparse("cache656")
 
 
-for _form in ("mma", "mma_par", "mma_ws", "mma_ws_par"):
+for _form in ("mma", "mma_par", "mma_ws", "mma_ws_par", "ring_er_f16", "ring", "ringx"):
     TARGETS[f"sparse_cache656_{_form}"] = lambda f=_form: sparse_cache656_mma(f)
 
 

@@ -43,12 +43,31 @@ def _lower(mod, func) -> str:
     return lower_to_cuda_source(func, mod._pass_configs() if hasattr(mod, "_pass_configs") else None, "sm_90a")
 
 
+def _role_barrier_ids(mod) -> set:
+    """Named barriers that two warpgroups of ``mod``'s kernels reach from their own code: they must be the unaligned
+    ``barrier.sync`` (``_tl_common.role_barrier``), never TileLang's ``bar.sync`` (``tl::__sync_thread_partial``),
+    which promises one static instruction per barrier generation (compute-sanitizer synccheck: "Divergent
+    thread(s) in block", session 56)."""
+    from flashdsa.sparse import _pair_parts, kernel_fwd_narrow656_dual
+
+    pair = {"sparse.kernel_fwd_pair", "sparse.kernel_fwd_pair_cache", "sparse.kernel_fwd_pair_fp8",
+            "decode.kernel_pair_paged"}
+    name = mod.__name__.removeprefix("flashdsa.")
+    if name in pair:
+        return {_pair_parts.BAR_BOTH}
+    if name == "sparse.kernel_fwd_narrow656_dual":
+        return {kernel_fwd_narrow656_dual.BAR_ALL}
+    return set()
+
+
 @pytest.mark.parametrize("mod,func,wgmma", _cases())
 def test_lowers_to_sm90a_cuda(mod, func, wgmma):
     src = _lower(mod, func)
     assert "__global__" in src
     if wgmma:  # matrix kernels must be on the Hopper wgmma path
         assert "wgmma" in src, "the Hopper path must issue wgmma"
+    for bar in _role_barrier_ids(mod):
+        assert f"tl::__sync_thread_partial({bar}, " not in src, f"barrier {bar} emitted aligned (bar.sync)"
 
 
 def test_pair_q_next_build_loads_q_ahead():

@@ -400,3 +400,35 @@ def test_backward_deterministic_flag_matches_default():
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=1e-12)
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=0, atol=1e-12)
     assert not torch.are_deterministic_algorithms_enabled()  # the global flag is restored
+
+
+def test_backward_bf16_operands_rounds_p_and_ds():
+    """bf16_operands=True rounds P and sm_scale * dS to bf16 before their products (the kernel's wgmma operands),
+    and only those: against the products written out from the reference's own P and dS, and against the default."""
+    from flashdsa.sparse.reference import sparse_mla_bwd_reference
+
+    g = torch.Generator().manual_seed(12)
+    T, H, Tkv, topk, dqk, d_v = 4, 3, 10, 6, 512, 512
+    q = torch.randn(T, H, dqk, generator=g, dtype=F64) * 0.5
+    kv = torch.randn(Tkv, dqk, generator=g, dtype=F64) * 0.5
+    idx = torch.randint(0, Tkv, (T, topk), generator=g, dtype=I32)
+    idx[0, 2] = -1  # one invalid slot
+    dout = torch.randn(T, H, d_v, generator=g, dtype=F64)
+    sm = dqk ** -0.5
+    out, lse = flashdsa.sparse_mla_fwd(q, kv, idx, sm_scale=sm, backend="reference")
+    args = (q, kv, idx, out, lse, dout)
+    dq0, dkv0, _ = sparse_mla_bwd_reference(*args, sm_scale=sm, d_v=d_v)
+    dq1, dkv1, _ = sparse_mla_bwd_reference(*args, sm_scale=sm, d_v=d_v, bf16_operands=True)
+    # written out: P, dS from the module docstring's math, then the rounded operands' products
+    valid = idx >= 0
+    k = torch.where(valid[..., None], kv[idx.clamp_min(0).long()], 0.0)
+    p = torch.where(valid[:, None], torch.exp(torch.einsum("thd,tkd->thk", q, k) * sm - lse[..., None]), 0.0)
+    ds = p * (torch.einsum("thd,tkd->thk", dout, k[..., :d_v]) - (out * dout).sum(-1)[..., None])
+    ds_b = (ds * sm).to(BF16).to(F64)
+    dk = torch.einsum("thk,thd->tkd", ds_b, q)
+    dk[..., :d_v] += torch.einsum("thk,thd->tkd", p.to(BF16).to(F64), dout)
+    dkv = torch.zeros(Tkv, dqk, dtype=F64).index_add_(0, idx.long()[valid], dk[valid])
+    torch.testing.assert_close(dq1, torch.einsum("thk,tkd->thd", ds_b, k), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dkv1, dkv, rtol=1e-12, atol=1e-12)
+    # the rounding moves the gradients by bf16-sized amounts, not more
+    assert 0 < (dkv1 - dkv0).abs().max() < 2e-2 * dkv0.abs().max()

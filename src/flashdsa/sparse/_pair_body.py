@@ -98,8 +98,9 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
     assert not q_next or converter is None, "q_gate next: the bf16 kernel's build (not measured with a converter)"
     assert not (gate and (persistent or converter is None)), q_gate
     gated, gate_ar = gate != "", gate == "ar"
+    prelude = (prelude or "") + tc.ROLE_BARRIER_PRELUDE  # BAR_BOTH: both consumers, each from its own code
     if stamps:
-        prelude = (prelude or "") + STAMP_SRC
+        prelude += STAMP_SRC
     assert len(regs) == n_wg and sum(regs) <= n_wg * ((65536 // threads) // 8 * 8), regs
     assert all(r % 8 == 0 for r in regs), regs
     assert dqk in _SUPPORTED_DQK, dqk
@@ -148,7 +149,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
             if D_tail > 0:
                 T.copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t)
         T.fence_proxy_async()
-        T.sync_threads(BAR_BOTH, 256)
+        tc.role_barrier(BAR_BOTH, 256)
 
     @T.macro
     def load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, issuer, gate=None):
@@ -178,7 +179,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         # a consumer at item ``it``'s start (q_gate "next"): its Q landed; BAR_BOTH as load_q's (Ls0 / Ls1: the
         # peer read them before the writer's next finish); an item without pairs reads no Q
         T.barrier_wait(q_bar, q_load_parity(it))
-        T.sync_threads(BAR_BOTH, 256)
+        tc.role_barrier(BAR_BOTH, 256)
         if npair[0] == 0:
             T.barrier_arrive(q_dead)
 
@@ -309,8 +310,8 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
         # total l = l_0 + l_1 (same operand order in both roles: bit-identical factors), O staged through
         # the dead Q half (not with out_f32 or q_gate "next"), written to Out[:, c0:c0+256]
         T.copy(l_acc, Ls_own)
-        T.sync_threads(BAR_BOTH, 256)  # both l halves written; both consumers past every wgmma (this item's Q
-        #                                 is dead; with q_gate "next" the next item's may be landing)
+        tc.role_barrier(BAR_BOTH, 256)  # both l halves written; both consumers past every wgmma (this item's Q
+        #                                  is dead; with q_gate "next" the next item's may be landing)
         for h in T.Parallel(BH):
             l_acc[h] = Ls0[h] + Ls1[h]
         normaliser(inv, l_acc, m_run, Sink, h0)

@@ -7,7 +7,9 @@ import tilelang.language as T
 from . import _tl_common as tc
 from ._tl_common import BLOCK_I
 
-BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10  # named barrier ids (128 / 128 / 256 threads); 0 is __syncthreads
+# named barrier ids (128 / 128 / 256 threads); 0 is __syncthreads.  BAR_BOTH joins the two consumers, each from its
+# own code: always through _tl_common.role_barrier (the unaligned barrier.sync; tests/test_lowering.py checks)
+BAR_WG0, BAR_WG1, BAR_BOTH = 8, 9, 10
 BAR_PROD = 11  # named barrier of the 128 producer threads
 
 

@@ -359,6 +359,27 @@ def ex2(x):
     return T.call_extern("float32", "fdsa_ex2", x)
 
 
+# A named barrier that threads of different roles meet at, each role from its own code (e.g. both consumer
+# warpgroups of a pair kernel): ``barrier.sync`` without ``.aligned``.  ``T.sync_threads(id, n)`` emits ``bar.sync``,
+# i.e. ``barrier.sync.aligned``, which promises that every thread of a barrier generation executes the same static
+# instruction; two warpgroups arriving from their own branches break that promise (undefined in PTX, reported by
+# compute-sanitizer synccheck as "Divergent thread(s) in block": scripts/sanitize.sh).  TileLang does not see this
+# extern as a sync: kernels built with TL_DISABLE_THREAD_STORAGE_SYNC, or whose lowering was compared
+# (kernel_fwd_narrow656_dual: its sync pass then only swaps two warpgroups' private buffers; docs/PERFORMANCE.md
+# "Session 56").
+ROLE_BARRIER_PRELUDE = r"""
+__device__ __forceinline__ void fdsa_role_barrier(int id, int n) {
+  asm volatile("barrier.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
+}
+"""
+
+
+def role_barrier(bar_id, n_threads):
+    """``barrier.sync bar_id, n_threads`` (unaligned) through ``ROLE_BARRIER_PRELUDE``: for a named barrier whose
+    participants reach it from different code (the kernel's prelude must include the helper)."""
+    return T.call_extern("handle", "fdsa_role_barrier", bar_id, n_threads)
+
+
 # ``row_gather``: the producer's gather of one half tile by an extern with a row-major thread mapping.  TileLang's
 # mapping of the T.Parallel gather gives each thread 16 different rows per half tile (a warp copies one 512-byte
 # row segment per instruction), so every 16-byte cp.async needs its own Rows[] load, validity check and address

@@ -165,7 +165,9 @@ __device__ __forceinline__ float fdsa_pow2_floor(float x) { return __int_as_floa
 
 THREADS = 256
 BAR_WG = (1, 2)  # named barriers of warpgroups 0 / 1 (0 is __syncthreads)
-BAR_ALL = 15  # all 256 threads, reached from both warpgroups' branches (TileLang numbers its own from 3 up)
+# all 256 threads, reached from both warpgroups' branches: through _tl_common.role_barrier, the unaligned
+# barrier.sync (TileLang numbers its own barriers from 3 up)
+BAR_ALL = 15
 # "ring16" / "ring64": the ring in 16- / 64-row stages (default 32); "_er": the next block's row numbers loaded early;
 # "ringx": RINGX_STAGES stages of 16 rows, not tied to blocks (more than one block's worth of raw rows in flight);
 # "_f16": f16 products (module notes)
@@ -430,7 +432,7 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        with T.Kernel(n_tok, threads=THREADS, prelude=_SRC + _DUAL_SRC) as bx:
+        with T.Kernel(n_tok, threads=THREADS, prelude=_SRC + _DUAL_SRC + tc.ROLE_BARRIER_PRELUDE) as bx:
             tx = T.get_thread_binding()
             Q_s = T.alloc_shared([BR, D], kdt)
             Qt_s = T.alloc_shared([BR, DT], bf16)
@@ -488,12 +490,12 @@ def build_sparse_mla_fwd_narrow656_dual(*, heads: int, sm_scale: float, has_sink
                 chain0(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st0, raw, Raw, bars, sc, nb, ph, tx,
                        Qsc_s)
                 if ring:
-                    T.sync_threads(BAR_ALL, 256)  # warpgroup 1 may overwrite the ring only after our last block
+                    tc.role_barrier(BAR_ALL, 256)  # warpgroup 1 may overwrite the ring only after our last block
             else:
                 chain1(Q_s, Qt_s, KV8, rs16, n_rows, Indices, bx, lim[0], nblk, st1, raw, Raw, bars, sc, nb, ph, tx,
                        Qsc_s)
                 if ring:
-                    T.sync_threads(BAR_ALL, 256)
+                    tc.role_barrier(BAR_ALL, 256)
                 T.copy(acc_ot1, Mrg_s[0:D, :])
                 for n in T.Parallel(BR):
                     Ml_s[0, n] = m_i1[n]

@@ -163,7 +163,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
     def finish(acc_o, l_acc, m_run, inv, c_cur, Ls_own, Ls0, Ls1, Inv_s, bar, Sink, Out, tok, h0, c0, wt):
         # total l = l_0 + l_1 (same order in both roles), out = O / (c l), written from the accumulators
         T.copy(l_acc, Ls_own)
-        T.sync_threads(BAR_BOTH, 256)
+        tc.role_barrier(BAR_BOTH, 256)
         for h in T.Parallel(BH):
             l_acc[h] = Ls0[h] + Ls1[h]
         normaliser(inv, l_acc, m_run, Sink, h0)
@@ -213,7 +213,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
         Lse: T.Tensor([n_tok, heads], f32),
         MaxLogits: T.Tensor([n_tok, heads], f32),
     ):
-        prelude = tc.ROW_GATHER_PRELUDE + tc.FAST_EXP2_PRELUDE + OT_PRELUDE
+        prelude = tc.ROW_GATHER_PRELUDE + tc.FAST_EXP2_PRELUDE + OT_PRELUDE + tc.ROLE_BARRIER_PRELUDE
         with T.Kernel(n_tok * G, threads=THREADS, prelude=prelude) as bx:
             Q_l = T.alloc_shared([BH, DH], fp8)
             Q_r = T.alloc_shared([BH, DH], fp8)
@@ -310,7 +310,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
                 for h in T.Parallel(BH):
                     qsc0[h] = QScale[tok, h0 + h]
                 T.fence_proxy_async()
-                T.sync_threads(BAR_BOTH, 256)
+                tc.role_barrier(BAR_BOTH, 256)
                 T.call_extern("handle", "fdsa_ot_zero", T.address_of(acc_o0[0]))
                 T.fill(l0, 0)
                 T.fill(m_run0, tc.NEG_BIG)
@@ -363,7 +363,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
                 for h in T.Parallel(BH):
                     qsc1[h] = QScale[tok, h0 + h]
                 T.fence_proxy_async()
-                T.sync_threads(BAR_BOTH, 256)
+                tc.role_barrier(BAR_BOTH, 256)
                 T.call_extern("handle", "fdsa_ot_zero", T.address_of(acc_o1[0]))
                 T.fill(l1, 0)
                 T.fill(m_run1, tc.NEG_BIG)

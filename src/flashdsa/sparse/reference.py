@@ -123,14 +123,18 @@ def _scatter_add_rows(dst: torch.Tensor, rows: torch.Tensor, vals: torch.Tensor,
 def sparse_mla_bwd_reference(q, kv, indices, out, lse, dout, *, sm_scale: float, d_v: int,
                              attn_sink: Optional[torch.Tensor] = None,
                              topk_length: Optional[torch.Tensor] = None,
-                             dlse: Optional[torch.Tensor] = None, deterministic: bool = False):
+                             dlse: Optional[torch.Tensor] = None, deterministic: bool = False,
+                             bf16_operands: bool = False):
     """Reference backward on the flat form (analytic, see module docstring).
 
     Args:
         q, kv, indices, attn_sink, topk_length: as for the forward; out `[T, H, d_v]` and lse `[T, H]` from the
         forward (out including the sink factor); dout `[T, H, d_v]`; dlse `[T, H]` or None, the gradient reaching
         lse (adds ``exp(s_j - lse) * dlse`` to dS_j); deterministic: accumulate dkv with PyTorch's
-        deterministic (sorted) scatter-add, bitwise reproducible on CUDA too (CPU is deterministic either way).
+        deterministic (sorted) scatter-add, bitwise reproducible on CUDA too (CPU is deterministic either way);
+        bf16_operands: round P and ``sm_scale * dS`` to bfloat16 before the products that use them, as the
+        kernel's wgmmas do (an emulation of its rounding, no races: the error a kernel check should allow where
+        dkv is small; kernel_bwd.py's numerics note).
 
     Returns:
         dq `[T, H, Dqk]`, dkv `[Tkv, Dqk]`, d_sink `[H]` (None without sink), all in the compute dtype.
@@ -161,9 +165,15 @@ def sparse_mla_bwd_reference(q, kv, indices, out, lse, dout, *, sm_scale: float,
         ds = p * (dp - delta.unsqueeze(-1))
         if dlse is not None:
             ds = ds + p_raw * dlse[a:b].to(cd).unsqueeze(-1)
-        dq[a:b] = sm_scale * torch.einsum("thk,tkd->thd", ds, k)
-        dk = sm_scale * torch.einsum("thk,thd->tkd", ds, qc)
-        dk[..., :d_v] += torch.einsum("thk,thd->tkd", p, do)
+        if bf16_operands:  # the wgmma operands: sm_scale * dS and P in bf16
+            ds_s = (ds * sm_scale).to(torch.bfloat16).to(cd)
+            dq[a:b] = torch.einsum("thk,tkd->thd", ds_s, k)
+            dk = torch.einsum("thk,thd->tkd", ds_s, qc)
+            dk[..., :d_v] += torch.einsum("thk,thd->tkd", p.to(torch.bfloat16).to(cd), do)
+        else:
+            dq[a:b] = sm_scale * torch.einsum("thk,tkd->thd", ds, k)
+            dk = sm_scale * torch.einsum("thk,thd->tkd", ds, qc)
+            dk[..., :d_v] += torch.einsum("thk,thd->tkd", p, do)
         flat_valid = valid.reshape(-1)
         rows = indices[a:b].reshape(-1)[flat_valid].long()
         _scatter_add_rows(dkv, rows, dk.reshape(-1, dqk)[flat_valid], deterministic)
