@@ -48,8 +48,10 @@ for f in "$OUT"/sanitize_*.log; do
 done
 # the distinct places the errors point at (kernel frame, source line), per log with errors or hazards
 for f in "$OUT"/sanitize_*.log; do
-  grep -qE 'ERROR SUMMARY: [1-9]|\([1-9][0-9]* errors|hazard detected' "$f" || continue
+  grep -qE 'ERROR SUMMARY: [1-9]|\([1-9][0-9]* (errors|warnings)|hazard detected|Race reported|error detected|'\
+'Uninitialized|Invalid __' "$f" || continue
   echo "== $(basename "$f"):"
-  grep -E '^=========[[:space:]]+(Device Frame|Read Thread|Write Thread|at |and Read access|and Write access)' "$f" \
-    | sed -E 's/ +/ /g; s/\([0-9,]+\)//g; s/\+0x[0-9a-f]+//g' | cut -c1-230 | sort | uniq -c | sort -rn | head -8
+  grep -E '^=========[[:space:]]+(Device Frame|Read Thread|Write Thread|at |and (Read|Write) access|Error: Race)' \
+    "$f" | sed -E 's/ +/ /g; s/\([0-9, ]+\)//g; s/\+0x[0-9a-f]+//g; s/ \[[0-9]+ hazards\]//' | cut -c1-230 \
+    | sort | uniq -c | sort -rn | head -8
 done

@@ -134,7 +134,8 @@ def sparse_mla_bwd_reference(q, kv, indices, out, lse, dout, *, sm_scale: float,
         deterministic (sorted) scatter-add, bitwise reproducible on CUDA too (CPU is deterministic either way);
         bf16_operands: round P and ``sm_scale * dS`` to bfloat16 before the products that use them, as the
         kernel's wgmmas do (an emulation of its rounding, no races: the error a kernel check should allow where
-        dkv is small; kernel_bwd.py's numerics note).
+        dkv is small; kernel_bwd.py's numerics note); the rest runs in the compute dtype, so pass float64 inputs
+        for an emulation that rounds only there.
 
     Returns:
         dq `[T, H, Dqk]`, dkv `[Tkv, Dqk]`, d_sink `[H]` (None without sink), all in the compute dtype.
