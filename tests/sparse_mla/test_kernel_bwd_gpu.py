@@ -32,10 +32,8 @@ pytest.importorskip("tilelang")
 
 from flashdsa.sparse import kernel_bwd  # noqa: E402
 from flashdsa.sparse.reference import (  # noqa: E402
-    sink_gate,
     sparse_mla_bwd_reference,
     sparse_mla_fwd_reference,
-    valid_mask,
 )
 
 from .test_kernel_gpu import _make_inputs  # noqa: E402
@@ -81,28 +79,12 @@ def _reference(q, kv, indices, out, lse, dout, sm_scale, topk_length, attn_sink,
 
 
 def _bf16_emulation(q, kv, indices, out, lse, dout, sm_scale, topk_length, attn_sink, dlse=None):
-    """(dq, dkv) in float64 except where the kernel rounds to bf16: P and sm_scale * dS (the wgmma operands)."""
+    """(dq, dkv) in float64 except where the kernel rounds to bf16: P and sm_scale * dS (the wgmma operands);
+    ``sparse_mla_bwd_reference(..., bf16_operands=True)`` on float64 inputs."""
     f64 = torch.float64
-    n_kv = kv.shape[0]
-    valid = valid_mask(indices, n_kv, topk_length)
-    k = torch.where(valid.unsqueeze(-1), kv[torch.where(valid, indices, 0).long()].to(f64), 0.0)  # [T, k, Dqk]
-    q64, do64, lse64 = q.to(f64), dout.to(f64), lse.to(f64)
-    finite = torch.isfinite(lse64)
-    s = torch.einsum("thd,tkd->thk", q64, k) * sm_scale
-    p_raw = torch.exp(s - torch.where(finite, lse64, 0.0).unsqueeze(-1))
-    p_raw = torch.where(valid.unsqueeze(1) & finite.unsqueeze(-1), p_raw, 0.0)
-    p = p_raw * sink_gate(lse64, attn_sink).unsqueeze(-1)
-    delta = (out.to(f64) * do64).sum(-1)
-    ds = p * (torch.einsum("thd,tkd->thk", do64, k[..., :D_V]) - delta.unsqueeze(-1))
-    if dlse is not None:
-        ds = ds + p_raw * dlse.to(f64).unsqueeze(-1)
-    ds = (ds * sm_scale).to(torch.bfloat16).to(f64)
-    p = p.to(torch.bfloat16).to(f64)
-    dq = torch.einsum("thk,tkd->thd", ds, k)
-    dk = torch.einsum("thk,thd->tkd", ds, q64)
-    dk[..., :D_V] += torch.einsum("thk,thd->tkd", p, do64)
-    dkv = torch.zeros(n_kv, q.shape[-1], dtype=f64, device=q.device)
-    dkv.index_add_(0, indices.long()[valid], dk[valid])
+    dq, dkv, _ = sparse_mla_bwd_reference(q.to(f64), kv.to(f64), indices, out.to(f64), lse.to(f64), dout.to(f64),
+                                          sm_scale=sm_scale, d_v=D_V, attn_sink=attn_sink, topk_length=topk_length,
+                                          dlse=None if dlse is None else dlse.to(f64), bf16_operands=True)
     return dq, dkv
 
 
