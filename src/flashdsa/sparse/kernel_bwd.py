@@ -22,9 +22,10 @@ Design:
   * Main kernel, grid ``(T, H / 64)``, 256 threads = 2 warpgroups, one CTA per (token, 64-head group).  Q, Q-tail
     and dO tiles stay in shared memory.  A static-trip-count loop over top-k blocks of BI = 64 slots:
       - block i+1's slot rows (``valid ? indices[t, j] : -1``, valid: j < topk_length, 0 <= idx < Tkv) into
-        ``rows_s[(i+1) % 2]`` and its KV rows by predicated zero-filling cp.async (invalid rows are never read;
-        NaN cannot leak) are issued right after block i's ``dq += dS K`` (the last reader of the KV tile), so
-        the gather lands during block i's dK/dV products and atomics; block 0 is gathered before the loop;
+        ``rows_s[(i+1) % 2]`` (``% 3`` with the reducer) and its KV rows by predicated zero-filling cp.async
+        (invalid rows are never read; NaN cannot leak) are issued right after block i's ``dq += dS K`` (the last
+        reader of the KV tile), so the gather lands during block i's dK/dV products and atomics; block 0 is
+        gathered before the loop;
       - S = Q K^T (wgmma, invalid columns start at -inf), P = exp2(S c - lse2);
       - dP = dO V^T (wgmma), dS = sm_scale * P * (dP - delta); P and dS -> bf16 shared;
       - dq += dS K, dq_tail += dS K_tail (wgmma, fp32 register accumulators for the whole loop);
@@ -50,14 +51,16 @@ Design:
     the reductions (``red_skip``) 2.78 against 1.82 with no atomics at all: decoupled, the reductions cost 0.54 ms
     instead of 1.66, but the hand-over through shared memory costs 0.96 (a first form with one 64-column stage
     and a CTA-wide barrier per chunk: 3.37 / 2.92; a double-buffered one in 16-column pieces: 3.49 / 2.79).
-    setmaxnreg 232 / 232 / 40.  Dqk 576 has no 16 KiB left for the stage.
+    setmaxnreg 232 / 232 / 40.  Dqk 576 has no 16 KiB left for the stage.  The slot rows are triple-buffered
+    here: the reducer reads block i's rows for its last chunk while the compute warpgroups may already write
+    block i+2's (session 57: with two buffers initcheck's timing showed it, one wrong 16-byte piece of dkv).
   * dkv = fp32 accumulator .to(bf16); dq is written once, bf16, through the Q tile (no atomics).
   * T, Tkv and the indices width are dynamic symbols; the trip count ceil(topk / 64) is static (TileLang
     0.1.15 pitfalls, see kernel_fwd.py): kernels are cached per (H, Dqk, n_blocks, sm_scale, topk_length,
     partials).
 Shared memory (Dqk = 576): Q 64x512 + dO 64x512 + KV 64x512 bf16 (3 x 64 KiB) + Q/K tails 2 x 8 KiB + P, dS
   2 x 8 KiB + rows (2 x 64) /lse2/delta = 230,656 B as TileLang lays it out (cap 232,448 B).  Dqk = 512: 214,016 B
-  (+ the reducer's 16 KiB stage).
+  (+ the reducer's 16 KiB stage and third 256 B rows buffer).
 Registers (per thread, 256 threads): dq 64x512 fp32 = 128, dq_tail 16, S/P 16, dP/dS 16, dKV chunk 64x64 = 16:
   ~192 live floats + addresses; the prologue's out rows (64) are dead before the loop.  ptxas (CUDA 13.0, sm_90a,
   -O3, session 16): 248-254 registers, 0 spill stores/loads for H64/Dqk576, H128/Dqk576/topk_length (+ sink),
@@ -173,6 +176,10 @@ def build_sparse_mla_bwd(
     assert not reducer or (D_tail == 0 and not partials and ablate in ("", "red_skip")), "reducer: Dqk 512 fast path"
     assert reducer or ablate != "red_skip", "red_skip: a reducer build"
     NCH = dqk // DC  # dKV chunks per block
+    NRB = 3 if reducer else 2  # slot-row buffers (rows_s)
+
+    def next_rb(it, rb):  # block it+1's rows buffer, an inline expression (the 2-buffer builds' TIR as before)
+        return (it + 1) % NRB if reducer else 1 - rb
     c_log2 = float(sm_scale) * LOG2E
 
     bf16, f32, i32 = "bfloat16", "float32", "int32"
@@ -318,7 +325,10 @@ def build_sparse_mla_bwd(
             if D_tail > 0:
                 Qt_s = T.alloc_shared([BH, D_tail], bf16)
                 Kt_s = T.alloc_shared([BI, D_tail], bf16)
-            rows_s = T.alloc_shared([2, BI], i32)  # [block parity]: block i+1's rows land during block i
+            # [block % NRB]: block i+1's rows land during block i.  The reducer build keeps a third buffer: its
+            # reducer may still read block i's rows (last chunk) while block i+1 gathers block i+2's rows, and
+            # nothing orders those two (the compute warpgroups wait on st_free only at block i+1's first chunk)
+            rows_s = T.alloc_shared([NRB, BI], i32)
             lse_s = T.alloc_shared([BH], f32)
             delta_s = T.alloc_shared([BH], f32)
 
@@ -369,7 +379,7 @@ def build_sparse_mla_bwd(
                     T.fill(acc_dqt, 0)
 
                 for it in T.serial(NI):
-                    rb = it % 2
+                    rb = it % NRB
                     T.ptx_wait_group(0)  # block it landed (this thread's copies; the barrier: everyone's)
                     sync_compute()
 
@@ -399,9 +409,9 @@ def build_sparse_mla_bwd(
                     sync_compute()
                     if it + 1 < NI:
                         if D_tail > 0:
-                            gather(Indices, KV, KV_s, Kt_s, rows_s, 1 - rb, bx, lim[0], it + 1)
+                            gather(Indices, KV, KV_s, Kt_s, rows_s, next_rb(it, rb), bx, lim[0], it + 1)
                         else:
-                            gather(Indices, KV, KV_s, KV_s, rows_s, 1 - rb, bx, lim[0], it + 1)
+                            gather(Indices, KV, KV_s, KV_s, rows_s, next_rb(it, rb), bx, lim[0], it + 1)
 
                     # ---- dKV rows of this block, 64 columns at a time ----
                     if ablate != "no_dkv":
@@ -430,7 +440,7 @@ def build_sparse_mla_bwd(
                         for c in T.serial(NCH):
                             T.barrier_wait(st_full[u // 64], (it * NCH + c) % 2)
                             T.call_extern("handle", "fdsa_reduce_half", T.address_of(Stage[(u // 64) * BI * 32]),
-                                          T.address_of(rows_s[it % 2, 0]), T.address_of(dKV[0, 0]), dqk,
+                                          T.address_of(rows_s[it % NRB, 0]), T.address_of(dKV[0, 0]), dqk,
                                           c * DC + (u // 64) * 32, u % 64, T.address_of(st_free[u // 64]),
                                           0 if ablate == "red_skip" else 1)
 
