@@ -13,6 +13,9 @@
 #   with "native") are left out, they share no shared memory with ours.
 # - synccheck: invalid barrier use (divergent bar.sync, mbarrier misuse).
 # - initcheck: global reads of memory nothing wrote; every kernel is tracked (PyTorch's writes initialise inputs).
+#   With PYTORCH_NO_CUDA_MEMORY_CACHING=1 in the environment every allocation is fresh, so a read of an unwritten
+#   torch.empty shows every run (with the caching allocator only when its block was never written before).
+#   Several initcheck runs also vary the roles' relative timing: how session 57's race showed (racecheck: 0).
 # A target also compares its kernel with the reference (exit 1 on a mismatch, as under memcheck).
 set -u
 budget=$1; tools=$2; shift 2

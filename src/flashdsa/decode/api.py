@@ -225,7 +225,8 @@ def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v
 
     B, s_q, H, _ = q.shape
     n, topk, rows = B * s_q, indices.shape[-1], kv_cache.shape[0] * kv_cache.shape[1]
-    tl = None if topk_length is None else torch.empty(n, dtype=torch.int32, device=q.device)
+    # a stand-in for the launcher's set-up; zeros, not empty: split_rows computes from it (initcheck, session 57)
+    tl = None if topk_length is None else torch.zeros(n, dtype=torch.int32, device=q.device)
     qf, idx = q.view(n, H, KV_DIM), indices.view(n, topk)
     n_split, chunk, heads_s = _split_plan(qf, kv_cache.view(rows, KV_FP8_BYTES), idx, d_v, tl, "kernel")
     if n_split > 1:  # the launch the split rows take (as in _via_sparse_fwd)
