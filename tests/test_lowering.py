@@ -86,11 +86,13 @@ def test_pair_q_next_build_loads_q_ahead():
 def test_bwd_reducer_rows_outlive_the_reducers_reads():
     """The Dqk 512 backward's reducer warpgroup reads block i's slot rows for its last dKV chunk while the compute
     warpgroups may already gather block i+2's rows (nothing orders the two): that build keeps three row buffers,
-    the others two (session 57: with two, compute-sanitizer initcheck's timing gave one wrong 16-byte dkv piece)."""
+    the others two (session 57: with two, compute-sanitizer initcheck's timing gave wrong dkv in the last chunk)."""
     from flashdsa.sparse import kernel_bwd as k
 
     kw = dict(heads=64, dqk=512, topk=640, sm_scale=0.04, has_sink=True)
     reducer, plain = (k.build_sparse_mla_bwd(**kw, reducer=r).script() for r in (True, False))
     assert 'rows_s = T.sblock_alloc_buffer((3, 64), "int32"' in reducer
     assert "fdsa_reduce_half" in reducer and "rows_s[it % 3, 0]" in reducer
+    assert "(it + 1) % 3" in reducer and "1 - rb" not in reducer  # block it+1's rows: the buffer after it's
     assert 'rows_s = T.sblock_alloc_buffer((2, 64), "int32"' in plain and "fdsa_reduce_half" not in plain
+    assert "1 - rb" in plain

@@ -53,7 +53,7 @@ Design:
     and a CTA-wide barrier per chunk: 3.37 / 2.92; a double-buffered one in 16-column pieces: 3.49 / 2.79).
     setmaxnreg 232 / 232 / 40.  Dqk 576 has no 16 KiB left for the stage.  The slot rows are triple-buffered
     here: the reducer reads block i's rows for its last chunk while the compute warpgroups may already write
-    block i+2's (session 57: with two buffers initcheck's timing showed it, one wrong 16-byte piece of dkv).
+    block i+2's (session 57: with two buffers initcheck's timing showed it as wrong dkv in the last chunk).
   * dkv = fp32 accumulator .to(bf16); dq is written once, bf16, through the Q tile (no atomics).
   * T, Tkv and the indices width are dynamic symbols; the trip count ceil(topk / 64) is static (TileLang
     0.1.15 pitfalls, see kernel_fwd.py): kernels are cached per (H, Dqk, n_blocks, sm_scale, topk_length,
