@@ -198,7 +198,9 @@ def sparse_bwd(deterministic, dqk=576):
           f"d_sink max err {err:.2e}")
     for name, got, ref, emu in (("dq", dq, rq, eq), ("dkv", dkv[:300], rkv[:300], ekv[:300])):
         if not checks[name]:  # the first failing elements, to tell a race (err >> emu's) from rounding
-            bad = (~_grad_ok(got, ref, emu)).nonzero()[:4]
+            bad = (~_grad_ok(got, ref, emu)).nonzero()
+            print(f"    {name}: {len(bad)} failing elements in {len(bad[:, 0].unique())} rows")
+            bad = bad[:4]
             got, ref, emu = got.double().cpu(), ref.double().cpu(), emu.double().cpu()
             for b in map(tuple, bad.tolist()):
                 print(f"    {name}{list(b)}: got {got[b]:.4e} ref {ref[b]:.4e} emu {emu[b]:.4e}")
