@@ -17,6 +17,11 @@ _Q = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # kernels: b
 _I32 = (torch.int32,)
 
 
+def _token_lengths(topk_length, B: int, s_q: int):
+    """topk_length `[B]` (one per request) as `[B * s_q]`, the same length for each of a request's query tokens."""
+    return topk_length if s_q == 1 else topk_length.view(B, 1).expand(B, s_q).reshape(B * s_q)
+
+
 def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, topk_length, attn_sink,
                     backend):
     """Sparse decode, and dense decode over the FP8 cache, as one sparse MLA forward over the flat cache.
@@ -36,7 +41,7 @@ def _via_sparse_fwd(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, caus
         slots, tl = _pair_path.slot_rows(block_table, cache_seqlens, nb, bs, s_q, causal)
     else:
         slots = indices
-        tl = None if topk_length is None else topk_length.view(B, 1).expand(B, s_q).reshape(B * s_q).contiguous()
+        tl = None if topk_length is None else _token_lengths(topk_length, B, s_q).contiguous()
     if slots.shape[-1] == 0:  # no cache at all: one invalid slot keeps the shapes non-empty
         slots, tl = torch.full((B, s_q, 1), -1, dtype=torch.int32, device=q.device), None
     slots = slots.reshape(B * s_q, slots.shape[-1])
@@ -173,10 +178,7 @@ class _Cache656Plan:
     def __call__(self, q, kv_cache, indices, topk_length, attn_sink):
         _dispatch.record_choice("mla_decode", "kernel")
         B, s_q, H, n, S = self.B, self.s_q, self.H, self.B * self.s_q, self.n_split
-        if topk_length is None:
-            tl = self.tl_dummy
-        else:  # one length per request, for each of its s_q query tokens
-            tl = topk_length if s_q == 1 else topk_length.view(B, 1).expand(B, s_q).reshape(n)
+        tl = self.tl_dummy if topk_length is None else _token_lengths(topk_length, B, s_q)
         qf, idx, sink, Hs = q.view(n, H, KV_DIM), indices.view(n, self.topk), attn_sink, self.heads_s
         if S > 1:
             qf, idx, tl_s = kernel_split.split_rows(qf, idx, None if topk_length is None else tl, S, self.chunk, Hs)
@@ -225,8 +227,7 @@ def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v
 
     B, s_q, H, _ = q.shape
     n, topk, rows = B * s_q, indices.shape[-1], kv_cache.shape[0] * kv_cache.shape[1]
-    # a stand-in for the launcher's set-up; zeros, not empty: split_rows computes from it (initcheck, session 57)
-    tl = None if topk_length is None else torch.zeros(n, dtype=torch.int32, device=q.device)
+    tl = None if topk_length is None else _token_lengths(topk_length, B, s_q)  # as a replay derives it
     qf, idx = q.view(n, H, KV_DIM), indices.view(n, topk)
     n_split, chunk, heads_s = _split_plan(qf, kv_cache.view(rows, KV_FP8_BYTES), idx, d_v, tl, "kernel")
     if n_split > 1:  # the launch the split rows take (as in _via_sparse_fwd)
