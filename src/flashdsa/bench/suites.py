@@ -84,10 +84,11 @@ def unique_indices(rows: int, n: int, k: int, device, gen, sort: bool = True) ->
     return out
 
 
-def paged_layout(lens: torch.Tensor, block_size: int, device, gen):
+def paged_layout(lens: torch.Tensor | list[int], block_size: int, device, gen):
     """Shuffled block table for per-request lengths ``lens`` `[B]`: (block_table `[B, max_blocks]` int32,
-    number of physical blocks). Padding entries point at block 0 and are never read."""
-    nblk = [max(1, math.ceil(int(x) / block_size)) for x in lens.tolist()]
+    number of physical blocks). Padding entries point at block 0 and are never read. Lengths known on the host
+    come as a list: the layout then reads no device value (``scripts/precompile.py``'s fake tensors read 1)."""
+    nblk = [max(1, math.ceil(int(x) / block_size)) for x in (lens.tolist() if torch.is_tensor(lens) else lens)]
     total, mb = sum(nblk), max(nblk)
     perm = torch.randperm(total, generator=gen, device=device).int()
     table = torch.zeros(len(nblk), mb, dtype=torch.int32, device=device)
@@ -149,7 +150,7 @@ def _indexer_paged(name, B, next_n, ctx, H, D, bs, target, quick=True) -> Case:
 
     def build(device, gen):
         lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
-        table, nblocks = paged_layout(lens, bs, device, gen)
+        table, nblocks = paged_layout([ctx] * B, bs, device, gen)
         k8, ks = _api().quantize_fp8(randn((nblocks * bs, D), torch.bfloat16, device, gen), block=D)
         q8, qs = _api().quantize_fp8(randn((B, next_n, H, D), torch.bfloat16, device, gen), block=D)
         w = randn((B * next_n, H), torch.float32, device, gen) * qs[..., 0].reshape(B * next_n, H) * (H * D) ** -0.5
@@ -425,7 +426,7 @@ def _decode(name, B, H, s_q, cache, target, *, sparse=False, fp8=False, topk=0, 
             lens = torch.randint(1, cache + 1, (B,), generator=gen, device=device, dtype=torch.int32)
         else:
             lens = torch.full((B,), cache, dtype=torch.int32, device=device)
-        table, nblocks = paged_layout(lens, bs, device, gen)
+        table, nblocks = paged_layout(lens if mixed else [cache] * B, bs, device, gen)
         if fp8:
             kv_cache = fp8_kv_cache(nblocks * bs, device, gen).view(nblocks, bs, F.KV_FP8_ROW_BYTES)
         else:
