@@ -1,11 +1,12 @@
 """Pieces shared by the pair-schedule kernels (``kernel_fwd_pair`` and its 656-byte-cache / FP8 relatives): the
-named-barrier ids, the producer's row prefetch and non-blocking gather loop, and WG0's step to the pair's common
-max.  The module notes of ``kernel_fwd_pair`` describe the schedule and the protocol."""
+named-barrier ids, the Q loads (``q_load_macros``), the producer's row prefetch and non-blocking gather loop,
+and WG0's step to the pair's common max.  The module notes of ``kernel_fwd_pair`` describe the schedule and the
+protocol."""
 
 import tilelang.language as T
 
 from . import _tl_common as tc
-from ._tl_common import BLOCK_I
+from ._tl_common import BLOCK_I, D_V
 
 # named barrier ids (128 / 128 / 256 threads); 0 is __syncthreads.  BAR_BOTH joins the two consumers, each from its
 # own code: always through _tl_common.role_barrier (the unaligned barrier.sync; tests/test_lowering.py checks)
@@ -30,6 +31,91 @@ def q_dead_parity(it):
     """q_gate "next": the q_dead phase parity the producer waits before item ``it``'s Q (``it`` >= 1): item
     ``it`` - 1's phase (256 consumer arrivals), written ``(it + 1) & 1`` to stay non-negative."""
     return (it + 1) & 1
+
+
+def q_load_macros(*, dqk, n_tok, q_rows):
+    """How ``pair_body`` loads Q (its ``q_gate``, ``_pair_body.Q_LOADS``).  Returns the macros (load_q, load_q_tma,
+    load_q_next, wait_q_next, q_dead_at): ``load_q(Q, Q_half, Q_t, tok, h0, c0, npair, gate=None)`` (a consumer's
+    half by 16-byte loads), ``load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, issuer, gate=None)`` (q_gate
+    "tma*"), ``load_q_next(Q, Q_l, Q_r, Q_t, tok, h0, it, q_bar, q_dead)`` (the producer, q_gate "next"),
+    ``wait_q_next(it, q_bar, q_dead, npair)`` and ``q_dead_at(j, npair, q_dead)`` (the consumers, q_gate
+    "next"); ``dqk``, ``n_tok``, ``q_rows``: ``pair_body``'s."""
+    BH = tc.BLOCK_H
+    D = D_V
+    DH = D // 2
+    D_tail = dqk - D
+
+    def q_row(tok):
+        # Q's row for token ``tok`` (split-KV: a token's chunks share its q row)
+        return tok if q_rows is None else tok // (n_tok // q_rows)
+
+    @T.macro
+    def issue_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, q_bar):
+        # all of Q by TMA (8 or 9 boxes of 64 heads x 64 dims, 128B-swizzled as the wgmma reads them) on q_bar, from
+        # one elected thread of the calling warpgroup, whose 128 threads then arrive
+        q_tok = q_row(tok)
+        T.tma_copy(Q[q_tok, h0 : h0 + BH, 0:DH], Q_l, barrier=q_bar, leader_scope_threads=128)
+        T.tma_copy(Q[q_tok, h0 : h0 + BH, DH:D], Q_r, barrier=q_bar, leader_scope_threads=128)
+        if D_tail > 0:
+            T.tma_copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t, barrier=q_bar, leader_scope_threads=128)
+        T.barrier_arrive(q_bar)
+
+    @T.macro
+    def load_q(Q, Q_half, Q_t, tok, h0, c0, npair, gate=None):
+        # one consumer warpgroup loads Q[:, c0:c0+256] (+ the rope tail): 16 B per thread and load.  (Loaded by all
+        # 384 threads, the 64 x 256 tile is not a multiple of 384 x 8 elements and lowered to 2-byte loads, which
+        # cost ~45 us per CTA: measured on the H200, session 8.)  Both halves are complete after BAR_BOTH.
+        q_tok = q_row(tok)
+        if gate is not None:  # q_gate: after the first pair's a.L / a.R landed (parity 0: one item per CTA; no
+            if npair[0] > 0:  # pair, no gather: nothing to wait for)
+                T.barrier_wait(gate, 0)
+        T.copy(Q[q_tok, h0 : h0 + BH, c0 : c0 + DH], Q_half)
+        if Q_t is not None:
+            if D_tail > 0:
+                T.copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t)
+        T.fence_proxy_async()
+        tc.role_barrier(BAR_BOTH, 256)
+
+    @T.macro
+    def load_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, npair, q_bar, issuer, gate=None):
+        # q_gate "tma*": WG0 (``issuer``) loads all of Q by TMA (9 boxes of 64 heads x 64 dims, 8 at Dqk 512,
+        # 128B-swizzled as the wgmma reads them) on q_bar; both consumers wait for its bytes.  The copies occupy no
+        # thread and no load / store slot, so the producer's index loads and the converter do not queue behind them
+        # (session 50: measured; at one wave the first QK still comes no sooner, the memory system is the wait).
+        if issuer:
+            if gate is not None:
+                if npair[0] > 0:
+                    T.barrier_wait(gate, 0)
+            issue_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, q_bar)
+        T.barrier_wait(q_bar, 0)
+
+    @T.macro
+    def load_q_next(Q, Q_l, Q_r, Q_t, tok, h0, it, q_bar, q_dead):
+        # q_gate "next", the producer warpgroup in item ``it`` (``gather_producer``'s q_hook: after pair 0's index
+        # loads are issued, or at once for an item without pairs): once both consumers retired item it - 1's
+        # last QK (q_dead, phase it - 1), every Q tile is dead and this item's Q goes in by TMA on q_bar (phase it).
+        # At most one Q is in flight: q_dead's phase it - 1 needs the consumers past q_bar's phase it - 1.
+        if it > 0:
+            T.barrier_wait(q_dead, q_dead_parity(it))
+        issue_q_tma(Q, Q_l, Q_r, Q_t, tok, h0, q_bar)
+
+    @T.macro
+    def wait_q_next(it, q_bar, q_dead, npair):
+        # a consumer at item ``it``'s start (q_gate "next"): its Q landed; BAR_BOTH as load_q's (Ls0 / Ls1: the
+        # peer read them before the writer's next finish); an item without pairs reads no Q
+        T.barrier_wait(q_bar, q_load_parity(it))
+        tc.role_barrier(BAR_BOTH, 256)
+        if npair[0] == 0:
+            T.barrier_arrive(q_dead)
+
+    @T.macro
+    def q_dead_at(j, npair, q_dead):
+        # q_gate "next": at the top of the item's last pair this consumer's QKs have all retired (each QK ends
+        # with wait_wgmma(0)): nothing of it reads Q any more
+        if j == npair[0] - 1:
+            T.barrier_arrive(q_dead)
+
+    return load_q, load_q_tma, load_q_next, wait_q_next, q_dead_at
 
 
 def item_parts(*, G, NI, n_tok, persistent, set_lim):

@@ -49,7 +49,7 @@ import tilelang.language as T
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
 from . import kernel_fwd_narrow as _kn
-from .kernel_fwd_pair_cache import _DEQUANT_SRC
+from ._pair_cache_src import _DEQUANT_SRC
 from ._tl_common import BLOCK_I, D_V, LOG2E
 
 MAX_HEADS = _kn.MAX_HEADS
