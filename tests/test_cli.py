@@ -176,6 +176,16 @@ def test_bench_case_filter_records_it(tmp_path):
     assert [c["name"] for c in doc["cases"]] == ["dense_bf16_B64_H16_sq1_cache8192"]
 
 
+def test_bench_graph_flag_is_cuda_only(tmp_path):
+    """``--graph`` is accepted everywhere; on the CPU no row gets a ``graph`` entry (nothing to capture)."""
+    out = tmp_path / "g.json"
+    assert main(["bench", "--op", "decode", "--quick", "--device", "cpu", "--case", "H16_sq1_cache", "--graph",
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["command"].endswith("--graph --json " + str(out))
+    assert [c["status"] for c in doc["cases"]] == ["ok"] and "graph" not in doc["cases"][0]
+
+
 def test_flops_formulas():
     M, N, H, D = 4, 10, 2, 8
     k_end = torch.arange(M, dtype=torch.int32) + (N - M) + 1  # 7, 8, 9, 10 keys

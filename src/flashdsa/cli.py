@@ -255,6 +255,8 @@ def _suite_table(doc: dict) -> Table:
         chk_s = "" if not chk else (f"[green]{chk['max_err']:.1e}[/green]" if chk["ok"] else
                                     f"[red]{chk['max_err']:.1e} > {chk['tol']:g}[/red]")
         extra = f" (torch.topk {c['baseline']['ms_median']:.3g} ms)" if c.get("baseline") else ""
+        g = c.get("graph") or {}
+        extra += f" (graph {g['ms_median']:.3g} ms)" if "ms_median" in g else (" (graph: error)" if g else "")
         t.add_row(c["name"], c.get("backend", ""), _fmt(c["ms_median"]) + extra, _fmt(c["ms_p10"]),
                   _fmt(c["ms_p90"]), _fmt(c.get("tflops")), _fmt(c.get("tbps")), c.get("target", ""), chk_s)
     return t
@@ -290,7 +292,7 @@ def cmd_bench(args, argv: Sequence[str]) -> int:
             console.print(f"  {r['name']}: {ms}")
 
         doc = run_suite(s, cases, device, backend=args.backend, check=args.check, quick=args.quick, note=note,
-                        command=command, on_case=on_case,
+                        command=command, graph=args.graph, on_case=on_case,
                         log=(lambda m: console.print(m, markup=False)) if args.verbose else (lambda m: None))
         if args.case:
             doc["case_filter"] = list(args.case)  # a partial run: the report takes only these rows from it
@@ -332,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
     p.add_argument("--case", action="append", metavar="SUBSTR",
                    help="only the cases whose name contains SUBSTR (repeatable); the JSON records the filter")
+    p.add_argument("--graph", action="store_true",
+                   help="CUDA: also time each case as one CUDA-graph replay (the host's part of an eager call out of "
+                        "the timed interval; a diagnostic in the JSON's 'graph' entries, not a README figure)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failing cases")
     return ap

@@ -123,6 +123,30 @@ def time_fn(fn: Callable[[Any], Any], arg_sets: Sequence[Any], device: torch.dev
     return Timing(ms_median=q[0], ms_p10=q[1], ms_p90=q[2], reps=len(times))
 
 
+def time_graph(fn: Callable[[], Any], device: torch.device, *, reps: int = 20, flush_l2: bool = True) -> Timing:
+    """Median/p10/p90 milliseconds of ``fn()`` captured once in a CUDA graph and replayed ``reps`` times, each
+    replay between two events after the same L2 flush as :func:`time_fn`.  One replay is one host call, so the
+    host work of an eager call (validation, dispatch, launches) leaves the timed interval: the GPU time of the op
+    as a serving runtime replays it.  A diagnostic beside the eager figure (``flashdsa bench --graph``)."""
+    graph, outs = capture_graph(fn)
+    buf = _flush_buffer(str(device)) if flush_l2 else None
+    for _ in range(3):
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if buf is not None:
+            buf.fill_(i)
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    del graph, outs
+    t = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.1, 0.9], dtype=torch.float64)).tolist()
+    return Timing(ms_median=q[0], ms_p10=q[1], ms_p90=q[2], reps=reps)
+
+
 def _timed_calls(fn, arg_sets, device, reps: int, flush_l2: bool) -> list[float]:
     """Milliseconds of each of ``reps`` calls (``time_fn``'s timed loop)."""
     n = len(arg_sets)
@@ -284,9 +308,11 @@ def _short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}"[:300]
 
 
-def run_case(case, device: torch.device, *, backend: str, check: bool, quick: bool,
+def run_case(case, device: torch.device, *, backend: str, check: bool, quick: bool, graph: bool = False,
              log: Callable[[str], None] = lambda s: None) -> dict:
-    """Build inputs, optionally run the reference first (``check``), time the chosen backend; one JSON row."""
+    """Build inputs, optionally run the reference first (``check``), time the chosen backend; one JSON row.
+    ``graph`` (CUDA only): also :func:`time_graph` on the first input set, as the row's ``graph`` entry (or its
+    error: an op path that syncs with the host cannot be captured)."""
     from .. import _dispatch
 
     row: dict[str, Any] = {"name": case.name, "params": dict(case.params), "target": case.target,
@@ -334,6 +360,8 @@ def run_case(case, device: torch.device, *, backend: str, check: bool, quick: bo
                          max_seconds=case.max_seconds * (0.5 if quick else 1.0))
             row["baseline"] = {"name": case.baseline_name, "ms_median": tb.ms_median,
                                "speedup": tb.ms_median / t.ms_median if t.ms_median > 0 else None}
+        if graph and device.type == "cuda":
+            row["graph"] = _graph_entry(lambda: case.run(first, backend), device, reps, log)
     except NotImplementedError as e:
         row["status"] = f"skipped: {_short_error(e)}"
         return row
@@ -354,6 +382,17 @@ def run_case(case, device: torch.device, *, backend: str, check: bool, quick: bo
     return row
 
 
+def _graph_entry(fn, device: torch.device, reps: int, log: Callable[[str], None]) -> dict:
+    """``run_case``'s ``graph`` entry: the :func:`time_graph` figures, or the reason the capture failed."""
+    try:
+        tg = time_graph(fn, device, reps=max(reps, 10))
+    except Exception as e:  # noqa: BLE001 - a path that cannot be captured still gets its eager row
+        log(traceback.format_exc())
+        torch.cuda.synchronize(device)
+        return {"error": _short_error(e)}
+    return {"ms_median": tg.ms_median, "ms_p10": tg.ms_p10, "ms_p90": tg.ms_p90, "reps": tg.reps}
+
+
 def _has_public(name: str) -> bool:
     import flashdsa
 
@@ -361,14 +400,15 @@ def _has_public(name: str) -> bool:
 
 
 def run_suite(suite: str, cases: list, device: torch.device, *, backend: str = "auto", check: bool = False,
-              quick: bool = False, note: str = "", command: Optional[str] = None,
+              quick: bool = False, note: str = "", command: Optional[str] = None, graph: bool = False,
               log: Callable[[str], None] = lambda s: None, on_case: Callable[[dict], None] = lambda r: None) -> dict:
-    """Run every case of one suite; returns the JSON document (environment + cases)."""
+    """Run every case of one suite; returns the JSON document (environment + cases).  ``graph``: each row also
+    gets ``run_case``'s CUDA-graph timing."""
     env = environment(device)
     doc = {**env, "suite": suite, "backend": backend, "quick": quick, "check": check, "note": note,
            "command": command or " ".join(shlex.quote(a) for a in ["flashdsa", *sys.argv[1:]]), "cases": []}
     for case in cases:
-        row = run_case(case, device, backend=backend, check=check, quick=quick, log=log)
+        row = run_case(case, device, backend=backend, check=check, quick=quick, graph=graph, log=log)
         doc["cases"].append(row)
         on_case(row)
     return doc
