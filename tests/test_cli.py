@@ -186,6 +186,15 @@ def test_bench_graph_flag_is_cuda_only(tmp_path):
     assert [c["status"] for c in doc["cases"]] == ["ok"] and "graph" not in doc["cases"][0]
 
 
+def test_bench_table_shows_graph_entries():
+    from flashdsa.cli import _suite_table
+
+    rows = [dict(name=f"c{i}", status="ok", backend="kernel", ms_median=0.08, ms_p10=0.07, ms_p90=0.09, target="t",
+                 graph=g) for i, g in enumerate([{"ms_median": 0.0337}, {"error": "RuntimeError: x"}, None])]
+    text = str(list(_suite_table({"suite": "s", "gpu": "G", "backend": "auto", "cases": rows}).columns[2].cells))
+    assert "(graph 0.0337 ms)" in text and "(graph: error)" in text and text.count("graph") == 2
+
+
 def test_flops_formulas():
     M, N, H, D = 4, 10, 2, 8
     k_end = torch.arange(M, dtype=torch.int32) + (N - M) + 1  # 7, 8, 9, 10 keys

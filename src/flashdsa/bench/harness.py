@@ -50,6 +50,18 @@ def _flush_buffer(device_str: str) -> torch.Tensor:
     return torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device_str)
 
 
+def _l2_flusher(device: torch.device, flush_l2: bool) -> Callable[[int], None]:
+    """The L2 flush run before timed call ``i`` (outside its events): a 256 MB write, or a read with
+    ``$FLASHDSA_L2_FLUSH=read`` (see :func:`time_fn`); a no-op without ``flush_l2``."""
+    if not flush_l2:
+        return lambda i: None
+    buf = _flush_buffer(str(device))
+    if os.environ.get("FLASHDSA_L2_FLUSH", "write") == "read":
+        buf.fill_(0)
+        return lambda i: buf.sum()
+    return buf.fill_
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -125,18 +137,17 @@ def time_fn(fn: Callable[[Any], Any], arg_sets: Sequence[Any], device: torch.dev
 
 def time_graph(fn: Callable[[], Any], device: torch.device, *, reps: int = 20, flush_l2: bool = True) -> Timing:
     """Median/p10/p90 milliseconds of ``fn()`` captured once in a CUDA graph and replayed ``reps`` times, each
-    replay between two events after the same L2 flush as :func:`time_fn`.  One replay is one host call, so the
+    replay between two events after the same L2 flush as :func:`time_fn` (``$FLASHDSA_L2_FLUSH`` included).  One replay is one host call, so the
     host work of an eager call (validation, dispatch, launches) leaves the timed interval: the GPU time of the op
     as a serving runtime replays it.  A diagnostic beside the eager figure (``flashdsa bench --graph``)."""
     graph, outs = capture_graph(fn)
-    buf = _flush_buffer(str(device)) if flush_l2 else None
+    flush = _l2_flusher(device, flush_l2)
     for _ in range(3):
         graph.replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
-        if buf is not None:
-            buf.fill_(i)
+        flush(i)
         starts[i].record()
         graph.replay()
         ends[i].record()
@@ -152,18 +163,11 @@ def _timed_calls(fn, arg_sets, device, reps: int, flush_l2: bool) -> list[float]
     n = len(arg_sets)
     times: list[float] = []
     if device.type == "cuda":
-        buf = _flush_buffer(str(device)) if flush_l2 else None
-        read_flush = os.environ.get("FLASHDSA_L2_FLUSH", "write") == "read"
-        if buf is not None and read_flush:
-            buf.fill_(0)
+        flush = _l2_flusher(device, flush_l2)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
-            if buf is not None:
-                if read_flush:
-                    buf.sum()
-                else:
-                    buf.fill_(i)
+            flush(i)
             starts[i].record()
             fn(arg_sets[i % n])
             ends[i].record()
@@ -383,13 +387,28 @@ def run_case(case, device: torch.device, *, backend: str, check: bool, quick: bo
 
 
 def _graph_entry(fn, device: torch.device, reps: int, log: Callable[[str], None]) -> dict:
-    """``run_case``'s ``graph`` entry: the :func:`time_graph` figures, or the reason the capture failed."""
+    """``run_case``'s ``graph`` entry: the :func:`time_graph` figures, or why the call was not captured.
+
+    A call that synchronises with the host cannot be captured, and a capture that fails part-way can leave
+    PyTorch's current stream and graph memory pool in capture state for the rest of the process.  So the call
+    first runs once with PyTorch's sync debug mode set to "error" and is captured only if nothing synchronised."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - e.g. .item() / .tolist() on a device tensor
+        log(traceback.format_exc())
+        return {"error": "not captured, the call synchronises with the host: " + _short_error(e)}
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    stream = torch.cuda.current_stream(device)
     try:
         tg = time_graph(fn, device, reps=max(reps, 10))
-    except Exception as e:  # noqa: BLE001 - a path that cannot be captured still gets its eager row
+    except Exception as e:  # noqa: BLE001 - the row keeps its eager figures
         log(traceback.format_exc())
-        torch.cuda.synchronize(device)
-        return {"error": _short_error(e)}
+        torch.cuda.set_stream(stream)  # torch.cuda.graph leaves its side stream current when capture_end raises
+        return {"error": _short_error(e.__context__ or e)}
     return {"ms_median": tg.ms_median, "ms_p10": tg.ms_p10, "ms_p90": tg.ms_p90, "reps": tg.reps}
 
 
