@@ -50,18 +50,6 @@ def _flush_buffer(device_str: str) -> torch.Tensor:
     return torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device_str)
 
 
-def _l2_flusher(device: torch.device, flush_l2: bool) -> Callable[[int], None]:
-    """The L2 flush run before timed call ``i`` (outside its events): a 256 MB write, or a read with
-    ``$FLASHDSA_L2_FLUSH=read`` (see :func:`time_fn`); a no-op without ``flush_l2``."""
-    if not flush_l2:
-        return lambda i: None
-    buf = _flush_buffer(str(device))
-    if os.environ.get("FLASHDSA_L2_FLUSH", "write") == "read":
-        buf.fill_(0)
-        return lambda i: buf.sum()
-    return buf.fill_
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -130,44 +118,44 @@ def time_fn(fn: Callable[[Any], Any], arg_sets: Sequence[Any], device: torch.dev
     finally:
         if gc_was_on:
             gc.enable()
+    return _timing(times)
+
+
+def _timing(times: Sequence[float]) -> Timing:
+    """Median / p10 / p90 of per-call milliseconds."""
     t = torch.tensor(times, dtype=torch.float64)
     q = torch.quantile(t, torch.tensor([0.5, 0.1, 0.9], dtype=torch.float64)).tolist()
     return Timing(ms_median=q[0], ms_p10=q[1], ms_p90=q[2], reps=len(times))
 
 
 def time_graph(fn: Callable[[], Any], device: torch.device, *, reps: int = 20, flush_l2: bool = True) -> Timing:
-    """Median/p10/p90 milliseconds of ``fn()`` captured once in a CUDA graph and replayed ``reps`` times, each
-    replay between two events after the same L2 flush as :func:`time_fn` (``$FLASHDSA_L2_FLUSH`` included).  One replay is one host call, so the
-    host work of an eager call (validation, dispatch, launches) leaves the timed interval: the GPU time of the op
-    as a serving runtime replays it.  A diagnostic beside the eager figure (``flashdsa bench --graph``)."""
-    graph, outs = capture_graph(fn)
-    flush = _l2_flusher(device, flush_l2)
+    """Median/p10/p90 milliseconds of ``fn()`` captured once in a CUDA graph and replayed ``reps`` times in
+    :func:`time_fn`'s timed loop (each replay between two events, after the same L2 flush).  One replay is one host
+    call, so the host work of an eager call (validation, dispatch, launches) leaves the timed interval: the GPU
+    time of the op as a serving runtime replays it.  A diagnostic beside the eager figure (``bench --graph``)."""
+    graph, _outs = capture_graph(fn)  # the outputs live in the graph's pool while it replays
     for _ in range(3):
         graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flush(i)
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize(device)
-    del graph, outs
-    t = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], dtype=torch.float64)
-    q = torch.quantile(t, torch.tensor([0.5, 0.1, 0.9], dtype=torch.float64)).tolist()
-    return Timing(ms_median=q[0], ms_p10=q[1], ms_p90=q[2], reps=reps)
+    return _timing(_timed_calls(lambda _: graph.replay(), [None], device, reps, flush_l2))
 
 
 def _timed_calls(fn, arg_sets, device, reps: int, flush_l2: bool) -> list[float]:
-    """Milliseconds of each of ``reps`` calls (``time_fn``'s timed loop)."""
+    """Milliseconds of each of ``reps`` calls (``time_fn``'s and ``time_graph``'s timed loop)."""
     n = len(arg_sets)
     times: list[float] = []
     if device.type == "cuda":
-        flush = _l2_flusher(device, flush_l2)
+        buf = _flush_buffer(str(device)) if flush_l2 else None
+        read_flush = os.environ.get("FLASHDSA_L2_FLUSH", "write") == "read"
+        if buf is not None and read_flush:
+            buf.fill_(0)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
-            flush(i)
+            if buf is not None:
+                if read_flush:
+                    buf.sum()
+                else:
+                    buf.fill_(i)
             starts[i].record()
             fn(arg_sets[i % n])
             ends[i].record()
