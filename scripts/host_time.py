@@ -1,6 +1,6 @@
 """Host time per call of benchmark cases (run on the GPU host): is a short case launch-bound?
 
-    python scripts/host_time.py [--profile] [--plan] [--no-eager-plans] SUITE CASE_SUBSTRING [...]
+    python scripts/host_time.py [--profile] [--plan] [--no-eager-plans] [--flushed] SUITE CASE_SUBSTRING [...]
 
 For each matching case of ``flashdsa bench --op SUITE``: N calls issued back to back without synchronising
 (host microseconds per call: the GPU queue is deep enough that the launches do not block while the host is the
@@ -9,8 +9,11 @@ slower side), the same N calls timed to the end of the GPU work (us per call, ba
 time per call means the suite's figure for that case includes launch gaps.  ``--profile``: then 200 more calls
 under cProfile, the 30 functions with the most own time and the 40 with the most cumulative time (where the host
 time goes).  ``--plan``: dense decode cases also through ``mla_decode_plan`` (the plan made once, ``plan.run``
-timed).  ``--no-eager-plans``: the sparse forward's and sparse FP8 decode's calls take the plain path (no plan looked up or stored), to compare
-both on one host.
+timed).  ``--no-eager-plans``: the sparse forward's and sparse FP8 decode's calls take the plain path (no plan
+looked up or stored), to compare both on one host.  ``--flushed``: the suite's own flushed loop broken down per
+rep (``_flushed``): host us per call inside that loop, and from a torch.profiler trace the flush kernel's time, the
+GPU's idle gap between the flush's end and the call's first kernel, the call's kernel span and busy time
+(medians; where an eager figure above its kernel time comes from).
 """
 
 import cProfile
@@ -39,7 +42,58 @@ def _times(run, inputs, dev, n):
     return host, both, time_fn(run, [inputs], dev, reps=30).ms_median * 1e3
 
 
-def main(suite: str, needles: list[str], n: int = 50, profile: bool = False, plan: bool = False) -> None:
+def _flushed(run, inputs, dev, reps: int = 30) -> str:
+    """``time_fn``'s loop (256 MB written before each call, events around it) with the host time of each call, then
+    the same loop under torch.profiler: per rep the flush kernel, the idle gap after it, the call's kernels."""
+    from statistics import median
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from flashdsa.bench.harness import _flush_buffer
+
+    buf = _flush_buffer(str(dev))
+    for _ in range(3):
+        run(inputs)
+
+    def loop():
+        host, ev = [], []
+        for i in range(reps):
+            buf.fill_(i)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            t0 = time.perf_counter()
+            run(inputs)
+            host.append((time.perf_counter() - t0) * 1e6)
+            e.record()
+            ev.append((s, e))
+        torch.cuda.synchronize()
+        return host, [s.elapsed_time(e) * 1e3 for s, e in ev]
+
+    host, event = loop()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loop()
+    kernels = sorted((k.time_range.start, k.time_range.end, k.name) for k in prof.events()
+                     if k.device_type == torch.autograd.DeviceType.CUDA and k.time_range.end > k.time_range.start)
+    reps_k, cur = [], None
+    for st, en, name in kernels:  # a rep = one flush kernel (a fill over the 256 MB, > 20 us) and what follows
+        if "fill" in name.lower() and en - st > 20:
+            cur = {"flush": (st, en), "calls": []}
+            reps_k.append(cur)
+        elif cur is not None:
+            cur["calls"].append((st, en))
+    rows = [r for r in reps_k if r["calls"]]
+    flush = median(r["flush"][1] - r["flush"][0] for r in rows)
+    gap = median(r["calls"][0][0] - r["flush"][1] for r in rows)
+    span = median(r["calls"][-1][1] - r["calls"][0][0] for r in rows)
+    busy = median(sum(en - st for st, en in r["calls"]) for r in rows)
+    names = sorted({n for _, _, n in kernels if "fill" not in n.lower()})
+    return (f"flushed loop: event median {median(event):.1f} us, host per call {median(host):.1f} us; profiled "
+            f"({len(rows)} reps): flush {flush:.1f} us, gap after it {gap:.1f} us, call span {span:.1f} us, busy "
+            f"{busy:.1f} us, {len(rows[0]['calls']) if rows else 0} kernels per call: {[n[:60] for n in names]}")
+
+
+def main(suite: str, needles: list[str], n: int = 50, profile: bool = False, plan: bool = False,
+         flushed: bool = False) -> None:
     dev = torch.device("cuda")
     cases, _ = get_cases(suite, dev)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -59,6 +113,8 @@ def main(suite: str, needles: list[str], n: int = 50, profile: bool = False, pla
             host, both, med = _times(run, inputs, dev, n)
             print(f"{label}: host {host:.1f} us/call, back to back {both:.1f} us/call, time_fn median {med:.1f} us",
                   flush=True)
+            if flushed:
+                print(f"{label}: {_flushed(run, inputs, dev)}", flush=True)
         if profile:
             prof = cProfile.Profile()
             prof.enable()
@@ -80,4 +136,4 @@ if __name__ == "__main__":
 
         sparse_api._plan_key = lambda *args: None
         decode_api._plan_key = lambda *args: None
-    main(args[0], args[1:], profile="--profile" in flags, plan="--plan" in flags)
+    main(args[0], args[1:], profile="--profile" in flags, plan="--plan" in flags, flushed="--flushed" in flags)
