@@ -43,8 +43,12 @@ def _times(run, inputs, dev, n):
 
 
 def _flushed(run, inputs, dev, reps: int = 30) -> str:
-    """``time_fn``'s loop (256 MB written before each call, events around it) with the host time of each call, then
-    the same loop under torch.profiler: per rep the flush kernel, the idle gap after it, the call's kernels."""
+    """``time_fn``'s loop (256 MB written before each call, events made beforehand around it, the garbage collector
+    off) with the host time of each call, then the same loop under torch.profiler: per rep the flush kernel, the
+    idle gap after it, the call's kernels.  The trace is split into reps at the flush kernels (fills over 20 us);
+    where that does not give ``reps`` reps of equal kernel counts (a call with a large fill of its own), the
+    profiled figures are left out."""
+    import gc
     from statistics import median
 
     from torch.profiler import ProfilerActivity, profile
@@ -56,40 +60,49 @@ def _flushed(run, inputs, dev, reps: int = 30) -> str:
         run(inputs)
 
     def loop():
-        host, ev = [], []
-        for i in range(reps):
-            buf.fill_(i)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            t0 = time.perf_counter()
-            run(inputs)
-            host.append((time.perf_counter() - t0) * 1e6)
-            e.record()
-            ev.append((s, e))
+        host = []
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         torch.cuda.synchronize()
-        return host, [s.elapsed_time(e) * 1e3 for s, e in ev]
+        gc_on = gc.isenabled()
+        gc.disable()
+        try:
+            for i in range(reps):
+                buf.fill_(i)
+                ev[i][0].record()
+                t0 = time.perf_counter()
+                run(inputs)
+                host.append((time.perf_counter() - t0) * 1e6)
+                ev[i][1].record()
+        finally:
+            if gc_on:
+                gc.enable()
+        torch.cuda.synchronize()
+        return median(host), median(s.elapsed_time(e) * 1e3 for s, e in ev)
 
     host, event = loop()
+    line = f"flushed loop: event median {event:.1f} us, host per call {host:.1f} us"
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        loop()
+        p_host, p_event = loop()
     kernels = sorted((k.time_range.start, k.time_range.end, k.name) for k in prof.events()
                      if k.device_type == torch.autograd.DeviceType.CUDA and k.time_range.end > k.time_range.start)
-    reps_k, cur = [], None
-    for st, en, name in kernels:  # a rep = one flush kernel (a fill over the 256 MB, > 20 us) and what follows
+    rows, cur = [], None
+    for st, en, name in kernels:  # time_range in us; a rep = one flush kernel (a fill over the 256 MB) and what follows
         if "fill" in name.lower() and en - st > 20:
             cur = {"flush": (st, en), "calls": []}
-            reps_k.append(cur)
+            rows.append(cur)
         elif cur is not None:
             cur["calls"].append((st, en))
-    rows = [r for r in reps_k if r["calls"]]
+    counts = {len(r["calls"]) for r in rows}
+    line += f"; profiled loop: event median {p_event:.1f} us, host per call {p_host:.1f} us"
+    if len(rows) != reps or len(counts) != 1 or 0 in counts:
+        return line + f" (trace not split: {len(rows)} flush-like kernels for {reps} reps, kernels per rep {counts})"
     flush = median(r["flush"][1] - r["flush"][0] for r in rows)
     gap = median(r["calls"][0][0] - r["flush"][1] for r in rows)
     span = median(r["calls"][-1][1] - r["calls"][0][0] for r in rows)
     busy = median(sum(en - st for st, en in r["calls"]) for r in rows)
     names = sorted({n for _, _, n in kernels if "fill" not in n.lower()})
-    return (f"flushed loop: event median {median(event):.1f} us, host per call {median(host):.1f} us; profiled "
-            f"({len(rows)} reps): flush {flush:.1f} us, gap after it {gap:.1f} us, call span {span:.1f} us, busy "
-            f"{busy:.1f} us, {len(rows[0]['calls']) if rows else 0} kernels per call: {[n[:60] for n in names]}")
+    return (line + f": flush {flush:.1f} us, gap after it {gap:.1f} us, call span {span:.1f} us, busy {busy:.1f} us, "
+            f"{counts.pop()} kernels per call: {[n[:60] for n in names]}")
 
 
 def main(suite: str, needles: list[str], n: int = 50, profile: bool = False, plan: bool = False,
