@@ -43,41 +43,37 @@ def _times(run, inputs, dev, n):
 
 
 def _flushed(run, inputs, dev, reps: int = 30) -> str:
-    """``time_fn``'s loop (256 MB written before each call, events made beforehand around it, the garbage collector
-    off) with the host time of each call, then the same loop under torch.profiler: per rep the flush kernel, the
-    idle gap after it, the call's kernels.  The trace is split into reps at the flush kernels (fills over 20 us);
-    where that does not give ``reps`` reps of equal kernel counts (a call with a large fill of its own), the
-    profiled figures are left out."""
+    """``time_fn``'s timed loop (``harness._timed_calls``: the L2 flush before each call, events around it; the
+    garbage collector off, as ``time_fn`` has it) with the host time of each call, then the same loop under
+    torch.profiler: per rep the flush kernel, the idle gap after it, the call's kernels.  The trace is split into
+    reps at the flush kernels (fills over 20 us: the default write flush); where that does not give ``reps`` reps of
+    equal kernel counts (a call with a large fill of its own), the profiled figures are left out."""
     import gc
     from statistics import median
 
     from torch.profiler import ProfilerActivity, profile
 
-    from flashdsa.bench.harness import _flush_buffer
+    from flashdsa.bench.harness import _timed_calls
 
-    buf = _flush_buffer(str(dev))
     for _ in range(3):
         run(inputs)
 
     def loop():
         host = []
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        torch.cuda.synchronize()
+
+        def timed(i):
+            t0 = time.perf_counter()
+            run(i)
+            host.append((time.perf_counter() - t0) * 1e6)
+
         gc_on = gc.isenabled()
         gc.disable()
         try:
-            for i in range(reps):
-                buf.fill_(i)
-                ev[i][0].record()
-                t0 = time.perf_counter()
-                run(inputs)
-                host.append((time.perf_counter() - t0) * 1e6)
-                ev[i][1].record()
+            ms = _timed_calls(timed, [inputs], dev, reps, True)
         finally:
             if gc_on:
                 gc.enable()
-        torch.cuda.synchronize()
-        return median(host), median(s.elapsed_time(e) * 1e3 for s, e in ev)
+        return median(host), median(ms) * 1e3
 
     host, event = loop()
     line = f"flushed loop: event median {event:.1f} us, host per call {host:.1f} us"
