@@ -108,3 +108,17 @@ def test_plan_argument_errors():
         sink_plan.run(qs[0], cache, torch.zeros(5))
     out, _ = sink_plan.run(qs[0], cache.unsqueeze(2), torch.zeros(4))  # the [..., 1, Dqk] cache layout works too
     assert out.shape == (2, 1, 4, 512)
+
+
+def test_fp8_cache_layout_check():
+    """The per-layer check of the FP8 split step (``kernel_fwd_fp8cache.cache_layout_unsupported``): rows 656 or
+    672 bytes apart pass; 660-byte rows, a base off 16 bytes and a strided last dim are refused, with the reason."""
+    pytest.importorskip("tilelang")
+    from flashdsa.sparse.kernel_fwd_fp8cache import cache_layout_unsupported
+
+    big = torch.zeros(8 * 1312 + 16, dtype=torch.uint8)
+    assert cache_layout_unsupported(big[:8 * 656].view(8, 656)) is None
+    assert cache_layout_unsupported(big[:8 * 672].view(8, 672)[:, :656]) is None
+    assert "row stride" in cache_layout_unsupported(big[:8 * 660].view(8, 660)[:, :656])
+    assert "aligned" in cache_layout_unsupported(big[1:1 + 8 * 656].view(8, 656))
+    assert "contiguous" in cache_layout_unsupported(big[:8 * 656 * 2].view(8, 1312)[:, ::2])

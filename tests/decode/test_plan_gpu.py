@@ -1,8 +1,8 @@
 """GPU: ``mla_decode_plan`` on the kernels -- every dense path ``prepare_dense`` picks (the fused single launch,
-the split-KV partial + combine, the pair schedule, no attendable cache, an empty batch) and the FP8 cache (through
-``mla_decode``'s op): ``plan.run`` per layer is bitwise ``mla_decode`` on the same inputs and within the
-reference's tolerances; a CUDA graph of a whole step (plan + two layers) replayed with new lengths.  Inputs as
-test_kernel_gpu.py (shuffled tables, NaN in unused slots, bad block ids past each sequence)."""
+the split-KV partial + combine, the pair schedule, no attendable cache, an empty batch) and the FP8 cache (its
+split step where the op splits, else the op): ``plan.run`` per layer is bitwise ``mla_decode`` on the same inputs
+and within the reference's tolerances; CUDA graphs of a whole step (plan + two layers) replayed with new lengths.
+Inputs as test_kernel_gpu.py (shuffled tables, NaN in unused slots, bad block ids past each sequence)."""
 
 import math
 
@@ -11,7 +11,6 @@ import torch
 
 import flashdsa
 from flashdsa.bench.harness import capture_graph
-from flashdsa.quant import quantize_kv_fp8
 
 from .test_kernel_gpu import _check, _kernel, _make, _reference
 
@@ -87,17 +86,93 @@ def test_plan_pair_path_and_no_cache():
     assert (out == 0).all() and torch.isinf(lse).all() and (lse > 0).all()
 
 
-def test_plan_fp8_cache_runs_the_op():
+def _strided_cache(cache, row_bytes):
+    """``cache`` [nb, bs, 656] as a view of rows ``row_bytes`` apart (the padding bytes 0xFF)."""
+    nb, bs, w = cache.shape
+    big = torch.full((nb, bs, row_bytes), 0xFF, dtype=torch.uint8, device=cache.device)
+    big[..., :w] = cache
+    return big[..., :w]
+
+
+def _poison_rope(cache8, kv):
+    """NaN bf16 rope bytes (0xFF) in every cache row ``kv`` leaves unused (NaN rows): a stray read shows."""
+    unused = torch.isnan(kv).any(dim=-1)
+    cache8[unused, 528:] = 0xFF
+    return cache8
+
+
+# (B, s_q, H, block_size, lens (cycled), sink, the split forward's heads or None where the plan runs the op)
+FP8_CASES = [
+    (1, 1, 16, 64, (8192,), False, 16),  # the H <= 16 "mma" form writes fp32 partials itself
+    (2, 2, 128, 64, (4096, 300), True, 128),
+    (1, 1, 32, 32, (5000,), True, 64),  # heads padded to the 64-head pair form
+    (0, 1, 16, 64, (300, 20, 0, 1000), False, None),  # B 0 below: one token per SM, too many to split
+]
+
+
+@pytest.mark.parametrize("B,s_q,H,bs,lens,sink,heads_s", FP8_CASES,
+                         ids=[f"B{c[0]}-sq{c[1]}-H{c[2]}-{c[6] or 'op'}" for c in FP8_CASES])
+def test_plan_fp8_cache(B, s_q, H, bs, lens, sink, heads_s):
+    """Over the FP8 cache: where the op splits, the plan runs its split step (bitwise the op); lengths written
+    after the plan is made are not seen; a layer whose rows are 672 bytes apart runs the step, one with 660-byte
+    rows (no kernel takes them) the op; NaN bytes in every unused row."""
     _kernel()
-    layers, table, seqlens = _layers(3, 1, 16, 64, [300, 0, 77], seed=9)
-    caches = [quantize_kv_fp8(torch.nan_to_num(kv).view(-1, 576)).view(kv.shape[0], kv.shape[1], 656)
-              for _, kv in layers]
-    plan = flashdsa.mla_decode_plan(table, seqlens, caches[0], num_heads=16, sm_scale=0.05)
-    assert plan.path == "op"
-    for (q, _), kv8 in zip(layers, caches):
-        out, lse = plan.run(q, kv8)
-        want = flashdsa.mla_decode(q, kv8, table, seqlens, sm_scale=0.05)
-        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    B = B or torch.cuda.get_device_properties(0).multi_processor_count
+    lens = [lens[i % len(lens)] for i in range(B)]
+    layers, table, seqlens = _layers(B, s_q, H, bs, lens, seed=17 + H)
+    caches = [_poison_rope(flashdsa.quantize_kv_fp8(kv), kv) for _, kv in layers]
+    attn_sink = _sink(H, sink)
+    saved = seqlens.clone()
+    plan = flashdsa.mla_decode_plan(table, seqlens, caches[0], num_heads=H, s_q=s_q, sm_scale=0.05, has_sink=sink)
+    seqlens.copy_(seqlens.flip(0) // 2)  # written after the plan: run attends the lengths held at plan time
+    if heads_s is None:
+        assert plan.path == "op"
+    else:
+        assert plan.path == "kernel" and plan._step.path == "split" and plan._step.heads_s == heads_s
+        assert plan._step.n_split > 1
+    runs = [(layers[0][0], caches[0]), (layers[1][0], _strided_cache(caches[1], 672))]
+    if heads_s is not None and B == 1:  # the reference on the op's fallback: keep it to one small case
+        runs.append((layers[1][0], _strided_cache(caches[1], 660)))
+    for q, kv8 in runs:
+        out, lse = plan.run(q, kv8, attn_sink)
+        want = flashdsa.mla_decode(q, kv8, table, saved, sm_scale=0.05, attn_sink=attn_sink)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), "plan.run differs from mla_decode"
+        ref = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(kv8.contiguous()), table, saved, sm_scale=0.05,
+                                  attn_sink=attn_sink, backend="reference")
+        _check(out, lse, ref[0].to(torch.bfloat16), ref[1].float())
+
+
+def test_plan_fp8_split_cuda_graph_of_a_step():
+    """Plan + two FP8-cache layers on the split step captured once, replayed with new lengths and q written in
+    place; each replay equal to eager ``mla_decode`` and within the reference's tolerances."""
+    _kernel()
+    B, s_q, H, bs = 2, 1, 64, 64
+    lens_a, lens_b = [4096, 300], [1000, 4096]
+    layers, table, _ = _layers(B, s_q, H, bs, [4096, 4096], seed=23)
+    caches = [flashdsa.quantize_kv_fp8(kv) for _, kv in layers]
+    seqlens = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
+
+    def step():
+        plan = flashdsa.mla_decode_plan(table, seqlens, caches[0], num_heads=H, s_q=s_q, sm_scale=0.05)
+        assert plan.path == "kernel"
+        return [plan.run(q, kv8) for (q, _), kv8 in zip(layers, caches)]
+
+    graph, outs = capture_graph(step)
+    g = torch.Generator(device="cuda").manual_seed(24)
+    for lens in (lens_b, lens_a):
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        for q, _ in layers:
+            q.copy_((torch.randn(q.shape, generator=g, device="cuda") * 0.1).to(q.dtype))
+        for out, _ in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for ((q, _), kv8), (out, lse) in zip(zip(layers, caches), outs):
+            want = flashdsa.mla_decode(q, kv8, table, seqlens, sm_scale=0.05)
+            assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), f"replay with {lens} differs"
+            ref = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(kv8), table, seqlens, sm_scale=0.05,
+                                      backend="reference")
+            _check(out, lse, ref[0].to(torch.bfloat16), ref[1].float())
 
 
 @pytest.mark.parametrize("H", [16, 128])

@@ -9,8 +9,10 @@ kv_cache)`` then checks only that its tensors match the plan and launches the ke
 Semantics: the plan copies ``block_table`` and ``cache_seqlens`` when it is made (a GPU copy, no host sync), so
 ``run`` attends what they held then, whatever the caller writes into them afterwards: make one plan per step.
 Making a plan and running it are both capturable in a CUDA graph (capture them together to replay a whole step
-with new lengths). Paths: the dense bf16 cache on the GPU kernels launches straight from the plan; the reference
-backend and the FP8 cache (through the sparse forward) run ``mla_decode``'s op per call with the plan's copies.
+with new lengths). Paths: the dense bf16 cache on the GPU kernels launches straight from the plan; so does the FP8
+cache where ``mla_decode`` would run split-KV (few query tokens: ``_fp8_step``, the slot lists and chunk rows made
+once per step, two launches per layer). The reference backend and the other FP8 steps (through the sparse
+forward) run ``mla_decode``'s op per call with the plan's copies.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class MLADecodePlan:
 
     @property
     def path(self) -> str:
-        """"kernel" where ``run`` launches the dense decode kernels straight from the plan, else "op"."""
+        """"kernel" where ``run`` launches the decode kernels straight from the plan (the dense bf16 cache; the FP8
+        cache where the step splits), else "op"."""
         return "kernel" if self._step is not None else "op"
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, attn_sink: Optional[torch.Tensor] = None):
@@ -67,7 +70,9 @@ class MLADecodePlan:
             check_tensor("attn_sink", attn_sink, shape=(self.shape[2],), device=self.device,
                          dtypes=(torch.float32,) if self._step is not None else (torch.float32, torch.float64))
         if self._step is not None:
-            return self._step(q, kv_cache, attn_sink)
+            result = self._step(q, kv_cache, attn_sink)
+            if result is not None:  # None: the FP8 step's kernel does not take this layer's cache layout
+                return result
         return api._decode_op(q, kv_cache, self.block_table, self.cache_seqlens, self.sm_scale, self.d_v, self.causal,
                               None, None, attn_sink, self.backend)
 
@@ -143,6 +148,11 @@ def mla_decode_plan(block_table, cache_seqlens, kv_cache, *, num_heads, s_q=1, q
             step = prepare_dense(
                 B, s_q, num_heads, kv_cache.shape, block_table, cache_seqlens, sm_scale=scale, causal=causal,
                 has_sink=has_sink, device=dev)
+    elif _dispatch.requested_backend(backend) != "reference" and dev.type == "cuda":
+        from ._fp8_step import prepare_fp8_split
+
+        step = prepare_fp8_split(q_like, kv_cache, block_table, cache_seqlens, sm_scale=scale, d_v=d_v,
+                                 causal=causal, backend=backend)
     return MLADecodePlan(shape=shape, q_dtype=q_dtype, kv_shape=kv_cache.shape, kv_dtype=kv_cache.dtype, device=dev,
                          has_sink=has_sink, block_table=block_table, cache_seqlens=cache_seqlens, sm_scale=scale,
                          d_v=d_v, causal=causal, backend=backend, step=step)

@@ -293,16 +293,29 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
     reason = tc.check_heads_indices(n_tok, heads, indices)
     if reason is not None:
         return reason
-    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
+    if q.stride(-1) != 1 or indices.stride(-1) != 1:
+        return "last dim must be contiguous"
+    reason = cache_layout_unsupported(kv)
+    if reason is not None:
+        return reason
+    if n_tok >= 2**31 or indices.shape[1] >= 2**30:
+        return "sizes exceed int32 indexing"
+    return tc.check_optional(n_tok, heads, topk_length, attn_sink)
+
+
+def cache_layout_unsupported(kv) -> str | None:
+    """The cache's part of ``kernel_unsupported`` (kv [Tkv, 656] uint8, its shape and dtype
+    checked already):
+    None where the kernels address its rows, else why not; what ``mla_decode_plan`` checks per layer."""
+    if kv.stride(-1) != 1:
         return "last dim must be contiguous"
     if kv.shape[0] > 1 and (kv.stride(0) % CHUNK != 0 or kv.stride(0) < ROW_BYTES):
         return "kv row stride must be a multiple of 16 bytes and >= 656"
     if kv.data_ptr() % CHUNK != 0:
         return "kv must be 16-byte aligned"
-    n_ch = _n_chunks(kv)
-    if n_tok >= 2**31 or n_ch >= 2**31 or indices.shape[1] >= 2**30:
+    if _n_chunks(kv) >= 2**31:
         return "sizes exceed int32 indexing"
-    return tc.check_optional(n_tok, heads, topk_length, attn_sink)
+    return None
 
 
 def _rs16(kv) -> int:
