@@ -128,8 +128,8 @@ def test_plan_fp8_cache(B, s_q, H, bs, lens, sink, heads_s):
     if heads_s is None:
         assert plan.path == "op"
     else:
-        assert plan.path == "kernel" and plan._step.path == "split" and plan._step.heads_s == heads_s
-        assert plan._step.n_split > 1
+        assert plan.path == "kernel" and plan._step.path == "split"
+        assert plan._step.launch.heads_s == heads_s and plan._step.launch.n_split > 1
     runs = [(layers[0][0], caches[0]), (layers[1][0], _strided_cache(caches[1], 672))]
     if heads_s is not None and B == 1:  # the reference on the op's fallback: keep it to one small case
         runs.append((layers[1][0], _strided_cache(caches[1], 660)))

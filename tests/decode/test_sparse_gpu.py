@@ -240,3 +240,40 @@ def _eager_plan(B, H, s_q, sink):
             out3, lse3 = flashdsa.mla_decode(q, cache, None, None, indices=idx, topk_length=tl, attn_sink=sink_t)
         assert len(decode_api._PLANS) == 2
         _check(out3, lse3, ref_out.to(torch.bfloat16), ref_lse.float())
+
+
+@pytest.mark.parametrize("B,H,s_q,sink", [(1, 16, 1, False), (2, 64, 2, True), (1, 32, 1, True), (2, 128, 1, False)])
+def test_dense_decode_fp8_eager_plan(B, H, s_q, sink):
+    """The eager plan of a split dense FP8 decode signature (``decode.api._DenseCache656Plan``): stored by the first
+    call, replayed by the next ones with new lengths and q (bitwise the plain path, within the reference's
+    tolerances); a call with one token per SM does not split and stores none."""
+    from flashdsa.decode import api as decode_api
+
+    bs = 64
+    lens = [4096, 300][:B]
+    q, kv, table, seqlens = _make(B, s_q, H, bs, lens, seed=B + H)
+    cache = flashdsa.quantize_kv_fp8(kv)
+    sink_t = torch.randn(H, device="cuda") if sink else None
+    decode_api._PLANS._plans.clear()
+    g = torch.Generator(device="cuda").manual_seed(B * H)
+    cached = seqlens.clone()  # new lengths stay within the cached tokens (the slots past them hold NaN)
+    for step in range(3):
+        if step:
+            q.copy_((torch.randn(q.shape, generator=g, device="cuda") * 0.1).to(q.dtype))
+            seqlens.copy_((torch.rand(B, generator=g, device="cuda") * (cached + 1)).to(torch.int32))
+        out, lse = flashdsa.mla_decode(q, cache, table, seqlens, attn_sink=sink_t)
+        assert len(decode_api._PLANS) == 1
+        key = decode_api._plan_key(q, cache, table, seqlens, None, 512, True, None, None, sink_t, "auto")
+        assert isinstance(decode_api._PLANS.get(key), decode_api._DenseCache656Plan)
+        plain = decode_api._PLANS._plans.pop(key)  # the plain path once more, then the plan back
+        out2, lse2 = flashdsa.mla_decode(q, cache, table, seqlens, attn_sink=sink_t)
+        decode_api._PLANS.put(key, plain)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        ref_out, ref_lse = flashdsa.mla_decode(q, flashdsa.dequantize_kv_fp8(cache), table, seqlens,
+                                               attn_sink=sink_t, backend="reference")
+        _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q, kv, table, seqlens = _make(sms, 1, 16, bs, [300] * sms, seed=7)
+    decode_api._PLANS._plans.clear()
+    flashdsa.mla_decode(q, flashdsa.quantize_kv_fp8(kv), table, seqlens)
+    assert len(decode_api._PLANS) == 0

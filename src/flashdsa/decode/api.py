@@ -175,7 +175,7 @@ class _Cache656Plan:
     __slots__ = ("launch", "B", "s_q", "H", "rows", "topk", "d_v", "tl_dummy", "sink_dummy", "n_split", "chunk",
                  "heads_s")
 
-    def __call__(self, q, kv_cache, indices, topk_length, attn_sink):
+    def __call__(self, q, kv_cache, block_table, cache_seqlens, indices, topk_length, attn_sink):
         _dispatch.record_choice("mla_decode", "kernel")
         B, s_q, H, n, S = self.B, self.s_q, self.H, self.B * self.s_q, self.n_split
         tl = self.tl_dummy if topk_length is None else _token_lengths(topk_length, B, s_q)
@@ -193,14 +193,29 @@ class _Cache656Plan:
         return out.view(B, s_q, H, self.d_v), lse.view(B, s_q, H)
 
 
+class _DenseCache656Plan:
+    """Dense decode over the 656-byte cache where it splits (few query tokens): the call's decisions
+    (``_fp8_step.Fp8SplitLaunch``) kept per call signature; each call makes its chunk rows (one launch) and runs
+    the forward and the combine, bitwise the plain path."""
+
+    __slots__ = ("launch",)
+
+    def __call__(self, q, kv_cache, block_table, cache_seqlens, indices, topk_length, attn_sink):
+        return self.launch(q, kv_cache, *self.launch.rows(block_table, cache_seqlens), attn_sink)
+
+
 def _plan_key(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, topk_length, attn_sink,
               backend):
-    """The call signature of a sparse decode over the 656-byte cache (the only form with plans), else None (also
-    where the PyTorch dispatcher must run).  The environment switches the kernel choice reads are part of it."""
-    if not (isinstance(indices, torch.Tensor) and isinstance(q, torch.Tensor) and isinstance(kv_cache, torch.Tensor)
-            and kv_cache.dtype == torch.uint8 and q.device.type == "cuda"):
+    """The call signature of a decode over the 656-byte cache (sparse, or dense with a block table: the forms with
+    plans), else None (also where the PyTorch dispatcher must run).  The environment switches the kernel choice
+    reads are part of it."""
+    if not (isinstance(q, torch.Tensor) and isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.uint8
+            and q.device.type == "cuda"):
         return None
-    if _needs_dispatcher((q, kv_cache, indices, topk_length, attn_sink)):
+    if not (isinstance(indices, torch.Tensor) or (indices is None and isinstance(block_table, torch.Tensor)
+                                                  and isinstance(cache_seqlens, torch.Tensor))):
+        return None
+    if _needs_dispatcher((q, kv_cache, block_table, cache_seqlens, indices, topk_length, attn_sink)):
         return None
     from ..sparse import kernel_dequant656, kernel_fwd_fp8cache, kernel_fwd_pair_cache
 
@@ -212,10 +227,10 @@ def _plan_key(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, in
                                     topk_length, attn_sink, sm_scale, d_v, causal, backend, env)
 
 
-def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v) -> None:
+def _store_plan(key, q, kv_cache, block_table, indices, topk_length, attn_sink, sm_scale, d_v, causal) -> None:
     """After the plain path ran a call on the kernel: store its launch under ``key`` where the call can be replayed
     as views of its inputs (all contiguous, a non-empty cache) and is one forward launch (not the whole-cache copy;
-    with split-KV, the forward over the split rows and the combine)."""
+    with split-KV, the forward over the split rows and the combine); dense decode only where it splits."""
     if key is None or _dispatch.last_choice("mla_decode") != "kernel" or kv_cache.numel() == 0:
         return
     if not all(t is None or t.is_contiguous() for t in (q, kv_cache, indices, topk_length, attn_sink)):
@@ -225,6 +240,16 @@ def _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, sm_scale, d_v
     if any_misaligned(q, kv_cache, indices, topk_length, attn_sink):
         return
 
+    if indices is None:  # dense: the split form only (an unsplit call's host time is small against its kernel)
+        from ._fp8_step import fp8_split_launch
+
+        launch = fp8_split_launch(q, kv_cache, block_table.shape[1], sm_scale=sm_scale, d_v=d_v, causal=causal,
+                                  backend="kernel")
+        if launch is not None:
+            plan = _DenseCache656Plan()
+            plan.launch = launch
+            _PLANS.put(key, plan)
+        return
     B, s_q, H, _ = q.shape
     n, topk, rows = B * s_q, indices.shape[-1], kv_cache.shape[0] * kv_cache.shape[1]
     tl = None if topk_length is None else _token_lengths(topk_length, B, s_q)  # as a replay derives it
@@ -297,11 +322,13 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
                     backend)
     plan = None if key is None else _PLANS.get(key)
     if plan is not None:
-        return plan(q, kv_cache, indices, topk_length, attn_sink)
+        result = plan(q, kv_cache, block_table, cache_seqlens, indices, topk_length, attn_sink)
+        if result is not None:  # None: the dense plan's kernel does not take this cache's layout (the plain path)
+            return result
     kv_cache, scale = _check_args(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices,
                                   topk_length, attn_sink, backend)
     sparse = indices is not None
     result = _decode_op(q, kv_cache, block_table if not sparse else None, cache_seqlens if not sparse else None,
                         scale, d_v, causal, indices, topk_length, attn_sink, backend)
-    _store_plan(key, q, kv_cache, indices, topk_length, attn_sink, scale, d_v)
+    _store_plan(key, q, kv_cache, block_table, indices, topk_length, attn_sink, scale, d_v, causal)
     return result

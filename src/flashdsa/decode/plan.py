@@ -10,8 +10,8 @@ Semantics: the plan copies ``block_table`` and ``cache_seqlens`` when it is made
 ``run`` attends what they held then, whatever the caller writes into them afterwards: make one plan per step.
 Making a plan and running it are both capturable in a CUDA graph (capture them together to replay a whole step
 with new lengths). Paths: the dense bf16 cache on the GPU kernels launches straight from the plan; so does the FP8
-cache where ``mla_decode`` would run split-KV (few query tokens: ``_fp8_step``, the slot lists and chunk rows made
-once per step, two launches per layer). The reference backend and the other FP8 steps (through the sparse
+cache where ``mla_decode`` would run split-KV (few query tokens: ``_fp8_step``, the chunk rows made once per step,
+two launches per layer). The reference backend and the other FP8 steps (through the sparse
 forward) run ``mla_decode``'s op per call with the plan's copies.
 """
 
@@ -149,10 +149,11 @@ def mla_decode_plan(block_table, cache_seqlens, kv_cache, *, num_heads, s_q=1, q
                 B, s_q, num_heads, kv_cache.shape, block_table, cache_seqlens, sm_scale=scale, causal=causal,
                 has_sink=has_sink, device=dev)
     elif _dispatch.requested_backend(backend) != "reference" and dev.type == "cuda":
-        from ._fp8_step import prepare_fp8_split
+        from ._fp8_step import Fp8SplitStep, fp8_split_launch
 
-        step = prepare_fp8_split(q_like, kv_cache, block_table, cache_seqlens, sm_scale=scale, d_v=d_v,
-                                 causal=causal, backend=backend)
+        launch = fp8_split_launch(q_like, kv_cache, block_table.shape[1], sm_scale=scale, d_v=d_v, causal=causal,
+                                  backend=backend)
+        step = Fp8SplitStep(launch, block_table, cache_seqlens) if launch is not None else None
     return MLADecodePlan(shape=shape, q_dtype=q_dtype, kv_shape=kv_cache.shape, kv_dtype=kv_cache.dtype, device=dev,
                          has_sink=has_sink, block_table=block_table, cache_seqlens=cache_seqlens, sm_scale=scale,
                          d_v=d_v, causal=causal, backend=backend, step=step)
