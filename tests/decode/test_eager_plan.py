@@ -1,4 +1,5 @@
-"""CPU: ``mla_decode``'s eager plans (sparse calls over the 656-byte cache on CUDA only) are never made elsewhere."""
+"""CPU: ``mla_decode``'s eager plans (calls over the 656-byte cache on CUDA only: sparse, and dense with a block
+table) are never made elsewhere."""
 
 import torch
 
@@ -14,6 +15,11 @@ def test_no_plan_key_on_cpu_or_bf16_cache():
     for cache in (fp8, bf16):
         assert decode_api._plan_key(q, cache, None, None, None, 512, True, idx, None, None, "auto") is None
     assert decode_api._plan_key(q, fp8, None, None, None, 512, True, None, None, None, "auto") is None  # dense
+    table, lens = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    assert decode_api._plan_key(q, fp8, table, lens, None, 512, True, None, None, None, "auto") is None  # on the CPU
+    decode_api._PLANS._plans.clear()
+    flashdsa.mla_decode(q, fp8, table, lens)
+    assert len(decode_api._PLANS) == 0
 
 
 def test_cpu_sparse_decode_stores_no_plan():

@@ -246,7 +246,8 @@ def _eager_plan(B, H, s_q, sink):
 def test_dense_decode_fp8_eager_plan(B, H, s_q, sink):
     """The eager plan of a split dense FP8 decode signature (``decode.api._DenseCache656Plan``): stored by the first
     call, replayed by the next ones with new lengths and q (bitwise the plain path, within the reference's
-    tolerances); a call with one token per SM does not split and stores none."""
+    tolerances); a call with one token per SM does not split: its signature is marked for the plain path, whose
+    outputs its next call repeats."""
     from flashdsa.decode import api as decode_api
 
     bs = 64
@@ -274,6 +275,10 @@ def test_dense_decode_fp8_eager_plan(B, H, s_q, sink):
         _check(out, lse, ref_out.to(torch.bfloat16), ref_lse.float())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q, kv, table, seqlens = _make(sms, 1, 16, bs, [300] * sms, seed=7)
+    cache = flashdsa.quantize_kv_fp8(kv)
     decode_api._PLANS._plans.clear()
-    flashdsa.mla_decode(q, flashdsa.quantize_kv_fp8(kv), table, seqlens)
-    assert len(decode_api._PLANS) == 0
+    out, lse = flashdsa.mla_decode(q, cache, table, seqlens)
+    key = decode_api._plan_key(q, cache, table, seqlens, None, 512, True, None, None, None, "auto")
+    assert len(decode_api._PLANS) == 1 and decode_api._PLANS.get(key) is decode_api._PLAIN_PATH
+    out2, lse2 = flashdsa.mla_decode(q, cache, table, seqlens)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)

@@ -30,7 +30,7 @@ CASES = [
     (1, 1, 64, 128, True, 4, 2048),
     (2, 2, 16, 300, True, 10, 512),  # n_split * chunk > L: the last chunk overruns the table
     (3, 3, 32, 40, False, 2, 640),
-    (1, 4, 256, 9, True, 3, 1024),  # the last chunk lies wholly past the table
+    (1, 4, 256, 9, True, 4, 1024),  # the last chunk lies wholly past the table (L 2304)
 ]
 
 
@@ -46,14 +46,15 @@ def test_split_slots_equal_torch_ops(B, s_q, bs, max_blocks, causal, n_split, ch
     assert n_split * chunk >= L
     nb = max_blocks + 5
     table = _case(B, max_blocks, nb, seed=B * 7 + bs, strided=strided)
-    lens = [L // 3, 0, -5, L + 7, I32_MIN, I32_MAX, 1, L][:B] if B > 1 else [L - 3]
-    for shift in range(3):  # several value sets through the one compiled kernel
+    lens = [L // 3, 0, -5, L + 7, I32_MIN, I32_MAX, 1, L, L - 3, I32_MIN + 1, I32_MAX - 1]
+    for shift in range(len(lens)):  # every value reaches every sequence position, through one compiled kernel
         seqlens = torch.tensor([lens[(i + shift) % len(lens)] for i in range(B)], dtype=torch.int32, device="cuda")
         slots, tl = _pair_path.slot_rows(table, seqlens, nb, bs, s_q, causal)
         want_slots, want_tl = kernel_split.split_inputs(slots, tl, n_split, chunk)
         poison = (torch.full_like(want_slots, 0x5A5A5A5A), torch.full_like(want_tl, 0x5A5A5A5A))
         got_slots, got_tl = kernel_split_slots.split_slots(table, seqlens, nb, bs, s_q, causal, n_split, chunk,
                                                            out=poison)
-        assert got_slots.shape == want_slots.shape and got_tl.shape == want_tl.shape
         assert torch.equal(got_slots, want_slots), "slots differ from slot_rows + split_inputs"
         assert torch.equal(got_tl, want_tl), "lengths differ from slot_rows + split_inputs"
+    new_slots, new_tl = kernel_split_slots.split_slots(table, seqlens, nb, bs, s_q, causal, n_split, chunk)
+    assert torch.equal(new_slots, want_slots) and torch.equal(new_tl, want_tl), "the out=None path differs"

@@ -36,8 +36,9 @@ class Fp8SplitLaunch:
 
     def __call__(self, q, kv_cache, slots_s, tl_s, attn_sink=None):
         """q [B, s_q, H, 576] bf16, kv_cache [num_blocks, block_size(, 1), 656] uint8, ``rows``' tensors, attn_sink
-        [H] f32 or None -> (out [B, s_q, H, 512] bf16, lse [B, s_q, H] f32); None where this cache has a layout the
-        kernel does not take (``kernel_fwd_fp8cache.cache_layout_unsupported``: the caller runs the op)."""
+        [H] float32 (or float64, as the op: the combine takes it as float32) or None -> (out [B, s_q, H, 512] bf16,
+        lse [B, s_q, H] f32); None where this cache has a layout the kernel does not take
+        (``kernel_fwd_fp8cache.cache_layout_unsupported``: the caller runs the op)."""
         from ..sparse import kernel_fwd_fp8cache
 
         flat = kv_cache.reshape(self.num_blocks * self.block_size, KV_FP8_BYTES)  # a view where it can be (as the op)
@@ -83,7 +84,13 @@ def fp8_split_launch(q, kv_cache, max_blocks: int, *, sm_scale: float, d_v: int,
     L, n, dev = max_blocks * bs, B * s_q, q.device
     if n == 0 or nb * bs == 0 or L == 0 or q.dtype != torch.bfloat16 or dev.type != "cuda":
         return None
-    flat = kv_cache.reshape(nb * bs, KV_FP8_BYTES)
+    n_split, _ = kernel_split.split_plan(n, H, L, _dispatch.sm_count(dev.index or 0), kernel_split.split_fill(H, True))
+    if n_split == 1:  # enough tokens to fill the SMs: decided before anything is made (``_split_plan`` agrees)
+        return None
+    try:
+        flat = kv_cache.view(nb * bs, KV_FP8_BYTES)
+    except RuntimeError:  # rows that are not one flat view: the op copies the cache per call; so do its callers
+        return None
     stand_in = torch.empty(L, dtype=torch.int32, device=dev)  # shapes only: the checks read no values
     qf = q.reshape(n, H, KV_DIM)
     slots_like, tl_like = stand_in.as_strided((n, L), (0, 1)), stand_in[:1].expand(n)

@@ -204,6 +204,9 @@ class _DenseCache656Plan:
         return self.launch(q, kv_cache, *self.launch.rows(block_table, cache_seqlens), attn_sink)
 
 
+_PLAIN_PATH = object()  # stored for a dense signature that does not split: its calls take the plain path
+
+
 def _plan_key(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, topk_length, attn_sink,
               backend):
     """The call signature of a decode over the 656-byte cache (sparse, or dense with a block table: the forms with
@@ -245,10 +248,11 @@ def _store_plan(key, q, kv_cache, block_table, indices, topk_length, attn_sink, 
 
         launch = fp8_split_launch(q, kv_cache, block_table.shape[1], sm_scale=sm_scale, d_v=d_v, causal=causal,
                                   backend="kernel")
+        plan = _PLAIN_PATH
         if launch is not None:
             plan = _DenseCache656Plan()
             plan.launch = launch
-            _PLANS.put(key, plan)
+        _PLANS.put(key, plan)
         return
     B, s_q, H, _ = q.shape
     n, topk, rows = B * s_q, indices.shape[-1], kv_cache.shape[0] * kv_cache.shape[1]
@@ -321,7 +325,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
     key = _plan_key(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, indices, topk_length, attn_sink,
                     backend)
     plan = None if key is None else _PLANS.get(key)
-    if plan is not None:
+    if plan is not None and plan is not _PLAIN_PATH:
         result = plan(q, kv_cache, block_table, cache_seqlens, indices, topk_length, attn_sink)
         if result is not None:  # None: the dense plan's kernel does not take this cache's layout (the plain path)
             return result
@@ -330,5 +334,6 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, sm_scale=None, d_v=51
     sparse = indices is not None
     result = _decode_op(q, kv_cache, block_table if not sparse else None, cache_seqlens if not sparse else None,
                         scale, d_v, causal, indices, topk_length, attn_sink, backend)
-    _store_plan(key, q, kv_cache, block_table, indices, topk_length, attn_sink, scale, d_v, causal)
+    if plan is None:
+        _store_plan(key, q, kv_cache, block_table, indices, topk_length, attn_sink, scale, d_v, causal)
     return result

@@ -304,9 +304,8 @@ def kernel_unsupported(q, kv, indices, *, d_v, topk_length=None, attn_sink=None)
 
 
 def cache_layout_unsupported(kv) -> str | None:
-    """The cache's part of ``kernel_unsupported`` (kv [Tkv, 656] uint8, its shape and dtype
-    checked already):
-    None where the kernels address its rows, else why not; what ``mla_decode_plan`` checks per layer."""
+    """The cache's part of ``kernel_unsupported`` (kv [Tkv, 656] uint8, its shape and dtype checked already): None
+    where the kernels address its rows, else why not; what ``mla_decode_plan`` checks per layer."""
     if kv.stride(-1) != 1:
         return "last dim must be contiguous"
     if kv.shape[0] > 1 and (kv.stride(0) % CHUNK != 0 or kv.stride(0) < ROW_BYTES):
