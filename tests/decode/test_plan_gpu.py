@@ -11,6 +11,7 @@ import torch
 
 import flashdsa
 from flashdsa.bench.harness import capture_graph
+from flashdsa.decode import _fp8_step
 
 from .test_kernel_gpu import _check, _kernel, _make, _reference
 
@@ -114,10 +115,11 @@ FP8_CASES = [
 
 @pytest.mark.parametrize("B,s_q,H,bs,lens,sink,heads_s", FP8_CASES,
                          ids=[f"B{c[0]}-sq{c[1]}-H{c[2]}-{c[6] or 'op'}" for c in FP8_CASES])
-def test_plan_fp8_cache(B, s_q, H, bs, lens, sink, heads_s):
+def test_plan_fp8_cache(B, s_q, H, bs, lens, sink, heads_s, monkeypatch):
     """Over the FP8 cache: where the op splits, the plan runs its split step (bitwise the op's plain path);
     lengths written after the plan is made are not seen; a layer whose rows are 672 bytes apart runs the step, one
-    with 660-byte rows (no kernel takes them) the op; NaN bytes in every unused row."""
+    with 660-byte rows (no kernel takes them) the op; NaN bytes in every unused row.  ``$FLASHDSA_DECODE_FP8_STEP``
+    0: the op."""
     _kernel()
     B = B or torch.cuda.get_device_properties(0).multi_processor_count
     lens = [lens[i % len(lens)] for i in range(B)]
@@ -125,6 +127,9 @@ def test_plan_fp8_cache(B, s_q, H, bs, lens, sink, heads_s):
     caches = [flashdsa.quantize_kv_fp8(kv) for _, kv in layers]  # unused rows: quantized NaN (NaN bytes)
     attn_sink = _sink(H, sink)
     saved = seqlens.clone()
+    monkeypatch.setenv(_fp8_step.STEP_ENV, "0")
+    assert flashdsa.mla_decode_plan(table, seqlens, caches[0], num_heads=H, s_q=s_q).path == "op"
+    monkeypatch.setenv(_fp8_step.STEP_ENV, "1")
     plan = flashdsa.mla_decode_plan(table, seqlens, caches[0], num_heads=H, s_q=s_q, sm_scale=0.05, has_sink=sink)
     seqlens.copy_(seqlens.flip(0) // 2)  # written after the plan: run attends the lengths held at plan time
     if heads_s is None:
@@ -144,10 +149,11 @@ def test_plan_fp8_cache(B, s_q, H, bs, lens, sink, heads_s):
         _check(out, lse, ref[0].to(torch.bfloat16), ref[1].float())
 
 
-def test_plan_fp8_split_cuda_graph_of_a_step():
+def test_plan_fp8_split_cuda_graph_of_a_step(monkeypatch):
     """Plan + two FP8-cache layers on the split step captured once, replayed with new lengths and q written in
     place; each replay equal to eager ``mla_decode`` and within the reference's tolerances."""
     _kernel()
+    monkeypatch.setenv(_fp8_step.STEP_ENV, "1")
     B, s_q, H, bs = 2, 1, 64, 64
     lens_a, lens_b = [4096, 300], [1000, 4096]
     layers, table, _ = _layers(B, s_q, H, bs, [4096, 4096], seed=23)

@@ -243,13 +243,14 @@ def _eager_plan(B, H, s_q, sink):
 
 
 @pytest.mark.parametrize("B,H,s_q,sink", [(1, 16, 1, False), (2, 64, 2, True), (1, 32, 1, True), (2, 128, 1, False)])
-def test_dense_decode_fp8_eager_plan(B, H, s_q, sink):
+def test_dense_decode_fp8_eager_plan(B, H, s_q, sink, monkeypatch):
     """The eager plan of a split dense FP8 decode signature (``decode.api._DenseCache656Plan``): stored by the first
     call, replayed by the next ones with new lengths and q (bitwise the plain path, within the reference's
     tolerances); a call with one token per SM does not split: its signature is marked for the plain path, whose
     outputs its next call repeats."""
-    from flashdsa.decode import api as decode_api
+    from flashdsa.decode import _fp8_step, api as decode_api
 
+    monkeypatch.setenv(_fp8_step.STEP_ENV, "1")
     bs = 64
     lens = [4096, 300][:B]
     q, kv, table, seqlens = _make(B, s_q, H, bs, lens, seed=B + H)

@@ -8,7 +8,12 @@ writes fp32 partials, and a combine. The decisions depend on shapes only (``fp8_
 the op's kernels on the op's inputs, so bitwise its outputs). ``mla_decode_plan`` makes the rows once per step
 (``Fp8SplitStep``); ``mla_decode``'s eager plans (``api._DenseCache656Plan``) once per call. Where the op would not
 split (enough tokens to fill the SMs), both keep running the op.
+
+``$FLASHDSA_DECODE_FP8_STEP`` (``STEP_ENV``): "1" takes these paths, anything else runs the op as before. Off by
+default until its GPU tests have passed on a Hopper GPU (written in session 61 while no device came; ROADMAP).
 """
+
+import os
 
 import torch
 
@@ -16,6 +21,15 @@ from .. import _dispatch
 from .._tilelang import aligned, dummy, pad_heads
 from ..quant import KV_DIM, KV_FP8_BYTES
 from . import kernel_split
+
+
+STEP_ENV = "FLASHDSA_DECODE_FP8_STEP"
+_STEP_DEFAULT = "0"  # "1" once tests/decode/test_plan_gpu.py, test_split_slots_gpu.py, test_sparse_gpu.py pass
+
+
+def enabled() -> bool:
+    """Whether ``fp8_split_launch`` may return a launch (``$FLASHDSA_DECODE_FP8_STEP``, module notes)."""
+    return os.environ.get(STEP_ENV, _STEP_DEFAULT) == "1"
 
 
 class Fp8SplitLaunch:
@@ -82,7 +96,7 @@ def fp8_split_launch(q, kv_cache, max_blocks: int, *, sm_scale: float, d_v: int,
     B, s_q, H, _ = q.shape
     nb, bs = kv_cache.shape[0], kv_cache.shape[1]
     L, n, dev = max_blocks * bs, B * s_q, q.device
-    if n == 0 or nb * bs == 0 or L == 0 or q.dtype != torch.bfloat16 or dev.type != "cuda":
+    if n == 0 or nb * bs == 0 or L == 0 or q.dtype != torch.bfloat16 or dev.type != "cuda" or not enabled():
         return None
     n_split, _ = kernel_split.split_plan(n, H, L, _dispatch.sm_count(dev.index or 0), kernel_split.split_fill(H, True))
     if n_split == 1:  # enough tokens to fill the SMs: decided before anything is made (``_split_plan`` agrees)

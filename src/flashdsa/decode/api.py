@@ -11,7 +11,7 @@ from .. import _dispatch
 from .._library import _needs_dispatcher, custom_op
 from .._validate import check_float, check_same_device, check_tensor
 from ..quant import KV_DIM, KV_FP8_BYTES
-from . import _pair_path, kernel_split, reference
+from . import _fp8_step, _pair_path, kernel_split, reference
 
 _Q = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # kernels: bf16
 _I32 = (torch.int32,)
@@ -225,7 +225,7 @@ def _plan_key(q, kv_cache, block_table, cache_seqlens, sm_scale, d_v, causal, in
     env = tuple(os.environ.get(v) for v in (kernel_fwd_fp8cache.NARROW_ENV, kernel_fwd_pair_cache.STAGING_ENV,
                                             kernel_fwd_pair_cache.PERSISTENT_ENV, kernel_fwd_pair_cache.QGATE_ENV,
                                             kernel_dequant656.DEQUANT_ONCE_ENV,
-                                            kernel_split.SPLIT_ENV))
+                                            kernel_split.SPLIT_ENV, _fp8_step.STEP_ENV))
     return _dispatch.call_signature("mla_decode_cache656", q, kv_cache, block_table, cache_seqlens, indices,
                                     topk_length, attn_sink, sm_scale, d_v, causal, backend, env)
 
