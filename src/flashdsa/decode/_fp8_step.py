@@ -98,9 +98,6 @@ def fp8_split_launch(q, kv_cache, max_blocks: int, *, sm_scale: float, d_v: int,
     L, n, dev = max_blocks * bs, B * s_q, q.device
     if n == 0 or nb * bs == 0 or L == 0 or q.dtype != torch.bfloat16 or dev.type != "cuda" or not enabled():
         return None
-    n_split, _ = kernel_split.split_plan(n, H, L, _dispatch.sm_count(dev.index or 0), kernel_split.split_fill(H, True))
-    if n_split == 1:  # enough tokens to fill the SMs: decided before anything is made (``_split_plan`` agrees)
-        return None
     try:
         flat = kv_cache.view(nb * bs, KV_FP8_BYTES)
     except RuntimeError:  # rows that are not one flat view: the op copies the cache per call; so do its callers

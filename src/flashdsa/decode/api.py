@@ -200,6 +200,9 @@ class _DenseCache656Plan:
 
     __slots__ = ("launch",)
 
+    def __init__(self, launch):
+        self.launch = launch
+
     def __call__(self, q, kv_cache, block_table, cache_seqlens, indices, topk_length, attn_sink):
         return self.launch(q, kv_cache, *self.launch.rows(block_table, cache_seqlens), attn_sink)
 
@@ -248,11 +251,7 @@ def _store_plan(key, q, kv_cache, block_table, indices, topk_length, attn_sink, 
 
         launch = fp8_split_launch(q, kv_cache, block_table.shape[1], sm_scale=sm_scale, d_v=d_v, causal=causal,
                                   backend="kernel")
-        plan = _PLAIN_PATH
-        if launch is not None:
-            plan = _DenseCache656Plan()
-            plan.launch = launch
-        _PLANS.put(key, plan)
+        _PLANS.put(key, _PLAIN_PATH if launch is None else _DenseCache656Plan(launch))
         return
     B, s_q, H, _ = q.shape
     n, topk, rows = B * s_q, indices.shape[-1], kv_cache.shape[0] * kv_cache.shape[1]

@@ -148,7 +148,7 @@ def mla_decode_plan(block_table, cache_seqlens, kv_cache, *, num_heads, s_q=1, q
             step = prepare_dense(
                 B, s_q, num_heads, kv_cache.shape, block_table, cache_seqlens, sm_scale=scale, causal=causal,
                 has_sink=has_sink, device=dev)
-    elif _dispatch.requested_backend(backend) != "reference" and dev.type == "cuda":
+    else:  # the FP8 cache: its split step where the op splits on the kernels (fp8_split_launch decides), else the op
         from ._fp8_step import Fp8SplitStep, fp8_split_launch
 
         launch = fp8_split_launch(q_like, kv_cache, block_table.shape[1], sm_scale=scale, d_v=d_v, causal=causal,
