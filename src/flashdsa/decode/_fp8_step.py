@@ -9,8 +9,8 @@ the op's kernels on the op's inputs, so bitwise its outputs). ``mla_decode_plan`
 (``Fp8SplitStep``); ``mla_decode``'s eager plans (``api._DenseCache656Plan``) once per call. Where the op would not
 split (enough tokens to fill the SMs), both keep running the op.
 
-``$FLASHDSA_DECODE_FP8_STEP`` (``STEP_ENV``): "1" takes these paths, anything else runs the op as before. Off by
-default until its GPU tests have passed on a Hopper GPU (written in session 61 while no device came; ROADMAP).
+``$FLASHDSA_DECODE_FP8_STEP`` (``STEP_ENV``, default "1"): "1" takes these paths, anything else runs the op as
+before (for A / B timing and as a switch-off).
 """
 
 import os
@@ -24,7 +24,7 @@ from . import kernel_split
 
 
 STEP_ENV = "FLASHDSA_DECODE_FP8_STEP"
-_STEP_DEFAULT = "0"  # "1" once tests/decode/test_plan_gpu.py, test_split_slots_gpu.py, test_sparse_gpu.py pass
+_STEP_DEFAULT = "1"  # "0" turns the paths off (the op as before)
 
 
 def enabled() -> bool:

@@ -11,7 +11,7 @@ Semantics: the plan copies ``block_table`` and ``cache_seqlens`` when it is made
 Making a plan and running it are both capturable in a CUDA graph (capture them together to replay a whole step
 with new lengths). Paths: the dense bf16 cache on the GPU kernels launches straight from the plan; so does the FP8
 cache where ``mla_decode`` would run split-KV (few query tokens: ``_fp8_step``, the chunk rows made once per step,
-two launches per layer; opt-in for now, ``_fp8_step.STEP_ENV``). The reference backend and the other FP8 steps
+two launches per layer; ``_fp8_step.STEP_ENV`` "0" turns it off). The reference backend and the other FP8 steps
 (through the sparse forward) run ``mla_decode``'s op per call with the plan's copies.
 """
 
