@@ -116,14 +116,17 @@ def test_report_renders_and_updates_readme(tmp_path):
     res = tmp_path / "results"
     res.mkdir()
     (res / "2026-01-01_h200_01234567_sparse_mla_fwd.json").write_text(json.dumps(_sample_doc(date="2026-01-01", ms=9.0)))
-    (res / "2026-01-02_h200_01234567_sparse_mla_fwd.json").write_text(json.dumps(_sample_doc()))
+    newest = _sample_doc()
+    newest["cases"][0]["graph"] = {"ms_median": 1.4, "ms_p10": 1.4, "ms_p90": 1.4, "reps": 30}
+    (res / "2026-01-02_h200_01234567_sparse_mla_fwd.json").write_text(json.dumps(newest))
     (res / "2026-01-03_cpu_01234567_sparse_mla_fwd.json").write_text(
         json.dumps(_sample_doc(date="2026-01-03", ms=99.0, gpu=None)))
     (res / "junk.json").write_text("{not json")
     (res / "2026-01-04_h100_01234567_sparse_mla_fwd.json").write_text(  # newer, but not the target GPU
         json.dumps(_sample_doc(date="2026-01-04", ms=77.0, gpu="NVIDIA H100 80GB HBM3")))
     table = report.render_readme_table(res)
-    assert "| sparse_mla_fwd | `V32_S4096_SKV8192_H128_topk2048` | 1.5 | 701 |" in table  # newest GPU run
+    assert "| sparse_mla_fwd | `V32_S4096_SKV8192_H128_topk2048` | 1.5 | 1.4 | 701 |" in table  # newest GPU run
+    assert "| `fp8_case` | — | — | — |" in table  # no graph entry (or no run): dashes
     assert "skipped: op missing" in table and "2026-01-02_h200_01234567_sparse_mla_fwd.json" in table
     assert "| 99" not in table and "| 9.0 |" not in table
     assert "| 77" not in table and "| 77" in report.render_readme_table(res, gpu="H100")
@@ -159,7 +162,7 @@ def test_report_takes_newer_partial_rows(tmp_path):
     gh200 = _sample_doc(date="2026-01-06", ms=5.5, gpu="NVIDIA GH200 480GB")
     (res / "2026-01-06_gh200_89abcdef_sparse_mla_fwd.json").write_text(json.dumps(gh200))
     table = report.render_readme_table(res)
-    assert "| `V32_S4096_SKV8192_H128_topk2048` * | 1.25 |" in table  # the newer partial run's row, marked
+    assert "| `V32_S4096_SKV8192_H128_topk2048` * | 1.25 | — | 701 |" in table  # the newer partial run's row
     assert "skipped: op missing" in table and "| 7.0 |" not in table  # rows it lacks stay; older partials ignored
     assert "| 3.0 |" not in table  # a run with a kernel-selection switch set is not the default configuration
     assert "| 4.5 |" not in table and "| 5.5 |" not in table  # newer runs on other GPUs (H100, GH200) give no rows
