@@ -58,15 +58,11 @@ class Fp8SplitLaunch:
         flat = kv_cache.reshape(self.num_blocks * self.block_size, KV_FP8_BYTES)  # a view where it can be (as the op)
         if kernel_fwd_fp8cache.cache_layout_unsupported(flat) is not None:
             return None
-        B, s_q, H, S, Hs = self.B, self.s_q, self.H, self.n_split, self.heads_s
-        n = B * s_q
-        q_s = aligned(pad_heads(q.reshape(n, H, KV_DIM), Hs))
-        dev = q.device
-        out = torch.empty((n * S, Hs, self.d_v), dtype=torch.float32, device=dev)
-        lse = torch.empty((n * S, Hs), dtype=torch.float32, device=dev)
-        max_logits = torch.empty((n * S, Hs), dtype=torch.float32, device=dev)
-        self.launch(q_s, flat, slots_s, tl_s, dummy(torch.float32, dev), out, lse, max_logits)
-        out, lse = kernel_split.combine(out, lse, attn_sink, S, heads=H)
+        B, s_q, H = self.B, self.s_q, self.H
+        q_s = aligned(pad_heads(q.reshape(B * s_q, H, KV_DIM), self.heads_s))
+        out, lse = kernel_split.launch_and_combine(self.launch, q_s, flat, slots_s, tl_s,
+                                                   dummy(torch.float32, q.device), attn_sink, self.n_split, H,
+                                                   self.d_v)
         _dispatch.record_choice("mla_decode", "kernel")
         return out.view(B, s_q, H, self.d_v), lse.view(B, s_q, H)
 

@@ -179,17 +179,18 @@ class _Cache656Plan:
         _dispatch.record_choice("mla_decode", "kernel")
         B, s_q, H, n, S = self.B, self.s_q, self.H, self.B * self.s_q, self.n_split
         tl = self.tl_dummy if topk_length is None else _token_lengths(topk_length, B, s_q)
-        qf, idx, sink, Hs = q.view(n, H, KV_DIM), indices.view(n, self.topk), attn_sink, self.heads_s
+        qf, idx, flat = q.view(n, H, KV_DIM), indices.view(n, self.topk), kv_cache.view(self.rows, KV_FP8_BYTES)
         if S > 1:
-            qf, idx, tl_s = kernel_split.split_rows(qf, idx, None if topk_length is None else tl, S, self.chunk, Hs)
-            tl, sink = self.tl_dummy if tl_s is None else tl_s, None
-        out = torch.empty((n * S, Hs, self.d_v), dtype=torch.bfloat16 if S == 1 else torch.float32, device=q.device)
-        lse = torch.empty((n * S, Hs), dtype=torch.float32, device=q.device)
-        mx = torch.empty((n * S, Hs), dtype=torch.float32, device=q.device)
-        self.launch(qf, kv_cache.view(self.rows, KV_FP8_BYTES), idx, tl, self.sink_dummy if sink is None else sink,
-                    out, lse, mx)
-        if S > 1:
-            out, lse = kernel_split.combine(out, lse, attn_sink, S, heads=H)
+            q_s, idx_s, tl_s = kernel_split.split_rows(qf, idx, None if topk_length is None else tl, S, self.chunk,
+                                                       self.heads_s)
+            out, lse = kernel_split.launch_and_combine(self.launch, q_s, flat, idx_s,
+                                                       self.tl_dummy if tl_s is None else tl_s, self.sink_dummy,
+                                                       attn_sink, S, H, self.d_v)
+        else:
+            out = torch.empty((n, H, self.d_v), dtype=torch.bfloat16, device=q.device)
+            lse = torch.empty((n, H), dtype=torch.float32, device=q.device)
+            mx = torch.empty((n, H), dtype=torch.float32, device=q.device)
+            self.launch(qf, flat, idx, tl, self.sink_dummy if attn_sink is None else attn_sink, out, lse, mx)
         return out.view(B, s_q, H, self.d_v), lse.view(B, s_q, H)
 
 

@@ -207,6 +207,19 @@ def combine(out_p, lse_p, attn_sink, n_split: int, heads: int | None = None):
     return out, lse
 
 
+def launch_and_combine(launch, q_s, kv, slots_s, tl_s, sink_arg, attn_sink, n_split: int, heads: int, d_v: int):
+    """A compiled ``out_f32`` forward ``launch`` over the (token, chunk) rows, then ``combine``: q_s [T, Hp, D] (one
+    row per token), kv, slots_s [T * n_split, chunk] / tl_s [T * n_split] (``split_inputs``), ``sink_arg`` the
+    tensor the launch takes for its (unread) sink, attn_sink [H] or None for the combine -> (out [T, H, d_v] bf16,
+    lse [T, H] f32)."""
+    n, Hp = q_s.shape[0] * n_split, q_s.shape[1]
+    out = torch.empty((n, Hp, d_v), dtype=torch.float32, device=q_s.device)
+    lse = torch.empty((n, Hp), dtype=torch.float32, device=q_s.device)
+    max_logits = torch.empty((n, Hp), dtype=torch.float32, device=q_s.device)
+    launch(q_s, kv, slots_s, tl_s, sink_arg, out, lse, max_logits)
+    return combine(out, lse, attn_sink, n_split, heads=heads)
+
+
 def lowering_cases():
     """Representative (name, prim_func) configurations for the CPU lowering test."""
     return [(f"split_combine_h{h}" + ("_sink" if s else "") + (f"_of{p}" if p else "") + ("_max" if m else ""),
