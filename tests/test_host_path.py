@@ -189,3 +189,19 @@ def test_stored_plan_is_replayed_with_the_lead_dims(monkeypatch):
     monkeypatch.setenv(kernel_fwd_pair.QTMA_ENV, "0")
     flashdsa.sparse_attn(q, kv, sink, idx)
     assert miss.calls == 0
+
+
+def test_aligned_copies_views_and_warns_on_large_copies(monkeypatch):
+    base = torch.randn(8, 12)
+    assert _tilelang.aligned(base) is base  # contiguous and aligned: no copy
+    view = base[:, :6]  # rows strided
+    monkeypatch.setattr(_tilelang, "COPY_WARN_BYTES", view.numel() * view.element_size())
+    with pytest.warns(UserWarning, match=r"shape \(8, 6\).*strides \(12, 1\)"):
+        out = _tilelang.aligned(view)
+    assert out.is_contiguous() and out.data_ptr() % 16 == 0 and torch.equal(out, view)
+    monkeypatch.setattr(_tilelang, "COPY_WARN_BYTES", view.numel() * view.element_size() + 1)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(_tilelang.aligned(view), view)  # one byte under the threshold: a silent copy

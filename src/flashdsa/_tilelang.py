@@ -28,12 +28,25 @@ def direct_launcher(kernel):
     return get()
 
 
+# A copy this large (a KV cache passed as a strided view) is worth telling the caller about: it happens per call.
+COPY_WARN_BYTES = 64 << 20
+
+
 def aligned(x):
     """``x`` contiguous with a 16-byte aligned base address: ``x`` itself where it already is, else a copy.  The
     kernels read their inputs in 16-byte pieces (cp.async, vector loads, TMA boxes), which a contiguous view
-    starting at another offset would fault on."""
-    x = x.contiguous()
-    return x.clone() if x.data_ptr() % 16 else x
+    starting at another offset would fault on.  A copy of ``COPY_WARN_BYTES`` or more warns (once per message)."""
+    y = x.contiguous()
+    if y.data_ptr() % 16:
+        y = y.clone()
+    if y is not x and y.nbytes >= COPY_WARN_BYTES:
+        import warnings
+
+        warnings.warn(f"flashdsa: an input of shape {tuple(x.shape)}, dtype {x.dtype}, strides {x.stride()}, storage "
+                      f"offset {x.storage_offset()} is copied for the kernel ({y.nbytes / 2**20:.0f} MiB on every "
+                      "call): the kernels read it contiguous and 16-byte aligned; pass it so to avoid the copy",
+                      UserWarning, stacklevel=3)
+    return y
 
 
 def any_misaligned(*tensors) -> bool:
