@@ -16,11 +16,24 @@ export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlc}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 bash scripts/gpu_cache.sh unpack .tlc/*.tar.xz
 if [ "$test_timeout" -gt 0 ]; then
-  timeout -s KILL "$test_timeout" python -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark $pytest_args \
+  # -v with -rfE: one line per finished test, so a run killed at its limit still says which tests never finished
+  timeout -s KILL "$test_timeout" python -m pytest -m gpu -v -rfE -p no:cacheprovider -p no:benchmark $pytest_args \
     > "$OUT/tests.log" 2>&1
-  echo "tests rc=$?" | tee -a "$OUT/tests.log"
+  rc=$?
+  echo "tests rc=$rc" | tee -a "$OUT/tests.log"
   grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
+  if [ "$rc" -ne 0 ]; then
+    # the collected ids (xdist's -n N dropped) that have no result line in the log
+    python -m pytest -m gpu --collect-only -q -p no:cacheprovider $(echo "$pytest_args" | sed -E 's/-n [0-9]+//') \
+      2>/dev/null | grep "::" | sort > "$OUT/tests_collected.txt"
+    res="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"  # "[gw3] [ 5%] PASSED id" under xdist, "id PASSED [ 5%]" without
+    { grep -oE "($res) [^ ]+::[^ ]+" "$OUT/tests.log" | awk '{print $2}'
+      grep -oE "^[^ ]+::[^ ]+ ($res)" "$OUT/tests.log" | awk '{print $1}'; } | sort -u \
+      | comm -23 "$OUT/tests_collected.txt" - > "$OUT/tests_unfinished.txt"
+    echo "tests unfinished: $(wc -l < "$OUT/tests_unfinished.txt") of $(wc -l < "$OUT/tests_collected.txt")"
+    head -20 "$OUT/tests_unfinished.txt"
+  fi
 fi
 for suite in "$@"; do
   left=$(( budget - ($(date +%s) - start) - 5 ))
