@@ -11,6 +11,7 @@
 """
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -200,8 +201,6 @@ def test_aligned_copies_views_and_warns_on_large_copies(monkeypatch):
         out = _tilelang.aligned(view)
     assert out.is_contiguous() and out.data_ptr() % 16 == 0 and torch.equal(out, view)
     monkeypatch.setattr(_tilelang, "COPY_WARN_BYTES", view.numel() * view.element_size() + 1)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(_tilelang.aligned(view), view)  # one byte under the threshold: a silent copy

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 
 def lower_to_cuda_source(func, pass_configs: dict | None = None, arch: str = "sm_90a") -> str:
     """Lower a TileLang prim_func to CUDA C++ source for ``arch`` on any machine (no GPU needed)."""
@@ -40,8 +42,6 @@ def aligned(x):
     if y.data_ptr() % 16:
         y = y.clone()
     if y is not x and y.nbytes >= COPY_WARN_BYTES:
-        import warnings
-
         warnings.warn(f"flashdsa: an input of shape {tuple(x.shape)}, dtype {x.dtype}, strides {x.stride()}, storage "
                       f"offset {x.storage_offset()} is copied for the kernel ({y.nbytes / 2**20:.0f} MiB on every "
                       "call): the kernels read it contiguous and 16-byte aligned; pass it so to avoid the copy",
