@@ -96,3 +96,34 @@ def test_bwd_reducer_rows_outlive_the_reducers_reads():
     assert "(it + 1) % 3" in reducer and "1 - rb" not in reducer  # block it+1's rows: the buffer after it's
     assert 'rows_s = T.sblock_alloc_buffer((2, 64), "int32"' in plain and "fdsa_reduce_half" not in plain
     assert "1 - rb" in plain
+
+
+def _module_pass_configs(mod) -> list:
+    """Every pass-config dict ``mod`` compiles with (its variants and loaders included)."""
+    import inspect
+
+    if not hasattr(mod, "_pass_configs"):
+        return []
+    params = inspect.signature(mod._pass_configs).parameters
+    if "variant" in params:  # indexer.kernel_paged: one dict per variant
+        return [mod._pass_configs(v) for v in mod.VARIANTS]
+    if "loader" in params:  # decode.kernel_dense_narrow and its fused form: per loader
+        return [mod._pass_configs(ld, 64) for ld in ("tma", "cpasync")]
+    return [mod._pass_configs()]
+
+
+def test_pass_configs_are_not_deprecated():
+    """TileLang deprecates the global ``tl.disable_tma_lower`` (a DeprecationWarning on every compile) for the
+    per-copy ``T.copy(..., disable_tma=True)``: no kernel module compiles with a deprecated pass config."""
+    import warnings
+
+    from tilelang.transform.pass_config import normalize_pass_configs
+
+    seen = 0
+    for modname in kernel_modules():
+        for cfg in _module_pass_configs(importlib.import_module(modname)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", DeprecationWarning)
+                normalize_pass_configs(cfg)
+            seen += 1
+    assert seen >= 20

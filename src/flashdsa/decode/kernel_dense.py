@@ -340,7 +340,6 @@ def build_combine_kernel(*, heads: int, s_q: int, has_sink: bool, threads: int =
 def _pass_configs():
     tilelang, _ = _tl()
     return {
-        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
         tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
     }
 

@@ -327,9 +327,8 @@ def item_parts(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale:
 
 
 def _pass_configs(loader: str | None = None, block_size: int = BLOCK_N):
-    # no automatic warp specialisation; TMA lowering only for the "tma" loader
-    if _loader(loader, block_size) == "tma":
-        return {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+    # no automatic warp specialisation, whichever the loader: the "tma" loader's tensor-map loads are explicit
+    # ``T.tma_copy`` calls and no ``T.copy`` of these kernels moves global <-> shared
     return _kd._pass_configs()
 
 

@@ -294,7 +294,6 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
 
 def _pass_configs():
     return {
-        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
         tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
         # intra-role syncs are explicit named barriers (8 / 9): the automatic pass can hand the producer and WG0
         # the same barrier id (seen in the first sparse ws kernel)

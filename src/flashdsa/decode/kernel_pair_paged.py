@@ -170,7 +170,7 @@ def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, 
 
 
 def _pass_configs():
-    # the pair kernel's (explicit named barriers only; ``T.tma_copy`` lowers without the TMA lowering pass)
+    # the pair kernel's (explicit named barriers only; ``T.tma_copy`` is explicit, not a lowered ``T.copy``)
     return tc.plain_pass_configs({tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 
 

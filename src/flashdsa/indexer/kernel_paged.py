@@ -295,7 +295,7 @@ def _tile_macros(*, heads: int, next_n: int, block_size: int, chunk: int = CHUNK
             if t < n_t:
                 issue(KCache, KScale, K_s, ks_s, bt_s, t, t)
             T.ptx_commit_group()
-        T.copy(Q[b * BC:b * BC + BC, :], Q_s)
+        T.copy(Q[b * BC:b * BC + BC, :], Q_s, disable_tma=True)
         T.copy(W[b * BC:b * BC + BC], w_f)
         fill_tail(Out, tx, b, c0, n_t, L, nthreads)
 
@@ -474,7 +474,6 @@ def _pass_configs(variant: str = VARIANT) -> dict:
     if variant == "sync":
         return {}
     return {
-        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
         tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
         tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,  # explicit barriers only (see the notes)
     }

@@ -54,7 +54,7 @@ def build_gather_qk(*, dqk: int, n_blocks: int, mode: str, l2_prefetch: bool = F
             Q_s = T.alloc_shared([BH, QC], bf16)
             KV_s = T.alloc_shared([BI, dqk], bf16)
             acc = T.alloc_fragment([BH, BI], f32)
-            T.copy(Q[bx, :, :], Q_s)
+            T.copy(Q[bx, :, :], Q_s, disable_tma=True)
             T.clear(acc)
             for it in T.Pipelined(n_blocks, num_stages=stages):
                 for r, d in T.Parallel(BI, dqk):

@@ -263,7 +263,7 @@ def pair_body(*, heads, dqk, topk, sm_scale, has_sink, has_topk_length, n_tok, t
                 T.copy(acc_o[0], Stage[:, 0:DO])
                 T.copy(acc_o[1], Stage[:, DO:DH])
             T.sync_threads(own_bar, 128)
-            T.copy(Stage, Out[tok, h0 : h0 + BH, c0 : c0 + DH])
+            T.copy(Stage, Out[tok, h0 : h0 + BH, c0 : c0 + DH], disable_tma=True)
 
     # ------------------------------------------------------------------ items (``persistent``: several per CTA)
     # Why each buffer is free when the next item rewrites it (phases continue: ``pair_phase``; every role counts

@@ -69,10 +69,10 @@ def q_load_macros(*, dqk, n_tok, q_rows):
         if gate is not None:  # q_gate: after the first pair's a.L / a.R landed (parity 0: one item per CTA; no
             if npair[0] > 0:  # pair, no gather: nothing to wait for)
                 T.barrier_wait(gate, 0)
-        T.copy(Q[q_tok, h0 : h0 + BH, c0 : c0 + DH], Q_half)
+        T.copy(Q[q_tok, h0 : h0 + BH, c0 : c0 + DH], Q_half, disable_tma=True)
         if Q_t is not None:
             if D_tail > 0:
-                T.copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t)
+                T.copy(Q[q_tok, h0 : h0 + BH, D:dqk], Q_t, disable_tma=True)
         T.fence_proxy_async()
         tc.role_barrier(BAR_BOTH, 256)
 

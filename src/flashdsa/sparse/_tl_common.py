@@ -202,9 +202,9 @@ def padded_head_macros(*, BH, D, D_tail, dqk, heads, c_log2, has_sink, dtype, sy
     @T.macro
     def load_q(Q, Q_s, Qt_s, bx, h0):
         if heads_exact:
-            T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s)
+            T.copy(Q[bx, h0 : h0 + BH, 0:D], Q_s, disable_tma=True)
             if D_tail > 0:
-                T.copy(Q[bx, h0 : h0 + BH, D:dqk], Qt_s)
+                T.copy(Q[bx, h0 : h0 + BH, D:dqk], Qt_s, disable_tma=True)
         else:
             for h, d in T.Parallel(BH, D):
                 Q_s[h, d] = T.if_then_else(h0 + h < heads, Q[bx, T.min(h0 + h, heads - 1), d], T.cast(0, dtype))
@@ -234,7 +234,7 @@ def padded_head_macros(*, BH, D, D_tail, dqk, heads, c_log2, has_sink, dtype, sy
             T.sync_threads()
         T.copy(acc_o, Stage)
         if heads_exact:
-            T.copy(Stage, Out[bx, h0 : h0 + BH, :])
+            T.copy(Stage, Out[bx, h0 : h0 + BH, :], disable_tma=True)
         else:
             for h, d in T.Parallel(BH, D):
                 if h0 + h < heads:
@@ -260,10 +260,10 @@ L2_PREFETCH_PRELUDE = "#define TL_ENABLE_L2_PREFETCH 1\n"
 
 
 def plain_pass_configs(extra=None):
-    """Pass configs of the hand-scheduled kernels: no TMA lowering, no automatic warp specialisation
-    (+ ``extra``)."""
+    """Pass configs of the hand-scheduled kernels: no automatic warp specialisation (+ ``extra``).  Their
+    global <-> shared ``T.copy`` calls pass ``disable_tma=True`` (TileLang deprecated the global
+    ``tl.disable_tma_lower`` for that per-copy flag): the schedules issue their own cp.async / ``T.tma_copy``."""
     cfg = {
-        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
         tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
     }
     cfg.update(extra or {})

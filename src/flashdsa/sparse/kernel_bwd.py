@@ -428,10 +428,10 @@ def build_sparse_mla_bwd(
 
                 # ---- epilogue: dq (already scaled) through the Q tile ----
                 T.copy(acc_dq, Q_s)
-                T.copy(Q_s, dQ[bx, h0 : h0 + BH, 0:D])
+                T.copy(Q_s, dQ[bx, h0 : h0 + BH, 0:D], disable_tma=True)
                 if D_tail > 0:
                     T.copy(acc_dqt, Qt_s)
-                    T.copy(Qt_s, dQ[bx, h0 : h0 + BH, D:dqk])
+                    T.copy(Qt_s, dQ[bx, h0 : h0 + BH, D:dqk], disable_tma=True)
             else:  # the reducer warpgroup: the dKV chunks of every block, in the compute order
                 if reducer:  # 64 threads per stage half
                     T.set_max_nreg(REGS_REDUCER, 0)

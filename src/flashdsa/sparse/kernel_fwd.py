@@ -18,8 +18,8 @@ Design (this file, "pipelined" variant):
     block i is consumed.  S = Q K^T (512 dims + the 64-dim rope tail for Dqk = 576,
     two wgmma 64x32 per warpgroup), online softmax in fp32 with exp2 and
     ``sm_scale * log2(e)`` folded into one constant, P -> bf16 (shared) @ V
-    (wgmma 64x256 per warpgroup).  TMA lowering and automatic warp specialisation
-    are disabled (pass configs) so the schedule is the plain cp.async pipeline.
+    (wgmma 64x256 per warpgroup).  Automatic warp specialisation is off (pass configs)
+    and the Q / Out copies pass ``disable_tma``, so the schedule is the plain cp.async pipeline.
   * Masking: slot j of token t is valid iff ``j < topk_eff`` and
     ``0 <= indices[t, j] < Tkv``.  The gather uses row ``j < topk_eff ?
     indices[t, min(j, topk-1)] : -1``; TileLang's safe-access legalisation turns the

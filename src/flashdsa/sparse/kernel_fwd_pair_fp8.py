@@ -304,9 +304,9 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
             if tx < 128:
                 # ---------------------------------------------- WG0: S of blocks 2j, O[:, 0:256]
                 T.set_max_nreg(regs[0], 1)
-                T.copy(Q[tok, h0 : h0 + BH, 0:DH], Q_l)
+                T.copy(Q[tok, h0 : h0 + BH, 0:DH], Q_l, disable_tma=True)
                 if D_tail > 0:
-                    T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t)
+                    T.copy(Q[tok, h0 : h0 + BH, D:dqk], Q_t, disable_tma=True)
                 for h in T.Parallel(BH):
                     qsc0[h] = QScale[tok, h0 + h]
                 T.fence_proxy_async()
@@ -359,7 +359,7 @@ def build_sparse_mla_fwd_pair_fp8(*, heads: int, dqk: int, topk: int, sm_scale: 
             elif tx < 256:
                 # ---------------------------------------------- WG1: S of blocks 2j+1, O[:, 256:512]
                 T.set_max_nreg(regs[1], 1)
-                T.copy(Q[tok, h0 : h0 + BH, DH:D], Q_r)
+                T.copy(Q[tok, h0 : h0 + BH, DH:D], Q_r, disable_tma=True)
                 for h in T.Parallel(BH):
                     qsc1[h] = QScale[tok, h0 + h]
                 T.fence_proxy_async()
