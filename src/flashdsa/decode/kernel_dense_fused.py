@@ -246,15 +246,15 @@ def build_fused_kernel(*, heads: int, s_q: int, block_size: int, causal: bool, s
     return mla_decode_dense_fused.with_attr("global_symbol", "mla_decode_dense_fused")
 
 
-def _pass_configs(loader: str | None = None, block_size: int = _kn.BLOCK_N):
-    return _kn._pass_configs(loader, block_size)
+def _pass_configs():
+    return _kn._pass_configs()
 
 
 @functools.lru_cache(maxsize=64)
 def _compiled(heads, s_q, block_size, causal, sm_scale, has_sink, num_sms, threads, stages, loader):
     func = build_fused_kernel(heads=heads, s_q=s_q, block_size=block_size, causal=causal, sm_scale=sm_scale,
                               has_sink=has_sink, num_sms=num_sms, threads=threads, stages=stages, loader=loader)
-    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs(loader, block_size))
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
 def _capturing(dev: torch.device) -> bool:

@@ -326,7 +326,7 @@ def item_parts(*, heads: int, s_q: int, block_size: int, causal: bool, sm_scale:
     return threads, alloc_item, run_item
 
 
-def _pass_configs(loader: str | None = None, block_size: int = BLOCK_N):
+def _pass_configs():
     # no automatic warp specialisation, whichever the loader: the "tma" loader's tensor-map loads are explicit
     # ``T.tma_copy`` calls and no ``T.copy`` of these kernels moves global <-> shared
     return _kd._pass_configs()
@@ -336,7 +336,7 @@ def _pass_configs(loader: str | None = None, block_size: int = BLOCK_N):
 def _compiled(heads, s_q, block_size, causal, sm_scale, has_sink, threads, stages, loader):
     func = build_partial_kernel(heads=heads, s_q=s_q, block_size=block_size, causal=causal, sm_scale=sm_scale,
                                 has_sink=has_sink, threads=threads, stages=stages, loader=loader)
-    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs(loader, block_size))
+    return tilelang.compile(func, target="cuda", pass_configs=_pass_configs())
 
 
 def compiled_partial(heads, s_q, block_size, causal, sm_scale, has_sink):
