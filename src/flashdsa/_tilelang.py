@@ -15,6 +15,17 @@ def lower_to_cuda_source(func, pass_configs: dict | None = None, arch: str = "sm
         return tilelang.lower(func, target=target).kernel_source
 
 
+def plain_pass_configs(extra: dict | None = None) -> dict:
+    """Pass configs of the hand-scheduled kernels: no automatic warp specialisation (+ ``extra``).  Their
+    global <-> shared ``T.copy`` calls pass ``disable_tma=True`` (TileLang deprecated the global
+    ``tl.disable_tma_lower`` for that per-copy flag): the schedules issue their own cp.async / ``T.tma_copy``."""
+    import tilelang
+
+    cfg = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+    cfg.update(extra or {})
+    return cfg
+
+
 def direct_launcher(kernel):
     """What to call to launch a compiled TileLang kernel with the least host time.
 

@@ -95,7 +95,7 @@ import os
 import torch
 
 from ._tl_common import D_ROPE, D_V, DQK, LN2, LOG2E, combine_row_macro, partial_prim_func, partial_sizes
-from .._tilelang import direct_launcher
+from .._tilelang import direct_launcher, plain_pass_configs
 from .. import _dispatch
 
 BLOCK_M = 64  # query rows (s_q * H) per tile: the wgmma M
@@ -338,10 +338,7 @@ def build_combine_kernel(*, heads: int, s_q: int, has_sink: bool, threads: int =
 # host side
 # --------------------------------------------------------------------------------------------------------------
 def _pass_configs():
-    tilelang, _ = _tl()
-    return {
-        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-    }
+    return plain_pass_configs()
 
 
 @functools.lru_cache(maxsize=64)

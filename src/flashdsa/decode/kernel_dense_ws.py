@@ -58,6 +58,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .._tilelang import plain_pass_configs
 from ..sparse._tl_common import wg1_pv_step_macro
 from . import kernel_dense as _kd
 from ._tl_common import item_macros, partial_prim_func, partial_sizes
@@ -293,12 +294,9 @@ def build_partial_kernel(*, heads: int, s_q: int, block_size: int, causal: bool,
 
 
 def _pass_configs():
-    return {
-        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-        # intra-role syncs are explicit named barriers (8 / 9): the automatic pass can hand the producer and WG0
-        # the same barrier id (seen in the first sparse ws kernel)
-        tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
-    }
+    # intra-role syncs are explicit named barriers (8 / 9): the automatic pass can hand the producer and WG0 the
+    # same barrier id (seen in the first sparse ws kernel)
+    return plain_pass_configs({tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 
 
 @functools.lru_cache(maxsize=64)

@@ -86,7 +86,7 @@ import types
 
 import torch
 
-from .._tilelang import aligned
+from .._tilelang import aligned, plain_pass_configs
 
 try:
     import tilelang
@@ -473,10 +473,8 @@ def build_indexer_paged_async(*, heads: int, dim: int, next_n: int, block_size: 
 def _pass_configs(variant: str = VARIANT) -> dict:
     if variant == "sync":
         return {}
-    return {
-        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-        tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,  # explicit barriers only (see the notes)
-    }
+    # explicit barriers only (see the notes)
+    return plain_pass_configs({tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 
 
 _BUILDERS = {"pipelined": build_indexer_paged_pipelined, "sync": build_indexer_paged,

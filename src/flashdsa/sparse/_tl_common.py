@@ -15,11 +15,10 @@ missing optional tile is passed as ``None`` rather than as a placeholder alias.
 
 import math
 
-import tilelang
 import tilelang.language as T
 import torch
 
-from .._tilelang import aligned, dummy
+from .._tilelang import aligned, dummy, plain_pass_configs  # noqa: F401 (tc.plain_pass_configs)
 
 LOG2E = 1.4426950408889634
 # f16 products over the 656-byte cache: each head's largest |q * token tile scale| is scaled into [2^13, 2^14)
@@ -257,17 +256,6 @@ def padded_head_macros(*, BH, D, D_tail, dqk, heads, c_log2, has_sink, dtype, sy
 # A kernel prelude (``T.Kernel(..., prelude=...)``, emitted before TileLang's headers): its cp.async helpers then
 # carry the ``.L2::128B`` prefetch hint
 L2_PREFETCH_PRELUDE = "#define TL_ENABLE_L2_PREFETCH 1\n"
-
-
-def plain_pass_configs(extra=None):
-    """Pass configs of the hand-scheduled kernels: no automatic warp specialisation (+ ``extra``).  Their
-    global <-> shared ``T.copy`` calls pass ``disable_tma=True`` (TileLang deprecated the global
-    ``tl.disable_tma_lower`` for that per-copy flag): the schedules issue their own cp.async / ``T.tma_copy``."""
-    cfg = {
-        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-    }
-    cfg.update(extra or {})
-    return cfg
 
 
 # ---------------------------------------------------------------------------------------------- host side
