@@ -151,10 +151,10 @@ def build(n_warps: int, stages: int, lsu: bool, row: int = 656, place: str = "pa
 
 @functools.lru_cache(maxsize=None)
 def compiled(n_warps: int, stages: int, lsu: bool, row: int = 656, place: str = "packed"):
-    from flashdsa.sparse import _tl_common as tc
+    from flashdsa._tilelang import plain_pass_configs
 
     return tilelang.compile(build(n_warps, stages, lsu, row, place), target="cuda",
-                            pass_configs=tc.plain_pass_configs())
+                            pass_configs=plain_pass_configs())
 
 
 def main():

@@ -31,7 +31,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
-from .._tilelang import aligned, direct_launcher, dummy
+from .._tilelang import aligned, direct_launcher, dummy, plain_pass_configs
 from .._validate import check_choice
 from ..sparse import _tl_common as tc
 from ..sparse._pair_body import pair_body
@@ -171,7 +171,7 @@ def build_pair_paged(*, heads: int, s_q: int, block_size: int, sm_scale: float, 
 
 def _pass_configs():
     # the pair kernel's (explicit named barriers only; ``T.tma_copy`` is explicit, not a lowered ``T.copy``)
-    return tc.plain_pass_configs({tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+    return plain_pass_configs({tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 
 
 @functools.lru_cache(maxsize=32)

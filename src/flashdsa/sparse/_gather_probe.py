@@ -22,6 +22,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from .._tilelang import plain_pass_configs
 from . import _tl_common as tc
 
 BI = 64  # rows per block
@@ -66,7 +67,7 @@ def build_gather_qk(*, dqk: int, n_blocks: int, mode: str, l2_prefetch: bool = F
 
 
 def pass_configs(mode: str):
-    return tc.plain_pass_configs()
+    return plain_pass_configs()
 
 
 @functools.lru_cache(maxsize=8)

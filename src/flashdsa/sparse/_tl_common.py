@@ -18,7 +18,7 @@ import math
 import tilelang.language as T
 import torch
 
-from .._tilelang import aligned, dummy, plain_pass_configs  # noqa: F401 (tc.plain_pass_configs)
+from .._tilelang import aligned, dummy
 
 LOG2E = 1.4426950408889634
 # f16 products over the 656-byte cache: each head's largest |q * token tile scale| is scaled into [2^13, 2^14)

@@ -95,7 +95,7 @@ import tilelang
 import tilelang.language as T
 
 from .. import _dispatch
-from .._tilelang import aligned
+from .._tilelang import aligned, plain_pass_configs
 from . import _tl_common as tc
 from . import kernel_fwd
 from ._bwd_parts import RED_V4_PRELUDE, build_segment_reduce
@@ -448,7 +448,7 @@ def build_sparse_mla_bwd(
 
 
 def _pass_configs():
-    return tc.plain_pass_configs()
+    return plain_pass_configs()
 
 
 RED = "oct4"  # the dKV pattern of every build without the reducer (``build_sparse_mla_bwd``'s ``red``)

@@ -70,7 +70,7 @@ import tilelang
 import tilelang.language as T
 
 from .. import _dispatch
-from .._tilelang import aligned, direct_launcher
+from .._tilelang import aligned, direct_launcher, plain_pass_configs
 from . import _tl_common as tc
 from ._tl_common import BLOCK_H, BLOCK_I, D_V, LN2, LOG2E  # noqa: F401  (re-exported: LN2, LOG2E)
 
@@ -231,7 +231,7 @@ def build_sparse_mla_fwd(
 
 
 def _pass_configs():
-    return tc.plain_pass_configs()
+    return plain_pass_configs()
 
 
 @functools.lru_cache(maxsize=64)

@@ -59,7 +59,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
-from .._tilelang import aligned
+from .._tilelang import aligned, plain_pass_configs
 from . import _tl_common as tc
 from ._tl_common import LOG2E, BLOCK_H, BLOCK_I, D_V
 
@@ -322,7 +322,7 @@ def build_sparse_mla_fwd_fp8(
 
 
 def _pass_configs():
-    return tc.plain_pass_configs()
+    return plain_pass_configs()
 
 
 @functools.lru_cache(maxsize=64)

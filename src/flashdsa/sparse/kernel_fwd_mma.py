@@ -62,6 +62,7 @@ import os
 import tilelang
 import tilelang.language as T
 
+from .._tilelang import plain_pass_configs
 from . import _tl_common as tc
 from ._tl_common import D_V, LOG2E
 from ._warp_mma import WARP_MMA_PRELUDE
@@ -463,7 +464,7 @@ def build_sparse_mla_fwd_mma(*, heads: int, dqk: int, sm_scale: float, has_sink:
 
 
 def _pass_configs():
-    return tc.plain_pass_configs()
+    return plain_pass_configs()
 
 
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,

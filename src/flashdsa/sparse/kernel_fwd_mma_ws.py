@@ -44,6 +44,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .._tilelang import plain_pass_configs
 from . import _tl_common as tc
 from . import kernel_fwd_mma as km
 from ._tl_common import D_V
@@ -263,7 +264,7 @@ def build_sparse_mla_fwd_mma_ws(*, heads: int, dqk: int, sm_scale: float, has_si
 def _build(heads, dqk, sm_scale, has_sink, has_topk_length, ablate=0):
     func = build_sparse_mla_fwd_mma_ws(heads=heads, dqk=dqk, sm_scale=sm_scale, has_sink=has_sink,
                                        has_topk_length=has_topk_length, ablate=ablate)
-    return tilelang.compile(func, target="cuda", pass_configs=tc.plain_pass_configs())
+    return tilelang.compile(func, target="cuda", pass_configs=plain_pass_configs())
 
 
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool):

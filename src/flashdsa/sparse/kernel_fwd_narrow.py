@@ -38,6 +38,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .._tilelang import plain_pass_configs
 from . import _tl_common as tc
 from ._tl_common import BLOCK_I, D_V, LOG2E
 
@@ -357,7 +358,7 @@ def _build_rows(*, heads, dqk, D, DT, BR, c_log2, normaliser, store_lse, row, ok
 
 
 def _pass_configs():
-    return tc.plain_pass_configs()
+    return plain_pass_configs()
 
 
 def _compiled(heads: int, dqk: int, d_v: int, n_blocks: int, sm_scale: float, has_sink: bool, has_topk_length: bool,

@@ -46,6 +46,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .._tilelang import plain_pass_configs
 from . import _tl_common as tc
 from . import kernel_fwd_fp8cache as fc
 from . import kernel_fwd_narrow as _kn
@@ -235,7 +236,7 @@ def build_sparse_mla_fwd_narrow656(*, heads: int, sm_scale: float, has_sink: boo
 
 
 def _pass_configs():
-    return tc.plain_pass_configs()
+    return plain_pass_configs()
 
 
 @functools.lru_cache(maxsize=64)

@@ -72,7 +72,7 @@ import tilelang
 import tilelang.language as T
 
 from .. import _dispatch
-from .._tilelang import direct_launcher
+from .._tilelang import direct_launcher, plain_pass_configs
 from .._validate import check_choice
 from . import _tl_common as tc
 from . import kernel_fwd
@@ -277,7 +277,7 @@ def build_sparse_mla_fwd(
 
 def _pass_configs():
     # every intra-role sync is an explicit named barrier (the automatic pass reuses ids across roles)
-    return tc.plain_pass_configs({tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+    return plain_pass_configs({tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 
 
 @functools.lru_cache(maxsize=64)
