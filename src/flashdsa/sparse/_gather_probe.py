@@ -66,14 +66,10 @@ def build_gather_qk(*, dqk: int, n_blocks: int, mode: str, l2_prefetch: bool = F
     return gather_qk
 
 
-def pass_configs(mode: str):
-    return plain_pass_configs()
-
-
 @functools.lru_cache(maxsize=8)
 def _compiled(dqk: int, n_blocks: int, mode: str, l2_prefetch: bool = False):
     return tilelang.compile(build_gather_qk(dqk=dqk, n_blocks=n_blocks, mode=mode, l2_prefetch=l2_prefetch),
-                            target="cuda", pass_configs=pass_configs(mode))
+                            target="cuda", pass_configs=plain_pass_configs())
 
 
 def run_gather_qk(q, kv, idx, mode: str, l2_prefetch: bool = False):
@@ -96,10 +92,10 @@ def reference_gather_qk(q, kv, idx):
 
 
 def lowering_cases():
-    return [(f"gather_qk_{m}_d576_nb4", build_gather_qk(dqk=576, n_blocks=4, mode=m), pass_configs(m))
+    return [(f"gather_qk_{m}_d576_nb4", build_gather_qk(dqk=576, n_blocks=4, mode=m), plain_pass_configs())
             for m in MODES] + [
         ("gather_qk_deep_d576_nb4_l2pf", build_gather_qk(dqk=576, n_blocks=4, mode="deep", l2_prefetch=True),
-         pass_configs("deep"))]
+         plain_pass_configs())]
 
 
 def _main():
